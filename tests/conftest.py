@@ -1,0 +1,21 @@
+"""Shared pytest wiring: the `gpu` marker skips (with its reason) where CUDA is absent."""
+from __future__ import annotations
+
+import pytest
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _cuda_available():
+        return
+    skip = pytest.mark.skip(reason="gpu: no CUDA device here; run on the lent H200 (see bench/README.md)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
