@@ -45,7 +45,7 @@ class Glm53Config:
     first_k_dense_replace: int = 3
     rms_norm_eps: float = 1e-5
     max_position_embeddings: int = 1048576
-    rope_theta: float = 1000000.0
+    rope_theta: float = 10000.0  # transformers default when config.json names none
     rope_parameters: dict[str, Any] = field(default_factory=dict)
     tie_word_embeddings: bool = False
     num_nextn_predict_layers: int = 0  # MTP layers stored after the decoder layers
