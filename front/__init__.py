@@ -1,0 +1,1 @@
+"""The kit's minimal OpenAI-compatible HTTP front (the embedded default lane)."""
