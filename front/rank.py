@@ -1,0 +1,163 @@
+"""One rank of the lane: load the glm53 engine; rank 0 serves HTTP, every other rank follows.
+
+`python -m front.rank --model DIR --rank R --ranks N [...]`. Progress goes to stdout as
+`@state {json}` lines (the launcher shows them); errors go to stderr. Exit codes:
+0 stopped by SIGTERM/SIGINT; 2 bad arguments; 3 the HTTP port is taken; 70 the engine failed;
+75 the memory guard stopped the lane (launcher.guard.EXIT_MEMORY_GUARD).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+from launcher.guard import MemoryGuard, floor_bytes_from_env
+from launcher.meminfo import MIB, available_bytes
+
+EXIT_PORT_IN_USE = 3
+EXIT_ENGINE_FAILED = 70
+
+
+class Progress(threading.Thread):
+    """Prints this rank's state, available memory and elapsed time every `interval` seconds."""
+
+    def __init__(self, rank: int, interval: float) -> None:
+        super().__init__(name="progress", daemon=True)
+        self.rank, self.interval, self.state, self.t0 = rank, interval, "starting", time.monotonic()
+        self._wake = threading.Event()
+
+    def set(self, state: str) -> None:
+        self.state = state
+        self.emit()
+
+    def emit(self) -> None:
+        try:
+            avail = available_bytes() // MIB
+        except (OSError, RuntimeError):
+            avail = -1
+        line = {"rank": self.rank, "state": self.state, "available_mib": avail,
+                "elapsed_s": round(time.monotonic() - self.t0, 1), "pid": os.getpid()}
+        print("@state " + json.dumps(line), flush=True)
+
+    def run(self) -> None:
+        while not self._wake.wait(self.interval):
+            self.emit()
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m front.rank", description=__doc__)
+    p.add_argument("--model", required=True, help="checkpoint directory")
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--ranks", type=int, default=1, help="tensor-parallel ranks in the lane")
+    p.add_argument("--master", default="127.0.0.1", help="rank 0's fabric address (rendezvous)")
+    p.add_argument("--master-port", type=int, default=29551)
+    p.add_argument("--host", default="127.0.0.1", help="HTTP listen address (rank 0)")
+    p.add_argument("--port", type=int, default=8300, help="HTTP port (rank 0)")
+    p.add_argument("--served-model-name", default="glm-5.3-exl3")
+    p.add_argument("--context", type=int, default=0, help="tokens per request (0: the checkpoint's maximum)")
+    p.add_argument("--default-max-tokens", type=int, default=1024)
+    p.add_argument("--drafter", default=None, help="drafter checkpoint directory")
+    p.add_argument("--no-drafts", action="store_true")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra engine option passed to glm53.cuda_engine (JSON value or string)")
+    p.add_argument("--progress-interval", type=float, default=2.0)
+    args = p.parse_args(argv)
+    if not 0 <= args.rank < args.ranks:
+        p.error(f"--rank {args.rank} is outside 0..{args.ranks - 1}")
+    return args
+
+
+def engine_options(pairs: list[str]) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"front.rank: --option {pair!r} must be KEY=VALUE")
+        try:
+            options[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            options[key] = raw
+    return options
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    progress = Progress(args.rank, args.progress_interval)
+    progress.start()
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    MemoryGuard(args.rank, floor_bytes_from_env()).start()
+
+    server = None
+    if args.rank == 0:  # bind first: a taken port fails in a second, not after the load
+        from front.server import FrontServer
+        try:
+            server = FrontServer(args.host, args.port)
+        except OSError as exc:
+            print(f"rank 0: cannot listen on {args.host}:{args.port} ({exc.strerror}); stop what holds the port "
+                  f"(bash serve.sh stop --port {args.port}) or choose another --port", file=sys.stderr, flush=True)
+            return EXIT_PORT_IN_USE
+        threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
+
+    progress.set("loading")
+    import glm53
+    try:
+        engine = glm53.cuda_engine(args.model, drafter=args.drafter, tp=args.ranks, rank=args.rank,
+                                   master=args.master, master_port=args.master_port, no_drafts=args.no_drafts,
+                                   mtp_drafts=None, **engine_options(args.option))
+    except Exception as exc:
+        print(f"rank {args.rank}: loading {args.model} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return EXIT_ENGINE_FAILED
+
+    if args.rank > 0:
+        progress.set("following")
+        outcome: dict[str, BaseException] = {}
+
+        def follow() -> None:
+            try:
+                engine.follow()
+            except BaseException as exc:  # a peer died or a collective timed out
+                outcome["error"] = exc
+            stop.set()
+
+        threading.Thread(target=follow, name="follow", daemon=True).start()
+        stop.wait()
+        if "error" in outcome:
+            print(f"rank {args.rank}: follow() failed: {type(outcome['error']).__name__}: {outcome['error']}",
+                  file=sys.stderr, flush=True)
+            return EXIT_ENGINE_FAILED
+        progress.set("stopped")
+        return 0
+
+    from front.chat import ChatText
+    from front.server import App, FrontSettings, prefix_cache_state
+    from glm53.config import Glm53Config
+    from glm53.sampling import SamplingParams
+
+    context = args.context or Glm53Config.from_dir(args.model).max_position_embeddings
+    settings = FrontSettings(served_model=args.served_model_name, context=context,
+                             default_max_tokens=args.default_max_tokens, ranks=args.ranks,
+                             prefix_cache=prefix_cache_state(engine))
+    app = App(engine, ChatText(args.model), settings, SamplingParams.from_request)
+    assert server is not None
+    server.attach(app)
+    progress.set("serving")
+    print(f"rank 0: serving {settings.served_model} on http://{args.host}:{args.port} "
+          f"(context {context}, ranks {args.ranks})", flush=True)
+    while not stop.wait(0.5):
+        if app.fatal is not None:
+            print(f"rank 0: the engine failed: {type(app.fatal).__name__}: {app.fatal}", file=sys.stderr, flush=True)
+            return EXIT_ENGINE_FAILED
+    server.shutdown()
+    progress.set("stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""One engine, one stream: requests run one at a time on a worker thread, in arrival order.
+
+The engine is single-stream (and on several ranks every rank must execute the same request), so
+the HTTP threads never call it; they queue a Job and read its events. A job whose client went away
+is cancelled: `on_tokens` returns False and the engine stops generating.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+@dataclass
+class Job:
+    prompt: list[int]
+    max_tokens: int
+    sampling: Any
+    events: "queue.Queue[tuple[str, Any]]" = field(default_factory=queue.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    generated: int = 0  # tokens the engine handed over, read by the metrics
+
+
+class EngineWorker:
+    """Runs `engine.generate` for queued jobs. Events on a job: ("tokens", list[int]), then exactly
+    one of ("done", {"tokens": [...], "stats": {...}}) or ("error", exception)."""
+
+    def __init__(self, engine: Any, on_fatal: Callable[[BaseException], None]) -> None:
+        self.engine = engine
+        self._jobs: "queue.Queue[Job | None]" = queue.Queue()
+        self._on_fatal = on_fatal
+        self._thread = threading.Thread(target=self._run, name="engine-worker", daemon=True)
+        self.busy = False
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        self._jobs.put(job)
+
+    def depth(self) -> int:
+        return self._jobs.qsize() + (1 if self.busy else 0)
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            if job.cancelled.is_set():  # the client left while waiting in the queue
+                job.events.put(("done", {"tokens": [], "stats": {}, "cancelled": True}))
+                continue
+            self.busy = True
+            try:
+                self._generate(job)
+            except BaseException as exc:  # the engine's state is unknown: the lane must stop
+                job.events.put(("error", exc))
+                self._on_fatal(exc)
+                return
+            finally:
+                self.busy = False
+
+    def _generate(self, job: Job) -> None:
+        def on_tokens(tokens: list[int]) -> bool:
+            tokens = [int(t) for t in tokens]
+            job.generated += len(tokens)
+            job.events.put(("tokens", tokens))
+            return not job.cancelled.is_set()
+
+        tokens = self.engine.generate(job.prompt, job.max_tokens, job.sampling, on_tokens)
+        stats = dict(getattr(self.engine, "last_stats", None) or {})
+        job.events.put(("done", {"tokens": [int(t) for t in tokens], "stats": stats,
+                                 "cancelled": job.cancelled.is_set()}))
