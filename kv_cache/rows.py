@@ -1,0 +1,38 @@
+"""A chunk's rows on one rank: named tensors (e.g. "latent.3", "scale.3", "index.3"), whatever
+the engine caches per position. The cache never looks inside beyond dtype, shape and bytes."""
+from __future__ import annotations
+
+import torch
+
+Rows = dict[str, torch.Tensor]
+
+
+def rows_nbytes(rows: Rows) -> int:
+    return sum(t.numel() * t.element_size() for t in rows.values())
+
+
+def rows_to_host(rows: Rows) -> Rows:
+    """An independent CPU copy (the engine may overwrite its buffers right after)."""
+    out: Rows = {}
+    for name, t in rows.items():
+        t = t.detach()
+        if t.device.type == "cpu":
+            out[name] = t.clone().contiguous()
+        else:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
+            host.copy_(t)
+            out[name] = host
+    return out
+
+
+def rows_equal(a: Rows, b: Rows) -> bool:
+    """Bitwise equality (NaN payloads included): compares raw bytes."""
+    if a.keys() != b.keys():
+        return False
+    for name in a:
+        x, y = a[name], b[name]
+        if x.dtype != y.dtype or x.shape != y.shape:
+            return False
+        if not torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8)):
+            return False
+    return True

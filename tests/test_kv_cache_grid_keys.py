@@ -1,0 +1,121 @@
+"""Grid arithmetic, the chunk hash chain, LCP matching and key separation."""
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from kv_cache import CacheKey, Grid, chain_hashes, common_prefix
+
+
+def key(**kw) -> CacheKey:
+    base = dict(model_revision="rev-a", kv_dtype="bfloat16", compute_dtype="bfloat16", ranks=1, rank=0,
+                dcp=False, chunk_size=16, device_kind="cpu", kit_version="0.1.0")
+    base.update(kw)
+    return CacheKey(**base)
+
+
+# ---- grid -----------------------------------------------------------------------------------
+def test_chunk_index_and_ranges_depend_on_absolute_position_only():
+    g = Grid(64)
+    assert [g.chunk_of(p) for p in (0, 63, 64, 127, 128, 1000)] == [0, 0, 1, 1, 2, 15]
+    assert g.chunk_range(0) == (0, 64) and g.chunk_range(3) == (192, 256)
+    assert g.floor(0) == 0 and g.floor(63) == 0 and g.floor(64) == 64 and g.floor(200) == 192
+    # a cold prefill of 200 and a resume at 128 cut [128, 200) identically
+    cold = g.pieces(0, 200)
+    assert cold == ((0, 64), (64, 128), (128, 192), (192, 200))
+    assert g.resume_plan(128, 200).chunks == cold[2:]
+    # a resume off the grid starts with a partial piece, then follows the grid
+    assert g.resume_plan(100, 200).chunks == ((100, 128), (128, 192), (192, 200))
+    assert g.resume_plan(200, 200).chunks == () and g.resume_plan(0, 0).chunks == ()
+
+
+def test_pieces_partition_any_range_on_the_grid():
+    rng = random.Random(7)
+    for _ in range(200):
+        c = rng.randint(1, 50)
+        g = Grid(c)
+        a = rng.randint(0, 300)
+        b = a + rng.randint(0, 300)
+        ps = g.pieces(a, b)
+        assert sum(e - s for s, e in ps) == b - a
+        assert all(ps[i][1] == ps[i + 1][0] for i in range(len(ps) - 1))
+        for s, e in ps:  # each piece lies inside one grid chunk; every inner cut is a boundary
+            assert g.chunk_of(s) == g.chunk_of(e - 1)
+            assert e == b or e % c == 0
+
+
+def test_reuse_length_rule():
+    g = Grid(16)
+    assert g.reuse_length(common_prefix=100, frontier=90, prompt_length=200) == 80
+    assert g.reuse_length(100, 90, 200, boundary_only=False) == 90
+    # identical resend of a 64-token prompt: leave the last token to prefill, floored
+    assert g.reuse_length(64, 64, 64) == 48
+    assert g.reuse_length(64, 64, 64, boundary_only=False) == 63
+    assert g.reuse_length(0, 500, 10) == 0 and g.reuse_length(5, 5, 0) == 0
+
+
+def test_bad_grid_is_a_clear_error():
+    with pytest.raises(ValueError, match="chunk_size"):
+        Grid(0)
+    with pytest.raises(ValueError, match="start <= end"):
+        Grid(4).pieces(5, 3)
+
+
+# ---- hash chain and LCP ---------------------------------------------------------------------
+def test_chain_extension_patterns():
+    k = key(chunk_size=8)
+    rng = random.Random(3)
+    base = [rng.randrange(50000) for _ in range(100)]  # 12 whole chunks
+    h = chain_hashes(k, base)
+    assert len(h) == 12 and len(set(h)) == 12
+    # append: the old chain is a prefix of the new one
+    assert chain_hashes(k, base + [1, 2, 3] * 10)[:12] == h
+    # identical resend
+    assert chain_hashes(k, list(base)) == h
+    # one-word extension
+    assert chain_hashes(k, base + [42])[:12] == h
+    # an edit in the middle (position 50, chunk 6): chunks 0..5 match, 6 and later never do
+    edited = list(base)
+    edited[50] += 1
+    he = chain_hashes(k, edited)
+    assert he[:6] == h[:6] and all(a != b for a, b in zip(he[6:], h[6:]))
+    assert common_prefix(base, edited) == 50
+    # the same chunk content at another position never matches (the hash commits to the prefix)
+    shifted = base[8:]
+    assert not set(chain_hashes(k, shifted)) & set(h)
+    assert chain_hashes(k, base, chunks=3) == h[:3]
+
+
+def test_common_prefix():
+    assert common_prefix([], [1]) == 0
+    assert common_prefix([1, 2, 3], [1, 2, 3]) == 3
+    assert common_prefix([1, 2, 3], [1, 2, 3, 4]) == 3
+    assert common_prefix([1, 2, 3], [1, 9, 3]) == 1
+    assert common_prefix([5], [6]) == 0
+
+
+@pytest.mark.parametrize("field,value", [
+    ("model_revision", "rev-b"), ("kv_dtype", "float8_e4m3fn"), ("compute_dtype", "float32"),
+    ("ranks", 4), ("dcp", True), ("chunk_size", 32), ("device_kind", "NVIDIA H200"),
+    ("kit_version", "0.2.0"), ("extra", (("indexer", "v2"),)),
+])
+def test_other_key_never_matches(field, value):
+    a = key(chunk_size=16)
+    b = dataclasses.replace(a, **{field: value})
+    tokens = list(range(256))
+    ha, hb = chain_hashes(a, tokens), chain_hashes(b, tokens)
+    assert a.digest() != b.digest()
+    assert not set(ha) & set(hb)
+
+
+def test_rank_is_part_of_the_key_and_checked():
+    assert key(ranks=4, rank=1).digest() != key(ranks=4, rank=2).digest()
+    with pytest.raises(ValueError, match="rank 4 outside"):
+        key(ranks=4, rank=4)
+
+
+def test_key_roundtrips_through_json():
+    k = key(extra=(("a", "b"),))
+    assert CacheKey.from_json(k.to_json()) == k
