@@ -1,0 +1,228 @@
+"""`rebase --onto TAG`: carry the series onto another upstream tag with 3-way merges.
+
+Patches are applied one `git am --3way` at a time on a scratch branch, so the tool always knows
+which patch stopped and which ones became empty (absorbed upstream). State lives in the
+workdir's git dir; `series` and `patches/` are written only at the very end (patches first,
+the series with its new pin last), so --abort has nothing of theirs to undo.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .apply_cmd import LACKS_BLOBS, failure_report
+from .context import Invocation, ensure_quiet, note, say
+from .errors import ExitCode, SeriesToolError
+from .export import record_stamp, write_export, report
+from .git_ops import BRANCH, REBASE_BRANCH, Workdir, sha256_file
+from .lint import require_structure
+from .series import Pin, Series, write_atomic
+
+STATE_FILE = "glm53-kit-rebase.json"
+
+
+@dataclass
+class RebaseState:
+    series_path: str
+    onto_tag: str
+    onto_commit: str
+    old_pin: str
+    old_tip: str | None          # the applied series branch before, for range-diff
+    orig_ref: str                # branch name or commit to return to on --abort
+    names: list[str]
+    fingerprint: dict[str, str]  # series + patch file hashes at the start
+    index: int = 0               # next patch to apply
+    current: str | None = None   # the patch git am stopped at
+    head_before: str | None = None
+    outcomes: dict[str, str] = field(default_factory=dict)
+    commits: dict[str, str] = field(default_factory=dict)
+
+    @staticmethod
+    def path(wd: Workdir) -> Path:
+        return wd.git_dir / STATE_FILE
+
+    @classmethod
+    def exists(cls, wd: Workdir) -> bool:
+        return cls.path(wd).exists()
+
+    @classmethod
+    def load(cls, wd: Workdir) -> "RebaseState":
+        return cls(**json.loads(cls.path(wd).read_text()))
+
+    def save(self, wd: Workdir) -> None:
+        write_atomic(self.path(wd), (json.dumps(asdict(self), indent=1) + "\n").encode())
+
+
+def fingerprint(series: Series) -> dict[str, str]:
+    prints = {"series": sha256_file(series.path)}
+    for name in series.names:
+        prints[name] = sha256_file(series.patch_path(name))
+    return prints
+
+
+def start(inv: Invocation, onto: str) -> int:
+    series = inv.series()
+    require_structure(series)
+    wd = Workdir.open_or_init(inv.workdir)
+    ensure_quiet(wd, inv)
+    source = inv.source(series)
+    wd.fetch_tag(source, onto, shallow=inv.shallow)
+    onto_commit = wd.resolve(f"refs/tags/{onto}")
+    if onto_commit is None:
+        raise SeriesToolError(ExitCode.PIN_MISMATCH, f"tag {onto} did not resolve to a commit")
+    stamp = wd.read_stamp() or {}
+    old_tip = stamp.get("head") if stamp.get("pin") == series.pin.commit and \
+        [a["name"] for a in stamp.get("applied", [])] == series.names else None
+    state = RebaseState(series_path=str(series.path), onto_tag=onto, onto_commit=onto_commit,
+                        old_pin=series.pin.commit, old_tip=old_tip,
+                        orig_ref=wd.current_branch() or wd.head() or "",
+                        names=series.names, fingerprint=fingerprint(series))
+    wd.must("checkout", "-q", "-B", REBASE_BRANCH, onto_commit)
+    state.save(wd)
+    say(f"rebasing {len(series.names)} patches from {series.pin.tag} ({series.pin.commit[:12]}) "
+        f"onto {onto} ({onto_commit[:12]}, {wd.tag_kind(onto)} tag)")
+    return _advance(wd, inv, series, state)
+
+
+def _load(inv: Invocation) -> tuple[Workdir, Series, RebaseState]:
+    wd = Workdir.open_existing(inv.workdir)
+    if not RebaseState.exists(wd):
+        raise SeriesToolError(ExitCode.BAD_STATE, f"no series rebase in progress in {wd.path} "
+                              f"(start one with {inv.command('rebase', '--onto', 'TAG')})")
+    state = RebaseState.load(wd)
+    series = inv.series()
+    if str(series.path) != state.series_path:
+        raise SeriesToolError(ExitCode.BAD_STATE, f"the rebase in progress is for {state.series_path}, "
+                              f"not {series.path}; pass --series {state.series_path}")
+    return wd, series, state
+
+
+def _check_untouched(series: Series, state: RebaseState, inv: Invocation) -> None:
+    if fingerprint(series) != state.fingerprint:
+        raise SeriesToolError(ExitCode.BAD_STATE, f"{series.path} or its patches changed while the "
+                              f"rebase was stopped; abort it ({inv.command('rebase', '--abort')}) "
+                              "and start again")
+
+
+def resume(inv: Invocation, action: str) -> int:
+    wd, series, state = _load(inv)
+    if action == "abort":
+        return _abort(wd, inv, state)
+    _check_untouched(series, state, inv)
+    if state.current is None:
+        return _advance(wd, inv, series, state)
+    name = state.current
+    if wd.am_in_progress():
+        result = wd.am_control("continue" if action == "continue" else "skip")
+        if not result.ok:
+            raise SeriesToolError(ExitCode.PATCH_FAILED, (
+                f"{name} is still not resolved:\n{result.output}\nEdit the files, "
+                f"`{inv.git_command('add', '<files>')}`, then {inv.command('rebase', '--continue')} "
+                f"(or {inv.command('rebase', '--skip')} / {inv.command('rebase', '--abort')})"))
+    moved = wd.head() != state.head_before
+    if action == "skip" or not moved:
+        state.outcomes[name] = "skipped" if action == "skip" else "absorbed upstream (resolved to nothing)"
+        if wd.am_in_progress():
+            wd.am_control("skip")
+    else:
+        state.outcomes[name] = "applied after resolving a conflict"
+        state.commits[name] = wd.head()
+    state.current = None
+    state.index += 1
+    state.save(wd)
+    say(f"{name}: {state.outcomes[name]}")
+    return _advance(wd, inv, series, state)
+
+
+def _advance(wd: Workdir, inv: Invocation, series: Series, state: RebaseState) -> int:
+    while state.index < len(state.names):
+        name = state.names[state.index]
+        before = wd.head()
+        result = wd.am(series.patch_path(name), three_way=True)
+        if result.ok:
+            if wd.head() == before:
+                state.outcomes[name] = "absorbed upstream (empty on the new base)"
+            else:
+                state.outcomes[name] = "applied"
+                state.commits[name] = wd.head()
+            say(f"{name}: {state.outcomes[name]}")
+            state.index += 1
+            state.save(wd)
+            continue
+        if LACKS_BLOBS in result.output:
+            wd.am_control("abort")
+            _abort(wd, inv, state, quiet=True)
+            raise SeriesToolError(ExitCode.BAD_STATE, (
+                f"{name} needs a 3-way merge, but {wd.path} is a shallow clone that lacks the blobs "
+                f"the patch was made against (its pre-image at {state.old_pin[:12]}):\n"
+                f"{result.output}\nNothing was changed (rebase aborted). Fetch the history, then "
+                f"run the rebase again:\n  {inv.git_command('fetch', '--unshallow', 'upstream')}\n"
+                f"  or: {inv.git_command('fetch', '--depth=1', 'upstream', state.old_pin)}\n"
+                f"  {inv.command('rebase', '--onto', state.onto_tag)}  (without --shallow)"))
+        state.current = name
+        state.head_before = before
+        state.save(wd)
+        report_text = failure_report(series, inv, state.index, result,
+                                     [n for n in state.names[:state.index] if n in state.commits],
+                                     f"{state.onto_tag} ({state.onto_commit[:12]})")
+        report_text = report_text.replace(f"branch {BRANCH}", f"branch {REBASE_BRANCH}")
+        raise SeriesToolError(ExitCode.PATCH_FAILED, "\n".join([
+            f"CONFLICT: rebase stopped at {name}.", report_text,
+            f"Resolve the conflicts in {wd.path}, `{inv.git_command('add', '<files>')}`, then:",
+            f"  {inv.command('rebase', '--continue')}   # keep the resolution and go on",
+            f"  {inv.command('rebase', '--skip')}       # drop {name} from the series",
+            f"  {inv.command('rebase', '--abort')}      # back to {state.orig_ref[:40] or 'the start'}; "
+            "series and patches/ untouched"]))
+    return _finish(wd, inv, series, state)
+
+
+def _finish(wd: Workdir, inv: Invocation, series: Series, state: RebaseState) -> int:
+    new_pin = Pin(series.pin.url, state.onto_tag, state.onto_commit)
+    named = [(state.commits[name], name) for name in state.names if name in state.commits]
+    # Move the series branch first (the commits are safe in git), then write files, series last.
+    wd.must("checkout", "-q", "-B", BRANCH, wd.head())
+    wd.must("branch", "-q", "-D", REBASE_BRANCH)
+    result = write_export(wd, series, new_pin, named)
+    record_stamp(wd, series, new_pin, named)
+    RebaseState.path(wd).unlink()
+    say("")
+    say(f"rebased onto {state.onto_tag} ({state.onto_commit[:12]}):")
+    for name in state.names:
+        say(f"  {name}: {state.outcomes.get(name, '?')}")
+    absorbed = [n for n in state.names if state.outcomes.get(n, "").startswith("absorbed")]
+    if absorbed:
+        say(f"absorbed upstream (dropped from the series): {', '.join(absorbed)}")
+    _range_diff(wd, state)
+    report(result, series)
+    say(f"series now pins {state.onto_tag} {state.onto_commit}; review `git diff -- series patches/`, "
+        f"run {inv.command('check', with_repo=True)} and the tests, then commit")
+    return ExitCode.OK
+
+
+def _range_diff(wd: Workdir, state: RebaseState) -> None:
+    if not state.old_tip or not wd.has_object(state.old_tip):
+        say("range-diff: skipped (the old series was not applied in this workdir before the rebase)")
+        return
+    result = wd.run("range-diff", "--no-color", "--no-patch",
+                    f"{state.old_pin}..{state.old_tip}", f"{state.onto_commit}..HEAD")
+    say("range-diff (old series vs new; '=' same change, '!' changed, '<' dropped):")
+    for line in (result.stdout if result.ok else result.output).splitlines():
+        say(f"  {line}")
+
+
+def _abort(wd: Workdir, inv: Invocation, state: RebaseState, quiet: bool = False) -> int:
+    if wd.am_in_progress():
+        wd.am_control("abort")
+    wd.must("reset", "-q", "--hard")
+    if state.orig_ref and wd.resolve(state.orig_ref):
+        wd.must("checkout", "-q", state.orig_ref)
+    else:  # the workdir had no commits before: stay detached on the tag's commit
+        wd.must("checkout", "-q", "--detach")
+    if wd.resolve(f"refs/heads/{REBASE_BRANCH}"):
+        wd.must("branch", "-q", "-D", REBASE_BRANCH)
+    RebaseState.path(wd).unlink(missing_ok=True)
+    if not quiet:
+        say(f"rebase aborted: {wd.path} is back on {state.orig_ref or 'its previous state'}; "
+            "series and patches/ were not touched")
+    return ExitCode.OK
