@@ -1,0 +1,96 @@
+"""Helpers for the front/launcher tests: a real tokenizer built offline, a stand-in engine for the
+front's own HTTP behaviour, free ports."""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+CHAT_TEMPLATE = ("[gMASK]<sop>{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+SPECIALS = ["<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"]
+
+
+def write_tokenizer(model_dir: Path) -> None:
+    """A byte-level BPE tokenizer trained on a few sentences, with GLM-style chat specials."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ["the quick brown fox jumps over the lazy dog", "hello world, how are you today?",
+              "GLM serves long conversations exactly", "naïve café — üñïçødé ☃ text"] * 20
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    model_dir.mkdir(parents=True, exist_ok=True)
+    tok.save(str(model_dir / "tokenizer.json"))
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|endoftext|>", "chat_template": CHAT_TEMPLATE}))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class StandInEngine:
+    """Only for the front's HTTP behaviour (queueing, SSE, disconnects, errors): deterministic tokens
+    from the prompt, the seed and the position; hands them over in bursts like a drafting engine."""
+
+    def __init__(self, vocab: int, eos: int, delay: float = 0.0, stop_after: int | None = None,
+                 fail: bool = False) -> None:
+        self.vocab, self.eos, self.delay, self.stop_after, self.fail = vocab, [eos], delay, stop_after, fail
+        self.calls: list[dict[str, Any]] = []
+        self.active = 0
+        self.max_active = 0
+        self.last_stats: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._seen: list[list[int]] = []
+
+    def generate(self, prompt: list[int], max_tokens: int, sampling: Any,
+                 on_tokens: Callable[[list[int]], bool]) -> list[int]:
+        with self._lock:
+            self.active += 1
+            self.max_active = max(self.max_active, self.active)
+        try:
+            if self.fail:
+                raise RuntimeError("collective timed out waiting for rank 1")
+            seed = sampling.get("seed") or 0
+            out: list[int] = []
+            stopped = False
+            while len(out) < max_tokens and not stopped:
+                burst = []
+                for _ in range(min(3, max_tokens - len(out))):  # bursts of up to 3, like accepted drafts
+                    pos = len(prompt) + len(out) + len(burst)
+                    token = self.eos[0] if self.stop_after is not None and len(out) + len(burst) == self.stop_after \
+                        else 10 + (sum(prompt) * 31 + pos * 7 + seed) % (self.vocab - 10)
+                    burst.append(token)
+                    if token in self.eos and not sampling.get("ignore_eos"):
+                        stopped = True
+                        break
+                out += burst
+                if self.delay:
+                    time.sleep(self.delay)
+                if not on_tokens(burst):
+                    break
+            cached = max((_common(prompt, p) for p in self._seen), default=0)
+            self._seen.append(list(prompt))
+            self.last_stats = {"prompt_tokens": len(prompt), "cached_tokens": cached, "completion_tokens": len(out)}
+            self.calls.append({"prompt": prompt, "max_tokens": max_tokens, "sampling": sampling, "generated": len(out)})
+            return out
+        finally:
+            with self._lock:
+                self.active -= 1
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
