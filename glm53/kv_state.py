@@ -1,0 +1,193 @@
+"""The per-sequence latent cache: one conversation's KV rows, per layer.
+
+Per layer, per position: the MLA latent ([kv_lora_rank | rope key], 576 values at real size) and,
+on layers that run their own indexer, the indexer key (index_head_dim values). Stored in the cache
+dtype: bf16 (default), fp32 (reference tests) or fp8 e4m3 with one fp32 scale per row
+(TF_GLM53_KV_DTYPE=bf16|fp8|fp32). Tensors stay simple so the prefix cache can copy rows in and out:
+
+    latent[layer]      [capacity, latent_dim]      index_keys[layer]  [capacity, index_head_dim]
+    latent_scale[layer][capacity] (fp8 only)       index_scale[layer] [capacity] (fp8 only)
+
+`frontier` is how far rows were written by canonical (grid-aligned chunked) prefill; rows written
+by decode or draft verification lie beyond it and are never offered for reuse.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+KV_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
+
+
+def kv_dtype_from_env(default: str = "bf16") -> str:
+    name = os.environ.get("TF_GLM53_KV_DTYPE", default).strip().lower()
+    if name not in KV_DTYPES:
+        raise ValueError(f"TF_GLM53_KV_DTYPE={name!r}: choose one of {', '.join(KV_DTYPES)}")
+    return name
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 e4m3 with one scale per row (amax / 448); an all-zero row gets scale 1."""
+    x32 = x.to(torch.float32)
+    amax = x32.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return (x32 / scale[:, None]).to(torch.float8_e4m3fn), scale
+
+
+@dataclass
+class KVState:
+    """Rows for positions [0, length) of one sequence, on one rank."""
+
+    n_layers: int
+    latent_dim: int
+    index_dim: int
+    indexed_layers: frozenset[int]  # layers that store indexer keys (their own top-k)
+    kv_dtype: str = "bf16"
+    device: torch.device | str = "cpu"
+    capacity: int = 0
+    tokens: list[int] = field(default_factory=list)  # tokens whose rows are written (len == length)
+    frontier: int = 0
+    latent: list[torch.Tensor] = field(default_factory=list)
+    latent_scale: list[torch.Tensor | None] = field(default_factory=list)
+    index_keys: dict[int, torch.Tensor] = field(default_factory=dict)
+    index_scale: dict[int, torch.Tensor | None] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype {self.kv_dtype!r}: choose one of {', '.join(KV_DTYPES)}")
+        self.latent = [self._alloc(0, self.latent_dim) for _ in range(self.n_layers)]
+        self.latent_scale = [self._alloc_scale(0) for _ in range(self.n_layers)]
+        self.index_keys = {i: self._alloc(0, self.index_dim) for i in sorted(self.indexed_layers)}
+        self.index_scale = {i: self._alloc_scale(0) for i in sorted(self.indexed_layers)}
+
+    # ---- storage -------------------------------------------------------------------------
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def fp8(self) -> bool:
+        return self.kv_dtype == "fp8"
+
+    def _alloc(self, n: int, dim: int) -> torch.Tensor:
+        # zeros, never garbage: masked positions must contribute exact zeros (0 * NaN would not)
+        return torch.zeros(n, dim, dtype=KV_DTYPES[self.kv_dtype], device=self.device)
+
+    def _alloc_scale(self, n: int) -> torch.Tensor | None:
+        return torch.ones(n, dtype=torch.float32, device=self.device) if self.fp8 else None
+
+    def reserve(self, n: int) -> None:
+        """Room for n positions (grows geometrically; existing rows are kept)."""
+        if n <= self.capacity:
+            return
+        new_cap = max(n, 2 * self.capacity, 256)
+
+        def grow(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            out = torch.zeros((new_cap,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+            if t.dim() == 1:
+                out.fill_(1.0)
+            out[: t.shape[0]] = t
+            return out
+
+        self.latent = [grow(t) for t in self.latent]
+        self.latent_scale = [grow(t) for t in self.latent_scale]
+        self.index_keys = {i: grow(t) for i, t in self.index_keys.items()}
+        self.index_scale = {i: grow(t) for i, t in self.index_scale.items()}
+        self.capacity = new_cap
+
+    # ---- writes and reads (compute dtype in, compute dtype out) -----------------------------
+    def write_latent(self, layer: int, start: int, rows: torch.Tensor) -> None:
+        self._write(self.latent[layer], self.latent_scale[layer], start, rows)
+
+    def write_index(self, layer: int, start: int, rows: torch.Tensor) -> None:
+        self._write(self.index_keys[layer], self.index_scale[layer], start, rows)
+
+    def _write(self, store: torch.Tensor, scale: torch.Tensor | None, start: int, rows: torch.Tensor) -> None:
+        stop = start + rows.shape[0]
+        if stop > self.capacity:
+            raise IndexError(f"rows up to {stop} exceed reserved capacity {self.capacity}; call reserve first")
+        if scale is None:
+            store[start:stop] = rows.to(store.dtype)
+        else:
+            q, s = quantize_rows(rows)
+            store[start:stop] = q
+            scale[start:stop] = s
+
+    def read_latent(self, layer: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        return self._read(self.latent[layer], self.latent_scale[layer], stop, dtype)
+
+    def read_index(self, layer: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        return self._read(self.index_keys[layer], self.index_scale[layer], stop, dtype)
+
+    @staticmethod
+    def _read(store: torch.Tensor, scale: torch.Tensor | None, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        if scale is None:
+            return store[:stop].to(dtype)
+        return (store[:stop].to(torch.float32) * scale[:stop, None]).to(dtype)
+
+    # ---- sequence bookkeeping ------------------------------------------------------------
+    def truncate(self, length: int) -> None:
+        """Forget rows at positions >= length (rejected drafts, a diverging prompt)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"truncate({length}) outside [0, {self.length}]")
+        del self.tokens[length:]
+        self.frontier = min(self.frontier, length)
+
+    # ---- the prefix cache's view -----------------------------------------------------------
+    def export_rows(self, start: int, stop: int) -> dict[str, torch.Tensor]:
+        """Raw cached rows [start, stop) per layer, as stored (names: latent.L, latent_scale.L,
+        index.L, index_scale.L). Views into the cache: copy them before the engine writes again."""
+        if not 0 <= start <= stop <= self.length:
+            raise ValueError(f"rows [{start}, {stop}) outside written [0, {self.length})")
+        out: dict[str, torch.Tensor] = {}
+        for i in range(self.n_layers):
+            out[f"latent.{i}"] = self.latent[i][start:stop]
+            if self.latent_scale[i] is not None:
+                out[f"latent_scale.{i}"] = self.latent_scale[i][start:stop]
+        for i in self.index_keys:
+            out[f"index.{i}"] = self.index_keys[i][start:stop]
+            if self.index_scale[i] is not None:
+                out[f"index_scale.{i}"] = self.index_scale[i][start:stop]
+        return out
+
+    def import_rows(self, start: int, rows: dict[str, torch.Tensor], tokens: list[int]) -> None:
+        """Place restored rows for positions [start, start + len(tokens)); start must equal length.
+        Restored rows count as canonical prefill (they came from one): frontier moves with them."""
+        if start != self.length:
+            raise ValueError(f"import at {start} but the state holds {self.length} rows; rows must continue it")
+        n = len(tokens)
+        self.reserve(start + n)
+        expected = set(self.export_names())
+        if set(rows) != expected:
+            missing, extra = expected - set(rows), set(rows) - expected
+            raise ValueError(f"restored rows do not match this cache: missing {sorted(missing)[:4]}, extra {sorted(extra)[:4]}")
+        for name, t in rows.items():
+            kind, layer = name.rsplit(".", 1)
+            target = {"latent": self.latent, "latent_scale": self.latent_scale,
+                      "index": self.index_keys, "index_scale": self.index_scale}[kind][int(layer)]
+            if t.shape[0] != n or t.dtype != target.dtype or tuple(t.shape[1:]) != tuple(target.shape[1:]):
+                raise ValueError(f"restored {name}: {tuple(t.shape)} {t.dtype}, expected [{n}, ...] {target.dtype}")
+            target[start:start + n] = t.to(target.device)
+        self.tokens.extend(tokens)
+        if self.frontier == start:
+            self.frontier = start + n
+
+    def export_names(self) -> list[str]:
+        names = [f"latent.{i}" for i in range(self.n_layers)]
+        if self.fp8:
+            names += [f"latent_scale.{i}" for i in range(self.n_layers)]
+        names += [f"index.{i}" for i in self.index_keys]
+        if self.fp8:
+            names += [f"index_scale.{i}" for i in self.index_keys]
+        return names
+
+    def bytes_per_position(self) -> int:
+        per = self.n_layers * self.latent_dim + len(self.index_keys) * self.index_dim
+        size = torch.empty((), dtype=KV_DTYPES[self.kv_dtype]).element_size()
+        scales = (self.n_layers + len(self.index_keys)) * 4 if self.fp8 else 0
+        return per * size + scales

@@ -1,0 +1,106 @@
+"""Feed-forward blocks: the dense SwiGLU MLP, the noaux_tc router and the routed experts.
+
+Router (as the reference): fp32 logits, sigmoid scores; selection on scores + e_score_correction_bias,
+restricted to the best `topk_group` of `n_group` groups (a group's rank is the sum of its two best
+biased scores); the gate weights are the unbiased scores of the chosen experts, renormalized when
+norm_topk_prob, times routed_scaling_factor. Routed experts run through an `ExpertBank` so faster
+kernels (grouped by EXL3 width) can replace the decoded-weights matmul without touching the model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class MLPWeights:
+    gate: torch.Tensor  # [width, hidden]   (this rank's columns)
+    up: torch.Tensor  # [width, hidden]
+    down: torch.Tensor  # [hidden, width]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return (F.silu(x @ self.gate.T) * (x @ self.up.T)) @ self.down.T
+
+
+@dataclass
+class RouterWeights:
+    weight: torch.Tensor  # [experts, hidden], fp32
+    bias: torch.Tensor  # [experts] fp32 e_score_correction_bias
+    top_k: int
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    scaling: float
+
+
+def route(r: RouterWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, hidden] -> (expert ids [T, k] int64, gate weights [T, k] fp32)."""
+    scores = torch.sigmoid(x.to(torch.float32) @ r.weight.T)
+    biased = scores + r.bias
+    n_exp = biased.shape[-1]
+    if r.n_group > 1:
+        grouped = biased.view(-1, r.n_group, n_exp // r.n_group)
+        group_rank = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        keep = torch.zeros_like(group_rank, dtype=torch.bool)
+        keep.scatter_(1, group_rank.topk(r.topk_group, dim=-1).indices, True)
+        biased = biased.masked_fill(~keep.repeat_interleave(n_exp // r.n_group, dim=1), float("-inf"))
+    ids = biased.topk(r.top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if r.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return ids, weights * r.scaling
+
+
+class ExpertBank(Protocol):
+    """Routed experts of one layer (this rank's columns of each)."""
+
+    n_experts: int
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden], ids/weights [T, k] -> sum_j weights[t, j] * expert_{ids[t, j]}(x[t])."""
+        ...
+
+
+class DecodedExperts:
+    """Experts as dense matrices in the compute dtype (EXL3 decoded once at load)."""
+
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        self.gate_up = gate_up  # [E, 2 * width, hidden]: gate rows then up rows
+        self.down = down  # [E, hidden, width]
+        self.n_experts = gate_up.shape[0]
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # token slots grouped by expert, ascending
+        counts = torch.bincount(flat, minlength=self.n_experts).tolist()
+        tokens = order // ids.shape[1]
+        slot_weights = weights.reshape(-1)[order]
+        begin = 0
+        for expert, n in enumerate(counts):
+            if n == 0:
+                continue
+            rows = tokens[begin:begin + n]
+            gate, up = (x[rows] @ self.gate_up[expert].T).chunk(2, dim=-1)
+            y = (F.silu(gate) * up) @ self.down[expert].T
+            # weight in fp32, then back to the compute dtype (the reference's rounding point)
+            out.index_add_(0, rows, (y * slot_weights[begin:begin + n, None]).to(out.dtype))
+            begin += n
+        return out
+
+
+@dataclass
+class MoEWeights:
+    router: RouterWeights
+    experts: ExpertBank
+    shared: MLPWeights | None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = route(self.router, x)
+        out = self.experts(x, ids, weights)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        return out

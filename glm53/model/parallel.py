@@ -1,0 +1,77 @@
+"""Where tensor parallelism (TP) and decode context parallelism (DCP) enter the forward.
+
+Every place that changes with the rank count goes through one `RankPlan` method, so the layout
+work (glm53/layout, glm53/dist) replaces this class (or subclasses it) without touching the model:
+
+- which attention heads / expert columns / vocabulary rows this rank owns (the loader slices with them),
+- the sum of row-parallel partial outputs (o_proj, MLP down projections),
+- the gather of vocabulary-sharded logits,
+- which cached positions this rank owns, the merge of per-rank attention partials by log-sum-exp,
+  and the global merge of the indexer's top-k.
+
+World 1 is implemented here: every method is the identity.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    world: int = 1
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.world < 1 or not 0 <= self.rank < self.world:
+            raise ValueError(f"rank {self.rank} is outside world {self.world}; ranks run 0..world-1")
+
+    # ---- what this rank holds ------------------------------------------------------------
+    def head_range(self, n_heads: int) -> range:
+        """Attention heads owned here (q_b / kv_b rows, o_proj columns)."""
+        self._world_one("head slicing")
+        return range(n_heads)
+
+    def ffn_columns(self, layer: int, width: int) -> range:
+        """Intermediate columns of a dense MLP / expert owned here (gate/up rows, down columns)."""
+        self._world_one("expert block slicing")
+        return range(width)
+
+    def vocab_range(self, vocab: int) -> range:
+        """Vocabulary rows of the embedding and the head owned here."""
+        self._world_one("vocabulary slicing")
+        return range(vocab)
+
+    # ---- collectives ---------------------------------------------------------------------
+    def sum_partials(self, x: torch.Tensor) -> torch.Tensor:
+        """All-reduce of row-parallel partial outputs (fixed order where the layout needs bitwise)."""
+        return x
+
+    def embed(self, table: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Embedding lookup on a vocabulary-sharded table (world 1: a plain lookup)."""
+        return table[tokens]
+
+    def gather_logits(self, local_logits: torch.Tensor) -> torch.Tensor:
+        return local_logits
+
+    # ---- context parallelism ---------------------------------------------------------------
+    def owned_positions(self, start: int, stop: int) -> torch.Tensor | None:
+        """Positions in [start, stop) whose cache rows live here; None means all of them."""
+        return None
+
+    def merge_attention(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        """Combine per-rank attention partials (out [..., d], lse [...]) by log-sum-exp in rank order."""
+        return out
+
+    def merge_topk(self, scores: torch.Tensor, k: int) -> torch.Tensor:
+        """Global top-k selection mask from this rank's index scores (world 1: local selection)."""
+        from glm53.model.indexer import select_topk
+
+        return select_topk(scores, k)
+
+    def _world_one(self, what: str) -> None:
+        if self.world != 1:
+            raise NotImplementedError(
+                f"{what} for world {self.world} comes from glm53.layout; this RankPlan implements world 1 only"
+            )

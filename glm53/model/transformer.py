@@ -1,0 +1,178 @@
+"""The GLM-5.3 decoder stack: embedding, decoder layers (MLA + DSA indexer, dense MLP or MoE), final
+norm and head; and the MTP layer (mtp.py) on top when the checkpoint has one.
+
+`Glm53Model.forward(state, tokens, start, mode)` runs tokens at absolute positions
+[start, start + T) on top of the cache rows [0, start), writes their rows and returns the hidden
+states. `mode` picks the attention formulation: "prefill" (expanded keys; the canonical grid chunks)
+or "decode" (absorbed, latent space; decode and draft verification). The engine decides chunking.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from glm53.config import Glm53Config
+from glm53.kv_state import KVState
+from glm53.model.indexer import IndexerWeights, index_scores, indexer_keys, indexer_queries
+from glm53.model.mla import (AttentionWeights, attend_absorbed, attend_expanded, latent_rows,
+                             output_projection, project_queries)
+from glm53.model.moe import MLPWeights, MoEWeights
+from glm53.model.norm import rms_norm
+from glm53.model.parallel import RankPlan
+from glm53.model.rope import inverse_frequencies, rope_angles
+
+MODES = ("prefill", "decode")
+
+
+@dataclass
+class LayerWeights:
+    index: int  # cache layer index
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    attn: AttentionWeights
+    indexer: IndexerWeights | None  # None on 'shared' layers
+    ffn: MLPWeights | MoEWeights
+
+
+@dataclass
+class MtpWeights:
+    enorm: torch.Tensor
+    hnorm: torch.Tensor
+    eh_proj: torch.Tensor  # [hidden, 2 * hidden]: input is [enorm(embed(next token)) | hnorm(hidden)]
+    layer: LayerWeights
+    head_norm: torch.Tensor
+    head: torch.Tensor | None  # None: the main head (shared)
+    embed: torch.Tensor | None  # None: the main embedding (shared)
+
+
+@dataclass
+class ModelWeights:
+    embed: torch.Tensor  # [vocab (this rank's rows), hidden]
+    layers: list[LayerWeights]
+    final_norm: torch.Tensor
+    head: torch.Tensor  # [vocab (this rank's rows), hidden]
+    mtp: MtpWeights | None = None
+
+
+@dataclass
+class ForwardOutput:
+    hidden: torch.Tensor  # [T, hidden] after the final norm (what the head reads)
+    last_layer: torch.Tensor  # [T, hidden] before the final norm
+    taps: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> its output [T, hidden]
+
+
+class Glm53Model:
+    def __init__(self, cfg: Glm53Config, weights: ModelWeights, plan: RankPlan | None = None,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        self.cfg = cfg
+        self.w = weights
+        self.plan = plan or RankPlan()
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.inv_freq = inverse_frequencies(cfg).to(self.device)
+
+    # ---- caches ---------------------------------------------------------------------------
+    def new_state(self, kv_dtype: str = "bf16") -> KVState:
+        indexed = frozenset(l.index for l in self.w.layers if l.indexer is not None)
+        return KVState(n_layers=len(self.w.layers), latent_dim=self.cfg.latent_dim,
+                       index_dim=self.cfg.index_head_dim, indexed_layers=indexed, kv_dtype=kv_dtype,
+                       device=self.device)
+
+    def new_mtp_state(self, kv_dtype: str = "bf16") -> KVState:
+        if self.w.mtp is None:
+            raise RuntimeError("this checkpoint has no MTP layer (num_nextn_predict_layers = 0 or its tensors are absent)")
+        indexed = frozenset([0]) if self.w.mtp.layer.indexer is not None else frozenset()
+        return KVState(n_layers=1, latent_dim=self.cfg.latent_dim, index_dim=self.cfg.index_head_dim,
+                       indexed_layers=indexed, kv_dtype=kv_dtype, device=self.device)
+
+    # ---- forward --------------------------------------------------------------------------
+    def forward(self, state: KVState, tokens: list[int] | torch.Tensor, start: int, mode: str = "prefill",
+                taps: tuple[int, ...] = ()) -> ForwardOutput:
+        ids = self._ids(tokens)
+        x = self.plan.embed(self.w.embed, ids).to(self.dtype)
+        last, taken = self._run_layers(state, self.w.layers, x, ids, start, mode, taps)
+        return ForwardOutput(hidden=rms_norm(last, self.w.final_norm, self.cfg.rms_norm_eps),
+                             last_layer=last, taps=taken)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [T, vocab] from final-normed hidden states."""
+        return self.plan.gather_logits(hidden @ self.w.head.T).to(torch.float32)
+
+    def mtp_forward(self, state: KVState, prev_hidden: torch.Tensor, next_tokens: list[int] | torch.Tensor,
+                    start: int, mode: str = "decode") -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP layer (DeepSeek-V3 style) at positions [start, start + T): row i combines the main
+        model's hidden state at position start + i with the token at start + i + 1 and predicts the
+        token at start + i + 2. Returns (fp32 logits [T, vocab], hidden [T, hidden] before the head's
+        norm, to chain a further step). Its cache is `state` (from new_mtp_state)."""
+        m = self.w.mtp
+        if m is None:
+            raise RuntimeError("this checkpoint has no MTP layer")
+        ids = self._ids(next_tokens)
+        e = self.plan.embed(m.embed if m.embed is not None else self.w.embed, ids).to(self.dtype)
+        x = torch.cat([rms_norm(e, m.enorm, self.cfg.rms_norm_eps),
+                       rms_norm(prev_hidden.to(self.dtype), m.hnorm, self.cfg.rms_norm_eps)], dim=-1) @ m.eh_proj.T
+        out, _ = self._run_layers(state, [m.layer], x, ids, start, mode, ())
+        normed = rms_norm(out, m.head_norm, self.cfg.rms_norm_eps)
+        head = m.head if m.head is not None else self.w.head
+        return self.plan.gather_logits(normed @ head.T).to(torch.float32), out
+
+    # ---- internals ------------------------------------------------------------------------
+    def _ids(self, tokens: list[int] | torch.Tensor) -> torch.Tensor:
+        ids = torch.as_tensor(tokens, dtype=torch.long, device=self.device).reshape(-1)
+        if ids.numel() == 0:
+            raise ValueError("forward needs at least one token")
+        return ids
+
+    def _run_layers(self, state: KVState, layers: list[LayerWeights], x: torch.Tensor, ids: torch.Tensor,
+                    start: int, mode: str, taps: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        if mode not in MODES:
+            raise ValueError(f"mode {mode!r}: one of {MODES}")
+        if start != state.length:
+            raise ValueError(f"forward at position {start} but the cache holds {state.length} rows; windows must continue it")
+        n = ids.shape[0]
+        state.reserve(start + n)
+        positions = torch.arange(start, start + n, device=self.device)
+        cos, sin = rope_angles(self.inv_freq, positions, self.dtype)
+        selection: torch.Tensor | None = None
+        taken: dict[int, torch.Tensor] = {}
+        for layer in layers:
+            x, selection = self._layer(state, layer, x, positions, start, cos, sin, selection, mode)
+            if layer.index in taps:
+                taken[layer.index] = x
+        state.tokens.extend(ids.tolist())
+        return x, taken
+
+    def _layer(self, state: KVState, layer: LayerWeights, x: torch.Tensor, positions: torch.Tensor, start: int,
+               cos: torch.Tensor, sin: torch.Tensor, selection: torch.Tensor | None, mode: str
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg, a = self.cfg, layer.attn
+        h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+        q_resid, q_nope, q_rot = project_queries(a, h, cos, sin)
+        stop = start + x.shape[0]
+        state.write_latent(layer.index, start, latent_rows(a, h, cos, sin))
+        cached = state.read_latent(layer.index, stop, self.dtype)  # read back: attend to what is stored
+        if layer.indexer is not None:
+            state.write_index(layer.index, start, indexer_keys(layer.indexer, h, cos, sin))
+            keys = state.read_index(layer.index, stop, self.dtype)
+            q_idx = indexer_queries(layer.indexer, q_resid, cos, sin)
+            selection = self.plan.merge_topk(index_scores(layer.indexer, q_idx, h, keys, positions), cfg.index_topk)
+        elif selection is None:
+            raise ValueError(f"layer {layer.index} shares the indexer selection but no earlier full layer ran")
+        if mode == "prefill":
+            out, lse = attend_expanded(a, q_nope, q_rot, cached, selection)
+        else:
+            out, lse = self._attend_decode(a, q_nope, q_rot, cached, selection)
+        out = self.plan.merge_attention(out, lse)
+        x = x + self.plan.sum_partials(output_projection(a, out))
+        h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
+        return x + self.plan.sum_partials(layer.ffn(h)), selection
+
+    def _attend_decode(self, a: AttentionWeights, q_nope: torch.Tensor, q_rot: torch.Tensor, cached: torch.Tensor,
+                       selection: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if q_nope.shape[0] == 1 and cached.shape[0] > self.cfg.index_topk:
+            # one query over a long context: gather its selected rows (ascending) instead of masking all
+            picked = selection[0].nonzero().squeeze(1)
+            return attend_absorbed(a, q_nope, q_rot, cached[picked],
+                                   torch.ones(1, picked.shape[0], dtype=torch.bool, device=cached.device))
+        return attend_absorbed(a, q_nope, q_rot, cached, selection)
