@@ -1,8 +1,9 @@
 """Draft depth policy and acceptance statistics.
 
 Depth adapts to recent acceptance: an exponentially weighted mean of accepted drafts per verify
-step; the next window drafts ceil(mean) + 1 tokens (one more than recently landed, so depth can
-climb), clamped to [1, max_depth]. A request with `draft: false` decodes serially (depth 0).
+step; the next window drafts ceil(headroom * mean) + 1 tokens (more than recently landed, so depth
+climbs quickly while drafts land; verifying a few extra rows costs little in weight-bound decode),
+clamped to [1, max_depth]. A request with `draft: false` decodes serially (depth 0).
 
 Knobs (environment):
   TF_GLM53_DRAFT_MAX_DEPTH      deepest window, 1..13 (default 13)
@@ -26,6 +27,7 @@ class PolicyConfig:
     max_depth: int = MAX_DEPTH
     ewma_weight: float = 0.3
     initial_mean: float = 2.0
+    headroom: float = 1.5
     relaxed_top2: bool = False     # LOSSY: never the default
 
     def __post_init__(self) -> None:
@@ -143,7 +145,7 @@ class AdaptiveDepth:
     def depth(self, source_max: int = MAX_DEPTH) -> int:
         if not self.enabled:
             return 0
-        want = math.ceil(self.mean) + 1
+        want = math.ceil(self.config.headroom * self.mean) + 1
         return max(1, min(want, self.config.max_depth, source_max))
 
     def update(self, proposed: int, accepted: int) -> None:
