@@ -13,6 +13,10 @@ from .series import Pin, Series
 
 FAILED_AT_RE = re.compile(r"^error: patch failed: (.+):(\d+)$", re.M)
 LACKS_BLOBS = "lacks necessary blobs"
+# git am's own "what next" lines: apply.py prints its own commands instead (they keep the
+# series state consistent), so these would only mislead.
+GIT_AM_ADVICE = ("hint:", "Patch failed at ", "When you have resolved this problem",
+                 "If you prefer to skip this patch", "To restore the original branch")
 
 
 def verify_pin(wd: Workdir, pin: Pin) -> None:
@@ -46,7 +50,7 @@ def _same(applied: list[dict], want: list[dict]) -> bool:
 
 
 def failure_report(series: Series, inv: Invocation, index: int, result: GitResult,
-                   applied: list[str], base: str) -> str:
+                   applied: list[str], base: str, conflicts: list[str] = ()) -> str:
     """Everything a maintainer needs when patch number `index` did not apply."""
     name = series.names[index]
     info = read_patch(series.patch_path(name))
@@ -57,8 +61,13 @@ def failure_report(series: Series, inv: Invocation, index: int, result: GitResul
         if hunk is not None:
             lines.append(f"  failing hunk in {path}: {hunk.header}")
             lines += [f"      {text}" for text in hunk.lines[:12]]
+    for path in conflicts:
+        for hunk in (h for h in info.hunks if h.file == path):
+            lines.append(f"  conflicting hunk in {path}: {hunk.header}")
+            lines += [f"      {text}" for text in hunk.lines[:12]]
     lines.append("git says:")
-    lines += [f"  {text}" for text in result.output.splitlines() if text.strip() and not text.startswith("hint:")]
+    lines += [f"  {text}" for text in result.output.splitlines()
+              if text.strip() and not text.startswith(GIT_AM_ADVICE)]
     lines.append(f"applied: {', '.join(applied) if applied else 'none'} "
                  f"(branch {BRANCH} in {inv.workdir} stops there)")
     lines.append(f"not applied: {', '.join(series.names[index:])}")
@@ -69,7 +78,7 @@ def _recovery(inv: Invocation, series: Series, name: str) -> str:
     return "\n".join([
         "apply never fuzzes: the patch must match the pinned tree exactly. To recover, either",
         f"  carry the series with a 3-way merge and resolve the conflict:\n    {inv.command('rebase', '--onto', series.pin.tag)}",
-        f"    then edit the files, `{inv.git_command('add', '<files>')}`, and one of",
+        f"    then edit the files, `{inv.git_command('add')} <files>`, and one of",
         f"    {inv.command('rebase', '--continue')}   # keep your resolution, re-export the series",
         f"    {inv.command('rebase', '--skip')}       # drop {name} from the series",
         f"    {inv.command('rebase', '--abort')}      # back to where you were; series untouched",

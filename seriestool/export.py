@@ -10,6 +10,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import git
+
 from .context import Invocation, ensure_quiet, say
 from .errors import ExitCode, SeriesToolError
 from .git_ops import BRANCH, Workdir, sha256_file
@@ -115,6 +117,16 @@ def run_export(inv: Invocation) -> int:
     return ExitCode.OK
 
 
+def _user_identity() -> str | None:
+    """The maintainer's own git identity (their config, read only for this), if they have one."""
+    try:
+        name = git.Git().config("--get", "user.name")
+        email = git.Git().config("--get", "user.email")
+    except git.GitCommandError:
+        return None
+    return f"{name} <{email}>" if name and email else None
+
+
 def run_new(inv: Invocation, name: str, message: str | None, author: str | None) -> int:
     """Staged changes in the workdir become a new commit at the series' tip and its patch file."""
     if not re.fullmatch(r"[a-z0-9][a-z0-9-]*", name):
@@ -136,6 +148,7 @@ def run_new(inv: Invocation, name: str, message: str | None, author: str | None)
     if message is None:
         message = (f"{name.replace('-', ' ')}\n\nWhat: TODO\nWhy: TODO\nVerified: TODO\n"
                    "Not verified: TODO\nGuarded-By: TODO\n")
+    author = author or _user_identity()
     env = {}
     if author:
         match = re.fullmatch(r"\s*(.+?)\s*<([^>]+)>\s*", author)

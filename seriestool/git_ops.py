@@ -18,7 +18,7 @@ import git
 
 from .errors import ExitCode, SeriesToolError
 from .series import write_atomic
-from .transport import Source
+from .transport import Source, probe
 
 BRANCH = "glm53-series"            # the applied series lives here in the workdir
 REBASE_BRANCH = "glm53-series-rebase"
@@ -55,9 +55,9 @@ AM_OPTIONS = ["--keep-non-patch", "--no-message-id", "--no-scissors", "--no-keep
 # workdir's own .git/config cannot change them either.
 EXPORT_CONFIG = ["diff.noprefix=false", "diff.mnemonicPrefix=false", "diff.algorithm=myers",
                  "diff.context=3", "diff.interHunkContext=0", "diff.suppressBlankEmpty=false",
-                 "diff.indentHeuristic=true", "diff.orderFile=", "diff.relative=false",
+                 "diff.indentHeuristic=true", "diff.relative=false",
                  "core.quotePath=true", "core.abbrev=40", "color.ui=false",
-                 "format.numbered=false", "format.signature=", "format.signatureFile=",
+                 "format.numbered=false", "format.signature=",
                  "format.headers=", "format.coverLetter=false", "format.thread=false",
                  "format.subjectPrefix=PATCH", "format.suffix=.patch", "format.useAutoBase=false",
                  "format.encodeEmailHeaders=true", "format.notes=false", "format.from=false",
@@ -67,7 +67,7 @@ EXPORT_OPTIONS = ["--stdout", "--zero-commit", "--no-signature", "--no-stat", "-
                   "--binary", "--no-numbered", "--subject-prefix=PATCH", "--no-thread",
                   "--no-cover-letter", "--no-notes", "--no-base", "--find-renames",
                   "--diff-algorithm=myers", "-U3", "--inter-hunk-context=0", "--no-relative",
-                  "--src-prefix=a/", "--dst-prefix=b/", "--no-color", "--encode-email-headers"]
+                  "--src-prefix=a/", "--dst-prefix=b/", "--no-color", "--encode-email-headers", f"-O{os.devnull}"]
 
 
 @dataclass
@@ -94,14 +94,22 @@ class StderrProgress(git.RemoteProgress):
         self.last = 0.0
         self.tty = sys.stderr.isatty()
 
+    STAGES = {git.RemoteProgress.COUNTING: "counting objects",
+              git.RemoteProgress.COMPRESSING: "compressing objects",
+              git.RemoteProgress.RECEIVING: "receiving objects",
+              git.RemoteProgress.RESOLVING: "resolving deltas",
+              git.RemoteProgress.FINDING_SOURCES: "finding sources",
+              git.RemoteProgress.CHECKING_OUT: "checking out",
+              git.RemoteProgress.WRITING: "writing objects"}
+
     def update(self, op_code: int, cur_count, max_count=None, message: str = "") -> None:
         stage_end = bool(op_code & self.END)
         now = time.monotonic()
         if not stage_end and now - self.last < 0.5:
             return
         self.last = now
-        stage = self._cur_line.split(":", 1)[0].strip() if self._cur_line else "working"
-        count = f"{int(cur_count)}/{int(max_count)}" if max_count else f"{int(cur_count or 0)}"
+        stage = self.STAGES.get(op_code & self.OP_MASK, "working")
+        count = f"{int(cur_count or 0)}/{int(max_count)}" if max_count else f"{int(cur_count or 0)}"
         line = f"{self.label}: {stage} {count} {message or ''}".rstrip()
         if self.tty:
             print(f"\r{line}\x1b[K", end="\n" if stage_end else "", file=sys.stderr, flush=True)
@@ -208,6 +216,9 @@ class Workdir:
             return []
         return [line[3:] for line in result.stdout.splitlines() if line.strip()]
 
+    def conflicted_files(self) -> list[str]:
+        return self.run("diff", "--name-only", "--diff-filter=U").stdout.split()
+
     def is_shallow(self) -> bool:
         return self.run("rev-parse", "--is-shallow-repository").stdout.strip() == "true"
 
@@ -231,6 +242,13 @@ class Workdir:
         kwargs = {"no_tags": True, "force": True}
         if shallow:
             kwargs["depth"] = 1
+        if source.is_remote:
+            reason = probe(source.spec)
+            if reason:
+                raise SeriesToolError(ExitCode.UNREACHABLE, (
+                    f"upstream {source.spec} is unreachable ({reason}). Work offline with "
+                    "--repo PATH (a local clone or bare mirror of the upstream), or with --no-fetch "
+                    "when the workdir already holds the tag."))
         print(f"fetching tag {tag} from {source.spec}", file=sys.stderr)
         with self.repo.git.custom_environment(GIT_ALLOW_PROTOCOL=allowed):
             try:

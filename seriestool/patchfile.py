@@ -73,10 +73,14 @@ def read_patch(path: Path) -> PatchFile:
         if needed not in headers:
             info.problems.append(f"mail header `{needed}:` missing")
     info.subject = re.sub(r"^\[PATCH[^\]]*\]\s*", "", headers.get("Subject", ""))
-    message, sep, diff = rest.partition("\n---\n")
-    if not sep:
-        info.problems.append("no `---` line between the message and the diff")
+    # The message ends at a `---` line (diffstat form) or at the first diff (--no-stat form).
+    ends = [at for at in (rest.find("\n---\n"), rest.find("\ndiff --git ")) if at >= 0]
+    if rest.startswith("diff --git "):
+        ends.append(-1)
+    if not ends:
+        info.problems.append("contains no `diff --git` section")
         return info
+    message, diff = rest[:max(min(ends), 0)], rest[min(ends) + 1:]
     info.body = message
     _parse_diff(info, diff)
     if not info.files:

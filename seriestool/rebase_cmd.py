@@ -118,7 +118,7 @@ def resume(inv: Invocation, action: str) -> int:
         if not result.ok:
             raise SeriesToolError(ExitCode.PATCH_FAILED, (
                 f"{name} is still not resolved:\n{result.output}\nEdit the files, "
-                f"`{inv.git_command('add', '<files>')}`, then {inv.command('rebase', '--continue')} "
+                f"`{inv.git_command('add')} <files>`, then {inv.command('rebase', '--continue')} "
                 f"(or {inv.command('rebase', '--skip')} / {inv.command('rebase', '--abort')})"))
     moved = wd.head() != state.head_before
     if action == "skip" or not moved:
@@ -165,11 +165,12 @@ def _advance(wd: Workdir, inv: Invocation, series: Series, state: RebaseState) -
         state.save(wd)
         report_text = failure_report(series, inv, state.index, result,
                                      [n for n in state.names[:state.index] if n in state.commits],
-                                     f"{state.onto_tag} ({state.onto_commit[:12]})")
+                                     f"{state.onto_tag} ({state.onto_commit[:12]})",
+                                     conflicts=wd.conflicted_files())
         report_text = report_text.replace(f"branch {BRANCH}", f"branch {REBASE_BRANCH}")
         raise SeriesToolError(ExitCode.PATCH_FAILED, "\n".join([
             f"CONFLICT: rebase stopped at {name}.", report_text,
-            f"Resolve the conflicts in {wd.path}, `{inv.git_command('add', '<files>')}`, then:",
+            f"Resolve the conflicts in {wd.path}, `{inv.git_command('add')} <files>`, then:",
             f"  {inv.command('rebase', '--continue')}   # keep the resolution and go on",
             f"  {inv.command('rebase', '--skip')}       # drop {name} from the series",
             f"  {inv.command('rebase', '--abort')}      # back to {state.orig_ref[:40] or 'the start'}; "
