@@ -13,7 +13,13 @@ def structural_problems(series: Series) -> tuple[list[str], dict[str, PatchFile]
     """Problems that make applying impossible: missing or malformed patch files."""
     problems: list[str] = []
     parsed: dict[str, PatchFile] = {}
+    first_line: dict[str, int] = {}
     for entry in series.patches:
+        if entry.name in first_line:
+            problems.append(f"{series.path}:{entry.line}: {entry.name} is listed twice "
+                            f"(first on line {first_line[entry.name]})")
+            continue
+        first_line[entry.name] = entry.line
         path = series.patch_path(entry.name)
         if not path.is_file():
             problems.append(f"{series.path}:{entry.line}: names {entry.name}, but "
@@ -39,9 +45,7 @@ def full_lint(series: Series) -> list[str]:
     numbers: dict[str, str] = {}
     for entry in series.patches:
         if entry.name in seen:
-            problems.append(f"{series.path}:{entry.line}: {entry.name} is listed twice "
-                            f"(first on line {seen[entry.name]})")
-            continue
+            continue  # reported by structural_problems
         seen[entry.name] = entry.line
         match = PATCH_NAME_RE.match(entry.name)
         if not match:

@@ -113,14 +113,19 @@ def resume(inv: Invocation, action: str) -> int:
     if state.current is None:
         return _advance(wd, inv, series, state)
     name = state.current
+    resolved_to_nothing = False
     if wd.am_in_progress():
         result = wd.am_control("continue" if action == "continue" else "skip")
-        if not result.ok:
+        if not result.ok and action == "continue" and "No changes" in result.output \
+                and not wd.conflicted_files() and wd.run("diff", "--cached", "--quiet").ok:
+            # The resolution kept upstream's side entirely: the patch is absorbed upstream.
+            resolved_to_nothing = wd.am_control("skip").ok
+        elif not result.ok:
             raise SeriesToolError(ExitCode.PATCH_FAILED, (
                 f"{name} is still not resolved:\n{result.output}\nEdit the files, "
                 f"`{inv.git_command('add')} <files>`, then {inv.command('rebase', '--continue')} "
                 f"(or {inv.command('rebase', '--skip')} / {inv.command('rebase', '--abort')})"))
-    moved = wd.head() != state.head_before
+    moved = wd.head() != state.head_before and not resolved_to_nothing
     if action == "skip" or not moved:
         state.outcomes[name] = "skipped" if action == "skip" else "absorbed upstream (resolved to nothing)"
         if wd.am_in_progress():
@@ -168,8 +173,14 @@ def _advance(wd: Workdir, inv: Invocation, series: Series, state: RebaseState) -
                                      f"{state.onto_tag} ({state.onto_commit[:12]})",
                                      conflicts=wd.conflicted_files())
         report_text = report_text.replace(f"branch {BRANCH}", f"branch {REBASE_BRANCH}")
+        conflicts = wd.conflicted_files()
+        by_hand = [] if conflicts else [
+            "git could not merge this patch at all (no conflict markers were written; a patch "
+            "edited by hand does not match the blobs in its index lines). Make its change by hand "
+            f"(`{inv.git_command('apply', '--reject', str(series.patch_path(name)))}` applies what "
+            "it can and leaves .rej files), then:"]
         raise SeriesToolError(ExitCode.PATCH_FAILED, "\n".join([
-            f"CONFLICT: rebase stopped at {name}.", report_text,
+            f"CONFLICT: rebase stopped at {name}.", report_text, *by_hand,
             f"Resolve the conflicts in {wd.path}, `{inv.git_command('add')} <files>`, then:",
             f"  {inv.command('rebase', '--continue')}   # keep the resolution and go on",
             f"  {inv.command('rebase', '--skip')}       # drop {name} from the series",
@@ -183,7 +194,8 @@ def _finish(wd: Workdir, inv: Invocation, series: Series, state: RebaseState) ->
     named = [(state.commits[name], name) for name in state.names if name in state.commits]
     # Move the series branch first (the commits are safe in git), then write files, series last.
     wd.must("checkout", "-q", "-B", BRANCH, wd.head())
-    wd.must("branch", "-q", "-D", REBASE_BRANCH)
+    if wd.resolve(f"refs/heads/{REBASE_BRANCH}"):
+        wd.must("branch", "-q", "-D", REBASE_BRANCH)
     result = write_export(wd, series, new_pin, named)
     record_stamp(wd, series, new_pin, named)
     RebaseState.path(wd).unlink()

@@ -419,3 +419,36 @@ def test_apply_fails_fast_when_the_upstream_is_unreachable_and_no_fetch_works_of
     run(kit.args("apply"))                                        # from the local mirror
     out = run(["apply", "--no-fetch", "--series", str(kit.series)]).output
     assert "up to date: 3 patches" in out
+
+
+def test_continue_with_upstreams_side_reports_the_patch_absorbed(kit: Kit, upstream: Upstream) -> None:
+    start_conflict(kit)
+    git(kit.workdir, "checkout", "HEAD", "--", "src/tf/cli_args.py")   # keep upstream's version
+    out = run(kit.args("rebase", "--continue")).output
+    assert "0002-lift-two-rank-limit.patch: absorbed upstream (resolved to nothing)" in out
+    assert kit.series.read_text().splitlines()[-1] == NAMES[0]
+    assert not (kit.patches / NAMES[1]).exists()
+
+
+def test_rebase_onto_the_same_tag_repairs_a_patch_apply_rejects(kit: Kit, upstream: Upstream) -> None:
+    """The recovery apply prints: a patch whose context drifted is carried by a 3-way merge and
+    re-exported; the pin stays."""
+    path = kit.patches / NAMES[1]
+    path.write_bytes(path.read_bytes().replace(b" # option block 7\n", b" # option block seven\n"))
+    run(kit.args("apply"), ExitCode.PATCH_FAILED)
+    err = run(kit.args("rebase", "--onto", "v0.6.0"), ExitCode.PATCH_FAILED).stderr
+    assert "Did you hand edit your patch?" in err and "no conflict markers" in err
+    write(kit.workdir, "src/tf/cli_args.py", CLI_RESOLVED.replace("4, 8)", "4)"))
+    git(kit.workdir, "add", "src/tf/cli_args.py")
+    out = run(kit.args("rebase", "--continue")).output
+    assert f"{NAMES[1]}: applied after resolving a conflict" in out
+    assert path.read_bytes() == upstream.patches[NAMES[1]]
+    assert f"v0.6.0 {upstream.a}" in kit.series.read_text()
+    run(kit.args("check"))
+
+
+def test_bare_mirror_works_as_repo(kit: Kit, upstream: Upstream, tmp_path: Path) -> None:
+    mirror = tmp_path / "mirror.git"
+    git(tmp_path, "clone", "-q", "--mirror", str(upstream.path), str(mirror))
+    run(kit.args("apply", repo=mirror))
+    assert git(kit.workdir, "rev-parse", "HEAD~3") == upstream.a
