@@ -1,0 +1,87 @@
+"""The collectives the layout needs, each guarded (timed, failures name the peer).
+
+Sums that must be deterministic at any rank count go through ``sum_in_rank_order``: gather every
+rank's part, then add them in rank order 0, 1, ..., R-1 on every rank, so every rank holds the
+same bits and a rerun gives the same bits whatever the backend's reduction algorithm. For the
+decode-sized messages of this model (a few KiB) the extra bytes cost less than a round trip.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from glm53.dist.guard import Guard
+
+# torch 2.13 renamed all_gather_into_tensor (and warns on the old name); the GPU machine has 2.11.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class Comm:
+    """One rank's view of the group: rank, world size, device, backend, guarded collectives."""
+
+    def __init__(self, rank: int, world_size: int, device: torch.device, backend: str, guard: Guard,
+                 store: dist.Store) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.device, self.backend = device, backend
+        self.guard, self.store = guard, store
+
+    # ---- collectives ---------------------------------------------------------------------
+    def all_gather(self, tensor: torch.Tensor, name: str = "all_gather") -> torch.Tensor:
+        """Every rank's tensor (same shape and dtype on all ranks), stacked in rank order: [R, *shape]."""
+        flat = tensor.contiguous().view(-1)
+        out = torch.empty(self.world_size * flat.numel(), dtype=tensor.dtype, device=tensor.device)
+        with self.guard.collective(name):
+            _all_gather_flat(out, flat)  # the concatenated form: gloo and NCCL both accept it
+        return out.view(self.world_size, *tensor.shape)
+
+    def sum_in_rank_order(self, tensor: torch.Tensor, name: str = "sum_in_rank_order") -> torch.Tensor:
+        """Deterministic all-reduce: gather, then add in fixed rank order (fp32 accumulation)."""
+        parts = self.all_gather(tensor, name)
+        acc = parts[0].float()
+        for r in range(1, self.world_size):
+            acc = acc + parts[r].float()
+        return acc.to(tensor.dtype)
+
+    def all_reduce_sum(self, tensor: torch.Tensor, name: str = "all_reduce") -> torch.Tensor:
+        """The backend's own all-reduce (in place); same bits on every rank, order is the backend's."""
+        with self.guard.collective(name):
+            dist.all_reduce(tensor)
+        return tensor
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, name: str = "broadcast") -> torch.Tensor:
+        with self.guard.collective(name):
+            dist.broadcast(tensor, src)
+        return tensor
+
+    def broadcast_object(self, obj: object, src: int = 0, name: str = "broadcast_object") -> object:
+        box = [obj]
+        with self.guard.collective(name):
+            dist.broadcast_object_list(box, src)
+        return box[0]
+
+    def barrier(self, name: str = "barrier") -> None:
+        with self.guard.collective(name):
+            if self.backend == "nccl":
+                dist.barrier(device_ids=[self.device.index or 0])
+            else:
+                dist.barrier()
+
+    # ---- shutdown ------------------------------------------------------------------------
+    def close(self) -> None:
+        """Orderly leave: stop the heartbeat (peers see 'bye'), meet at a barrier, tear down."""
+        self.guard.stop()
+        with contextlib.suppress(Exception):
+            if self.backend == "nccl":
+                dist.barrier(device_ids=[self.device.index or 0])
+            else:
+                dist.barrier()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def __enter__(self) -> "Comm":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

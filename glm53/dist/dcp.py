@@ -1,0 +1,209 @@
+"""Decode context parallelism (DCP): which rank holds which token position, and the two merges.
+
+Ownership: position p lives on rank p % R at local slot p // R (latent cache and indexer keys).
+With ``TF_GLM53_DCP=0`` every rank holds every position (R_dcp = 1, slot = p).
+
+Attention merge: each rank attends over the selected positions it owns and returns
+(out [..., dv], lse [...]) with lse the natural-log sum of exp(score) over those positions;
+the merge is exact log-sum-exp, computed in fixed rank order 0..R-1 (deterministic at any R):
+
+    m = max_r lse_r;  w_r = exp(lse_r - m);  out = sum_r w_r out_r / sum_r w_r;  lse = m + log sum_r w_r
+
+A rank that owns none of the positions reports lse = -inf; its w_r is exactly 0 and its out_r
+is ignored (even if NaN). When every rank has lse = -inf (no position at all) the merge defines
+out = 0 and lse = -inf.
+
+Top-k: scores and positions are packed into one int64 key per entry that orders by higher score
+first, then lower position first (a total order), so a rank's local top-k, an all-gather and a
+global top-k of the keys give exactly the single-rank top-k with the same tie-break.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from glm53.dist.collectives import Comm
+
+POSITION_BITS = 31  # positions < 2**31 (the model's context is 2**20)
+_POS_MASK = (1 << POSITION_BITS) - 1
+PAD_KEY = -1  # below every real key (real keys are >= 0)
+
+
+def dcp_enabled(env: dict[str, str] | None = None) -> bool:
+    """TF_GLM53_DCP=0 turns DCP off (every rank holds every position); on by default."""
+    env = os.environ if env is None else env
+    value = env.get("TF_GLM53_DCP", "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"TF_GLM53_DCP={value!r}: use 1 (positions spread over ranks) or 0 (every rank holds all)")
+    return value == "1"
+
+
+# ---- ownership ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Ownership:
+    """Positions held by one rank: p with p % ranks == index, at local slot p // ranks."""
+
+    index: int  # this rank's index among the DCP ranks (0 when DCP is off)
+    ranks: int  # number of DCP ranks (1 when DCP is off)
+
+    @classmethod
+    def for_rank(cls, rank: int, world_size: int, enabled: bool | None = None) -> "Ownership":
+        if enabled is None:
+            enabled = dcp_enabled()
+        return cls(rank, world_size) if enabled else cls(0, 1)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.index < self.ranks:
+            raise ValueError(f"DCP rank {self.index} outside 0..{self.ranks - 1}")
+
+    def owner(self, position: int) -> int:
+        return position % self.ranks
+
+    def owns(self, position: int) -> bool:
+        return position % self.ranks == self.index
+
+    def slot(self, position: int) -> int:
+        """Local slot of an owned position."""
+        if not self.owns(position):
+            raise ValueError(f"position {position} lives on DCP rank {self.owner(position)}, not {self.index}")
+        return position // self.ranks
+
+    def position(self, slot: int) -> int:
+        return slot * self.ranks + self.index
+
+    def count(self, length: int) -> int:
+        """How many of the positions [0, length) this rank holds (its used slots)."""
+        return max(0, (length - self.index + self.ranks - 1) // self.ranks)
+
+    def slots_needed(self, capacity: int) -> int:
+        """Local slots to allocate for a context of `capacity` positions."""
+        return self.count(capacity)
+
+    def owned_positions(self, start: int, end: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The positions in [start, end) this rank holds, ascending (int64)."""
+        first = start + (self.index - start) % self.ranks
+        return torch.arange(first, max(first, end), self.ranks, dtype=torch.int64, device=device)
+
+    def positions_of(self, slots: torch.Tensor) -> torch.Tensor:
+        return slots * self.ranks + self.index
+
+    def slots_of(self, positions: torch.Tensor) -> torch.Tensor:
+        """Local slots of positions that must all be owned here."""
+        if positions.numel() and bool(((positions % self.ranks) != self.index).any()):
+            raise ValueError(f"positions not owned by DCP rank {self.index} of {self.ranks}")
+        return torch.div(positions, self.ranks, rounding_mode="floor")
+
+    def select_owned(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """From globally selected positions [n] (e.g. the merged top-k): the owned ones and their slots."""
+        mine = positions[(positions % self.ranks) == self.index]
+        return mine, torch.div(mine, self.ranks, rounding_mode="floor")
+
+    def rows_to_write(self, start: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prefill: `rows` [T, ...] hold positions start..start+T-1 (computed on every rank, the latent
+        projection being replicated); return (local slots, the rows this rank keeps)."""
+        positions = self.owned_positions(start, start + rows.shape[0], device=rows.device)
+        return torch.div(positions, self.ranks, rounding_mode="floor"), rows[positions - start]
+
+
+# ---- attention over owned positions, and the merge -----------------------------------------
+def attend_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain attention of queries q [H, d] over keys k [n, d], values v [n, dv] (n may be 0):
+    (out [H, dv], lse [H]) in fp32. The contract every rank's attention kernel meets."""
+    scores = (q.float() @ k.float().T) * scale  # [H, n]
+    if k.shape[0] == 0:
+        return q.new_zeros((q.shape[0], v.shape[-1]), dtype=torch.float32), torch.full(
+            (q.shape[0],), float("-inf"), dtype=torch.float32, device=q.device)
+    lse = torch.logsumexp(scores, dim=-1)
+    weights = torch.exp(scores - lse[:, None])
+    return weights @ v.float(), lse
+
+
+def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge per-rank partial attention (outs [R, ..., dv], lses [R, ...]) in rank order; fp32 result."""
+    lses = lses.float()
+    m = lses.amax(dim=0)
+    m_safe = torch.where(torch.isneginf(m), torch.zeros_like(m), m)  # all -inf: avoid -inf - -inf
+    total = torch.zeros_like(m)
+    acc = torch.zeros(outs.shape[1:], dtype=torch.float32, device=outs.device)
+    for r in range(outs.shape[0]):
+        w = torch.exp(lses[r] - m_safe)  # exactly 0 where lses[r] = -inf
+        total = total + w
+        acc = acc + torch.where(w[..., None] > 0, w[..., None] * outs[r].float(), 0.0)
+    empty = total == 0
+    out = torch.where(empty[..., None], 0.0, acc / torch.where(empty, 1.0, total)[..., None])
+    lse = torch.where(empty, float("-inf"), m_safe + torch.log(torch.where(empty, 1.0, total)))
+    return out, lse
+
+
+def dcp_merge(comm: Comm, out: torch.Tensor, lse: torch.Tensor,
+              heads: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """All ranks' (out [H, dv], lse [H]) gathered in one collective and merged in rank order.
+    `heads` keeps only this rank's heads (TP) after the gather; every rank gets the same bits."""
+    packed = torch.cat([out.float(), lse.float()[..., None]], dim=-1)
+    parts = comm.all_gather(packed, name="dcp_merge")  # [R, H, dv + 1]
+    if heads is not None:
+        parts = parts[:, heads]
+    return merge_partials(parts[..., :-1], parts[..., -1])
+
+
+# ---- top-k with a deterministic tie-break ---------------------------------------------------
+def _orderable(scores: torch.Tensor) -> torch.Tensor:
+    """fp32 scores -> int64 in [0, 2**32) with the same order (-0.0 and +0.0 equal)."""
+    s = scores.float() + 0.0  # -0.0 + 0.0 == +0.0
+    if bool(torch.isnan(s).any()):
+        raise ValueError("top-k scores contain NaN; the indexer must mask with -inf, never NaN")
+    u = s.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    negative = (u & 0x80000000) != 0
+    return torch.where(negative, (~u) & 0xFFFFFFFF, u | 0x80000000)
+
+
+def topk_keys(scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One int64 key per entry: larger key = higher score, then lower position."""
+    if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) > _POS_MASK):
+        raise ValueError(f"positions must lie in 0..{_POS_MASK}")
+    return (_orderable(scores) << POSITION_BITS) | (_POS_MASK - positions.to(torch.int64))
+
+
+def decode_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys -> (scores fp32, positions int64)."""
+    positions = _POS_MASK - (keys & _POS_MASK)
+    o = keys >> POSITION_BITS
+    u = torch.where((o & 0x80000000) != 0, o & 0x7FFFFFFF, (~o) & 0xFFFFFFFF)
+    signed = torch.where(u >= 0x80000000, u - (1 << 32), u).to(torch.int32)
+    return signed.view(torch.float32), positions
+
+
+def local_topk_keys(scores: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:
+    """The k largest keys of scores [..., n] at positions [n] (or [..., n]), padded with PAD_KEY to k."""
+    keys = topk_keys(scores, positions.expand_as(scores))
+    n = keys.shape[-1]
+    top = torch.topk(keys, min(k, n), dim=-1, sorted=True).values if n else keys
+    if top.shape[-1] < k:
+        pad = torch.full((*top.shape[:-1], k - top.shape[-1]), PAD_KEY, dtype=torch.int64, device=keys.device)
+        top = torch.cat([top, pad], dim=-1)
+    return top
+
+
+def topk_tiebreak(scores: torch.Tensor, positions: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Single-rank top-k (higher score first, lower position on ties), min(k, n) entries, sorted."""
+    n = scores.shape[-1]
+    keys = local_topk_keys(scores, positions, k)[..., : min(k, n)]
+    return decode_keys(keys)
+
+
+def merge_topk_keys(gathered: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gathered local top-k keys [R, ..., k] -> the global top-k (scores, positions), pads dropped.
+    Every query row must have the same number of real entries (true for one decode step)."""
+    flat = gathered.movedim(0, -2).flatten(-2)  # [..., R*k]
+    top = torch.topk(flat, k, dim=-1, sorted=True).values
+    real = int((top >= 0).sum(dim=-1).min()) if top.numel() else 0
+    return decode_keys(top[..., :real])
+
+
+def dcp_topk(comm: Comm, scores: torch.Tensor, positions: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global top-k over all ranks' owned positions: one all-gather of k int64 keys per query row.
+    Identical on every rank, and identical to `topk_tiebreak` over the union of positions."""
+    local = local_topk_keys(scores, positions, k)
+    return merge_topk_keys(comm.all_gather(local, name="dcp_topk"), k)

@@ -1,0 +1,135 @@
+"""Worker entry points for the multi-process tests of glm53.dist (one OS process per rank).
+
+    python tests/dist_workers.py SCENARIO --rank R --world W --port P --out DIR [--env]
+
+Each scenario joins the group (by master/port, or with --env from a torchrun-style environment),
+does its work, and writes its results to DIR/rank<R>.pt for the test to check. Inputs are
+generated from fixed seeds, identically on every rank, so the test can recompute them.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from glm53.dist import dcp, tp  # noqa: E402
+from glm53.dist.collectives import Comm  # noqa: E402
+from glm53.dist.rendezvous import RendezvousSpec, rendezvous, spec_from_env  # noqa: E402
+
+# ---- shared inputs (the test imports these to recompute the expected values) -----------------
+HEADS, QK_DIM, V_DIM, SCALE = 8, 48, 32, 0.17
+ATTN_LENGTHS = (37, 3, 1)  # 3 and 1 are shorter than R = 4: some ranks own nothing
+TOPK_K = 16
+
+
+def attention_inputs(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + n + seed)
+    return (torch.randn(HEADS, QK_DIM, generator=g), torch.randn(n, QK_DIM, generator=g),
+            torch.randn(n, V_DIM, generator=g))
+
+
+def topk_inputs(n: int, rows: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores with many exact ties (small integers, some -inf, a -0.0), positions 0..n-1."""
+    g = torch.Generator().manual_seed(77 + n)
+    scores = torch.randint(-3, 4, (rows, n), generator=g).float()
+    scores[:, ::11] = float("-inf")
+    scores[0, 5 % n] = -0.0
+    return scores, torch.arange(n)
+
+
+TOPK_CASES = ((200, TOPK_K), (10, TOPK_K), (64, 64), (3, TOPK_K))
+
+
+# ---- scenarios ----------------------------------------------------------------------------
+def suite(comm: Comm, out: Path) -> None:
+    """Collectives, DCP attention merge (incl. ranks owning nothing), top-k merge."""
+    r, R = comm.rank, comm.world_size
+    results: dict[str, object] = {"rank": r, "world": R, "backend": comm.backend}
+    parts = comm.all_gather(torch.tensor([r * 10 + 1.5]))
+    results["all_gather"] = parts
+    results["sum"] = comm.sum_in_rank_order(torch.full((5,), float(r) + 0.25))
+
+    own = dcp.Ownership(r, R)
+    for n in ATTN_LENGTHS:
+        q, k, v = attention_inputs(n)
+        pos = own.owned_positions(0, n)
+        o, lse = dcp.attend_reference(q, k[pos], v[pos], SCALE)
+        if pos.numel() == 0:
+            o = torch.full_like(o, float("nan"))  # a kernel's garbage must not leak into the merge
+        first = dcp.dcp_merge(comm, o, lse)
+        second = dcp.dcp_merge(comm, o, lse)
+        results[f"attn{n}"] = first
+        results[f"attn{n}_again_equal"] = bool(torch.equal(first[0], second[0]) and torch.equal(first[1], second[1]))
+        h0, h1 = tp.head_ranges(HEADS, R)[r]
+        results[f"attn{n}_heads"] = dcp.dcp_merge(comm, o, lse, heads=slice(h0, h1))
+
+    # sparse selection all on rank 1's positions: every other rank owns none of it
+    q, k, v = attention_inputs(40, seed=1)
+    selected = torch.arange(1, 40, R)
+    mine, slots = own.select_owned(selected)
+    o, lse = dcp.attend_reference(q, k[mine], v[mine], SCALE)
+    if mine.numel() == 0:
+        o = torch.full_like(o, float("nan"))
+    results["sparse_one_owner"] = dcp.dcp_merge(comm, o, lse)
+    # nobody owns anything: defined as out = 0, lse = -inf
+    empty_o = torch.full((HEADS, V_DIM), float("nan"))
+    results["all_empty"] = dcp.dcp_merge(comm, empty_o, torch.full((HEADS,), float("-inf")))
+
+    for n, k_sel in TOPK_CASES:
+        scores, positions = topk_inputs(n)
+        mine = own.owned_positions(0, n)
+        results[f"topk{n}_{k_sel}"] = dcp.dcp_topk(comm, scores[:, mine], positions[mine], k_sel)
+    torch.save(results, out / f"rank{r}.pt")
+
+
+def spin(comm: Comm, out: Path) -> None:
+    """Collectives in a loop until a peer is killed; 'ready' files tell the test when to kill."""
+    t = torch.ones(1024)
+    for i in range(10**9):
+        comm.all_reduce_sum(t.clone(), name="spin_all_reduce")
+        if i == 20:
+            (out / f"ready{comm.rank}").write_text(str(os.getpid()))
+
+
+def stuck(comm: Comm, out: Path) -> None:
+    """Rank 1 stays alive (heartbeat on) but never joins the collective the others wait in."""
+    if comm.rank == 1:
+        (out / "ready1").write_text("")
+        time.sleep(120)
+    else:
+        (out / f"ready{comm.rank}").write_text("")
+        comm.all_reduce_sum(torch.ones(4), name="stuck_all_reduce")
+
+
+SCENARIOS = {"suite": suite, "spin": spin, "stuck": stuck}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("scenario", choices=sorted(SCENARIOS))
+    parser.add_argument("--rank", type=int)
+    parser.add_argument("--world", type=int)
+    parser.add_argument("--port", type=int)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--env", action="store_true", help="rendezvous from MASTER_ADDR/... instead")
+    parser.add_argument("--timeout", type=float, default=30.0)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if args.env:
+        spec = spec_from_env(timeout_s=args.timeout)
+    else:
+        spec = RendezvousSpec(args.rank, args.world, "127.0.0.1", args.port, timeout_s=args.timeout)
+    comm = rendezvous(spec)
+    SCENARIOS[args.scenario](comm, args.out)
+    comm.close()
+    (args.out / f"done{comm.rank}").write_text("")
+
+
+if __name__ == "__main__":
+    main()
