@@ -1,7 +1,7 @@
 """Draft depth policy and acceptance statistics.
 
 Depth adapts to recent acceptance: an exponentially weighted mean of accepted drafts per verify
-step; the next window drafts ceil(headroom * mean) + 1 tokens (more than recently landed, so depth
+step; the next window drafts round(headroom * mean) + 1 tokens (more than recently landed, so depth
 climbs quickly while drafts land; verifying a few extra rows costs little in weight-bound decode),
 clamped to [1, max_depth]. A request with `draft: false` decodes serially (depth 0).
 
@@ -13,7 +13,6 @@ Knobs (environment):
 from __future__ import annotations
 
 import logging
-import math
 import os
 from dataclasses import dataclass, field
 
@@ -145,7 +144,7 @@ class AdaptiveDepth:
     def depth(self, source_max: int = MAX_DEPTH) -> int:
         if not self.enabled:
             return 0
-        want = math.ceil(self.config.headroom * self.mean) + 1
+        want = int(self.config.headroom * self.mean + 0.5) + 1
         return max(1, min(want, self.config.max_depth, source_max))
 
     def update(self, proposed: int, accepted: int) -> None:

@@ -142,7 +142,8 @@ def test_drafted_equals_serial(kind, serial_refs, dflash_model):
     if kind in ("copy", "oracle"):
         assert accepted > 0, f"{kind} drafts never landed: the test would not exercise acceptance"
     if kind == "oracle":
-        assert max(depth_seen) >= 8, f"deep windows not exercised: accepted lengths {sorted(depth_seen)}"
+        # replies are short here (<= 28 tokens); test_deep_windows_reach_max_depth covers depth 13
+        assert max(depth_seen) >= 6, f"deep windows not exercised: accepted lengths {sorted(depth_seen)}"
 
 
 def test_draft_false_is_serial(serial_refs):
