@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
+from types import MappingProxyType
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -185,11 +186,11 @@ class LayoutPlan:
     _bytes: list[int] | None = field(default=None, repr=False)
 
     # ---- per rank ------------------------------------------------------------------------
-    def features(self, rank: int) -> dict[str, FeatureSplit]:
+    def features(self, rank: int) -> Mapping[str, FeatureSplit]:
         """Module prefix -> the features this rank owns and reads, for every split module."""
         self._check_rank(rank)
         if rank in self._features:
-            return dict(self._features[rank])
+            return MappingProxyType(self._features[rank])
         out: dict[str, FeatureSplit] = {}
         for module, rule in self.rules.items():
             total = self.extents[module]
@@ -199,11 +200,11 @@ class LayoutPlan:
                 read = (own[0] // BLOCK * BLOCK, min(-(-own[1] // BLOCK) * BLOCK, total))
             out[module] = FeatureSplit(rule.axis or "out", own, read, total)
         self._features[rank] = out
-        return dict(out)
+        return MappingProxyType(out)
 
-    def slices(self, rank: int) -> dict[str, SliceSpec | None]:
-        """Every tensor -> the slice rank `rank` holds (None: the whole tensor, replicated)."""
-        return dict(self._slices_of(rank))
+    def slices(self, rank: int) -> Mapping[str, SliceSpec | None]:
+        """Every tensor -> the slice rank `rank` holds (None: the whole tensor, replicated). Read-only."""
+        return MappingProxyType(self._slices_of(rank))
 
     def _slices_of(self, rank: int) -> dict[str, SliceSpec | None]:
         if rank in self._slices:
