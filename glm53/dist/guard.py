@@ -111,6 +111,7 @@ class Guard:
         self._stop = threading.Event()
         self._failed = threading.Event()
         self._lock = threading.Lock()
+        self._handled = threading.Event()
         self._reported = False
         self._thread: threading.Thread | None = None
         self._store: dist.TCPStore | None = None
@@ -237,13 +238,14 @@ class Guard:
             if first:
                 self.failure = message
         if not first:
-            if from_main:
-                time.sleep(1.0)  # the other thread is ending the process; do not race it with a traceback
+            if from_main:  # the guard thread is ending the process: do not race it with a traceback
+                self._handled.wait(self.linger_s + 10.0)
             return
         self._failed.set()
         self.report_failure(message)
         time.sleep(self.linger_s)
         self.on_failure(message, code)
+        self._handled.set()  # reached only when on_failure returns instead of exiting
 
 
 def _seq_of(value: str) -> int:

@@ -94,7 +94,8 @@ def rendezvous(
         store=dist.PrefixStore("glm53/pg", store),
         rank=spec.rank,
         world_size=spec.world_size,
-        timeout=timedelta(seconds=settings.collective_timeout_s),
+        # later than the guard's own timeout, so the guard (which names the late ranks) speaks first
+        timeout=timedelta(seconds=settings.collective_timeout_s + settings.dead_after_s + 5.0),
         device_id=device if backend == "nccl" else None,
     )
     guard = Guard(spec.master, spec.master_port, spec.rank, spec.world_size, settings, on_failure,
