@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 from .context import Invocation, ensure_quiet, say
 from .errors import ExitCode, SeriesToolError
 from .git_ops import BRANCH, GitResult, Workdir, sha256_file
 from .lint import require_structure
-from .patchfile import PatchFile, hunk_at, read_patch
+from .patchfile import hunk_at, read_patch
 from .series import Pin, Series
 
 FAILED_AT_RE = re.compile(r"^error: patch failed: (.+):(\d+)$", re.M)
@@ -104,6 +103,18 @@ def apply_patches(wd: Workdir, series: Series, inv: Invocation, stamp: dict, sta
         say(f"applied {name}")
 
 
+def guard_series_branch(wd: Workdir, inv: Invocation, pin: Pin, stamp: dict | None) -> str | None:
+    """The series branch's tip; refuse when it holds commits this tool did not make."""
+    branch_tip = wd.resolve(f"refs/heads/{BRANCH}")
+    ours = {pin.commit, stamp.get("head") if stamp else None}
+    if branch_tip is not None and branch_tip not in ours:
+        raise SeriesToolError(ExitCode.BAD_STATE, (
+            f"branch {BRANCH} in {wd.path} holds commits apply.py did not make (your unexported "
+            f"work?); refusing to overwrite it. Keep them: {inv.command('export')}; or drop them: "
+            f"{inv.git_command('checkout', '--detach')} && {inv.git_command('branch', '-D', BRANCH)}"))
+    return branch_tip
+
+
 def run_apply(inv: Invocation, upstream_tag: str | None, fetch: bool) -> int:
     series = inv.series()
     require_structure(series)
@@ -124,13 +135,7 @@ def run_apply(inv: Invocation, upstream_tag: str | None, fetch: bool) -> int:
         say(f"up to date: {len(want)} patches applied on {pin.tag} ({pin.commit[:12]}) "
             f"in {wd.path}")
         return ExitCode.OK
-    branch_tip = wd.resolve(f"refs/heads/{BRANCH}")
-    ours = {pin.commit, stamp.get("head") if stamp else None}
-    if branch_tip is not None and branch_tip not in ours:
-        raise SeriesToolError(ExitCode.BAD_STATE, (
-            f"branch {BRANCH} in {wd.path} holds commits apply.py did not make (your unexported "
-            f"work?); refusing to overwrite it. Keep them: {inv.command('export')}; or drop them: "
-            f"{inv.git_command('checkout', '--detach')} && {inv.git_command('branch', '-D', BRANCH)}"))
+    branch_tip = guard_series_branch(wd, inv, pin, stamp)
     start = 0
     applied = stamp.get("applied", []) if stamp else []
     if stamp and stamp.get("pin") == pin.commit and branch_tip == stamp.get("head") \

@@ -75,8 +75,9 @@ def ensure_quiet(wd: Workdir, inv: Invocation, *, allow_dirty: bool = False) -> 
                               f"{inv.command('rebase', '--skip')}\n  {inv.command('rebase', '--abort')}")
     if wd.am_in_progress() or wd.git_rebase_in_progress():
         raise SeriesToolError(ExitCode.BAD_STATE, f"a git am or rebase is in progress in {wd.path} "
-                              f"(not started by apply.py); finish or abort it: "
-                              f"{inv.git_command('am', '--abort')} or {inv.git_command('rebase', '--abort')}")
+                              f"(an interrupted run, or your own); finish it, or abort it with "
+                              f"{inv.git_command('am', '--abort')} (or "
+                              f"{inv.git_command('rebase', '--abort')}), then run again")
     if not allow_dirty:
         dirty = wd.dirty_files()
         if dirty:

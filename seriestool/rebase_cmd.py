@@ -11,8 +11,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .apply_cmd import LACKS_BLOBS, failure_report
-from .context import Invocation, ensure_quiet, note, say
+from .apply_cmd import LACKS_BLOBS, failure_report, guard_series_branch
+from .context import Invocation, ensure_quiet, say
 from .errors import ExitCode, SeriesToolError
 from .export import record_stamp, write_export, report
 from .git_ops import BRANCH, REBASE_BRANCH, Workdir, sha256_file
@@ -66,6 +66,7 @@ def start(inv: Invocation, onto: str) -> int:
     require_structure(series)
     wd = Workdir.open_or_init(inv.workdir)
     ensure_quiet(wd, inv)
+    guard_series_branch(wd, inv, series.pin, wd.read_stamp())
     source = inv.source(series)
     wd.fetch_tag(source, onto, shallow=inv.shallow)
     onto_commit = wd.resolve(f"refs/tags/{onto}")

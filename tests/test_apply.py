@@ -1,7 +1,6 @@
 """apply.py and the series tool against real git repositories built by the tests."""
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -127,8 +126,9 @@ def test_foreign_commits_on_the_series_branch_are_not_overwritten(kit: Kit) -> N
     git(kit.workdir, "add", "NOTES")
     git(kit.workdir, "commit", "-qm", "my work")
     kit.series.write_text(kit.series.read_text() + NAMES[2] + "\n")
-    err = run(kit.args("apply"), ExitCode.BAD_STATE).stderr
-    assert "did not make" in err and "export" in err
+    for args in (kit.args("apply"), kit.args("rebase", "--onto", "v0.7.0")):
+        err = run(args, ExitCode.BAD_STATE).stderr
+        assert "did not make" in err and "export" in err
     assert subjects(kit, "HEAD~1") == ["my work"]
 
 
@@ -452,3 +452,26 @@ def test_bare_mirror_works_as_repo(kit: Kit, upstream: Upstream, tmp_path: Path)
     git(tmp_path, "clone", "-q", "--mirror", str(upstream.path), str(mirror))
     run(kit.args("apply", repo=mirror))
     assert git(kit.workdir, "rev-parse", "HEAD~3") == upstream.a
+
+
+def test_interrupted_git_am_is_refused(kit: Kit) -> None:
+    run(kit.args("apply"))
+    git(kit.workdir, "checkout", "-q", "--detach", "HEAD~2")
+    result = subprocess.run(["git", "am", str(kit.patches / NAMES[0])], cwd=kit.workdir,
+                            capture_output=True, text=True)
+    assert result.returncode != 0                                  # already applied there: stops
+    err = run(kit.args("apply"), ExitCode.BAD_STATE).stderr
+    assert "git am or rebase is in progress" in err and "am --abort" in err
+    assert "in progress: git am" in run(kit.args("status")).output
+
+
+def test_new_without_message_leaves_a_template_that_check_rejects(kit: Kit) -> None:
+    run(kit.args("apply"))
+    write(kit.workdir, "src/tf/server.py", "def serve():\n    return 'x'\n")
+    git(kit.workdir, "add", "-A")
+    out = run(kit.args("new", "draft")).output
+    assert "fill in What/Why/Verified/Not verified/Guarded-By" in out
+    err = run(kit.args("check"), ExitCode.SERIES_INVALID).stderr
+    assert "0004-draft.patch: header incomplete: `What:` is empty or TODO" in err
+    assert "bad name" not in err
+    assert "use lowercase" in run(kit.args("new", "Bad_Name"), ExitCode.USAGE).stderr
