@@ -9,6 +9,7 @@ from .git_ops import BRANCH, GitResult, Workdir, sha256_file
 from .lint import require_structure
 from .patchfile import hunk_at, read_patch
 from .series import Pin, Series
+from .transport import require_reachable
 
 FAILED_AT_RE = re.compile(r"^error: patch failed: (.+):(\d+)$", re.M)
 LACKS_BLOBS = "lacks necessary blobs"
@@ -122,10 +123,13 @@ def run_apply(inv: Invocation, upstream_tag: str | None, fetch: bool) -> int:
         raise SeriesToolError(ExitCode.PIN_MISMATCH, (
             f"--upstream {upstream_tag}: the series at {series.path} pins {series.pin.tag}. To move "
             f"the series to {upstream_tag}, run `apply.py rebase --onto {upstream_tag}`."))
-    source = inv.source(series) if fetch else None
+    if fetch:
+        require_reachable(inv.source(series))
+    elif not (inv.workdir / ".git").exists():
+        raise SeriesToolError(ExitCode.BAD_STATE, f"--no-fetch: no workdir at {inv.workdir} yet")
     wd = Workdir.open_or_init(inv.workdir)
     ensure_quiet(wd, inv)
-    fetch_and_verify(wd, inv, series, fetch=fetch and source is not None)
+    fetch_and_verify(wd, inv, series, fetch=fetch)
     pin = series.pin
     want = wanted(series)
     stamp = wd.read_stamp()

@@ -18,7 +18,7 @@ import git
 
 from .errors import ExitCode, SeriesToolError
 from .series import write_atomic
-from .transport import Source, probe
+from .transport import Source
 
 BRANCH = "glm53-series"            # the applied series lives here in the workdir
 REBASE_BRANCH = "glm53-series-rebase"
@@ -242,13 +242,6 @@ class Workdir:
         kwargs = {"no_tags": True, "force": True}
         if shallow:
             kwargs["depth"] = 1
-        if source.is_remote:
-            reason = probe(source.spec)
-            if reason:
-                raise SeriesToolError(ExitCode.UNREACHABLE, (
-                    f"upstream {source.spec} is unreachable ({reason}). Work offline with "
-                    "--repo PATH (a local clone or bare mirror of the upstream), or with --no-fetch "
-                    "when the workdir already holds the tag."))
         print(f"fetching tag {tag} from {source.spec}", file=sys.stderr)
         with self.repo.git.custom_environment(GIT_ALLOW_PROTOCOL=allowed):
             try:

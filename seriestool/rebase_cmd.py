@@ -18,6 +18,7 @@ from .export import record_stamp, write_export, report
 from .git_ops import BRANCH, REBASE_BRANCH, Workdir, sha256_file
 from .lint import require_structure
 from .series import Pin, Series, write_atomic
+from .transport import require_reachable
 
 STATE_FILE = "glm53-kit-rebase.json"
 
@@ -64,10 +65,11 @@ def fingerprint(series: Series) -> dict[str, str]:
 def start(inv: Invocation, onto: str) -> int:
     series = inv.series()
     require_structure(series)
+    source = inv.source(series)
+    require_reachable(source)
     wd = Workdir.open_or_init(inv.workdir)
     ensure_quiet(wd, inv)
     guard_series_branch(wd, inv, series.pin, wd.read_stamp())
-    source = inv.source(series)
     wd.fetch_tag(source, onto, shallow=inv.shallow)
     onto_commit = wd.resolve(f"refs/tags/{onto}")
     if onto_commit is None:

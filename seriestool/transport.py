@@ -112,3 +112,15 @@ def probe(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
     if not result:
         return f"{host}:{port}: no answer within {timeout_s:.0f} s"
     return result[0]
+
+
+def require_reachable(source: Source) -> None:
+    """Fail in seconds, before anything is created, when an https upstream cannot be reached."""
+    if not source.is_remote:
+        return
+    reason = probe(source.spec)
+    if reason:
+        raise SeriesToolError(ExitCode.UNREACHABLE, (
+            f"upstream {source.spec} is unreachable ({reason}). Work offline with --repo PATH "
+            "(a local clone or bare mirror of the upstream), or with --no-fetch when the workdir "
+            "already holds the tag."))

@@ -416,6 +416,7 @@ def test_apply_fails_fast_when_the_upstream_is_unreachable_and_no_fetch_works_of
     err = run(["apply", "--series", str(kit.series)], ExitCode.UNREACHABLE).stderr
     assert time.monotonic() - started < 6
     assert "is unreachable" in err and "--repo PATH" in err
+    assert not kit.workdir.exists()                               # nothing created
     run(kit.args("apply"))                                        # from the local mirror
     out = run(["apply", "--no-fetch", "--series", str(kit.series)]).output
     assert "up to date: 3 patches" in out
