@@ -117,6 +117,11 @@ def resume(inv: Invocation, action: str) -> int:
         return _advance(wd, inv, series, state)
     name = state.current
     resolved_to_nothing = False
+    if not wd.am_in_progress() and action == "continue" and wd.head() == state.head_before:
+        raise SeriesToolError(ExitCode.BAD_STATE, (
+            f"git am is no longer in progress and nothing was committed for {name} (was `git am "
+            f"--abort` or `--skip` run by hand?). Drop the patch with {inv.command('rebase', '--skip')}"
+            f" or stop with {inv.command('rebase', '--abort')}."))
     if wd.am_in_progress():
         result = wd.am_control("continue" if action == "continue" else "skip")
         if not result.ok and action == "continue" and "No changes" in result.output \
@@ -133,6 +138,8 @@ def resume(inv: Invocation, action: str) -> int:
         state.outcomes[name] = "skipped" if action == "skip" else "absorbed upstream (resolved to nothing)"
         if wd.am_in_progress():
             wd.am_control("skip")
+        if wd.head() != state.head_before:   # committed by hand, then skipped: drop it for real
+            wd.must("reset", "-q", "--hard", state.head_before)
     else:
         state.outcomes[name] = "applied after resolving a conflict"
         state.commits[name] = wd.head()

@@ -476,3 +476,13 @@ def test_new_without_message_leaves_a_template_that_check_rejects(kit: Kit) -> N
     assert "0004-draft.patch: header incomplete: `What:` is empty or TODO" in err
     assert "bad name" not in err
     assert "use lowercase" in run(kit.args("new", "Bad_Name"), ExitCode.USAGE).stderr
+
+
+def test_continue_after_a_hand_run_am_abort_is_refused_then_abort_restores(kit: Kit) -> None:
+    before = start_conflict(kit)
+    git(kit.workdir, "am", "--abort")
+    err = run(kit.args("rebase", "--continue"), ExitCode.BAD_STATE).stderr
+    assert "no longer in progress" in err
+    run(kit.args("rebase", "--abort"))
+    assert kit.snapshot() == before
+    assert "up to date" in run(kit.args("apply")).output
