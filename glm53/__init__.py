@@ -1,1 +1,38 @@
-"""glm53 package."""
+"""glm53: the full GLM-5.3 (`model_type` glm_moe_dsa) as a TensorFold model family.
+
+The family contract (TensorFold v0.6.0 families/<name>/):
+    MODEL_TYPES = ("glm_moe_dsa",)
+    check(model_dir) -> None            raises, naming file and field/tensor, for what cannot be served
+    cuda_engine(model_dir, *, drafter=None, tp=1, rank=0, master="127.0.0.1", master_port=29551,
+                no_drafts=False, mtp_drafts=None, **options) -> engine with eos, generate(), follow()
+It also runs on the CPU (options device="cpu" or TF_GLM53_DEVICE=cpu). See glm53/ENGINE.md.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from glm53.config import MODEL_TYPE
+
+MODEL_TYPES = (MODEL_TYPE,)
+
+
+def check(model_dir: str | Path) -> None:
+    """None when this family can serve `model_dir`; otherwise raises ValueError (ConfigError,
+    CheckpointError) whose message names the file and the field or tensor."""
+    from glm53.weights_loader import check_checkpoint
+
+    check_checkpoint(model_dir)
+
+
+def cuda_engine(model_dir: str | Path, *, drafter: Any = None, tp: int = 1, rank: int = 0,
+                master: str = "127.0.0.1", master_port: int = 29551, no_drafts: bool = False,
+                mtp_drafts: int | None = None, **options: Any):
+    """The engine TensorFold's CLI starts on every rank (rank 0 serves; others call follow())."""
+    from glm53.engine import Glm53Engine
+
+    return Glm53Engine(model_dir, drafter=drafter, tp=tp, rank=rank, master=master, master_port=master_port,
+                       no_drafts=no_drafts, mtp_drafts=mtp_drafts, **options)
+
+
+__all__ = ["MODEL_TYPES", "check", "cuda_engine"]

@@ -1,0 +1,314 @@
+"""The GLM-5.3 engine behind TensorFold's family contract (and the kit's own front).
+
+One engine serves one stream: requests run one at a time. It keeps the KV rows of the last
+conversation (`self.state`) so the next request that extends it prefills only the new tokens
+(reuse ends at the canonical prefill frontier, floored to the prefill grid), and it hands its rows
+to an optional prefix cache (kv_cache.PrefixCache) for longer-lived reuse. See glm53/ENGINE.md.
+
+Knobs (options override the environment):
+    TF_GLM53_DEVICE         cuda | cpu (default: cuda when available)
+    TF_GLM53_DTYPE          bf16 | fp32 compute dtype (default: bf16 on cuda, fp32 on cpu)
+    TF_GLM53_KV_DTYPE       bf16 | fp8 | fp32 latent-cache dtype (default bf16)
+    TF_GLM53_PREFILL_CHUNK  prefill grid size C (default 2048 on cuda, 256 on cpu)
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from glm53.config import Glm53Config
+from glm53.kv_state import KVState, kv_dtype_from_env
+from glm53.model.parallel import RankPlan
+from glm53.model.transformer import ForwardOutput, Glm53Model
+from glm53.sampling import SamplingParams, sample
+from glm53.weights_loader import load_weights
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+OnTokens = Callable[[list[int]], Any]
+
+
+class EngineError(ValueError):
+    """A request or option the engine cannot take; the message names the field and the remedy."""
+
+
+def _env_choice(name: str, value: str | None, choices: Sequence[str], default: str) -> str:
+    text = value if value is not None else os.environ.get(name, default)
+    text = str(text).strip().lower()
+    if text not in choices:
+        raise EngineError(f"{name}={text!r}: choose one of {', '.join(choices)}")
+    return text
+
+
+def _env_int(name: str, value: int | None, default: int) -> int:
+    if value is not None:
+        n = value
+    else:
+        raw = os.environ.get(name)
+        try:
+            n = int(raw) if raw not in (None, "") else default
+        except ValueError:
+            raise EngineError(f"{name}={raw!r}: expected a positive integer") from None
+    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+        raise EngineError(f"{name}={n!r}: expected a positive integer")
+    return n
+
+
+def prefill_pieces(start: int, stop: int, chunk: int) -> list[tuple[int, int]]:
+    """[start, stop) cut at every multiple of `chunk`: chunk k covers [kC, (k+1)C) whatever the
+    prompt's length and wherever the run starts."""
+    pieces, pos = [], start
+    while pos < stop:
+        end = min((pos // chunk + 1) * chunk, stop)
+        pieces.append((pos, end))
+        pos = end
+    return pieces
+
+
+class _Cancelled(Exception):
+    """on_tokens returned False: the client went away."""
+
+
+class Glm53Target:
+    """The drafter's Target protocol (drafter/target.py) over this engine's model and one state.
+    Positions below `prompt_length` are canonical prefill (grid pieces, mode "prefill", they move
+    the frontier); later positions are decode / draft verification (mode "decode")."""
+
+    def __init__(self, engine: "Glm53Engine", state: KVState, prompt_length: int) -> None:
+        self.engine, self.state, self.prompt_length = engine, state, prompt_length
+        self.vocab_size = engine.cfg.vocab_size
+        self.forwards = 0
+
+    def length(self) -> int:
+        return self.state.length
+
+    def canonical_frontier(self) -> int:
+        return self.state.frontier
+
+    def truncate(self, length: int) -> None:
+        self.state.truncate(length)
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.engine.model.plan.embed(self.engine.model.w.embed, token_ids.to(self.engine.device)).float()
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.engine.model.logits(hidden.to(self.engine.model.dtype))
+
+    def forward(self, tokens: Sequence[int], start: int, *, taps: Sequence[int] = ()):  # -> drafter WindowOutput
+        from drafter.target import WindowOutput
+
+        outs = self.engine.run(self.state, list(tokens), start, self.prompt_length, taps=tuple(taps), all_logits=True)
+        self.forwards += 1
+        hidden = torch.cat([o.hidden for o in outs])
+        taken = {k: torch.cat([o.taps[k] for o in outs]) for k in taps}
+        return WindowOutput(start=start, logits=self.engine.model.logits(hidden), hidden=hidden, taps=taken)
+
+
+class Glm53Engine:
+    def __init__(self, model_dir: str | Path, *, drafter: Any = None, tp: int = 1, rank: int = 0,
+                 master: str = "127.0.0.1", master_port: int = 29551, no_drafts: bool = False,
+                 mtp_drafts: int | None = None, device: str | None = None, dtype: str | None = None,
+                 kv_dtype: str | None = None, prefill_chunk: int | None = None, prefix_cache: Any = None,
+                 plan: RankPlan | None = None, reuse_live: bool = True,
+                 progress: Callable[[str], None] | None = None, **unknown: Any) -> None:
+        if unknown:
+            raise EngineError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
+        if tp < 1 or not 0 <= rank < tp:
+            raise EngineError(f"--tp {tp} --rank {rank}: ranks run 0..tp-1")
+        self.model_dir = Path(model_dir)
+        self.cfg = Glm53Config.from_dir(model_dir)
+        default_device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(_env_choice("TF_GLM53_DEVICE", device, ("cuda", "cpu"), default_device))
+        on_gpu = self.device.type == "cuda"
+        self.dtype_name = _env_choice("TF_GLM53_DTYPE", dtype, tuple(DTYPES), "bf16" if on_gpu else "fp32")
+        self.kv_dtype = kv_dtype_from_env() if kv_dtype is None else _env_choice("kv_dtype", kv_dtype, ("bf16", "fp8", "fp32"), "bf16")
+        self.chunk = _env_int("TF_GLM53_PREFILL_CHUNK", prefill_chunk, 2048 if on_gpu else 256)
+        self.plan = plan or RankPlan(world=tp, rank=rank)
+        self.master, self.master_port = master, master_port
+        self.drafter, self.no_drafts, self.mtp_drafts = drafter, no_drafts, mtp_drafts
+        self.prefix_cache = prefix_cache
+        self.reuse_live = reuse_live
+        weights = load_weights(model_dir, self.cfg, plan=self.plan, dtype=DTYPES[self.dtype_name],
+                               device=self.device, progress=progress or (lambda s: None))
+        self.model = Glm53Model(self.cfg, weights, self.plan, DTYPES[self.dtype_name], self.device)
+        self.eos: list[int] = list(self.cfg.eos_token_ids)
+        self.vocab_size = self.cfg.vocab_size
+        self.state: KVState | None = None  # the retained conversation
+        self.last_stats: dict[str, Any] = {}
+        self.trace: list[tuple[int, torch.Tensor]] | None = None  # tests: set to [] to record (position, logits)
+
+    # ---- the forward over a window, split into canonical prefill pieces and decode rows -------
+    @torch.inference_mode()
+    def run(self, state: KVState, tokens: list[int], start: int, prompt_length: int, *,
+            taps: tuple[int, ...] = (), all_logits: bool = False) -> list[ForwardOutput]:
+        """Forward `tokens` at [start, start + n): rows below prompt_length in grid pieces (prefill,
+        advancing the frontier when contiguous with it), the rest in one decode window."""
+        outs: list[ForwardOutput] = []
+        stop = start + len(tokens)
+        split = max(start, min(stop, prompt_length))
+        for a, b in prefill_pieces(start, split, self.chunk):
+            outs.append(self.model.forward(state, tokens[a - start:b - start], a, "prefill", taps))
+            if state.frontier == a:
+                state.frontier = b
+        if split < stop:
+            outs.append(self.model.forward(state, tokens[split - start:], split, "decode", taps))
+        return outs
+
+    # ---- reuse ------------------------------------------------------------------------------
+    def _state_for(self, prompt: list[int]) -> tuple[KVState, int]:
+        """A state holding reusable rows for a prefix of `prompt`, and how many rows it holds."""
+        state = self.state if self.state is not None else self.model.new_state(self.kv_dtype)
+        if self.prefix_cache is not None:
+            hit = self.prefix_cache.lookup(prompt, live_tokens=list(state.tokens), live_frontier=state.frontier)
+            if hit.chunks:
+                state.truncate(min(hit.live_tokens, hit.first_chunk * self.chunk))
+                hit.restore(lambda k, rows: state.import_rows(
+                    k * self.chunk, rows, prompt[k * self.chunk:(k + 1) * self.chunk]))
+            state.truncate(hit.reused_tokens)
+            return state, hit.reused_tokens
+        if not self.reuse_live:
+            state.truncate(0)
+            return state, 0
+        common = 0
+        for a, b in zip(state.tokens, prompt):
+            if a != b:
+                break
+            common += 1
+        # within the canonical extent, leave the last prompt token to compute, floor to the grid
+        n = max(0, min(common, state.frontier, len(prompt) - 1))
+        n = (n // self.chunk) * self.chunk
+        state.truncate(n)
+        return state, n
+
+    def store_prefix(self, prompt: list[int], state: KVState) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.store(prompt, min(state.frontier, len(prompt)),
+                                    lambda k: state.export_rows(k * self.chunk, (k + 1) * self.chunk))
+
+    # ---- the contract -------------------------------------------------------------------------
+    def _params(self, sampling: Any) -> SamplingParams:
+        if sampling is None:
+            return SamplingParams()
+        if isinstance(sampling, SamplingParams):
+            return sampling
+        if isinstance(sampling, dict):
+            return SamplingParams.from_request(sampling)
+        raise EngineError(f"sampling must be SamplingParams, a dict or None; got {type(sampling).__name__}")
+
+    def _check_prompt(self, prompt: Any, max_tokens: Any) -> list[int]:
+        if not isinstance(prompt, (list, tuple)) or not prompt:
+            raise EngineError("prompt must be a non-empty list of token ids")
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prompt):
+            bad = next(t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size)
+            raise EngineError(f"prompt token {bad!r} is not an id in [0, {self.vocab_size})")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+            raise EngineError(f"max_tokens must be an integer >= 0, got {max_tokens!r}")
+        if len(prompt) + max_tokens > self.cfg.max_position_embeddings:
+            raise EngineError(f"prompt ({len(prompt)}) + max_tokens ({max_tokens}) exceed the context "
+                              f"({self.cfg.max_position_embeddings} positions)")
+        return list(prompt)
+
+    @torch.inference_mode()
+    def generate(self, prompt: list[int], max_tokens: int, sampling: Any = None,
+                 on_tokens: OnTokens | None = None) -> list[int]:
+        """Decide up to max_tokens tokens after `prompt`. `on_tokens(new)` gets each decided batch;
+        returning False stops the request. An eos token ends the reply and is part of it (unless
+        ignore_eos). Returns the reply; `last_stats` describes the request."""
+        prompt = self._check_prompt(prompt, max_tokens)
+        params = self._params(sampling).with_seed()
+        t0 = time.perf_counter()
+        state, cached = self._state_for(prompt)
+        self.state = state
+        stats: dict[str, Any] = {"prompt_tokens": len(prompt), "cached_tokens": cached, "completion_tokens": 0,
+                                 "prefill_tokens": len(prompt) - cached, "seed": params.seed,
+                                 "finish_reason": "length", "drafted": False}
+        self.last_stats = stats
+        reply: list[int] = []
+        eos = frozenset(self.eos)
+        if max_tokens == 0:
+            return reply
+        outs = self.run(state, prompt[cached:], cached, len(prompt))
+        self.store_prefix(prompt, state)
+        logits = self.model.logits(outs[-1].hidden[-1:])[0]
+        t_first = time.perf_counter()
+        stats["ttft_s"] = t_first - t0
+        use_drafts = self.drafter is not None and params.draft and not self.no_drafts
+        stats["drafted"] = use_drafts
+        try:
+            if use_drafts:
+                reply = self._drafted(state, prompt, logits, params, max_tokens, eos, on_tokens, stats)
+            else:
+                reply = self._serial(state, prompt, logits, params, max_tokens, eos, on_tokens, stats)
+        finally:
+            stats["completion_tokens"] = len(reply)
+            stats["decode_s"] = time.perf_counter() - t_first
+        return reply
+
+    def _serial(self, state: KVState, prompt: list[int], logits: torch.Tensor, params: SamplingParams,
+                max_tokens: int, eos: frozenset[int], on_tokens: OnTokens | None, stats: dict) -> list[int]:
+        reply: list[int] = []
+        pos = len(prompt)
+        while True:
+            if self.trace is not None:
+                self.trace.append((pos, logits.clone()))
+            token = sample(logits, params, pos)
+            reply.append(token)
+            if token in eos and not params.ignore_eos:
+                stats["finish_reason"] = "stop"
+                return reply
+            if on_tokens is not None and on_tokens([token]) is False:
+                stats["finish_reason"] = "cancelled"
+                return reply
+            if len(reply) >= max_tokens:
+                return reply
+            out = self.model.forward(state, [token], pos, "decode")
+            logits = self.model.logits(out.hidden[-1:])[0]
+            pos += 1
+
+    def _drafted(self, state: KVState, prompt: list[int], logits: torch.Tensor, params: SamplingParams,
+                 max_tokens: int, eos: frozenset[int], on_tokens: OnTokens | None, stats: dict) -> list[int]:
+        """Drafted decoding through drafter.decode_loop (the prompt is already prefilled: the loop's
+        own prefill sees a one-row window, the last prompt token, recomputed in decode mode after
+        truncating it). Plug point for the drafter work; see ENGINE.md."""
+        from drafter.decode_loop import StopRule, drafted_decode
+
+        reply: list[int] = []
+
+        def forward_tokens(new: list[int]) -> None:
+            reply.extend(new)
+            if on_tokens is not None and on_tokens(new) is False:
+                raise _Cancelled
+
+        target = Glm53Target(self, state, len(prompt))
+        state.truncate(len(prompt) - 1)  # the loop's prefill recomputes the last prompt row (decode mode)
+        try:
+            result = drafted_decode(target, prompt, lambda row, pos: sample(row, params, pos),
+                                    StopRule(max_tokens, eos, params.ignore_eos), self.drafter,
+                                    on_tokens=forward_tokens)
+            stats["draft"] = result.stats.metrics() if hasattr(result.stats, "metrics") else {}
+            if result.tokens and result.tokens[-1] in eos and not params.ignore_eos:
+                stats["finish_reason"] = "stop"
+            return result.tokens
+        except _Cancelled:
+            stats["finish_reason"] = "cancelled"
+            state.truncate(min(state.length, len(prompt) + len(reply) - 1))
+            return reply
+
+    def follow(self) -> None:
+        """The loop of a non-zero rank, executing what rank 0 decides. World 1: nothing to follow."""
+        if self.plan.world == 1:
+            return
+        raise NotImplementedError("multi-rank follow() comes with glm53.dist (the layout work)")
+
+
+def build_engine(model_dir: str | Path, **kwargs: Any) -> Glm53Engine:
+    try:
+        return Glm53Engine(model_dir, **kwargs)
+    except Exception as exc:
+        print(f"glm53: cannot start the engine on {model_dir}: {exc}", file=sys.stderr)
+        raise

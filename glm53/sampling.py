@@ -1,0 +1,117 @@
+"""Token choice: greedy, or temperature / top-k / top-p / min-p sampling keyed by (seed, position).
+
+The randomness for the token at absolute position p depends only on the request's seed and p
+(Gumbel noise from a generator seeded by a hash of both, drawn on the CPU so every device draws the
+same), so a drafted reply and a serial one pick the same tokens from the same logits.
+Filters apply in this order: temperature, top-k, top-p, min-p; then Gumbel-max over what is left.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+class SamplingError(ValueError):
+    """A request field that cannot be used for sampling; the message names the field."""
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.0  # 0 => greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 => off
+    min_p: float = 0.0
+    seed: int | None = None
+    draft: bool = True
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        _check_number("temperature", self.temperature, 0.0, math.inf)
+        _check_number("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _check_number("min_p", self.min_p, 0.0, 1.0)
+        _check_int("top_k", self.top_k, 0)
+        if self.seed is not None:
+            _check_int("seed", self.seed, -(2 ** 63))
+        for name in ("draft", "ignore_eos"):
+            if not isinstance(getattr(self, name), bool):
+                raise SamplingError(f"'{name}' must be true or false, got {getattr(self, name)!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @classmethod
+    def from_request(cls, request: dict[str, Any]) -> "SamplingParams":
+        """Read the OpenAI-style fields of a request body; unknown fields are ignored, null means default."""
+        if not isinstance(request, dict):
+            raise SamplingError(f"the request must be a JSON object, got {type(request).__name__}")
+        kwargs = {name: request[name] for name in cls.__dataclass_fields__ if request.get(name) is not None}
+        for name in ("temperature", "top_p", "min_p"):
+            if name in kwargs and isinstance(kwargs[name], int) and not isinstance(kwargs[name], bool):
+                kwargs[name] = float(kwargs[name])
+        return cls(**kwargs)
+
+    def with_seed(self) -> "SamplingParams":
+        """These params with a seed drawn now when sampling needs one and the request gave none."""
+        if self.greedy or self.seed is not None:
+            return self
+        return SamplingParams(**{**self.__dict__, "seed": secrets.randbits(63)})
+
+
+def _check_number(name: str, value: Any, low: float, high: float, low_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise SamplingError(f"'{name}' must be a number, got {value!r}")
+    if value < low or value > high or (low_open and value == low):
+        bracket = "(" if low_open else "["
+        raise SamplingError(f"'{name}' is {value}; it must lie in {bracket}{low}, {high}]")
+
+
+def _check_int(name: str, value: Any, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SamplingError(f"'{name}' must be an integer, got {value!r}")
+    if value < low:
+        raise SamplingError(f"'{name}' is {value}; it must be >= {low}")
+
+
+def noise_key(seed: int, position: int) -> int:
+    digest = hashlib.blake2b(f"glm53-sampling:{seed}:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def gumbel_noise(seed: int, position: int, n: int) -> torch.Tensor:
+    gen = torch.Generator(device="cpu").manual_seed(noise_key(seed, position))
+    u = torch.rand(n, generator=gen, dtype=torch.float64).clamp_(min=1e-300)
+    return -torch.log(-torch.log(u))
+
+
+def filtered_logprobs(logits_row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """fp64 log-probabilities after temperature and the filters; -inf where filtered out."""
+    logits = logits_row.detach().to("cpu", torch.float64) / params.temperature
+    if 0 < params.top_k < logits.shape[0]:
+        kth = logits.topk(params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    logp = torch.log_softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_lp, order = logp.sort(descending=True, stable=True)
+        before = torch.cumsum(sorted_lp.exp(), 0) - sorted_lp.exp()  # mass strictly above each token
+        drop_sorted = before >= params.top_p  # keep the smallest prefix reaching top_p (never the first)
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        logp = logp.masked_fill(drop, -math.inf)
+    if params.min_p > 0.0:
+        logp = logp.masked_fill(logp < logp.max() + math.log(params.min_p), -math.inf)
+    return logp
+
+
+def sample(logits_row: torch.Tensor, params: SamplingParams, position: int) -> int:
+    """The token for absolute position `position` given that position's logits row [vocab]."""
+    if params.greedy:
+        return int(torch.argmax(logits_row).item())  # first maximum on ties
+    if params.seed is None:
+        raise SamplingError("sampling at temperature > 0 needs a seed; call SamplingParams.with_seed() per request")
+    logp = filtered_logprobs(logits_row, params)
+    return int(torch.argmax(logp + gumbel_noise(params.seed, position, logp.shape[0])).item())
