@@ -1,0 +1,199 @@
+"""The supervisor: starts the ranks (highest first, rank 0 last), follows their progress, says
+READY when rank 0 answers and a smoke completion went through every rank, and stops the whole lane
+when any rank dies (naming it) or when told to stop (SIGTERM).
+
+It runs detached (`python -m launcher supervise RUN_DIR`) so that serve.sh can return; its state
+is RUN_DIR/lane.json, each rank's output RUN_DIR/rankN.log (kept after stop).
+"""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+
+from launcher.commands import rank_command, stop_command
+from launcher.config import LaneConfig, Node
+from launcher.nodes import node_argv, run
+from launcher.state import write_json
+
+EXIT_RANK_DIED = 4
+EXIT_NOT_READY = 5
+EXIT_SMOKE_FAILED = 6
+EXIT_CODES_EXPLAINED = {3: "its HTTP port is taken", 70: "the engine failed", 75: "the memory guard stopped it",
+                        255: "ssh lost the connection", -9: "killed (SIGKILL)", -15: "terminated (SIGTERM)",
+                        137: "killed (SIGKILL)", 143: "terminated (SIGTERM)"}
+SMOKE = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8, "temperature": 0}
+
+
+def http_base(config: LaneConfig) -> str:
+    host = config.nodes[0].fabric_address if not config.nodes[0].is_local else "127.0.0.1"
+    if config.listen not in ("0.0.0.0", "::"):
+        host = config.listen if config.nodes[0].is_local else host
+    return f"http://{host}:{config.port}"
+
+
+def tail(path: Path, lines: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return "(no log)"
+
+
+class RankProcess:
+    """One rank's ssh (or local bash) process, its log, and its last reported state."""
+
+    def __init__(self, node: Node, argv: list[str], log_path: Path) -> None:
+        self.node, self.log_path = node, log_path
+        self.state: dict[str, Any] = {"rank": node.rank, "node": node.host, "state": "starting"}
+        self._log: IO[str] = open(log_path, "a", buffering=1)
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     text=True, bufsize=1, start_new_session=True)
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._log.write(line)
+            if line.startswith("@state "):
+                try:
+                    self.state.update(json.loads(line[7:]))
+                except json.JSONDecodeError:
+                    pass
+        self._log.flush()
+
+    def exit_code(self) -> int | None:
+        return self.proc.poll()
+
+    def close(self) -> None:
+        self.reader.join(timeout=5)
+        self._log.close()
+
+
+class Supervisor:
+    def __init__(self, config: LaneConfig, model: str, run_dir: Path, ready_timeout: float) -> None:
+        self.config, self.model, self.run_dir, self.ready_timeout = config, model, run_dir, ready_timeout
+        self.ranks: dict[int, RankProcess] = {}
+        self.phase, self.message = "starting", ""
+        self.t0 = time.monotonic()
+        self.stop_requested = threading.Event()
+
+    def write_state(self) -> None:
+        write_json(self.run_dir / "lane.json", {
+            "pid": __import__("os").getpid(), "port": self.config.port, "phase": self.phase, "message": self.message,
+            "url": http_base(self.config), "elapsed_s": round(time.monotonic() - self.t0, 1),
+            "ranks": [{**r.state, "exit": r.exit_code(), "log": str(r.log_path)} for _, r in sorted(self.ranks.items())]})
+
+    def start_ranks(self) -> None:
+        for node in sorted(self.config.nodes, key=lambda n: -n.rank):  # highest first, rank 0 last
+            argv = node_argv(node, self.config, rank_command(self.config, node, self.model))
+            self.ranks[node.rank] = RankProcess(node, argv, self.run_dir / f"rank{node.rank}.log")
+            self.write_state()
+
+    def dead_rank(self) -> RankProcess | None:
+        for _, r in sorted(self.ranks.items()):
+            if r.exit_code() is not None:
+                return r
+        return None
+
+    def describe_death(self, r: RankProcess) -> str:
+        code = r.exit_code()
+        why = EXIT_CODES_EXPLAINED.get(code, "")
+        return (f"rank {r.node.rank} on {r.node.host} exited with code {code}{' (' + why + ')' if why else ''}; "
+                f"the lane is stopped. Its log: {r.log_path}")
+
+    def stop_all(self) -> None:
+        """Rank 0 first (no new requests), then the rest; SIGKILL whatever outlives 10 s."""
+        for signame, grace in (("TERM", 10.0), ("KILL", 5.0)):
+            live = [r for _, r in sorted(self.ranks.items()) if r.exit_code() is None]
+            if not live:
+                break
+            for r in live:
+                if r.node.is_local:
+                    try:
+                        r.proc.send_signal(signal.SIGTERM if signame == "TERM" else signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                else:
+                    run(r.node, self.config, stop_command(self.config, r.node, signame), timeout=15)
+            deadline = time.monotonic() + grace
+            while time.monotonic() < deadline and any(r.exit_code() is None for r in live):
+                time.sleep(0.1)
+        for r in self.ranks.values():
+            if r.exit_code() is None:  # the remote kill failed: at least drop the ssh session
+                r.proc.kill()
+                r.proc.wait()
+            r.close()
+
+    def wait_ready(self) -> int:
+        base = http_base(self.config)
+        deadline = time.monotonic() + self.ready_timeout
+        while time.monotonic() < deadline:
+            if self.stop_requested.is_set():
+                return 0
+            dead = self.dead_rank()
+            if dead:
+                self.phase, self.message = "failed", self.describe_death(dead)
+                return EXIT_RANK_DIED
+            try:
+                health = httpx.get(base + "/health", timeout=2)
+                if health.status_code == 200 and health.json().get("status") == "ok":
+                    return self.smoke(base)
+            except httpx.HTTPError:
+                pass
+            self.phase = "loading"
+            self.write_state()
+            time.sleep(0.3)
+        self.phase, self.message = "failed", f"rank 0 did not answer {base}/health within {self.ready_timeout:.0f} s"
+        return EXIT_NOT_READY
+
+    def smoke(self, base: str) -> int:
+        self.phase = "smoke"
+        self.write_state()
+        try:
+            r = httpx.post(base + "/v1/chat/completions", json={**SMOKE, "model": self.config.served_model},
+                           timeout=max(60.0, self.ready_timeout / 4))
+            body = r.json()
+            ok = r.status_code == 200 and body["usage"]["completion_tokens"] > 0
+            detail = f"HTTP {r.status_code}: {r.text[:300]}"
+        except (httpx.HTTPError, ValueError, KeyError) as exc:
+            ok, detail = False, f"{type(exc).__name__}: {exc}"
+        if not ok:
+            dead = self.dead_rank()
+            self.phase = "failed"
+            self.message = self.describe_death(dead) if dead else f"the smoke completion through all ranks failed: {detail}"
+            return EXIT_RANK_DIED if dead else EXIT_SMOKE_FAILED
+        self.phase = "ready"
+        self.message = (f"READY: {self.config.served_model} on {base} ({self.config.ranks} rank"
+                        f"{'s' if self.config.ranks > 1 else ''}); smoke completion: "
+                        f"{body['usage']['completion_tokens']} tokens, finish {body['choices'][0]['finish_reason']}")
+        return 0
+
+    def serve(self) -> int:
+        signal.signal(signal.SIGTERM, lambda *_: self.stop_requested.set())
+        signal.signal(signal.SIGINT, lambda *_: self.stop_requested.set())
+        self.start_ranks()
+        code = self.wait_ready()
+        self.write_state()
+        while code == 0 and not self.stop_requested.wait(0.2):
+            dead = self.dead_rank()
+            if dead:
+                self.phase, self.message, code = "failed", self.describe_death(dead), EXIT_RANK_DIED
+            if int(time.monotonic() - self.t0) % 5 == 0 or code:
+                self.write_state()
+        if code == 0:
+            self.phase, self.message = "stopping", "stopping on request"
+        self.write_state()
+        self.stop_all()
+        if code == 0:
+            self.phase, self.message = "stopped", "stopped on request; logs kept in " + str(self.run_dir)
+        self.write_state()
+        print(self.message, file=sys.stderr, flush=True)
+        return code
