@@ -12,7 +12,10 @@ from .git_ops import Workdir
 from .series import Series, parse_series
 from .transport import Source, validate_source
 
-DEFAULT_SERIES = Path(__file__).resolve().parent.parent / "series"
+def _default_series() -> Path:
+    """`series` at the kit root (beside apply.py); from an installed copy, the one in the cwd."""
+    beside = Path(__file__).resolve().parent.parent / "series"
+    return beside if beside.is_file() else Path.cwd() / "series"
 
 
 @dataclass
@@ -26,7 +29,7 @@ class Invocation:
     @classmethod
     def build(cls, series: str | None, workdir: str | None, repo: str | None,
               shallow: bool = False) -> "Invocation":
-        series_path = Path(series).resolve() if series else DEFAULT_SERIES
+        series_path = Path(series).resolve() if series else _default_series()
         work = Path(workdir).resolve() if workdir else series_path.parent / "build" / "tensorfold"
         given: list[str] = []
         if series:
