@@ -1,0 +1,161 @@
+"""Getting a checkpoint onto this machine (huggingface_hub), or finding the copy already here.
+
+Online: the hub's file list with sizes and LFS SHA-256 (`model_info(files_metadata=True)`) is
+written as the manifest first, then `snapshot_download` fetches (resumable, with progress; files
+already complete are skipped), pinned to the commit the revision resolved to.
+Offline (`--offline`, or the hub unreachable): the copy at `--dir`, or in the Hugging Face cache,
+is used without any network; none there is a clear error (exit 4).
+
+Revision: the default repo's revision is meant to be pinned in `PINNED_REVISIONS`. The real commit
+of vcruz305/GLM-5.3-EXL3-3.38bpw could not be looked up when this was written (no network), so the
+entry is a placeholder (None): without `--revision` the tool fetches `main`, warns, and records the
+commit `main` resolved to in the manifest (so the download itself is pinned after the fact; pass
+that commit as `--revision` on the other machines to get identical files).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from .manifest import Manifest, load_manifest, manifest_from_model_info, save_manifest
+
+DEFAULT_REPO = "vcruz305/GLM-5.3-EXL3-3.38bpw"
+DRAFTER_REPO = "incoai/GLM-5.3-DFlash2"
+DRAFTER_NOTICE = ("the drafter incoai/GLM-5.3-DFlash2 is CC BY-NC-ND 4.0: non-commercial use only, "
+                  "not to be redistributed; you fetch it yourself under its licence")
+# PLACEHOLDER: fill in the 40-hex commit once it can be looked up (huggingface.co/<repo>/commits/main).
+PINNED_REVISIONS: dict[str, str | None] = {DEFAULT_REPO: None, DRAFTER_REPO: None}
+
+
+class FetchError(RuntimeError):
+    """No checkpoint can be had (exit 4); the message says what to do."""
+
+
+@dataclass
+class Obtained:
+    model_dir: Path
+    manifest: Manifest | None
+    source: dict[str, Any]  # repo, revision, commit, online, endpoint
+
+
+def resolve_revision(repo: str, revision: str | None, warn: Callable[[str], None]) -> str:
+    if revision:
+        return revision
+    pinned = PINNED_REVISIONS.get(repo)
+    if pinned:
+        return pinned
+    warn(f"no pinned revision for {repo} (placeholder in glm53/weights/fetch.py): using 'main'; "
+         "the commit it resolves to is recorded in the manifest; pass --revision <commit> to pin")
+    return "main"
+
+
+def _connectivity_errors() -> tuple[type[BaseException], ...]:
+    from huggingface_hub.errors import OfflineModeIsEnabled
+
+    errors: list[type[BaseException]] = [OfflineModeIsEnabled, ConnectionError, TimeoutError]
+    for mod in ("httpx2", "httpx"):
+        try:
+            m = __import__(mod)
+            errors += [m.ConnectError, m.TimeoutException, m.NetworkError, m.RemoteProtocolError]
+        except (ImportError, AttributeError):
+            pass
+    return tuple(errors)
+
+
+def _has_weights(folder: Path) -> bool:
+    return folder.is_dir() and ((folder / "model.safetensors.index.json").exists() or any(folder.glob("*.safetensors")))
+
+
+def find_local_copy(repo: str, revision: str, local_dir: str | Path | None) -> Path | None:
+    """The copy at `local_dir`, else the cached snapshot for (repo, revision); no network."""
+    if local_dir is not None:
+        path = Path(local_dir)
+        return path if _has_weights(path) else None
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        path = Path(snapshot_download(repo, revision=revision, local_files_only=True))
+    except (LocalEntryNotFoundError, OSError, ValueError):
+        return None
+    return path if _has_weights(path) else None
+
+
+def use_local_copy(repo: str, revision: str, local_dir: str | Path | None, why: str) -> Obtained:
+    path = find_local_copy(repo, revision, local_dir)
+    if path is None:
+        where = f"at {local_dir}" if local_dir is not None else f"in the Hugging Face cache ({_cache_dir()}) for {repo}@{revision}"
+        raise FetchError(f"{why}, and there is no local copy {where}. Connect to the hub and run bash fetch_weights.sh"
+                         + (f" --dir {local_dir}" if local_dir is not None else "")
+                         + ", or pass --dir pointing at an existing copy (set HF_ENDPOINT for a mirror)")
+    manifest = load_manifest(path)
+    source = {"repo": repo, "revision": revision, "commit": manifest.commit if manifest else None, "online": False,
+              "note": why}
+    return Obtained(path, manifest, source)
+
+
+def _cache_dir() -> str:
+    from huggingface_hub import constants
+
+    return str(constants.HF_HUB_CACHE)
+
+
+def _snapshot_dir(repo: str, commit: str) -> Path:
+    from huggingface_hub.file_download import repo_folder_name
+
+    return Path(_cache_dir()) / repo_folder_name(repo_id=repo, repo_type="model") / "snapshots" / commit
+
+
+def fetch(
+    repo: str,
+    revision: str | None,
+    local_dir: str | Path | None,
+    *,
+    offline: bool = False,
+    warn: Callable[[str], None] = lambda m: None,
+    max_workers: int = 8,
+) -> Obtained:
+    """Download (or find offline) the checkpoint; writes the manifest before downloading."""
+    if offline or os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
+        quiet = local_dir is not None  # the revision only matters when looking in the cache
+        revision = resolve_revision(repo, revision, (lambda m: None) if quiet else warn)
+        return use_local_copy(repo, revision, local_dir, "offline mode")
+    revision = resolve_revision(repo, revision, warn)
+    from huggingface_hub import HfApi, constants, snapshot_download
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+
+    api = HfApi()
+    endpoint = str(constants.ENDPOINT)
+    try:
+        info = api.model_info(repo, revision=revision, files_metadata=True)
+    except GatedRepoError:
+        raise FetchError(f"{repo} is gated: accept its terms on the hub and set HF_TOKEN (or `hf auth login`)") from None
+    except RevisionNotFoundError:
+        raise FetchError(f"{repo} has no revision {revision!r}: check --revision") from None
+    except RepositoryNotFoundError:
+        raise FetchError(f"{repo} was not found on {endpoint} (or is private): check --repo, and HF_TOKEN for private repos") from None
+    except _connectivity_errors() as exc:
+        warn(f"the hub at {endpoint} is unreachable ({type(exc).__name__}); verifying the local copy instead")
+        return use_local_copy(repo, revision, local_dir, f"the hub at {endpoint} is unreachable")
+    except HfHubHTTPError as exc:
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+        if status is not None and status >= 500:
+            warn(f"the hub at {endpoint} answered {status}; verifying the local copy instead")
+            return use_local_copy(repo, revision, local_dir, f"the hub at {endpoint} answered {status}")
+        raise FetchError(f"the hub refused the request for {repo}@{revision}: {exc}") from None
+    manifest = manifest_from_model_info(info, repo, revision, endpoint)
+    target = Path(local_dir) if local_dir is not None else _snapshot_dir(repo, info.sha)
+    target.mkdir(parents=True, exist_ok=True)
+    save_manifest(target, manifest)  # first: an interrupted download keeps the hub's hashes
+    try:
+        got = snapshot_download(repo, revision=info.sha, local_dir=str(local_dir) if local_dir is not None else None,
+                                max_workers=max_workers)
+    except _connectivity_errors() as exc:
+        raise FetchError(f"the download from {endpoint} broke off ({type(exc).__name__}: {exc}); run the same command "
+                         "again: it resumes, keeping what is complete") from None
+    except (HfHubHTTPError, OSError) as exc:
+        raise FetchError(f"the download of {repo}@{info.sha} failed: {exc}; run the same command again to resume") from None
+    source = {"repo": repo, "revision": revision, "commit": info.sha, "online": True, "endpoint": endpoint}
+    return Obtained(Path(got), manifest, source)
