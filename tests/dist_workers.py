@@ -68,6 +68,8 @@ def suite(comm: Comm, out: Path) -> None:
         results[f"attn{n}_again_equal"] = bool(torch.equal(first[0], second[0]) and torch.equal(first[1], second[1]))
         h0, h1 = tp.head_ranges(HEADS, R)[r]
         results[f"attn{n}_heads"] = dcp.dcp_merge(comm, o, lse, heads=slice(h0, h1))
+        results[f"attn{n}_owners"] = dcp.dcp_merge_to_owners(comm, o, lse, tp.head_ranges(HEADS, R))
+        results[f"attn{n}_owners3"] = dcp.dcp_merge_to_owners(comm, o, lse, tp.head_ranges(HEADS, 3) + [(HEADS, HEADS)])
 
     # sparse selection all on rank 1's positions: every other rank owns none of it
     q, k, v = attention_inputs(40, seed=1)

@@ -126,6 +126,12 @@ def test_suite_at_four_ranks_from_torchrun_environment(tmp_path: Path) -> None:
             assert torch.equal(o, res[0][f"attn{n}"][0])  # same bits on every rank
             h0, h1 = tp.head_ranges(W.HEADS, R)[x["rank"]]
             assert torch.equal(x[f"attn{n}_heads"][0], o[h0:h1])
+            got_o, got_lse = x[f"attn{n}_owners"]  # the all-to-all variant: same bits for own heads
+            assert torch.equal(got_o, o[h0:h1]) and torch.equal(got_lse, lse[h0:h1])
+            # uneven ownership (3/3/2/0 heads): padding never leaks, an owner of no heads gets []
+            a, b = (tp.head_ranges(W.HEADS, 3) + [(W.HEADS, W.HEADS)])[x["rank"]]
+            got_o, got_lse = x[f"attn{n}_owners3"]
+            assert torch.equal(got_o, o[a:b]) and torch.equal(got_lse, lse[a:b])
 
     q, k, v = W.attention_inputs(40, seed=1)
     sel = torch.arange(1, 40, R)

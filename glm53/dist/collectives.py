@@ -36,6 +36,14 @@ class Comm:
             _all_gather_flat(out, flat)  # the concatenated form: gloo and NCCL both accept it
         return out.view(self.world_size, *tensor.shape)
 
+    def all_to_all(self, chunks: torch.Tensor, name: str = "all_to_all") -> torch.Tensor:
+        """chunks [R, *shape]: chunk j goes to rank j; returns [R, *shape], row i from rank i."""
+        chunks = chunks.contiguous()
+        out = torch.empty_like(chunks)
+        with self.guard.collective(name):
+            dist.all_to_all_single(out, chunks)
+        return out
+
     def sum_in_rank_order(self, tensor: torch.Tensor, name: str = "sum_in_rank_order") -> torch.Tensor:
         """Deterministic all-reduce: gather, then add in fixed rank order (fp32 accumulation)."""
         parts = self.all_gather(tensor, name)

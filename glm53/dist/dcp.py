@@ -148,6 +148,22 @@ def dcp_merge(comm: Comm, out: torch.Tensor, lse: torch.Tensor,
     return merge_partials(parts[..., :-1], parts[..., -1])
 
 
+def dcp_merge_to_owners(comm: Comm, out: torch.Tensor, lse: torch.Tensor,
+                        head_ranges: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Like dcp_merge(heads=own range) with 1/R of the bytes: one all-to-all sends each rank only
+    the heads it owns (padded to the largest range), then the same rank-order merge.
+    out [H, ...d], lse [H] over this rank's positions -> merged (out, lse) of this rank's heads."""
+    width = max(b - a for a, b in head_ranges)
+    packed = torch.cat([out.float().flatten(1), lse.float()[:, None]], dim=-1)  # [H, d + 1]
+    send = packed.new_zeros((len(head_ranges), width, packed.shape[-1]))
+    for j, (a, b) in enumerate(head_ranges):
+        send[j, : b - a] = packed[a:b]
+    got = comm.all_to_all(send, name="dcp_merge_to_owners")  # [R, width, d + 1], row i from rank i
+    a, b = head_ranges[comm.rank]
+    merged, merged_lse = merge_partials(got[:, : b - a, :-1], got[:, : b - a, -1])
+    return merged.view(b - a, *out.shape[1:]), merged_lse
+
+
 # ---- top-k with a deterministic tie-break ---------------------------------------------------
 def _orderable(scores: torch.Tensor) -> torch.Tensor:
     """fp32 scores -> int64 in [0, 2**32) with the same order (-0.0 and +0.0 equal)."""
