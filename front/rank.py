@@ -136,14 +136,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from front.chat import ChatText
-    from front.server import App, FrontSettings, prefix_cache_state
+    from front.server import App, FrontSettings, drafting_state, prefix_cache_state
     from glm53.config import Glm53Config
     from glm53.sampling import SamplingParams
 
     context = args.context or Glm53Config.from_dir(args.model).max_position_embeddings
     settings = FrontSettings(served_model=args.served_model_name, context=context,
                              default_max_tokens=args.default_max_tokens, ranks=args.ranks,
-                             prefix_cache=prefix_cache_state(engine))
+                             prefix_cache=prefix_cache_state(engine), drafting=drafting_state(engine),
+                             prefill_chunk=getattr(engine, "chunk", None))
     app = App(engine, ChatText(args.model), settings, SamplingParams.from_request)
     assert server is not None
     server.attach(app)

@@ -35,16 +35,27 @@ class FrontSettings:
     default_max_tokens: int = 1024  # when a request names no max_tokens
     ranks: int = 1
     prefix_cache: str = "absent"  # "on", "off" or "absent" (the engine has none): shown by /health
+    drafting: bool = False  # the engine drafts (speculative decoding) unless a request says "draft": false
+    prefill_chunk: int | None = None  # the engine's prefill grid: reuse happens in whole chunks
 
 
 def prefix_cache_state(engine: Any) -> str:
-    """What /health reports: off when TF_GLM53_PREFIX_CACHE=0, else the engine's own flag."""
+    """What /health reports about reuse: "off" when TF_GLM53_PREFIX_CACHE=0; else the engine's
+    `prefix_cache_enabled` flag if it has one; else "on" when it keeps a prefix cache object or
+    reuses the live conversation (glm53's `prefix_cache` / `reuse_live`); "absent" otherwise."""
     if os.environ.get("TF_GLM53_PREFIX_CACHE", "1") == "0":
         return "off"
     flag = getattr(engine, "prefix_cache_enabled", None)
+    if flag is None and (hasattr(engine, "prefix_cache") or hasattr(engine, "reuse_live")):
+        flag = getattr(engine, "prefix_cache", None) is not None or bool(getattr(engine, "reuse_live", False))
     if flag is None:
         return "absent"
     return "on" if flag else "off"
+
+
+def drafting_state(engine: Any) -> bool:
+    """Whether requests are drafted unless they send "draft": false."""
+    return getattr(engine, "drafter", None) is not None and not getattr(engine, "no_drafts", False)
 
 
 class App:
@@ -112,7 +123,8 @@ class App:
     def health(self) -> tuple[int, dict[str, Any]]:
         body = {"status": "ok" if self.fatal is None else "failed", "model": self.settings.served_model,
                 "ranks": self.settings.ranks, "context": self.settings.context,
-                "prefix_cache": self.settings.prefix_cache, "queue_depth": self.worker.depth()}
+                "prefix_cache": self.settings.prefix_cache, "drafting": self.settings.drafting,
+                "prefill_chunk": self.settings.prefill_chunk, "queue_depth": self.worker.depth()}
         return (200 if self.fatal is None else 503), body
 
 

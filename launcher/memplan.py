@@ -1,8 +1,7 @@
 """The memory plan: what each rank needs against what its node has available now.
 
-Per rank: its share of the weights (the layout plan's bytes when glm53.layout is present, else an
-even split of the checkpoint's safetensors bytes, labelled as an estimate), KV for the requested
-context (DCP divides positions across ranks: ceil(context / R) each), a workspace, and a stated
+Per rank: its share of the weights (glm53.layout's plan, from the safetensors headers), KV for the
+requested context (glm53.layout.kv; DCP divides positions across ranks), a workspace, and a stated
 overhead (a fixed part plus a fraction of weights + KV). A start is refused when any node would be
 left under the floor, and the plan says the largest context that fits.
 """
@@ -11,14 +10,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
+from glm53.config import Glm53Config
 from launcher.config import MemorySettings
 from launcher.meminfo import GIB, MIB
-
-KV_ELEMENT_BYTES = {"bf16": 2, "fp8": 1}
-FP8_SCALE_BYTES = 4  # one fp32 scale per cached row (e4m3 with a scale per row)
-INDEXER_KEY_BYTES = 2  # the indexer's keys stay bf16
-
 
 @dataclass(frozen=True)
 class RankNeed:
@@ -87,35 +83,26 @@ def _gib(n: int) -> str:
     return f"{n / GIB:.2f}G" if abs(n) >= GIB // 10 else f"{n / MIB:.1f}M"
 
 
-def kv_bytes_per_token(config_dict: dict, kv_dtype: str) -> int:
-    """Cached bytes for one position over all layers (MTP included): the MLA latent (kv_lora_rank +
-    qk_rope_head_dim values, plus a scale per row in fp8) and the indexer key (index_head_dim, bf16)."""
-    layers = int(config_dict.get("num_hidden_layers", 78)) + int(config_dict.get("num_nextn_predict_layers", 0))
-    latent = int(config_dict.get("kv_lora_rank", 512)) + int(config_dict.get("qk_rope_head_dim", 64))
-    per_layer = latent * KV_ELEMENT_BYTES[kv_dtype] + (FP8_SCALE_BYTES if kv_dtype == "fp8" else 0)
-    per_layer += int(config_dict.get("index_head_dim", 128)) * INDEXER_KEY_BYTES
-    return layers * per_layer
+def kv_per_token(model_dir: str | Path, kv_dtype: str) -> int:
+    """Cached bytes for one position over all layers (glm53.layout.kv: latent + full-indexer keys)."""
+    from glm53.layout.kv import kv_token_bytes
+
+    return kv_token_bytes(Glm53Config.from_dir(model_dir), kv_dtype).per_token
 
 
-def kv_bytes_per_rank(per_token: int, context: int, ranks: int, dcp: bool) -> int:
-    positions = -(-context // ranks) if dcp else context
-    return positions * per_token
+def kv_function(model_dir: str | Path, ranks: int, dcp: bool, kv_dtype: str) -> Callable[[int], list[int]]:
+    """context -> KV bytes each rank holds (DCP: position p on rank p % R)."""
+    from glm53.layout.kv import kv_bytes_per_rank
+
+    cfg = Glm53Config.from_dir(model_dir)
+    return lambda context: kv_bytes_per_rank(cfg, context, ranks, dcp=dcp, kv_dtype=kv_dtype)
 
 
 def weights_per_rank(model_dir: str | Path, ranks: int) -> tuple[list[int], str]:
-    """Bytes of weights each rank holds. The layout plan when it is importable, else an even split."""
-    try:
-        from glm53.layout import plan as layout_plan  # the layout issue's plan (same code as the CLI)
-    except ImportError:
-        layout_plan = None
-    if layout_plan is not None:
-        plan = layout_plan(model_dir, ranks)
-        per_rank = getattr(plan, "bytes_per_rank", None)
-        if per_rank is not None:
-            return [int(b) for b in per_rank], "glm53.layout plan"
-    total = checkpoint_bytes(model_dir)
-    share = -(-total // ranks)
-    return [share] * ranks, f"estimate: {total / GIB:.2f} GiB of safetensors split evenly over {ranks} (no layout plan)"
+    """Bytes of weights each rank holds, from glm53.layout's plan (safetensors headers only)."""
+    from glm53.layout.plan import plan_layout
+
+    return plan_layout(model_dir, ranks).bytes_per_rank(), "glm53.layout plan (safetensors headers)"
 
 
 def checkpoint_bytes(model_dir: str | Path) -> int:
@@ -129,10 +116,10 @@ def checkpoint_bytes(model_dir: str | Path) -> int:
     return sum(read_header(f).data_bytes for f in files)
 
 
-def plan_memory(*, context: int, per_token: int, weights: list[int], weights_source: str, dcp: bool,
-                available: list[tuple[str, int]], settings: MemorySettings, unified: bool,
+def plan_memory(*, context: int, per_token: int, kv_for: Callable[[int], list[int]], weights: list[int],
+                weights_source: str, available: list[tuple[str, int]], settings: MemorySettings, unified: bool,
                 max_context: int) -> MemoryPlan:
-    """available[r] = (node name, bytes available now on rank r's node)."""
+    """available[r] = (node name, bytes available now for rank r); kv_for(context)[r] = rank r's KV bytes."""
     ranks = len(weights)
     floor = int(settings.floor_gib * GIB)
     workspace = int(settings.workspace_gib * GIB)
@@ -142,7 +129,7 @@ def plan_memory(*, context: int, per_token: int, weights: list[int], weights_sou
     fixed = int(settings.overhead_gib * GIB)
 
     def need(rank: int, ctx: int) -> RankNeed:
-        kv = kv_bytes_per_rank(per_token, ctx, ranks, dcp)
+        kv = kv_for(ctx)[rank]
         node, avail = available[rank]
         overhead = fixed + int(fraction * (weights[rank] + kv))
         return RankNeed(rank, node, weights[rank], kv, workspace, overhead, avail, floor)

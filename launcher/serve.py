@@ -15,7 +15,7 @@ from typing import Any, TextIO
 
 from launcher import commands
 from launcher.config import LaneConfig, from_dict, to_dict
-from launcher.memplan import MemoryPlan, config_dict, kv_bytes_per_token, plan_memory, weights_per_rank
+from launcher.memplan import MemoryPlan, config_dict, kv_function, kv_per_token, plan_memory, weights_per_rank
 from launcher.nodes import display, node_argv, run
 from launcher.preflight import Preflight, preflight
 from launcher.probe import git_commit, gpus
@@ -71,7 +71,8 @@ def memory_plan(config: LaneConfig, model: str, checks: Preflight, freed: dict[s
     raw = config_dict(model)
     max_context = int(raw.get("max_position_embeddings", 0))
     weights, source = weights_per_rank(model, config.ranks)
-    per_token = kv_bytes_per_token(raw, config.kv_dtype)
+    per_token = kv_per_token(model, config.kv_dtype)
+    kv_for = kv_function(model, config.ranks, config.dcp, config.kv_dtype)
     # ranks sharing a node share its memory: each gets an equal part
     sharing: dict[str, int] = {}
     for node in config.nodes:
@@ -88,11 +89,11 @@ def memory_plan(config: LaneConfig, model: str, checks: Preflight, freed: dict[s
         avail += (freed or {}).get(node.host, 0)
         available.append((node.host, avail // sharing[node.host]))
     context = config.context or max_context
-    plan = plan_memory(context=context, per_token=per_token, weights=weights, weights_source=source, dcp=config.dcp,
+    plan = plan_memory(context=context, per_token=per_token, kv_for=kv_for, weights=weights, weights_source=source,
                        available=available, settings=config.memory, unified=unified, max_context=max_context)
     if not config.context and not plan.fits and plan.largest_context > 0:  # no context asked: take what fits
-        plan = plan_memory(context=plan.largest_context, per_token=per_token, weights=weights, weights_source=source,
-                           dcp=config.dcp, available=available, settings=config.memory, unified=unified,
+        plan = plan_memory(context=plan.largest_context, per_token=per_token, kv_for=kv_for, weights=weights,
+                           weights_source=source, available=available, settings=config.memory, unified=unified,
                            max_context=max_context)
     return plan
 

@@ -1,0 +1,187 @@
+"""verify.sh: check a real completion from a running lane, not just /health.
+
+Checks, in order: models (the served id), completion (content, finish reason, usage), repeat
+(temperature 0 twice: the same text), draft (`"draft": false` gives the drafted text), cached (an
+extended resend reports cached tokens > 0), stream (SSE delivers the same text). A check whose
+feature the server reports as off is SKIPPED with the reason, never passed.
+Exit codes: 0 every check passed or was skipped with a reason; 1 a check failed; 2 no server.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import click
+import httpx
+
+PROMPT = "Write one sentence about the sea."
+SENTENCE = "The lighthouse keeper counted ships in the harbour every evening and wrote their names down. "
+
+
+@dataclass
+class Outcome:
+    name: str
+    status: str  # PASS, FAIL, SKIPPED
+    detail: str
+
+
+class Verifier:
+    def __init__(self, url: str, timeout: float, max_tokens: int) -> None:
+        self.url = url.rstrip("/")
+        self.client = httpx.Client(timeout=timeout)
+        self.max_tokens = max_tokens
+        self.model: str | None = None
+        self.health: dict[str, Any] = {}
+        self.outcomes: list[Outcome] = []
+
+    def record(self, name: str, status: str, detail: str) -> None:
+        self.outcomes.append(Outcome(name, status, detail))
+        print(f"{status:<8} {name}: {detail}", flush=True)
+
+    def chat(self, messages: list[dict[str, str]], **extra: Any) -> dict[str, Any]:
+        body = {"model": self.model, "messages": messages, "max_tokens": self.max_tokens, "temperature": 0, **extra}
+        r = self.client.post(self.url + "/v1/chat/completions", json=body)
+        if r.status_code != 200:
+            raise AssertionError(f"HTTP {r.status_code}: {r.text[:300]}")
+        return r.json()
+
+    def stream(self, messages: list[dict[str, str]]) -> tuple[str, str | None]:
+        body = {"model": self.model, "messages": messages, "max_tokens": self.max_tokens, "temperature": 0,
+                "stream": True}
+        text, finish, done = [], None, False
+        with self.client.stream("POST", self.url + "/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                raise AssertionError(f"HTTP {r.status_code}: {r.read()[:300]!r}")
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    done = True
+                    break
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise AssertionError(f"error event: {chunk['error']}")
+                for choice in chunk.get("choices", []):
+                    text.append(choice.get("delta", {}).get("content") or "")
+                    finish = choice.get("finish_reason") or finish
+        if not done:
+            raise AssertionError("the stream ended without data: [DONE]")
+        return "".join(text), finish
+
+    # ---- the checks ----------------------------------------------------------------------------
+    def run(self) -> int:
+        try:
+            models = self.client.get(self.url + "/v1/models").json()
+            self.model = models["data"][0]["id"]
+        except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
+            print(f"FAIL     models: no OpenAI server at {self.url} ({type(exc).__name__}: {exc}); "
+                  f"start one with bash serve.sh", flush=True)
+            return 2
+        self.record("models", "PASS", f"serves {self.model!r}")
+        try:
+            self.health = self.client.get(self.url + "/health").json()
+        except (httpx.HTTPError, ValueError):
+            self.health = {}
+        messages = [{"role": "user", "content": PROMPT}]
+        first = self.check("completion", lambda: self.completion(messages))
+        if first is None:
+            return self.summary()
+        text = first["choices"][0]["message"]["content"]
+        self.check("repeat", lambda: self.same(messages, text, {}, "a second temperature-0 request"))
+        self.check("draft", lambda: self.draft(messages, text))
+        self.check("cached", self.cached)
+        self.check("stream", lambda: self.streamed(messages, text, first["choices"][0]["finish_reason"]))
+        return self.summary()
+
+    def check(self, name: str, fn):
+        try:
+            result = fn()
+        except (AssertionError, httpx.HTTPError, ValueError, KeyError) as exc:
+            self.record(name, "FAIL", f"{type(exc).__name__ + ': ' if not isinstance(exc, AssertionError) else ''}{exc}")
+            return None
+        if isinstance(result, tuple):  # (status, detail)
+            self.record(name, *result)
+            return result
+        self.record(name, "PASS", result.pop("_detail"))
+        return result
+
+    def completion(self, messages):
+        body = self.chat(messages)
+        choice = body["choices"][0]
+        content = choice["message"].get("content")
+        usage = body.get("usage") or {}
+        if not isinstance(content, str) or not content:
+            raise AssertionError(f"the reply has no content (message: {choice['message']!r})")
+        if choice.get("finish_reason") not in ("stop", "length"):
+            raise AssertionError(f"finish_reason is {choice.get('finish_reason')!r}, expected stop or length")
+        if not (usage.get("prompt_tokens", 0) > 0 and usage.get("completion_tokens", 0) > 0):
+            raise AssertionError(f"usage lacks prompt/completion tokens: {usage!r}")
+        if "cached_tokens" not in (usage.get("prompt_tokens_details") or {}):
+            raise AssertionError(f"usage lacks prompt_tokens_details.cached_tokens: {usage!r}")
+        body["_detail"] = (f"{usage['completion_tokens']} tokens, finish {choice['finish_reason']}, "
+                           f"{usage['prompt_tokens']} prompt tokens")
+        return body
+
+    def same(self, messages, text: str, extra: dict[str, Any], what: str) -> dict[str, Any]:
+        again = self.chat(messages, **extra)["choices"][0]["message"]["content"]
+        if again != text:
+            raise AssertionError(f"{what} gave different text:\n  first:  {text!r}\n  second: {again!r}")
+        return {"_detail": f"{what} gave the same text"}
+
+    def draft(self, messages, text: str):
+        result = self.same(messages, text, {"draft": False}, '"draft": false')
+        if self.health.get("drafting") is False:
+            return ("SKIPPED", 'the server reports drafting off, so "draft": false is not compared with a drafted '
+                               'reply (the texts did match)')
+        return result
+
+    def cached(self):
+        """A long first turn, then the same conversation extended: the resend must reuse the prefix."""
+        chunk = int(self.health.get("prefill_chunk") or 0)
+        words = SENTENCE * max(4, (chunk // 12) + 4)
+        first_turn = [{"role": "user", "content": words}]
+        a = self.chat(first_turn, max_tokens=4)
+        if a["usage"]["prompt_tokens"] <= chunk:
+            raise AssertionError(f"the first turn has {a['usage']['prompt_tokens']} tokens, not more than the "
+                                 f"prefill chunk {chunk}; cannot test reuse")
+        extended = first_turn + [{"role": "assistant", "content": a["choices"][0]["message"]["content"]},
+                                 {"role": "user", "content": "And one more?"}]
+        b = self.chat(extended, max_tokens=4)
+        cached = b["usage"]["prompt_tokens_details"]["cached_tokens"]
+        if cached > 0:
+            return {"_detail": f"the extended resend reused {cached} of {b['usage']['prompt_tokens']} prompt tokens"}
+        state = self.health.get("prefix_cache")
+        if state in ("off", "absent"):
+            return ("SKIPPED", f"the server reports its prefix cache {state} and reused nothing (cached_tokens 0)")
+        raise AssertionError(f"the extended resend reported cached_tokens 0 of {b['usage']['prompt_tokens']} "
+                             f"(server prefix cache: {state or 'not reported'})")
+
+    def streamed(self, messages, text: str, finish: str):
+        got, got_finish = self.stream(messages)
+        if got != text:
+            raise AssertionError(f"the stream gave different text:\n  plain:  {text!r}\n  stream: {got!r}")
+        if got_finish != finish:
+            raise AssertionError(f"the stream's finish_reason {got_finish!r} differs from {finish!r}")
+        return {"_detail": f"the stream delivered the same text, finish {got_finish}"}
+
+    def summary(self) -> int:
+        failed = [o.name for o in self.outcomes if o.status == "FAIL"]
+        skipped = [o.name for o in self.outcomes if o.status == "SKIPPED"]
+        passed = sum(o.status == "PASS" for o in self.outcomes)
+        print(f"verify: {passed} passed, {len(failed)} failed{' (' + ', '.join(failed) + ')' if failed else ''}, "
+              f"{len(skipped)} skipped{' (' + ', '.join(skipped) + ')' if skipped else ''}", flush=True)
+        return 1 if failed else 0
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]}, help=__doc__)
+@click.option("--url", default="http://127.0.0.1:8300", show_default=True, help="the lane's base URL")
+@click.option("--timeout", type=float, default=600.0, show_default=True, help="seconds per request")
+@click.option("--max-tokens", type=int, default=24, show_default=True)
+def main(url: str, timeout: float, max_tokens: int) -> None:
+    sys.exit(Verifier(url, timeout, max_tokens).run())
+
+
+if __name__ == "__main__":
+    main()
