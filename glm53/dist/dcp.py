@@ -120,6 +120,22 @@ def attend_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return weights @ v.float(), lse
 
 
+def attend_latent(q_lat: torch.Tensor, q_rot: torch.Tensor, rows: torch.Tensor, scale: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed MLA decode over latent rows [n, r + rope] (n may be 0) for queries q_lat [T, H, r],
+    q_rot [T, H, rope]: (latent out [T, H, r] in q's dtype, lse [T, H] fp32). What a DCP rank
+    computes for every head over the selected positions it owns; W_uv is applied after the merge."""
+    r = q_lat.shape[-1]
+    if rows.shape[0] == 0:
+        return (q_lat.new_zeros(q_lat.shape),
+                torch.full(q_lat.shape[:-1], float("-inf"), dtype=torch.float32, device=q_lat.device))
+    c, k_rot = rows[:, :r].to(q_lat.dtype), rows[:, r:].to(q_lat.dtype)
+    scores = (torch.einsum("thr,kr->thk", q_lat, c) + torch.einsum("thp,kp->thk", q_rot, k_rot)).float() * scale
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse[..., None]).to(q_lat.dtype)
+    return torch.einsum("thk,kr->thr", probs, c), lse
+
+
 def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge per-rank partial attention (outs [R, ..., dv], lses [R, ...]) in rank order; fp32 result."""
     lses = lses.float()
