@@ -167,13 +167,13 @@ def main() -> int:
     os.replace(f.name, args.out)
 
     print(f"decode attention, one layer, one token ({result['device']}); ms median [min, max] of {reps}")
-    print(f"{'context':>10}{'R':>3}  {"off R=1":>28}{"off (TP only)":>28}{"DCP shard+merge":>28}{'DCP/off':>9}")
+    print(f"{'context':>10}{'R':>3}  {'off R=1':>28}{'off (TP only)':>28}{'DCP shard+merge':>28}{'DCP/off':>9}")
     for n in contexts:
         for R in args.ranks:
             cell = {r["variant"]: r for r in rows if r["context"] == n and r["ranks"] == R}
             fmt = lambda r: f"{r['median_ms']:.3f} [{r['min_ms']:.3f},{r['max_ms']:.3f}]"  # noqa: E731
             off, on = cell[f"off_R{R}"], cell[f"dcp_R{R}"]
-            print(f"{n:>10}{R:>3}  {fmt(cell["off_R1"]):>28}{fmt(off):>28}{fmt(on):>28}"
+            print(f"{n:>10}{R:>3}  {fmt(cell['off_R1']):>28}{fmt(off):>28}{fmt(on):>28}"
                   f"{on['median_ms'] / off['median_ms']:>9.2f}")
     print(f"JSON: {args.out}")
     return 0
