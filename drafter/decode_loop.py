@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Protocol, Sequence
 
 from .policy import AcceptanceStats, AdaptiveDepth, PolicyConfig
 from .sources.base import DraftSource
@@ -20,6 +20,10 @@ from .verify import Sampler, verify_window
 log = logging.getLogger("drafter.decode")
 
 OnTokens = Callable[[list[int]], None]
+
+
+class SourceFactory(Protocol):
+    def new_source(self, target: Target) -> DraftSource: ...
 
 
 @dataclass
@@ -90,22 +94,38 @@ def serial_decode(target: Target, prompt: Sequence[int], sample: Sampler, stop: 
 
 
 def drafted_decode(target: Target, prompt: Sequence[int], sample: Sampler, stop: StopRule,
-                   source: DraftSource, *, policy: AdaptiveDepth | None = None,
-                   on_tokens: OnTokens | None = None, relaxed_top2: bool = False) -> DecodeResult:
+                   source: DraftSource | SourceFactory, *, policy: AdaptiveDepth | None = None,
+                   on_tokens: OnTokens | None = None, relaxed_top2: bool = False,
+                   prefilled: WindowOutput | None = None) -> DecodeResult:
     """Draft -> verify (one forward) -> commit -> on_tokens, until the stop rule fires.
 
+    `source` is a DraftSource, or a factory with `new_source(target)` (one fresh source per
+    request; sources keep per-request state) and optionally `finish(stats)`.
+    `prefilled`: the caller already ran the prompt's uncached rows (with `source.taps`, and the
+    hidden states MTP needs); the loop then starts from that output instead of its own prefill.
     `policy.enabled = False` (a request with "draft": false) makes every window empty, which is
-    serial decoding through the same code. `relaxed_top2` is LOSSY and must be asked for."""
-    policy = policy or AdaptiveDepth(PolicyConfig())
+    serial decoding through the same code. `relaxed_top2` is LOSSY and must be asked for by name
+    (argument, or TF_GLM53_DRAFT_RELAXED_TOP2=1 through the default policy's config)."""
+    factory = source if hasattr(source, "new_source") else None
+    if factory is not None:
+        source = factory.new_source(target)
+    policy = policy or AdaptiveDepth(PolicyConfig.from_env())
+    relaxed_top2 = relaxed_top2 or policy.config.relaxed_top2
     if relaxed_top2:
         log.warning("relaxed top-2 acceptance requested: LOSSY, outputs may differ from serial decoding")
     result = DecodeResult(tokens=[])
     if stop.max_tokens <= 0:
         return result
     taps = source.taps if policy.enabled else ()
-    start = target.length()
-    out = prefill(target, prompt, taps=taps)
-    result.forwards += 1
+    if prefilled is None:
+        out = prefill(target, prompt, taps=taps)
+        result.forwards += 1
+    else:
+        if prefilled.start + prefilled.rows != len(prompt) or target.length() != len(prompt):
+            raise ValueError(f"prefilled output covers [{prefilled.start}, {prefilled.start + prefilled.rows}) and the "
+                             f"cache holds {target.length()} rows; both must end at the prompt's length {len(prompt)}")
+        out = prefilled
+    start = out.start
     tokens = list(prompt)
     first = sample(out.logits[-1], len(tokens))
     taken, stopped = stop.take(result.tokens, [first])
@@ -134,4 +154,7 @@ def drafted_decode(target: Target, prompt: Sequence[int], sample: Sampler, stop:
     _finish(target, prompt, result.tokens)
     if result.stats.steps:
         log.info(result.stats.log_line())
+    finish = getattr(factory, "finish", None)
+    if finish is not None:
+        finish(result.stats)
     return result

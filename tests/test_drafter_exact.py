@@ -12,6 +12,8 @@ import random
 import pytest
 import torch
 
+from glm53.sampling import SamplingParams, sample
+
 from drafter.decode_loop import DecodeResult, StopRule, drafted_decode, serial_decode
 from drafter.policy import AdaptiveDepth, PolicyConfig
 from drafter.reference_lm import ReferenceLM
@@ -34,15 +36,14 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def keyed_sampler(seed: int, temperature: float):
-    """The request's sampler: greedy, or a draw keyed by (seed, absolute position) only."""
-    if temperature == 0.0:
-        return lambda row, position: int(torch.argmax(row))
+def keyed_sampler(seed: int, temperature: float, top_p: float = 1.0, top_k: int = 0):
+    """The engine's own sampler (glm53.sampling): greedy, or Gumbel-max keyed by (seed, position)."""
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    return lambda row, position: sample(row, params, position)
 
-    def sample(row: torch.Tensor, position: int) -> int:
-        g = torch.Generator().manual_seed((seed * 1_000_003 + position) % (1 << 62))
-        return int(torch.multinomial(torch.softmax(row.double() / temperature, -1), 1, generator=g))
-    return sample
+
+def case_sampler(case: dict):
+    return keyed_sampler(case["seed"], case["temperature"], case["top_p"], case["top_k"])
 
 
 def make_cases(n: int) -> list[dict]:
@@ -57,6 +58,7 @@ def make_cases(n: int) -> list[dict]:
             prompt=prompt,
             seed=rng.randrange(1 << 30),
             temperature=rng.choice([0.6, 1.0, 1.4]) if seeded else 0.0,
+            top_p=rng.choice([1.0, 0.9]), top_k=rng.choice([0, 20]),
             stop=StopRule(max_tokens=rng.randint(1, 28), eos=frozenset({EOS}), ignore_eos=rng.random() < 0.3),
         ))
     return cases
@@ -70,7 +72,7 @@ def serial_refs():
     refs = []
     for case in CASES:
         target = MODEL.session()
-        result = serial_decode(target, case["prompt"], keyed_sampler(case["seed"], case["temperature"]), case["stop"])
+        result = serial_decode(target, case["prompt"], case_sampler(case), case["stop"])
         refs.append((result, target.cache_rows(), target.length()))
     return refs
 
@@ -126,7 +128,7 @@ def test_drafted_equals_serial(kind, serial_refs, dflash_model):
         target = MODEL.session()
         source = build_source(kind, target, case, ref, dflash_model)
         streamed: list[int] = []
-        result = drafted_decode(target, case["prompt"], keyed_sampler(case["seed"], case["temperature"]),
+        result = drafted_decode(target, case["prompt"], case_sampler(case),
                                 case["stop"], source, on_tokens=streamed.extend)
         assert result.tokens == ref.tokens, f"{kind}: drafted != serial for case {case}"
         assert streamed == ref.tokens
@@ -150,7 +152,7 @@ def test_draft_false_is_serial(serial_refs):
     for case, (ref, ref_rows, _) in list(zip(CASES, serial_refs))[:50]:
         target = MODEL.session()
         source = CopySource()
-        result = drafted_decode(target, case["prompt"], keyed_sampler(case["seed"], case["temperature"]),
+        result = drafted_decode(target, case["prompt"], case_sampler(case),
                                 case["stop"], source, policy=AdaptiveDepth(PolicyConfig(), enabled=False))
         assert result.tokens == ref.tokens
         assert result.stats.proposed == 0

@@ -204,6 +204,7 @@ class Dflash2Model:
             if unsupported in w:
                 raise ValueError(f"{source}: '{unsupported}' is not supported by this DFlash2 port")
         self.w = w
+        self.device = w["fc.weight"].device
 
     @classmethod
     def load(cls, directory: str | Path, device: str | torch.device = "cpu") -> "Dflash2Model":
@@ -227,7 +228,8 @@ class Dflash2Model:
     def context_rows(self, taps: Sequence[torch.Tensor], positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """taps: one [n, H] per target layer, in target_layer_ids order -> per layer (k, v) [n, kv_heads, d]."""
         c = self.config
-        x = torch.cat([t.float() for t in taps], -1) @ self.w["fc.weight"].T
+        positions = positions.to(self.device)
+        x = torch.cat([t.to(self.device, torch.float32) for t in taps], -1) @ self.w["fc.weight"].T
         x = rms_norm(x, self.w["hidden_norm.weight"], c.rms_norm_eps)
         return [self._kv(i, x, positions) for i in range(c.num_hidden_layers)]
 
@@ -241,18 +243,18 @@ class Dflash2Model:
     # --- block forward ---
 
     def block_hidden(self, block_embeds: torch.Tensor, start: int,
-                     context: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+                     context: list[tuple[torch.Tensor, torch.Tensor]], *, context_start: int = 0) -> torch.Tensor:
         """block_embeds [B, H] at positions [start, start + B); context per layer (k, v) for
-        positions [0, start). Returns the post-norm block states [B, H]."""
+        positions [context_start, start). Returns the post-norm block states [B, H]."""
         c = self.config
-        x = block_embeds.float() * c.input_embedding_scale
+        x = block_embeds.to(self.device, torch.float32) * c.input_embedding_scale
         b = x.shape[0]
         positions = torch.arange(start, start + b, device=x.device)
         for i in range(c.num_hidden_layers):
             p = f"layers.{i}."
             y = rms_norm(x, self.w[p + "input_layernorm.weight"], c.rms_norm_eps)
             y, finish = self._conv_prepare(p + "attention_conv", y)
-            y = self._attention(i, y, positions, context[i])
+            y = self._attention(i, y, positions, context[i], context_start)
             x = x + self._conv_finish(p + "attention_conv", y, finish)
             y = rms_norm(x, self.w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
             y, finish = self._conv_prepare(p + "mlp_conv", y)
@@ -272,7 +274,7 @@ class Dflash2Model:
         return grouped_dynamic_conv(x, dynamic, self.w[key + ".base_kernel"][1], self.config.conv_group_size)
 
     def _attention(self, layer: int, x: torch.Tensor, positions: torch.Tensor,
-                   context: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                   context: tuple[torch.Tensor, torch.Tensor], context_start: int) -> torch.Tensor:
         c, p = self.config, f"layers.{layer}.self_attn."
         b = x.shape[0]
         q = (x @ self.w[p + "q_proj.weight"].T).view(b, c.num_attention_heads, c.head_dim)
@@ -280,7 +282,7 @@ class Dflash2Model:
         kb, vb = self._kv(layer, x, positions)
         k = torch.cat([context[0], kb], 0)
         v = torch.cat([context[1], vb], 0)
-        key_pos = torch.cat([torch.arange(k.shape[0] - b, device=x.device), positions])
+        key_pos = torch.cat([torch.arange(context_start, context_start + k.shape[0] - b, device=x.device), positions])
         behind, ahead = c.window(layer)
         delta = positions[:, None] - key_pos[None, :]          # query - key
         allowed = delta >= -ahead
@@ -299,8 +301,9 @@ class Dflash2Model:
     def select(self, states: torch.Tensor, logits: torch.Tensor, anchor: int) -> list[int]:
         """Greedy walk over each row's top-k candidates, conditioned on the previous path token."""
         c = self.config
-        gate = states.float() @ self.w["candidate_selector.hidden_projection.weight"].T     # [rows, rank]
-        unary, cands = torch.topk(logits.float() * c.output_multiplier, c.selector_top_k, dim=-1)
+        states, logits = states.to(self.device, torch.float32), logits.to(self.device, torch.float32)
+        gate = states @ self.w["candidate_selector.hidden_projection.weight"].T     # [rows, rank]
+        unary, cands = torch.topk(logits * c.output_multiplier, c.selector_top_k, dim=-1)
         pred_book = self.w["candidate_selector.predecessor_codebook"]
         succ_book = self.w["candidate_selector.successor_codebook"]
         prev, path = int(anchor), []
@@ -325,20 +328,20 @@ class Dflash2Source:
         self._ctx_k: list[torch.Tensor] = []
         self._ctx_v: list[torch.Tensor] = []
         self._ctx_len = 0
+        self._ctx_start = 0     # position of the first context row
 
     def reset(self) -> None:
-        self._ctx_k, self._ctx_v, self._ctx_len = [], [], 0
+        self._ctx_k, self._ctx_v, self._ctx_len, self._ctx_start = [], [], 0, 0
 
     def commit(self, tokens: Sequence[int], out: WindowOutput, kept_rows: int) -> None:
         missing = [i for i in self.taps if i not in out.taps]
         if missing:
             raise ValueError(f"DFlash2 drafts need target layer outputs {missing}; the target did not return them")
-        if out.start != self._ctx_len:
-            if out.start == 0:
-                self.reset()
-            else:
-                raise ValueError(f"DFlash2 context holds {self._ctx_len} rows but the commit starts at {out.start}: "
-                                 f"the drafter must see every committed row (prefill included)")
+        if out.start != self._ctx_len or not self._ctx_k:
+            # A new sequence, or rows the drafter never saw (reused from a prefix cache, or a prefill
+            # it was not shown): its context restarts here. Drafts get weaker, never wrong.
+            self.reset()
+            self._ctx_start = self._ctx_len = out.start
         positions = torch.arange(out.start, out.start + kept_rows)
         rows = self.model.context_rows([out.taps[i][:kept_rows] for i in self.taps], positions)
         if not self._ctx_k:
@@ -355,7 +358,8 @@ class Dflash2Source:
             return []
         anchor = int(tokens[-1])
         ids = torch.tensor([anchor] + [c.mask_token_id] * (c.block_size - 1))
-        embeds = self.heads.embed(ids)
-        states = self.model.block_hidden(embeds, self._ctx_len, list(zip(self._ctx_k, self._ctx_v)))
+        embeds = self.heads.embed(ids)      # the target's device; the model moves what it reads
+        states = self.model.block_hidden(embeds, self._ctx_len, list(zip(self._ctx_k, self._ctx_v)),
+                                         context_start=self._ctx_start)
         logits = self.heads.lm_head(states[1:])
         return self.model.select(states[1:], logits, anchor)[:min(depth, self.max_depth)]
