@@ -1,0 +1,77 @@
+"""Wiring the prefix cache into the glm53 engine through its plug point, without editing glm53.
+
+The engine (glm53/engine.py) takes a `prefix_cache` object and calls, per request,
+`lookup(prompt, live_tokens=state.tokens, live_frontier=state.frontier)`, `Hit.restore` into
+`KVState.import_rows`, prefills the rest on its grid, then `store(prompt, frontier, rows_for)`
+with `KVState.export_rows`. This module builds that cache with the right key:
+
+    engine = Glm53Engine(model_dir, ...)
+    cache = attach_prefix_cache(engine)     # reads TF_GLM53_PREFIX_CACHE, TF_GLM53_DISK_CACHE, ...
+    engine.generate(prompt, max_tokens)     # engine.last_stats["cached_tokens"] = reused rows
+    cache.stats_dict()
+
+Under DCP the agreement is a MIN all-reduce over the engine's process group (`min_over_ranks`).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import torch
+
+from .cache import PrefixCache
+from .keys import CacheKey, model_revision
+
+
+def device_kind(device: torch.device | str) -> str:
+    """What decides kernel choice, hence bits: the GPU's name, or the CPU's ISA level."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    cap = torch.backends.cpu.get_cpu_capability() if hasattr(torch.backends, "cpu") else "unknown"
+    return f"cpu/{cap}"
+
+
+def cache_key_for(engine: Any, revision: str | None = None) -> CacheKey:
+    """The key of everything in `engine` that changes its KV bits besides the tokens."""
+    plan = engine.plan
+    extra = (("torch", torch.__version__),
+             ("mkldnn", str(bool(torch.backends.mkldnn.enabled))))
+    return CacheKey(
+        model_revision=revision or model_revision(engine.model_dir),
+        kv_dtype=str(engine.kv_dtype),
+        compute_dtype=str(engine.dtype_name),
+        ranks=int(plan.world),
+        rank=int(plan.rank),
+        dcp=int(plan.world) > 1,  # the kit's layout always runs DCP R alongside TP R
+        chunk_size=int(engine.chunk),
+        device_kind=device_kind(engine.device),
+        extra=extra,
+    )
+
+
+def min_over_ranks(group: Any = None) -> Callable[[int], int]:
+    """A MIN all-reduce of one integer over torch.distributed (identity where not initialized
+    or world 1). Every rank must call lookup for the same request, in the same order."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return lambda n: n
+
+    def agree(n: int) -> int:
+        backend = dist.get_backend(group)
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        t = torch.tensor([n], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+        return int(t.item())
+
+    return agree
+
+
+def attach_prefix_cache(engine: Any, *, revision: str | None = None, group: Any = None,
+                        environ: dict | None = None) -> PrefixCache:
+    """Build the cache for `engine` from TF_GLM53_* variables and plug it in."""
+    cache = PrefixCache.from_env(cache_key_for(engine, revision), agree=min_over_ranks(group),
+                                 environ=os.environ if environ is None else environ)
+    engine.prefix_cache = cache
+    return cache

@@ -1,0 +1,218 @@
+"""Prefix reuse through the real glm53 engine on the tiny checkpoint: bitwise against cold runs.
+
+For randomized prompts and the extension patterns of an agent conversation (append, identical
+resend, one-word extension, an edit in the middle, a multi-turn chat re-rendered by the chat
+template), every KV row and every logit computed after the reused prefix equals a cold run bit
+for bit, and so do the replies. TF_GLM53_PREFIX_CACHE=0 gives identical replies. The disk tier
+restores exact rows. And on the real model, chunking derived from the prompt's length breaks
+exactness while the fixed grid keeps it.
+"""
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from front.chat import ChatText
+from glm53.engine import Glm53Engine
+from glm53.tiny import write_tiny_checkpoint
+from kv_cache import PrefixCache
+from kv_cache.engine_adapter import attach_prefix_cache, cache_key_for
+
+C = 16
+GREEDY = {"temperature": 0.0}
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory) -> Glm53Engine:
+    model_dir = write_tiny_checkpoint(tmp_path_factory.mktemp("kvc_tiny") / "tiny")
+    return Glm53Engine(model_dir, device="cpu", prefill_chunk=C, reuse_live=True)
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+class Run:
+    """One generate call, with the prefill's hidden states captured from engine.run."""
+
+    def __init__(self, engine: Glm53Engine, prompt: list[int], max_tokens: int, sampling: dict) -> None:
+        captured = []
+        real_run = engine.run
+
+        def run(*args, **kwargs):
+            outs = real_run(*args, **kwargs)
+            if not captured:
+                captured.extend(outs)
+            return outs
+
+        engine.run = run
+        try:
+            self.reply = engine.generate(list(prompt), max_tokens, dict(sampling))
+        finally:
+            del engine.run
+        self.stats = dict(engine.last_stats)
+        self.cached = self.stats["cached_tokens"]
+        # rows [cached, len), per prefill piece as the engine computes them (one head GEMM over
+        # all rows at once would tile differently from one per piece)
+        self.logits = torch.cat([engine.model.logits(o.hidden) for o in captured])
+        state = engine.state
+        self.rows = {k: v.clone() for k, v in state.export_rows(0, state.length).items()}
+
+
+def cold(engine: Glm53Engine, prompt: list[int], max_tokens: int, sampling: dict) -> Run:
+    """The same request on an engine with no reuse at all (fresh state, no cache)."""
+    saved = engine.state, engine.prefix_cache, engine.reuse_live
+    engine.state, engine.prefix_cache, engine.reuse_live = None, None, False
+    try:
+        return Run(engine, prompt, max_tokens, sampling)
+    finally:
+        engine.state, engine.prefix_cache, engine.reuse_live = saved
+
+
+def assert_exact(warm: Run, ref: Run, what: str) -> None:
+    assert warm.reply == ref.reply, what
+    assert ref.cached == 0
+    n = warm.cached
+    assert torch.equal(raw(warm.logits), raw(ref.logits[n:])), f"{what}: logits after {n} reused rows differ"
+    assert warm.rows.keys() == ref.rows.keys()
+    for name in ref.rows:
+        assert torch.equal(raw(warm.rows[name]), raw(ref.rows[name])), f"{what}: rows {name} differ"
+
+
+def conversation(rng: random.Random, vocab: int):
+    """(name, prompt builder from the previous prompt and reply) for each pattern."""
+    def rand(n):
+        return [rng.randrange(3, vocab) for _ in range(n)]
+    return [
+        ("first turn", lambda p, r: rand(rng.randint(40, 60))),
+        ("append a turn", lambda p, r: p + r + rand(rng.randint(20, 40))),
+        ("identical resend", lambda p, r: list(p)),
+        ("one-word extension", lambda p, r: p + [rng.randrange(3, vocab)]),
+        ("edit in the middle", lambda p, r: p[:len(p) // 2] + [(p[len(p) // 2] + 1) % vocab] + p[len(p) // 2 + 1:]),
+        ("unrelated prompt", lambda p, r: rand(30)),
+        ("back to the earlier conversation (host tier)", lambda p, r: PREVIOUS[0] + rand(5)),
+    ]
+
+
+PREVIOUS: list[list[int]] = []
+
+
+def test_reuse_is_bitwise_for_every_extension_pattern(engine):
+    cache = attach_prefix_cache(engine, revision="tiny-test", environ={})
+    engine.state = None
+    rng = random.Random(20261129)
+    prompt, reply = [], []
+    reused = {}
+    for name, build in conversation(rng, engine.vocab_size):
+        prompt = build(prompt, reply)
+        if name == "edit in the middle":
+            PREVIOUS.append(prompt)
+        warm = Run(engine, prompt, 3, GREEDY)
+        assert_exact(warm, cold(engine, prompt, 3, GREEDY), name)
+        reply = warm.reply
+        reused[name] = warm.cached
+        assert warm.cached % C == 0 and warm.cached < len(prompt)
+    assert reused["first turn"] == 0 and reused["unrelated prompt"] == 0
+    for name in ("append a turn", "identical resend", "one-word extension", "edit in the middle"):
+        assert reused[name] > 0, name
+    assert reused["back to the earlier conversation (host tier)"] >= C
+    s = cache.stats_dict()
+    assert s["host_tokens"] > 0 and s["hits"] >= 5 and s["misses"] >= 2
+
+
+def test_multi_turn_chat_rerendered_by_the_template(engine):
+    text = ChatText(engine.model_dir)
+    attach_prefix_cache(engine, revision="tiny-test", environ={})
+    engine.state = None
+    sampling = {"temperature": 0.8, "seed": 11}
+    messages = [{"role": "system", "content": "You are terse."}]
+    users = ["What is the capital of France?", "And of Germany? Answer in one word.",
+             "Now write a short poem about the sea, four lines.", "Thanks."]
+    for i, user in enumerate(users):
+        messages.append({"role": "user", "content": user})
+        prompt = text.encode(text.render(messages))
+        warm = Run(engine, prompt, 6, sampling)
+        assert_exact(warm, cold(engine, prompt, 6, sampling), f"turn {i + 1}")
+        if i:
+            assert warm.cached > 0, f"turn {i + 1} reused nothing"
+        # the next turn re-renders this reply from its text: its ids may differ from the decoded ones
+        messages.append({"role": "assistant", "content": text.decode(warm.reply)})
+
+
+def test_prefix_cache_off_gives_identical_replies(engine):
+    rng = random.Random(5)
+    base = [rng.randrange(3, engine.vocab_size) for _ in range(50)]
+    prompts = [base, base + [7, 8, 9], base + [7, 8, 9] + [rng.randrange(3, 99) for _ in range(20)]]
+    replies = {}
+    for flag in ("1", "0"):
+        cache = attach_prefix_cache(engine, revision="tiny-test", environ={"TF_GLM53_PREFIX_CACHE": flag})
+        engine.state = None
+        replies[flag] = [engine.generate(p, 4, dict(GREEDY)) for p in prompts]
+        if flag == "0":
+            assert cache.stats.lookups == 0 and engine.last_stats["cached_tokens"] == 0
+        else:
+            assert engine.last_stats["cached_tokens"] > 0
+    assert replies["1"] == replies["0"]
+
+
+def test_disk_tier_restores_exact_rows_after_a_restart(engine, tmp_path):
+    env = {"TF_GLM53_DISK_CACHE": str(tmp_path), "TF_GLM53_DISK_CACHE_BYTES": "64M"}
+    attach_prefix_cache(engine, revision="tiny-test", environ=env)
+    engine.state = None
+    rng = random.Random(9)
+    prompt = [rng.randrange(3, engine.vocab_size) for _ in range(70)]
+    Run(engine, prompt, 2, GREEDY)
+    # a new cache over the same folder (empty host tier) and no live rows: as after a restart
+    cache = attach_prefix_cache(engine, revision="tiny-test", environ=env)
+    engine.state = None
+    longer = prompt + [5, 6]
+    warm = Run(engine, longer, 3, GREEDY)
+    assert warm.cached == 64 and cache.stats.disk_tokens == 64
+    assert_exact(warm, cold(engine, longer, 3, GREEDY), "disk resume")
+    # another revision never matches these files
+    other = attach_prefix_cache(engine, revision="another-model", environ=env)
+    engine.state = None
+    assert Run(engine, longer, 1, GREEDY).cached == 0 and other.stats.misses == 1
+
+
+def test_key_follows_engine_settings(engine):
+    k = cache_key_for(engine, revision="r")
+    assert (k.chunk_size, k.kv_dtype, k.compute_dtype, k.ranks, k.rank, k.dcp) == (C, "bf16", "fp32", 1, 0, False)
+    assert k.device_kind.startswith("cpu/")
+
+
+def _prefill(engine, prompt, chunk, state=None, start=0):
+    state = state or engine.model.new_state(engine.kv_dtype)
+    saved = engine.chunk
+    engine.chunk = chunk
+    try:
+        outs = engine.run(state, prompt[start:], start, len(prompt))
+    finally:
+        engine.chunk = saved
+    return state, torch.cat([engine.model.logits(o.hidden) for o in outs])
+
+
+def _reuse_exact(engine, chunk_for) -> bool:
+    """Prefill A with chunk_for(len(A)), keep its rows up to a boundary of that tiling, resume B
+    (= A extended) with chunk_for(len(B)); compare with B cold under chunk_for(len(B))."""
+    rng = random.Random(3)
+    a = [rng.randrange(3, engine.vocab_size) for _ in range(45)]
+    b = a + [rng.randrange(3, engine.vocab_size) for _ in range(30)]
+    ca, cb = chunk_for(len(a)), chunk_for(len(b))
+    state_a, _ = _prefill(engine, a, ca)
+    reuse = (len(a) // ca) * ca
+    state_a.truncate(reuse)
+    warm, warm_logits = _prefill(engine, b, cb, state_a, reuse)
+    ref, ref_logits = _prefill(engine, b, cb)
+    rows_same = all(torch.equal(raw(x), raw(y)) for x, y in zip(warm.export_rows(0, len(b)).values(),
+                                                               ref.export_rows(0, len(b)).values()))
+    return rows_same and torch.equal(raw(warm_logits), raw(ref_logits[reuse:]))
+
+
+def test_length_dependent_chunking_breaks_exactness_on_the_real_model(engine):
+    assert _reuse_exact(engine, lambda n: C)  # the grid
+    assert not _reuse_exact(engine, lambda n: math.ceil(n / 2))  # two chunks sized from the length
