@@ -1,0 +1,60 @@
+"""Session fixtures over one generated tiny GLM-5.3 checkpoint (and its transformers twin).
+
+Import the fixtures you use into your test module:
+
+    from tests.fixtures_tiny import tiny_dirs, tiny_engine   # noqa: F401
+
+`tiny_dirs` -> TinyDirs(model=<EXL3 tiny checkpoint>, reference=<decoded transformers twin>), written once
+per session by glm53.tiny.write_tiny_checkpoint (seed 0). `tiny_engine` -> a Glm53Engine on it, CPU, fp32
+compute, fp32 latent cache, prefill grid 32 (so prompts span several chunks); shared: tests that change
+its settings must restore them (use `fresh_engine_state`).
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+TINY_CHUNK = 32
+
+
+@dataclass(frozen=True)
+class TinyDirs:
+    model: Path
+    reference: Path
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> TinyDirs:
+    from glm53.tiny import write_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("glm53_tiny")
+    model, reference = root / "model", root / "reference"
+    write_tiny_checkpoint(model, seed=0, reference_dir=reference)
+    return TinyDirs(model, reference)
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_dirs: TinyDirs):
+    from glm53.engine import Glm53Engine
+
+    return Glm53Engine(tiny_dirs.model, device="cpu", dtype="fp32", kv_dtype="fp32", prefill_chunk=TINY_CHUNK)
+
+
+@contextmanager
+def fresh_engine_state(engine, **settings) -> Iterator:
+    """Run with a cleared conversation and temporary attribute settings, restored afterwards."""
+    saved = {name: getattr(engine, name) for name in settings}
+    saved_state, saved_trace = engine.state, engine.trace
+    engine.state, engine.trace = None, None
+    for name, value in settings.items():
+        setattr(engine, name, value)
+    try:
+        yield engine
+    finally:
+        for name, value in saved.items():
+            setattr(engine, name, value)
+        engine.state, engine.trace = saved_state, saved_trace

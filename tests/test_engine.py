@@ -1,0 +1,118 @@
+"""The engine's exactness properties on the tiny checkpoint (CPU, fp32, grid C = 32)."""
+from __future__ import annotations
+
+import torch
+
+from glm53.engine import prefill_pieces
+from glm53.sampling import SamplingParams
+from tests.fixtures_tiny import TINY_CHUNK, fresh_engine_state, tiny_dirs, tiny_engine  # noqa: F401
+
+
+def _prompt(length: int, seed: int) -> list[int]:
+    return torch.randint(0, 2000, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _rows_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(
+        torch.equal(a[k].contiguous().view(torch.uint8), b[k].contiguous().view(torch.uint8)) for k in a)
+
+
+def test_grid_pieces_depend_on_absolute_position_only() -> None:
+    assert prefill_pieces(0, 70, 32) == [(0, 32), (32, 64), (64, 70)]
+    assert prefill_pieces(45, 100, 32) == [(45, 64), (64, 96), (96, 100)]
+    assert prefill_pieces(64, 64, 32) == []
+
+
+def test_same_request_twice_gives_bitwise_same_logits_and_tokens(tiny_engine) -> None:  # noqa: F811
+    prompt = _prompt(70, 1)
+    runs = []
+    for _ in range(2):
+        with fresh_engine_state(tiny_engine, reuse_live=False):
+            tiny_engine.trace = []
+            tokens = tiny_engine.generate(prompt, 12, {"ignore_eos": True})
+            runs.append((tokens, torch.stack([row for _, row in tiny_engine.trace])))
+    assert runs[0][0] == runs[1][0]
+    assert torch.equal(runs[0][1], runs[1][1])
+
+
+def test_resume_from_rows_of_a_shorter_request_is_bitwise_a_cold_prefill(tiny_engine) -> None:  # noqa: F811
+    """Rows [0, s) restored from an earlier request that ended at an arbitrary s (45: inside chunk 1)
+    plus the resumed prefill equal, bit for bit, a cold prefill of the whole prompt: every row and the
+    first logits. The engine resumes at the grid boundary below s (32), recomputing chunk 1 whole."""
+    prompt = _prompt(100, 2)
+    with fresh_engine_state(tiny_engine):
+        tiny_engine.trace = []
+        tiny_engine.generate(prompt, 1, {"ignore_eos": True})
+        cold_rows = {k: v.clone() for k, v in tiny_engine.state.export_rows(0, 100).items()}
+        cold_logits = tiny_engine.trace[0][1]
+        assert tiny_engine.state.frontier == 100
+    for s in (45, 64):
+        with fresh_engine_state(tiny_engine):
+            tiny_engine.generate(prompt[:s], 1, {"ignore_eos": True})  # leaves rows [0, s), frontier s
+            assert tiny_engine.state.frontier == s
+            tiny_engine.trace = []
+            tiny_engine.generate(prompt, 1, {"ignore_eos": True})
+            assert tiny_engine.last_stats["cached_tokens"] == (s // TINY_CHUNK) * TINY_CHUNK
+            assert _rows_equal(tiny_engine.state.export_rows(0, 100), cold_rows), f"resume after {s} rows"
+            assert torch.equal(tiny_engine.trace[0][1], cold_logits)
+
+
+def test_restored_rows_from_outside_resume_like_a_cold_run(tiny_engine) -> None:  # noqa: F811
+    """The prefix cache's path: rows [0, 64) imported into a fresh state, then the rest prefilled."""
+    prompt = _prompt(90, 3)
+    with fresh_engine_state(tiny_engine):
+        tiny_engine.generate(prompt, 1, {"ignore_eos": True})
+        cold = {k: v.clone() for k, v in tiny_engine.state.export_rows(0, 90).items()}
+        restored = {k: v.clone() for k, v in tiny_engine.state.export_rows(0, 64).items()}
+    with fresh_engine_state(tiny_engine):
+        state = tiny_engine.model.new_state(tiny_engine.kv_dtype)
+        state.import_rows(0, restored, prompt[:64])
+        tiny_engine.state = state
+        tiny_engine.generate(prompt, 1, {"ignore_eos": True})
+        assert tiny_engine.last_stats["cached_tokens"] == 64
+        assert _rows_equal(tiny_engine.state.export_rows(0, 90), cold)
+
+
+def test_decode_rows_are_beyond_the_frontier_and_not_reused(tiny_engine) -> None:  # noqa: F811
+    prompt = _prompt(40, 4)
+    with fresh_engine_state(tiny_engine):
+        reply = tiny_engine.generate(prompt, 30, {"ignore_eos": True})
+        assert tiny_engine.state.frontier == 40 and tiny_engine.state.length == 40 + 29
+        follow_up = prompt + reply + _prompt(5, 5)
+        tiny_engine.generate(follow_up, 1, {"ignore_eos": True})
+        assert tiny_engine.last_stats["cached_tokens"] == 32  # floor(frontier 40) on the grid, not 69
+
+
+def test_seeded_sampling_is_keyed_by_seed_and_position(tiny_engine) -> None:  # noqa: F811
+    prompt = _prompt(30, 6)
+    params = {"temperature": 1.0, "top_p": 0.95, "top_k": 50, "seed": 1234, "ignore_eos": True}
+    with fresh_engine_state(tiny_engine, reuse_live=False):
+        a = tiny_engine.generate(prompt, 16, params)
+        b = tiny_engine.generate(prompt, 16, params)
+        c = tiny_engine.generate(prompt, 16, {**params, "seed": 99})
+        unseeded = tiny_engine.generate(prompt, 16, {**params, "seed": None})
+        drawn = tiny_engine.last_stats["seed"]
+        again = tiny_engine.generate(prompt, 16, {**params, "seed": drawn})
+    assert a == b and a != c
+    assert isinstance(drawn, int) and unseeded == again
+
+
+def test_fp8_latent_cache_runs_deterministically_close_to_fp32(tiny_dirs) -> None:  # noqa: F811
+    from glm53.engine import Glm53Engine
+
+    prompt = _prompt(50, 7)
+    results = {}
+    for kv in ("fp32", "fp8"):
+        engine = Glm53Engine(tiny_dirs.reference, device="cpu", dtype="fp32", kv_dtype=kv, prefill_chunk=TINY_CHUNK,
+                             reuse_live=False)
+        engine.trace = []
+        engine.generate(prompt, 4, SamplingParams(ignore_eos=True))
+        first = engine.trace[0][1]
+        engine.trace = []
+        engine.generate(prompt, 4, SamplingParams(ignore_eos=True))
+        assert torch.equal(engine.trace[0][1], first)
+        results[kv] = (first, engine.state)
+    state = results["fp8"][1]
+    assert state.latent[0].dtype == torch.float8_e4m3fn and state.latent_scale[0].shape[0] >= 50
+    assert state.bytes_per_position() < results["fp32"][1].bytes_per_position() / 3
+    assert (results["fp8"][0] - results["fp32"][0]).abs().max() < 0.25  # fp8 rows: ~2^-4 relative error

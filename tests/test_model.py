@@ -1,0 +1,129 @@
+"""Units of the forward, each against an independent statement of what it must compute."""
+from __future__ import annotations
+
+import torch
+
+from glm53.config import Glm53Config
+from glm53.kv_state import KVState, quantize_rows
+from glm53.model.indexer import select_topk
+from glm53.model.mla import AttentionWeights, attend_absorbed, attend_expanded
+from glm53.model.moe import RouterWeights, route
+from glm53.model.rope import apply_rope, inverse_frequencies, rope_angles
+
+
+def test_rope_matches_reference_interleaved_rotation() -> None:
+    from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import apply_rotary_pos_emb_interleave
+
+    cfg = Glm53Config(qk_rope_head_dim=16, rope_theta=10000.0)
+    positions = torch.tensor([0, 1, 7, 1000, 65535])
+    cos, sin = rope_angles(inverse_frequencies(cfg), positions, torch.float32)
+    q = torch.randn(5, 3, 16, generator=torch.Generator().manual_seed(0))
+    full_cos, full_sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+    ref, _ = apply_rotary_pos_emb_interleave(q.transpose(0, 1)[None], q.transpose(0, 1)[None], full_cos[None], full_sin[None])
+    assert torch.equal(apply_rope(q, cos, sin), ref[0].transpose(0, 1))
+    # the rotation is a rotation: pair norms are kept, and position 0 is the identity (in our layout)
+    assert torch.allclose(apply_rope(q, cos, sin).norm(dim=-1), q.norm(dim=-1), atol=1e-5)
+
+
+def test_topk_selection_breaks_ties_toward_lower_positions() -> None:
+    inf = float("inf")
+    scores = torch.tensor([
+        [0.5, 0.0, 0.0, 0.0, 0.9, -inf],  # k=3: 0.9, 0.5, then the first of the tied zeros
+        [0.1, 0.2, -inf, -inf, -inf, -inf],  # fewer finite than k: all finite ones, no future ones
+        [1.0, 1.0, 1.0, 1.0, 1.0, 1.0],  # all tied: the three lowest positions
+    ])
+    got = select_topk(scores, 3)
+    assert got.tolist() == [
+        [True, True, False, False, True, False],
+        [True, True, False, False, False, False],
+        [True, True, True, False, False, False],
+    ]
+
+
+def _attention_weights(seed: int) -> AttentionWeights:
+    g = torch.Generator().manual_seed(seed)
+    H, nope, rope, v, r, hidden = 4, 8, 4, 6, 10, 12
+    randn = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    return AttentionWeights(q_a=randn(5, hidden), q_a_norm=randn(5), q_b=randn(H * (nope + rope), 5),
+                            kv_a=randn(r + rope, hidden), kv_a_norm=randn(r), kv_b=randn(H * (nope + v), r),
+                            o=randn(hidden, H * v), n_heads=H, nope=nope, rope=rope, v_dim=v, kv_rank=r,
+                            scale=(nope + rope) ** -0.5)
+
+
+def test_absorbed_decode_equals_expanded_attention() -> None:
+    w = _attention_weights(1)
+    g = torch.Generator().manual_seed(2)
+    q_nope = torch.randn(3, 4, 8, generator=g, dtype=torch.float64)
+    q_rot = torch.randn(3, 4, 4, generator=g, dtype=torch.float64)
+    cached = torch.randn(9, 14, generator=g, dtype=torch.float64)
+    mask = torch.rand(3, 9, generator=g) > 0.4
+    mask[2] = False  # a query with nothing to attend (a context-parallel rank without positions)
+    out_e, lse_e = attend_expanded(w, q_nope, q_rot, cached, mask)
+    out_a, lse_a = attend_absorbed(w, q_nope, q_rot, cached, mask)
+    assert torch.allclose(out_e, out_a, atol=1e-10) and torch.allclose(lse_e[:2], lse_a[:2], atol=1e-10)
+    assert torch.equal(out_e[2], torch.zeros_like(out_e[2])) and torch.isneginf(lse_a[2]).all()
+    assert not torch.isnan(out_a).any()
+
+
+def test_router_matches_reference_with_groups() -> None:
+    from transformers import GlmMoeDsaConfig
+    from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaTopkRouter
+
+    hf = GlmMoeDsaConfig(hidden_size=16, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+                         routed_scaling_factor=2.5, norm_topk_prob=True, num_hidden_layers=1)
+    ref = GlmMoeDsaTopkRouter(hf)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        ref.weight.copy_(torch.randn(16, 16, generator=g))
+        ref.e_score_correction_bias.copy_(torch.randn(16, generator=g) * 0.3)
+    x = torch.randn(7, 16, generator=g)
+    _, ref_w, ref_ids = ref(x)
+    ours = RouterWeights(weight=ref.weight.detach(), bias=ref.e_score_correction_bias, top_k=4, n_group=4,
+                         topk_group=2, norm_topk_prob=True, scaling=2.5)
+    ids, w = route(ours, x)
+    for t in range(7):  # same experts with the same weights (topk order is unspecified)
+        mine = dict(zip(ids[t].tolist(), w[t].tolist()))
+        theirs = dict(zip(ref_ids[t].tolist(), ref_w[t].detach().tolist()))
+        assert mine.keys() == theirs.keys()
+        assert all(abs(mine[e] - theirs[e]) < 1e-6 for e in mine)
+
+
+def test_fp8_rows_have_one_scale_per_row_and_round_trip() -> None:
+    g = torch.Generator().manual_seed(4)
+    rows = torch.randn(5, 576, generator=g) * torch.tensor([1e-3, 1.0, 30.0, 0.0, 5.0])[:, None]
+    q, scale = quantize_rows(rows)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (5,)
+    back = q.to(torch.float32) * scale[:, None]
+    assert torch.equal(back[3], torch.zeros(576))
+    rel = (back - rows).abs().amax(dim=1) / rows.abs().amax(dim=1).clamp_min(1e-30)
+    assert (rel[[0, 1, 2, 4]] <= 2 ** -4).all()  # e4m3: 3 mantissa bits
+
+
+def test_kv_state_export_import_is_bitwise_and_checked() -> None:
+    def state() -> KVState:
+        return KVState(n_layers=2, latent_dim=8, index_dim=4, indexed_layers=frozenset({0}), kv_dtype="fp8")
+
+    a = state()
+    a.reserve(10)
+    g = torch.Generator().manual_seed(5)
+    for layer in (0, 1):
+        a.write_latent(layer, 0, torch.randn(10, 8, generator=g))
+    a.write_index(0, 0, torch.randn(10, 4, generator=g))
+    a.tokens.extend(range(10))
+    a.frontier = 10
+    b = state()
+    b.import_rows(0, {k: v.clone() for k, v in a.export_rows(0, 6).items()}, list(range(6)))
+    assert b.length == 6 and b.frontier == 6
+    for name, t in b.export_rows(0, 6).items():
+        assert torch.equal(t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t,
+                           a.export_rows(0, 6)[name].view(torch.uint8) if t.dtype == torch.float8_e4m3fn else a.export_rows(0, 6)[name])
+    bad = a.export_rows(6, 10)
+    bad.pop("index.0")
+    try:
+        b.import_rows(6, bad, list(range(6, 10)))
+    except ValueError as exc:
+        assert "index.0" in str(exc)
+    else:
+        raise AssertionError("import_rows accepted rows missing index.0")
+    a.truncate(4)
+    assert a.length == 4 and a.frontier == 4
