@@ -150,12 +150,16 @@ def fetch(
     target.mkdir(parents=True, exist_ok=True)
     save_manifest(target, manifest)  # first: an interrupted download keeps the hub's hashes
     try:
-        got = snapshot_download(repo, revision=info.sha, local_dir=str(local_dir) if local_dir is not None else None,
+        # pass the name, not info.sha: the cache then records refs/<name>, which the offline lookup needs
+        got = snapshot_download(repo, revision=revision, local_dir=str(local_dir) if local_dir is not None else None,
                                 max_workers=max_workers)
     except _connectivity_errors() as exc:
         raise FetchError(f"the download from {endpoint} broke off ({type(exc).__name__}: {exc}); run the same command "
                          "again: it resumes, keeping what is complete") from None
     except (HfHubHTTPError, OSError) as exc:
         raise FetchError(f"the download of {repo}@{info.sha} failed: {exc}; run the same command again to resume") from None
+    if local_dir is None and Path(got).name != info.sha:
+        raise FetchError(f"{repo}@{revision} moved from {info.sha} to {Path(got).name} during the download; "
+                         "run again, or pin it with --revision <commit>")
     source = {"repo": repo, "revision": revision, "commit": info.sha, "online": True, "endpoint": endpoint}
     return Obtained(Path(got), manifest, source)

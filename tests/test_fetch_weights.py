@@ -1,0 +1,228 @@
+"""fetch_weights.sh against a real HTTP server on loopback that speaks the part of the Hugging Face
+hub API huggingface_hub uses (repo info with file metadata, recursive tree, resolve with HEAD/GET
+and Range). The hub itself is the mock; huggingface_hub, the HTTP stack and the files are real.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import threading
+from collections import Counter
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+import pytest
+
+from glm53.weights.manifest import MANIFEST_NAME, load_manifest
+from glm53.weights.synthetic import tiny_config, write_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+REPO = "vcruz305/GLM-5.3-EXL3-3.38bpw"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+LFS_SUFFIXES = (".safetensors",)
+
+
+class FakeHub:
+    """Serves one model repo from a folder; LFS-style metadata for *.safetensors."""
+
+    def __init__(self, folder: Path, repo: str = REPO, commit: str = COMMIT) -> None:
+        self.folder, self.repo, self.commit = folder, repo, commit
+        self.requests: Counter[str] = Counter()
+        self.files = {}
+        for p in sorted(folder.iterdir()):
+            data = p.read_bytes()
+            blob = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+            sha = hashlib.sha256(data).hexdigest() if p.suffix in LFS_SUFFIXES else None
+            self.files[p.name] = {"size": len(data), "blob": blob, "sha256": sha}
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_HEAD(self) -> None:
+                self._serve(head=True)
+
+            def do_GET(self) -> None:
+                self._serve(head=False)
+
+            def _json(self, obj: object, status: int = 200, headers: dict[str, str] | None = None) -> None:
+                body = json.dumps(obj).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                for k, v in (headers or {}).items():
+                    self.send_header(k, v)
+                self.end_headers()
+                self.wfile.write(body)
+
+            def _serve(self, head: bool) -> None:
+                path = unquote(urlparse(self.path).path)
+                hub.requests[f"{self.command} {path}"] += 1
+                api = f"/api/models/{hub.repo}/"
+                if path.startswith("/api/models/") and not path.startswith(api):
+                    return self._json({"error": "Repository not found"}, 404, {"X-Error-Code": "RepoNotFound"})
+                if path.startswith(api + "revision/"):
+                    return self._json({"id": hub.repo, "modelId": hub.repo, "sha": hub.commit, "private": False,
+                                       "siblings": [hub.sibling(n) for n in hub.files]})
+                if path.startswith(api + "tree/"):
+                    return self._json([hub.tree_entry(n) for n in hub.files])
+                prefix = f"/{hub.repo}/resolve/"
+                if path.startswith(prefix):
+                    rev, _, name = path[len(prefix):].partition("/")
+                    if name not in hub.files:
+                        return self._json({"error": "Entry not found"}, 404, {"X-Error-Code": "EntryNotFound"})
+                    return self._file(name, head)
+                self._json({"error": "not found"}, 404)
+
+            def _file(self, name: str, head: bool) -> None:
+                meta = hub.files[name]
+                data = (hub.folder / name).read_bytes()
+                start, end = 0, len(data)
+                rng = self.headers.get("Range")
+                status = 200
+                if rng and rng.startswith("bytes="):
+                    a, _, b = rng[6:].partition("-")
+                    start, end, status = int(a), (int(b) + 1 if b else len(data)), 206
+                self.send_response(status)
+                self.send_header("X-Repo-Commit", hub.commit)
+                if meta["sha256"]:
+                    self.send_header("X-Linked-Etag", f'"{meta["sha256"]}"')
+                    self.send_header("X-Linked-Size", str(meta["size"]))
+                self.send_header("ETag", f'"{meta["sha256"] or meta["blob"]}"')
+                self.send_header("Content-Length", str(end - start))
+                if status == 206:
+                    self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
+                self.end_headers()
+                if not head:
+                    self.wfile.write(data[start:end])
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def sibling(self, name: str) -> dict:
+        m = self.files[name]
+        d = {"rfilename": name, "size": m["size"], "blobId": m["blob"]}
+        if m["sha256"]:
+            d["lfs"] = {"sha256": m["sha256"], "size": m["size"], "pointerSize": 134}
+        return d
+
+    def tree_entry(self, name: str) -> dict:
+        m = self.files[name]
+        d = {"type": "file", "path": name, "size": m["size"], "oid": m["blob"]}
+        if m["sha256"]:
+            d["lfs"] = {"oid": m["sha256"], "size": m["size"], "pointerSize": 134}
+        return d
+
+    def __enter__(self) -> "FakeHub":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=10)
+
+    def gets(self, suffix: str) -> int:
+        return sum(n for k, n in self.requests.items() if k.startswith("GET") and k.endswith(suffix))
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("hubrepo"), tiny_config(), n_shards=3, seed=3)
+
+
+def fetch(args: list[str], endpoint: str, hf_home: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env.update(HF_ENDPOINT=endpoint, HF_HOME=str(hf_home), HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_ETAG_TIMEOUT="5")
+    return subprocess.run(["bash", str(ROOT / "fetch_weights.sh"), *args], capture_output=True, text=True, timeout=180, env=env)
+
+
+def dead_endpoint() -> str:
+    """A loopback port nobody listens on (bound, then closed)."""
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return f"http://127.0.0.1:{port}"
+
+
+def test_download_verify_then_offline_deep(source: Path, tmp_path: Path) -> None:
+    dest, hf_home, report = tmp_path / "model", tmp_path / "hf", tmp_path / "r.json"
+    with FakeHub(source) as hub:
+        proc = fetch(["--dir", str(dest), "--json", str(report)], hub.url, hf_home)
+        assert proc.returncode == 0, proc.stderr
+        assert "no pinned revision" in proc.stderr  # the placeholder is honest about itself
+        for p in source.iterdir():
+            assert (dest / p.name).read_bytes() == p.read_bytes(), p.name
+        manifest = load_manifest(dest)
+        assert manifest is not None and manifest.commit == COMMIT and manifest.revision == "main"
+        for name, meta in hub.files.items():
+            assert manifest.files[name].size == meta["size"]
+            assert manifest.files[name].sha256 == meta["sha256"]
+        doc = json.loads(report.read_text())
+        assert doc["status"] == "ok" and doc["source"]["commit"] == COMMIT and doc["source"]["online"] is True
+        shard_gets = hub.gets(".safetensors")
+        assert shard_gets == 3
+        # a second run finds the files complete and does not fetch them again
+        proc = fetch(["--dir", str(dest), "--revision", COMMIT], hub.url, hf_home)
+        assert proc.returncode == 0, proc.stderr
+        assert hub.gets(".safetensors") == shard_gets
+    # hub gone: falls back to the local copy, hashes it against what the hub recorded
+    proc = fetch(["--dir", str(dest), "--deep"], dead_endpoint(), hf_home)
+    assert proc.returncode == 0, proc.stderr
+    assert "unreachable" in proc.stderr and "3 files hashed, 0 mismatches" in proc.stdout
+    shard = sorted(dest.glob("*.safetensors"))[1]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0x55
+    shard.write_bytes(bytes(data))
+    proc = fetch(["--dir", str(dest), "--deep", "--offline"], dead_endpoint(), hf_home)
+    assert proc.returncode == 1 and shard.name in proc.stderr and "SHA-256" in proc.stderr
+
+
+def test_download_into_cache_then_offline(source: Path, tmp_path: Path) -> None:
+    hf_home = tmp_path / "hf"
+    with FakeHub(source) as hub:
+        proc = fetch(["--revision", "main"], hub.url, hf_home)
+        assert proc.returncode == 0, proc.stderr
+    snapshot = hf_home / "hub" / "models--vcruz305--GLM-5.3-EXL3-3.38bpw" / "snapshots" / COMMIT
+    assert (snapshot / MANIFEST_NAME).is_file() and (snapshot / "model.safetensors.index.json").exists()
+    proc = fetch(["--offline", "--deep"], dead_endpoint(), hf_home)
+    assert proc.returncode == 0, proc.stderr
+    assert str(snapshot) in proc.stdout and "0 mismatches" in proc.stdout
+
+
+def test_unreachable_hub_without_local_copy(tmp_path: Path) -> None:
+    proc = fetch(["--dir", str(tmp_path / "empty"), "--json", str(tmp_path / "r.json")], dead_endpoint(), tmp_path / "hf")
+    assert proc.returncode == 4
+    assert "unreachable" in proc.stderr and "no local copy" in proc.stderr and "--dir" in proc.stderr
+    assert json.loads((tmp_path / "r.json").read_text())["status"] == "no_checkpoint"
+    proc = fetch(["--offline"], dead_endpoint(), tmp_path / "hf")
+    assert proc.returncode == 4 and "Hugging Face cache" in proc.stderr
+
+
+def test_repo_not_found(source: Path, tmp_path: Path) -> None:
+    with FakeHub(source) as hub:
+        proc = fetch(["--repo", "someone/else", "--dir", str(tmp_path / "m")], hub.url, tmp_path / "hf")
+    assert proc.returncode == 4 and "someone/else" in proc.stderr and "not found" in proc.stderr
+
+
+def test_hub_serving_a_damaged_shard_is_caught(source: Path, tmp_path: Path) -> None:
+    """A mirror that serves a truncated shard with matching Content-Length: the header check names it."""
+    bad_repo = tmp_path / "badrepo"
+    shutil.copytree(source, bad_repo)
+    shard = sorted(bad_repo.glob("*.safetensors"))[0]
+    os.truncate(shard, shard.stat().st_size - 64)
+    with FakeHub(bad_repo) as hub:
+        proc = fetch(["--dir", str(tmp_path / "m"), "--revision", COMMIT], hub.url, tmp_path / "hf")
+    assert proc.returncode == 1
+    assert shard.name in proc.stderr and "truncated" in proc.stderr
