@@ -14,7 +14,8 @@ import signal
 import sys
 import threading
 import time
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable
 
 from launcher.guard import MemoryGuard, floor_bytes_from_env
 from launcher.meminfo import MIB, available_bytes
@@ -85,7 +86,22 @@ def engine_options(pairs: list[str]) -> dict[str, Any]:
     return options
 
 
-def main(argv: list[str] | None = None) -> int:
+def glm53_engine(args: argparse.Namespace) -> Any:
+    import glm53
+
+    return glm53.cuda_engine(args.model, drafter=args.drafter, tp=args.ranks, rank=args.rank, master=args.master,
+                             master_port=args.master_port, no_drafts=args.no_drafts, mtp_drafts=None,
+                             **engine_options(args.option))
+
+
+def glm53_sampling(request: dict[str, Any]) -> Any:
+    from glm53.sampling import SamplingParams
+
+    return SamplingParams.from_request(request)
+
+
+def main(argv: list[str] | None = None, engine_factory: Callable[[argparse.Namespace], Any] = glm53_engine,
+         sampling_factory: Callable[[dict[str, Any]], Any] = glm53_sampling) -> int:
     args = parse_args(argv)
     progress = Progress(args.rank, args.progress_interval)
     progress.start()
@@ -106,11 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
 
     progress.set("loading")
-    import glm53
     try:
-        engine = glm53.cuda_engine(args.model, drafter=args.drafter, tp=args.ranks, rank=args.rank,
-                                   master=args.master, master_port=args.master_port, no_drafts=args.no_drafts,
-                                   mtp_drafts=None, **engine_options(args.option))
+        engine = engine_factory(args)
     except Exception as exc:
         print(f"rank {args.rank}: loading {args.model} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return EXIT_ENGINE_FAILED
@@ -137,15 +150,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from front.chat import ChatText
     from front.server import App, FrontSettings, drafting_state, prefix_cache_state
-    from glm53.config import Glm53Config
-    from glm53.sampling import SamplingParams
-
-    context = args.context or Glm53Config.from_dir(args.model).max_position_embeddings
+    context = args.context or json.loads((Path(args.model) / "config.json").read_text())["max_position_embeddings"]
     settings = FrontSettings(served_model=args.served_model_name, context=context,
                              default_max_tokens=args.default_max_tokens, ranks=args.ranks,
                              prefix_cache=prefix_cache_state(engine), drafting=drafting_state(engine),
                              prefill_chunk=getattr(engine, "chunk", None))
-    app = App(engine, ChatText(args.model), settings, SamplingParams.from_request)
+    app = App(engine, ChatText(args.model), settings, sampling_factory)
     assert server is not None
     server.attach(app)
     progress.set("serving")

@@ -3,6 +3,7 @@ what a real start would run."""
 from __future__ import annotations
 
 import hashlib
+import os
 import shlex
 from importlib import metadata
 from pathlib import Path
@@ -44,8 +45,14 @@ def python_of(config: LaneConfig) -> str:
     return config.runtime.python()
 
 
+def rank_module() -> str:
+    """The rank entry point. GLM53_RANK_MODULE replaces it only in the launcher's own tests (a
+    stand-in engine for multi-rank lanes while the glm53 engine serves one rank)."""
+    return os.environ.get("GLM53_RANK_MODULE", "front.rank")
+
+
 def rank_argv(config: LaneConfig, node: Node, model: str) -> list[str]:
-    argv = [python_of(config) if not config.runtime.image else "python", "-m", "front.rank",
+    argv = [python_of(config) if not config.runtime.image else "python", "-m", rank_module(),
             "--model", model, "--rank", str(node.rank), "--ranks", str(config.ranks),
             "--master", config.master(), "--master-port", str(config.master_port),
             "--served-model-name", config.served_model, "--context", str(config.context)]

@@ -166,6 +166,10 @@ def load_cluster(path: str | Path) -> LaneConfig:
     memory_raw = raw.get("memory") or {}
     if not isinstance(memory_raw, dict):
         raise ConfigError(f"{src}: memory must be a mapping")
+    if isinstance(memory_raw.get("unified"), bool):  # YAML reads yes/no as booleans
+        memory_raw = {**memory_raw, "unified": "yes" if memory_raw["unified"] else "no"}
+    if memory_raw.get("unified", "auto") not in ("auto", "yes", "no"):
+        raise ConfigError(f"{src}: memory.unified must be auto, yes or no, got {memory_raw['unified']!r}")
     try:
         memory = MemorySettings(**memory_raw)
     except TypeError as exc:

@@ -94,3 +94,14 @@ def _common(a: list[int], b: list[int]) -> int:
             break
         n += 1
     return n
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    """The tiny checkpoint serve.sh uses, from its cache (.work/tiny); generated once per machine."""
+    from launcher.tiny_cache import ensure_tiny
+
+    return ensure_tiny(quiet=True)
