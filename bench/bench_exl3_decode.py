@@ -1,0 +1,208 @@
+"""Reference EXL3 decoder throughput: GB/s of fp16 weights produced, on the CPU and on CUDA.
+
+    python bench/bench_exl3_decode.py --out results/exl3_decode.json [--device cpu|cuda|all] [--reps N]
+
+Shapes are GLM-5.3 expert projections (gate/up: in 6144 -> out 2048; down: 2048 -> 6144), on random
+trellis bits, for each K and codebook. Measured per tensor:
+  decode_weight   the kit's full decode (trellis -> fp16 W incl. Hadamards and sign vectors)
+  decode_rotated  the kit's trellis decode alone
+and, where exllamav3 is importable on CUDA, side by side in the same loop (interleaved):
+  exl3_reconstruct  exllamav3's ext.reconstruct (rotated only; its CUDA kernel)
+  exl3_full         exllamav3's LinearEXL3.get_weight_tensor()
+GB/s counts the fp16 weights written (in*out*2 bytes); trellis bytes read are listed too.
+CUDA timing: CUDA events around each call after warm-up, inputs rotated over > 500 MB (L2 is 60 MB).
+CPU timing: wall clock, fewer reps. Prints a table last; the JSON holds every sample.
+Exit 0 on success; 2 on bad arguments.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from glm53.exl3.decode import decode_rotated, decode_weight  # noqa: E402
+from glm53.exl3.format import read_group  # noqa: E402
+
+SHAPES = {"gate_up": (6144, 2048), "down": (2048, 6144)}
+CASES = [("3inst", 2.0), ("3inst", 3.0), ("3inst", 4.0), ("mcg", 3.0), ("mul1", 3.0), ("mul1", 3.5)]
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _device_name(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    return f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores, torch threads {torch.get_num_threads()})"
+
+
+def _random_parts(codebook: str, bits: float, in_f: int, out_f: int, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    trellis = torch.randint(-(1 << 15), 1 << 15, (in_f // 16, out_f // 16, int(16 * bits)), generator=gen).to(torch.int16)
+    parts = {
+        "trellis": trellis,
+        "suh": (torch.randint(0, 2, (in_f,), generator=gen) * 2 - 1).half(),
+        "svh": (torch.randint(0, 2, (out_f,), generator=gen) * 2 - 1).half(),
+    }
+    if codebook == "mcg":
+        parts["mcg"] = torch.tensor(0xCBAC1FED - (1 << 32), dtype=torch.int32)
+    if codebook == "mul1":
+        parts["mul1"] = torch.tensor(0x83DCD12D - (1 << 32), dtype=torch.int32)
+    return parts
+
+
+def _try_exllamav3():
+    try:
+        sys.path.insert(0, str(REPO / "tests" / "gpu"))
+        from test_exl3_vs_exllamav3 import import_exllamav3  # type: ignore
+
+        return import_exllamav3()
+    except Exception as exc:  # noqa: BLE001 - the bench runs without exllamav3, saying why
+        print(f"exllamav3 not available ({type(exc).__name__}: {exc}); its columns are left out", file=sys.stderr)
+        return None
+
+
+def _time_cuda(fn, inputs: list, reps: int) -> list[float]:
+    for i in range(2):
+        fn(inputs[i % len(inputs)])
+    torch.cuda.synchronize()
+    samples = []
+    for r in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        x = inputs[r % len(inputs)]
+        start.record()
+        fn(x)
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / 1e3)
+    return samples
+
+
+def _time_cpu(fn, inputs: list, reps: int) -> list[float]:
+    fn(inputs[0])
+    samples = []
+    for r in range(reps):
+        t = time.perf_counter()
+        fn(inputs[r % len(inputs)])
+        samples.append(time.perf_counter() - t)
+    return samples
+
+
+def bench_device(device: str, reps: int, exl) -> list[dict]:
+    rows = []
+    for shape_name, (in_f, out_f) in SHAPES.items():
+        for codebook, bits in CASES:
+            weight_bytes = in_f * out_f * 2
+            trellis_bytes = in_f * out_f * bits / 8
+            n_inputs = max(1, int(-(-500e6 // (weight_bytes + trellis_bytes)))) if device == "cuda" else 1
+            groups = []
+            for i in range(n_inputs):
+                parts = {k: v.to(device) for k, v in _random_parts(codebook, bits, in_f, out_f, seed=i).items()}
+                groups.append((read_group({f"g.{k}": v for k, v in parts.items()}, "g"), parts))
+            timer = _time_cuda if device == "cuda" else _time_cpu
+            fns = {
+                "decode_weight": lambda g: decode_weight(g[0], device),
+                "decode_rotated": lambda g: decode_rotated(g[0].trellis, g[0].bits, g[0].codebook),
+            }
+            if exl is not None and device == "cuda":
+                ext, LinearEXL3 = exl
+                k_arg = int(bits) if float(bits).is_integer() else bits
+                lins = {
+                    id(g[0]): LinearEXL3(None, in_f, out_f, suh=g[1]["suh"], svh=g[1]["svh"], trellis=g[1]["trellis"],
+                                         mcg=g[1].get("mcg"), mul1=g[1].get("mul1"), out_dtype=torch.half, key="bench")
+                    for g in groups
+                }
+                out_buf = torch.empty((in_f, out_f), dtype=torch.half, device=device)
+
+                def exl_recon(g, k_arg=k_arg, out_buf=out_buf):
+                    ext.reconstruct(out_buf, g[1]["trellis"], k_arg, "mcg" in g[1], "mul1" in g[1])
+
+                fns["exl3_reconstruct"] = exl_recon
+                fns["exl3_full"] = lambda g, lins=lins: lins[id(g[0])].get_weight_tensor()
+            samples: dict[str, list[float]] = {name: [] for name in fns}
+            # interleave the variants round by round so drift hits all alike
+            rounds = 3
+            for _ in range(rounds):
+                for name, fn in fns.items():
+                    samples[name] += timer(fn, groups, max(1, reps // rounds))
+            for name, s in samples.items():
+                med = statistics.median(s)
+                rows.append({
+                    "device": device, "shape": shape_name, "in_features": in_f, "out_features": out_f,
+                    "codebook": codebook, "bits": bits, "variant": name, "weight_bytes": weight_bytes,
+                    "trellis_bytes": trellis_bytes, "samples_s": s, "median_s": med, "min_s": min(s), "max_s": max(s),
+                    "gbps_weights_median": weight_bytes / med / 1e9,
+                })
+            print(f"  {device} {shape_name} {codebook} K={bits:g} done", file=sys.stderr)
+            del groups
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="JSON results path")
+    ap.add_argument("--device", choices=("cpu", "cuda", "all"), default="all")
+    ap.add_argument("--commit", default=None, help="kit commit to record where the copy has no .git (default: git rev-parse HEAD)")
+    ap.add_argument("--reps", type=int, default=30, help="timed calls per variant on CUDA (CPU uses a third)")
+    args = ap.parse_args()
+    devices = ["cpu", "cuda"] if args.device == "all" else [args.device]
+    if "cuda" in devices and not torch.cuda.is_available():
+        if args.device == "cuda":
+            print("--device cuda: no CUDA device here", file=sys.stderr)
+            return 2
+        devices.remove("cuda")
+    exl = _try_exllamav3() if "cuda" in devices else None
+    if "cuda" in devices:
+        torch.backends.cuda.matmul.allow_tf32 = False
+    rows = []
+    for device in devices:
+        rows += bench_device(device, args.reps if device == "cuda" else max(3, args.reps // 10), exl)
+    result = {
+        "bench": "exl3_decode",
+        "git_commit": args.commit or _git_commit(),
+        "devices": {d: _device_name(d) for d in devices},
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "exllamav3": _version("exllamav3") if exl is not None else None,
+        "settings": {"reps_cuda": args.reps, "reps_cpu": max(3, args.reps // 10), "tf32": False,
+                     "timing": "CUDA events per call, inputs rotated over >500 MB; CPU wall clock"},
+        "results": rows,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    os.replace(tmp, out)
+    print(f"{'device':6} {'shape':8} {'cb':6} {'K':>4} {'variant':17} {'median ms':>10} {'GB/s':>8}")
+    for r in rows:
+        print(f"{r['device']:6} {r['shape']:8} {r['codebook']:6} {r['bits']:4g} {r['variant']:17} "
+              f"{r['median_s'] * 1e3:10.3f} {r['gbps_weights_median']:8.2f}")
+    return 0
+
+
+def _version(module: str) -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version(module)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
