@@ -5,6 +5,8 @@ import re
 
 from .context import Invocation, ensure_quiet, say
 from .errors import ExitCode, SeriesToolError
+from .family_check import APPLY, kit_families, print_families, require_no_clash
+from .families import scan_families
 from .git_ops import BRANCH, GitResult, Workdir, sha256_file
 from .lint import require_structure
 from .patchfile import hunk_at, read_patch
@@ -138,6 +140,7 @@ def run_apply(inv: Invocation, upstream_tag: str | None, fetch: bool) -> int:
             and head == stamp.get("head"):
         say(f"up to date: {len(want)} patches applied on {pin.tag} ({pin.commit[:12]}) "
             f"in {wd.path}")
+        require_no_clash(wd.path, series, series.names, inv, mode=APPLY, tag=pin.tag)
         return ExitCode.OK
     branch_tip = guard_series_branch(wd, inv, pin, stamp)
     start = 0
@@ -153,6 +156,7 @@ def run_apply(inv: Invocation, upstream_tag: str | None, fetch: bool) -> int:
     apply_patches(wd, series, inv, stamp, start)
     say(f"applied {len(want) - start} of {len(want)} patches on {pin.tag} ({pin.commit[:12]}) in "
         f"{wd.path}, branch {BRANCH}")
+    require_no_clash(wd.path, series, series.names, inv, mode=APPLY, tag=pin.tag)
     return ExitCode.OK
 
 
@@ -196,6 +200,8 @@ def run_status(inv: Invocation) -> int:
             if extra else "HEAD is not where apply.py left it")
     dirty = wd.dirty_files()
     say(f"tree:    {'dirty: ' + ', '.join(dirty) if dirty else 'clean'}")
+    say("families (in the checkout as it is now):")
+    print_families(scan_families(wd.path), kit_families(series, series.names), indent="  ")
     if RebaseState.exists(wd):
         state = RebaseState.load(wd)
         say(f"in progress: series rebase onto {state.onto_tag}, stopped at {state.current}")

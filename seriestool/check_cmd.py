@@ -8,6 +8,7 @@ from pathlib import Path
 from .apply_cmd import apply_patches, verify_pin
 from .context import Invocation, note, say
 from .errors import ExitCode, SeriesToolError
+from .family_check import CHECK, require_no_clash
 from .git_ops import BRANCH, Workdir
 from .lint import full_lint
 from .transport import probe
@@ -55,6 +56,7 @@ def run_check(inv: Invocation, offline: bool, require_upstream: bool) -> int:
         wd.must("checkout", "-q", "-B", BRANCH, pin.commit)
         stamp = {"pin": pin.commit, "tag": pin.tag, "applied": [], "head": pin.commit}
         apply_patches(wd, series, inv, stamp, 0)
+        require_no_clash(wd.path, series, series.names, inv, mode=CHECK, tag=pin.tag)
         stale = [item["name"] for item in stamp["applied"]
                  if wd.format_patch(item["commit"]) != series.patch_path(item["name"]).read_bytes()]
     if stale:

@@ -56,7 +56,15 @@ def _inv(ctx: click.Context, series_file, workdir, repo, shallow: bool = False) 
 def main(ctx: click.Context, series_file, workdir, repo, upstream, shallow, no_fetch) -> None:
     """Pin, apply, check, export and rebase the TensorFold patch series.
 
-    Without a command: apply (the upstream at the pin, verified, every patch on top)."""
+    Without a command: apply (the upstream at the pin, verified, every patch on top). After
+    apply, check and rebase, the model families in src/tensorfold/families are read statically
+    and two families claiming one model_type stop the command (exit 9).
+
+    \b
+    Exit codes (docs/MAINTAINERS.md):
+      0 ok   1 crash (a bug)   2 usage / refused upstream   3 patch does not apply or conflict
+      4 check: stale patches   5 pin mismatch   6 bad workdir state   7 series invalid
+      8 upstream unreachable   9 model family clash, or a family file that does not parse"""
     if ctx.invoked_subcommand is None:
         ctx.invoke(apply_command, upstream=upstream, shallow=shallow, no_fetch=no_fetch)
 
@@ -118,18 +126,24 @@ def export_command(ctx, series_file, workdir, repo):
 @click.option("--continue", "action", flag_value="continue", help="Go on after resolving a conflict.")
 @click.option("--skip", "action", flag_value="skip", help="Drop the patch that stopped and go on.")
 @click.option("--abort", "action", flag_value="abort", help="Stop; series and patches/ stay untouched.")
+@click.option("--drop", "drop", multiple=True, metavar="NAME",
+              help="With --onto: leave patch NAME out of the rebased series (repeatable).")
 @click.option("--shallow", is_flag=True, help="Fetch only the new tag's commit (depth 1).")
 @click.pass_context
 @_handled
-def rebase_command(ctx, series_file, workdir, repo, onto, action, shallow):
-    """Carry the series onto another tag (3-way), stopping at conflicts."""
+def rebase_command(ctx, series_file, workdir, repo, onto, action, drop, shallow):
+    """Carry the series onto another tag (3-way), stopping at conflicts (exit 3) and, after the
+    last patch, at a model family clash (exit 9; nothing written, --continue folds a staged fix
+    into the kit's registration patch)."""
     from . import rebase_cmd
 
     if bool(onto) == bool(action):
         raise click.UsageError("give exactly one of --onto TAG, --continue, --skip, --abort")
+    if drop and not onto:
+        raise click.UsageError("--drop goes with --onto (abort the rebase in progress first)")
     inv = _inv(ctx, series_file, workdir, repo, shallow)
     if onto:
-        return rebase_cmd.start(inv, onto)
+        return rebase_cmd.start(inv, onto, drop)
     return rebase_cmd.resume(inv, action)
 
 

@@ -17,6 +17,7 @@ class ExitCode(IntEnum):
     BAD_STATE = 6        # workdir dirty, am/rebase in progress, foreign commits, shallow lacks blobs
     SERIES_INVALID = 7   # series file or a patch file malformed, missing, unused, duplicated, header incomplete
     UNREACHABLE = 8      # the upstream could not be reached (apply/rebase need it; check says what it skipped)
+    FAMILY_CLASH = 9     # after applying: two model families claim one model_type, or a family file does not parse
 
 
 class SeriesToolError(Exception):

@@ -14,6 +14,8 @@ from pathlib import Path
 from .apply_cmd import LACKS_BLOBS, failure_report, guard_series_branch
 from .context import Invocation, ensure_quiet, say
 from .errors import ExitCode, SeriesToolError
+from .families import family_of_path, scan_families
+from .family_check import REBASE, kit_families, require_no_clash
 from .export import record_stamp, write_export, report
 from .git_ops import BRANCH, REBASE_BRANCH, Workdir, sha256_file
 from .lint import require_structure
@@ -38,6 +40,9 @@ class RebaseState:
     head_before: str | None = None
     outcomes: dict[str, str] = field(default_factory=dict)
     commits: dict[str, str] = field(default_factory=dict)
+    dropped: list[str] = field(default_factory=list)   # --drop NAME: left out from the start
+    clash: bool = False          # stopped after the last patch: a model family clash (exit 9)
+    fold_into: str | None = None  # at a clash: the kit's registration patch staged fixes go into
 
     @staticmethod
     def path(wd: Workdir) -> Path:
@@ -62,9 +67,13 @@ def fingerprint(series: Series) -> dict[str, str]:
     return prints
 
 
-def start(inv: Invocation, onto: str) -> int:
+def start(inv: Invocation, onto: str, drop: tuple[str, ...] = ()) -> int:
     series = inv.series()
     require_structure(series)
+    unknown = [name for name in drop if name not in series.names]
+    if unknown:
+        raise SeriesToolError(ExitCode.USAGE, f"--drop {', '.join(unknown)}: not in {series.path} "
+                              f"(its patches: {', '.join(series.names) or 'none'})")
     source = inv.source(series)
     require_reachable(source)
     wd = Workdir.open_or_init(inv.workdir)
@@ -80,7 +89,8 @@ def start(inv: Invocation, onto: str) -> int:
     state = RebaseState(series_path=str(series.path), onto_tag=onto, onto_commit=onto_commit,
                         old_pin=series.pin.commit, old_tip=old_tip,
                         orig_ref=wd.current_branch() or wd.head() or "",
-                        names=series.names, fingerprint=fingerprint(series))
+                        names=series.names, fingerprint=fingerprint(series),
+                        dropped=list(dict.fromkeys(drop)))
     wd.must("checkout", "-q", "-B", REBASE_BRANCH, onto_commit)
     state.save(wd)
     say(f"rebasing {len(series.names)} patches from {series.pin.tag} ({series.pin.commit[:12]}) "
@@ -113,6 +123,14 @@ def resume(inv: Invocation, action: str) -> int:
     if action == "abort":
         return _abort(wd, inv, state)
     _check_untouched(series, state, inv)
+    if state.clash:
+        if action == "skip":
+            raise SeriesToolError(ExitCode.USAGE, (
+                "every patch is through; the rebase stopped at a model family clash, so there is no "
+                f"patch to skip. To leave a patch out: {inv.command('rebase', '--abort')}, then "
+                f"{inv.command('rebase', '--onto', state.onto_tag, '--drop', 'NAME')}"))
+        _fold_staged(wd, inv, series, state)
+        return _finish(wd, inv, series, state)
     if state.current is None:
         return _advance(wd, inv, series, state)
     name = state.current
@@ -153,6 +171,12 @@ def resume(inv: Invocation, action: str) -> int:
 def _advance(wd: Workdir, inv: Invocation, series: Series, state: RebaseState) -> int:
     while state.index < len(state.names):
         name = state.names[state.index]
+        if name in state.dropped:
+            state.outcomes[name] = "dropped (--drop)"
+            say(f"{name}: {state.outcomes[name]}")
+            state.index += 1
+            state.save(wd)
+            continue
         before = wd.head()
         result = wd.am(series.patch_path(name), three_way=True)
         if result.ok:
@@ -199,7 +223,73 @@ def _advance(wd: Workdir, inv: Invocation, series: Series, state: RebaseState) -
     return _finish(wd, inv, series, state)
 
 
+def _stop_at_clash(wd: Workdir, inv: Invocation, series: Series, state: RebaseState) -> None:
+    """Before anything is written: a family clash stops the rebase (resumable, exit 9)."""
+    applied = [name for name in state.names if name in state.commits]
+    try:
+        require_no_clash(wd.path, series, applied, inv, mode=REBASE, tag=state.onto_tag)
+    except SeriesToolError as exc:
+        if exc.code != ExitCode.FAMILY_CLASH:
+            raise
+        kit = kit_families(series, applied)
+        clashing = [f.name for c in scan_families(wd.path).clashes for f in c.families if f.name in kit]
+        state.clash, state.head_before = True, wd.head()
+        state.fold_into = kit[clashing[0]] if clashing else None
+        state.save(wd)
+        raise
+    if state.clash:
+        state.clash = False
+        state.save(wd)
+
+
+def _fold_staged(wd: Workdir, inv: Invocation, series: Series, state: RebaseState) -> None:
+    """At a clash stop, `--continue` folds the staged fix into the patch that owns it: the kit
+    family's patch when a staged file is in a kit family, else the clashing family's patch."""
+    if wd.head() != state.head_before:
+        raise SeriesToolError(ExitCode.BAD_STATE, (
+            f"HEAD in {wd.path} moved since the rebase stopped at the family clash; stage the fix "
+            "instead of committing it. Turn your commits back into staged changes with\n  "
+            f"{inv.git_command('reset', '--soft', state.head_before or 'HEAD')}\nthen "
+            f"{inv.command('rebase', '--continue')}"))
+    if not wd.run("diff", "--quiet").ok:
+        raise SeriesToolError(ExitCode.BAD_STATE, (
+            f"unstaged changes in {wd.path}: `{inv.git_command('add')} <files>` what belongs to the "
+            f"fix, discard the rest ({inv.git_command('checkout', '--', '<files>')}), then "
+            f"{inv.command('rebase', '--continue')}"))
+    staged = wd.must("diff", "--cached", "--name-only").split()
+    if not staged:
+        return                  # nothing changed: the check runs again and says the same
+    applied = [name for name in state.names if name in state.commits]
+    owners = kit_families(series, applied)
+    target = next((owners[f] for f in map(family_of_path, staged) if f in owners), state.fold_into)
+    if target is None:
+        raise SeriesToolError(ExitCode.BAD_STATE, (
+            "no patch of the series registers a family in this clash, so there is no patch to fold "
+            f"the staged change into; stop with {inv.command('rebase', '--abort')}"))
+    target_commit = state.commits[target]
+    wd.must("commit", "-q", "--no-verify", f"--fixup={target_commit}")
+    fixup = wd.head()
+    result = wd.run("rebase", "-q", "-i", "--autosquash", f"{target_commit}^",
+                    env={"GIT_SEQUENCE_EDITOR": "true"})
+    commits = wd.commits_since(state.onto_commit) if result.ok else []
+    if not result.ok or len(commits) != len(applied):
+        if wd.git_rebase_in_progress():
+            wd.run("rebase", "--abort")
+        wd.must("reset", "-q", "--hard", fixup)
+        wd.must("reset", "-q", "--soft", "HEAD~1")     # the fix is staged again, as you left it
+        raise SeriesToolError(ExitCode.BAD_STATE, (
+            f"could not fold the staged change into {target} (a later patch conflicts with it, or "
+            f"became empty):\n{result.output}\nYour change is staged again in {wd.path}; adjust it "
+            f"and run {inv.command('rebase', '--continue')}, or {inv.command('rebase', '--abort')}"))
+    state.commits = dict(zip(applied, commits))
+    state.outcomes[target] = state.outcomes.get(target, "applied") + "; amended at the family clash"
+    state.head_before = wd.head()
+    state.save(wd)
+    say(f"{target}: staged change folded in ({', '.join(staged)})")
+
+
 def _finish(wd: Workdir, inv: Invocation, series: Series, state: RebaseState) -> int:
+    _stop_at_clash(wd, inv, series, state)
     new_pin = Pin(series.pin.url, state.onto_tag, state.onto_commit)
     named = [(state.commits[name], name) for name in state.names if name in state.commits]
     # Move the series branch first (the commits are safe in git), then write files, series last.
@@ -214,6 +304,9 @@ def _finish(wd: Workdir, inv: Invocation, series: Series, state: RebaseState) ->
     for name in state.names:
         say(f"  {name}: {state.outcomes.get(name, '?')}")
     absorbed = [n for n in state.names if state.outcomes.get(n, "").startswith("absorbed")]
+    dropped = [n for n in state.names if n in state.dropped]
+    if dropped:
+        say(f"dropped with --drop (removed from the series): {', '.join(dropped)}")
     if absorbed:
         say(f"absorbed upstream (dropped from the series): {', '.join(absorbed)}")
     _range_diff(wd, state)

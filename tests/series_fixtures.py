@@ -1,11 +1,15 @@
 """Real git repositories for the series-tool tests: a small upstream with three tags and a kit
 (series + patches/) whose patches are made by committing on the upstream and exporting.
 
-Upstream history (all on `main`):
-  A  v0.6.0 (annotated)    cli_args.py, families/__init__.py, server.py, README.md ("teh engine")
+Upstream history (on `main` unless said):
+  A  v0.6.0 (annotated)    cli_args.py, server.py, README.md ("teh engine"), families glm5_next
+                           (MODEL_TYPES a list) and llama (imported from .config, via a constant)
   A2 v0.6.1 (lightweight)  server.py edited; README typo fixed (absorbs patch 0003)
   B  v0.7.0 (annotated)    TP_CHOICES changed to (1, 2, 8): conflicts with patch 0002
-Kit patches on v0.6.0: 0001 adds a family folder, 0002 lifts TP/rank choices, 0003 fixes the typo.
+  C  v0.8.0 (annotated)    adds families/glm_moe_dsa_full claiming glm_moe_dsa: clashes with 0001
+  D  v0.6.6 (annotated)    on a side branch from A2: the same full family, no conflict with 0002
+Kit patches on v0.6.0: 0001 adds the kit's family glm53 (MODEL_TYPES a tuple with glm_moe_dsa),
+0002 lifts TP/rank choices, 0003 fixes the typo.
 """
 from __future__ import annotations
 
@@ -22,6 +26,9 @@ CLI_ARGS = "".join(f"# option block {i}\n" for i in range(8)) + \
     "TP_CHOICES = (1, 2)\nRANK_CHOICES = (0, 1)\n" + "".join(f"# tail {i}\n" for i in range(8))
 README = "TensorFold\n\nThe fast teh engine.\n\nSee docs.\n"
 SERVER = "def serve():\n    return 'ok'\n"
+FAMILIES = "src/tensorfold/families"
+FULL_FAMILY = f"{FAMILIES}/glm_moe_dsa_full/__init__.py"
+KIT_FAMILY = f"{FAMILIES}/glm53/__init__.py"
 
 NAMES = ["0001-register-glm53-family.patch", "0002-lift-two-rank-limit.patch",
          "0003-fix-readme-typo.patch"]
@@ -55,6 +62,8 @@ class Upstream:
     a: str
     a2: str
     b: str
+    c: str
+    d: str
     patches: dict[str, bytes]      # normalized exports of the three kit patches on v0.6.0
     raw_patch_0001: bytes          # plain `git format-patch` output (diffstat, signature): stale
 
@@ -63,31 +72,46 @@ def build_upstream(root: Path) -> Upstream:
     up = root / "upstream"
     up.mkdir()
     git(up, "init", "-q", "-b", "main")
-    write(up, "src/tf/cli_args.py", CLI_ARGS)
-    write(up, "src/tf/families/__init__.py", "FAMILIES = []\n")
-    write(up, "src/tf/server.py", SERVER)
+    write(up, "src/tensorfold/cli_args.py", CLI_ARGS)
+    write(up, f"{FAMILIES}/__init__.py", '"""families are found by iterating this package"""\n')
+    write(up, f"{FAMILIES}/glm5_next/__init__.py", "MODEL_TYPES = ['glm5_next']\n")
+    write(up, f"{FAMILIES}/llama/__init__.py", "from .config import MODEL_TYPES\n")
+    write(up, f"{FAMILIES}/llama/config.py", "LLAMA = 'llama'\nMODEL_TYPES = (LLAMA, 'llama3')\n")
+    write(up, "src/tensorfold/server.py", SERVER)
     write(up, "README.md", README)
     git(up, "add", "-A")
     git(up, "commit", "-qm", "v0.6.0", date="2026-09-30T12:00:00Z")
     git(up, "tag", "-a", "v0.6.0", "-m", "release 0.6.0", date="2026-09-30T12:00:00Z")
     a = git(up, "rev-parse", "HEAD")
-    write(up, "src/tf/server.py", SERVER + "\n\ndef health():\n    return 'up'\n")
+    write(up, "src/tensorfold/server.py", SERVER + "\n\ndef health():\n    return 'up'\n")
     write(up, "README.md", README.replace("teh", "the"))
     git(up, "commit", "-qam", "0.6.1: health, typo", date="2026-10-10T12:00:00Z")
     git(up, "tag", "v0.6.1")
     a2 = git(up, "rev-parse", "HEAD")
-    write(up, "src/tf/cli_args.py", CLI_ARGS.replace("(1, 2)\n", "(1, 2, 8)\n"))
+    write(up, "src/tensorfold/cli_args.py", CLI_ARGS.replace("(1, 2)\n", "(1, 2, 8)\n"))
     git(up, "commit", "-qam", "0.7.0: tp 8", date="2026-11-01T12:00:00Z")
     git(up, "tag", "-a", "v0.7.0", "-m", "release 0.7.0", date="2026-11-01T12:00:00Z")
     b = git(up, "rev-parse", "HEAD")
+    write(up, FULL_FAMILY, "# the full GLM-5.3 model\nMODEL_TYPES = (\"glm_moe_dsa\",)\n")
+    git(up, "add", "-A")
+    git(up, "commit", "-qm", "0.8.0: full GLM-5.3 family", date="2026-11-20T12:00:00Z")
+    git(up, "tag", "-a", "v0.8.0", "-m", "release 0.8.0", date="2026-11-20T12:00:00Z")
+    c = git(up, "rev-parse", "HEAD")
+    git(up, "checkout", "-q", "-b", "stable-0.6", a2)
+    write(up, FULL_FAMILY, "# the full GLM-5.3 model\nMODEL_TYPES = (\"glm_moe_dsa\",)\n")
+    git(up, "add", "-A")
+    git(up, "commit", "-qm", "0.6.6: full GLM-5.3 family", date="2026-11-21T12:00:00Z")
+    git(up, "tag", "-a", "v0.6.6", "-m", "release 0.6.6", date="2026-11-21T12:00:00Z")
+    d = git(up, "rev-parse", "HEAD")
+    git(up, "checkout", "-q", "main")
 
     work = root / "patchwork"
     git(root, "clone", "-q", str(up), str(work))
     git(work, "checkout", "-q", "-b", "kit", a)
-    write(work, "src/tf/families/glm53/__init__.py", "MODEL_TYPES = ('glm_moe_dsa',)\n")
+    write(work, KIT_FAMILY, "MODEL_TYPES = ('glm_moe_dsa',)\n")
     git(work, "add", "-A")
     git(work, "commit", "-qm", message("families: register the glm53 family"), date="2026-10-02T09:00:00Z")
-    write(work, "src/tf/cli_args.py", CLI_ARGS.replace("(1, 2)\n", "(1, 2, 4)\n")
+    write(work, "src/tensorfold/cli_args.py", CLI_ARGS.replace("(1, 2)\n", "(1, 2, 4)\n")
           .replace("(0, 1)\n", "(0, 1, 2, 3)\n"))
     git(work, "commit", "-qam", message("cli: lift the two-rank limit"), date="2026-10-02T09:01:00Z")
     write(work, "README.md", README.replace("teh", "the"))
@@ -97,7 +121,7 @@ def build_upstream(root: Path) -> Upstream:
     patches = {name: wd.format_patch(c) for name, c in zip(NAMES, commits)}
     raw = subprocess.run(["git", "format-patch", "--stdout", "-1", commits[0]], cwd=work,
                          env={**os.environ, **ISOLATED_ENV}, capture_output=True, check=True).stdout
-    return Upstream(up, a, a2, b, patches, raw)
+    return Upstream(up, a, a2, b, c, d, patches, raw)
 
 
 @dataclass

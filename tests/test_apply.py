@@ -52,7 +52,7 @@ def test_clean_apply_one_commit_per_patch_on_the_pin(kit: Kit, upstream: Upstrea
     assert subjects(kit, upstream.a) == ["families: register the glm53 family",
                                          "cli: lift the two-rank limit", "README: fix a typo"]
     assert git(kit.workdir, "symbolic-ref", "--short", "HEAD") == "glm53-series"
-    assert "TP_CHOICES = (1, 2, 4)" in (kit.workdir / "src/tf/cli_args.py").read_text()
+    assert "TP_CHOICES = (1, 2, 4)" in (kit.workdir / "src/tensorfold/cli_args.py").read_text()
     assert git(kit.workdir, "status", "--porcelain") == ""
 
 
@@ -112,11 +112,11 @@ def test_missing_tag_is_a_pin_error(tmp_path: Path, upstream: Upstream) -> None:
 
 def test_dirty_workdir_is_refused(kit: Kit) -> None:
     run(kit.args("apply"))
-    (kit.workdir / "src/tf/server.py").write_text("# local edit\n")
+    (kit.workdir / "src/tensorfold/server.py").write_text("# local edit\n")
     for args in (kit.args("apply"), kit.args("rebase", "--onto", "v0.7.0"), kit.args("export")):
         err = run(args, ExitCode.BAD_STATE).stderr
-        assert "uncommitted changes" in err and "src/tf/server.py" in err
-    assert (kit.workdir / "src/tf/server.py").read_text() == "# local edit\n"
+        assert "uncommitted changes" in err and "src/tensorfold/server.py" in err
+    assert (kit.workdir / "src/tensorfold/server.py").read_text() == "# local edit\n"
 
 
 def test_foreign_commits_on_the_series_branch_are_not_overwritten(kit: Kit) -> None:
@@ -138,9 +138,9 @@ def test_patch_that_does_not_apply_reports_and_keeps_what_applied(kit: Kit, upst
     res = run(kit.args("apply"), ExitCode.PATCH_FAILED)
     err = res.stderr
     assert "patch 2 of 3, 0002-lift-two-rank-limit.patch, does not apply" in err
-    assert "files: src/tf/cli_args.py" in err
-    assert "failing hunk in src/tf/cli_args.py: @@" in err and "-TP_CHOICES = (1, 2)" in err
-    assert "error: patch failed: src/tf/cli_args.py" in err             # git's own message
+    assert "files: src/tensorfold/cli_args.py" in err
+    assert "failing hunk in src/tensorfold/cli_args.py: @@" in err and "-TP_CHOICES = (1, 2)" in err
+    assert "error: patch failed: src/tensorfold/cli_args.py" in err             # git's own message
     assert f"applied: {NAMES[0]}" in err and f"not applied: {NAMES[1]}, {NAMES[2]}" in err
     for command in ("rebase --onto v0.6.0", "rebase --continue", "rebase --skip", "rebase --abort"):
         assert command in err
@@ -281,7 +281,7 @@ def test_export_is_byte_identical_across_runs_and_user_config(kit: Kit, upstream
     data = (kit.patches / NAMES[1]).read_bytes()
     assert data.startswith(b"From 0000000000000000000000000000000000000000 Mon Sep 17")
     assert b"Subject: [PATCH] cli: lift" in data and b"\n-- \n" not in data and b"changed," not in data
-    assert b"\nindex " + git(kit.workdir, "rev-parse", f"{upstream.a}:src/tf/cli_args.py").encode() in data
+    assert b"\nindex " + git(kit.workdir, "rev-parse", f"{upstream.a}:src/tensorfold/cli_args.py").encode() in data
 
 
 def test_export_keeps_names_and_picks_up_an_amended_commit(kit: Kit) -> None:
@@ -300,8 +300,8 @@ def test_export_keeps_names_and_picks_up_an_amended_commit(kit: Kit) -> None:
 
 def test_new_turns_staged_changes_into_the_next_patch(kit: Kit, upstream: Upstream, tmp_path: Path) -> None:
     run(kit.args("apply"))
-    write(kit.workdir, "src/tf/server.py", "def serve():\n    return 'ready'\n")
-    git(kit.workdir, "add", "src/tf/server.py")
+    write(kit.workdir, "src/tensorfold/server.py", "def serve():\n    return 'ready'\n")
+    git(kit.workdir, "add", "src/tensorfold/server.py")
     msg = tmp_path / "msg"
     msg.write_text("server: say ready\n\nWhat: a clearer reply.\nWhy: the kit waits for it.\n"
                    "Verified: fixture.\nNot verified: GPU.\nGuarded-By: tests/test_guard.py::test_guard\n")
@@ -332,10 +332,10 @@ def start_conflict(kit: Kit) -> dict[str, bytes]:
 def test_rebase_conflict_continue_absorbed_and_new_pin(kit: Kit, upstream: Upstream) -> None:
     start_conflict(kit)
     assert "still not resolved" in run(kit.args("rebase", "--continue"), ExitCode.PATCH_FAILED).stderr
-    text = (kit.workdir / "src/tf/cli_args.py").read_text()
+    text = (kit.workdir / "src/tensorfold/cli_args.py").read_text()
     assert "<<<<<<<" in text
-    write(kit.workdir, "src/tf/cli_args.py", CLI_RESOLVED)
-    git(kit.workdir, "add", "src/tf/cli_args.py")
+    write(kit.workdir, "src/tensorfold/cli_args.py", CLI_RESOLVED)
+    git(kit.workdir, "add", "src/tensorfold/cli_args.py")
     out = run(kit.args("rebase", "--continue")).output
     assert "0002-lift-two-rank-limit.patch: applied after resolving a conflict" in out
     assert "absorbed upstream (dropped from the series): 0003-fix-readme-typo.patch" in out
@@ -424,7 +424,7 @@ def test_apply_fails_fast_when_the_upstream_is_unreachable_and_no_fetch_works_of
 
 def test_continue_with_upstreams_side_reports_the_patch_absorbed(kit: Kit, upstream: Upstream) -> None:
     start_conflict(kit)
-    git(kit.workdir, "checkout", "HEAD", "--", "src/tf/cli_args.py")   # keep upstream's version
+    git(kit.workdir, "checkout", "HEAD", "--", "src/tensorfold/cli_args.py")   # keep upstream's version
     out = run(kit.args("rebase", "--continue")).output
     assert "0002-lift-two-rank-limit.patch: absorbed upstream (resolved to nothing)" in out
     assert kit.series.read_text().splitlines()[-1] == NAMES[0]
@@ -439,8 +439,8 @@ def test_rebase_onto_the_same_tag_repairs_a_patch_apply_rejects(kit: Kit, upstre
     run(kit.args("apply"), ExitCode.PATCH_FAILED)
     err = run(kit.args("rebase", "--onto", "v0.6.0"), ExitCode.PATCH_FAILED).stderr
     assert "Did you hand edit your patch?" in err and "no conflict markers" in err
-    write(kit.workdir, "src/tf/cli_args.py", CLI_RESOLVED.replace("4, 8)", "4)"))
-    git(kit.workdir, "add", "src/tf/cli_args.py")
+    write(kit.workdir, "src/tensorfold/cli_args.py", CLI_RESOLVED.replace("4, 8)", "4)"))
+    git(kit.workdir, "add", "src/tensorfold/cli_args.py")
     out = run(kit.args("rebase", "--continue")).output
     assert f"{NAMES[1]}: applied after resolving a conflict" in out
     assert path.read_bytes() == upstream.patches[NAMES[1]]
@@ -468,7 +468,7 @@ def test_interrupted_git_am_is_refused(kit: Kit) -> None:
 
 def test_new_without_message_leaves_a_template_that_check_rejects(kit: Kit) -> None:
     run(kit.args("apply"))
-    write(kit.workdir, "src/tf/server.py", "def serve():\n    return 'x'\n")
+    write(kit.workdir, "src/tensorfold/server.py", "def serve():\n    return 'x'\n")
     git(kit.workdir, "add", "-A")
     out = run(kit.args("new", "draft")).output
     assert "fill in What/Why/Verified/Not verified/Guarded-By" in out
