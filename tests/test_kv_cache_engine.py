@@ -11,25 +11,23 @@ from __future__ import annotations
 
 import math
 import random
-from pathlib import Path
 
 import pytest
 import torch
 
 from front.chat import ChatText
 from glm53.engine import Glm53Engine
-from glm53.tiny import write_tiny_checkpoint
-from kv_cache import PrefixCache
 from kv_cache.engine_adapter import attach_prefix_cache, cache_key_for
+from tests.fixtures_tiny import tiny_dirs  # noqa: F401  (the session's one tiny checkpoint)
 
 C = 16
 GREEDY = {"temperature": 0.0}
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory) -> Glm53Engine:
-    model_dir = write_tiny_checkpoint(tmp_path_factory.mktemp("kvc_tiny") / "tiny")
-    return Glm53Engine(model_dir, device="cpu", prefill_chunk=C, reuse_live=True)
+def engine(tiny_dirs) -> Glm53Engine:  # noqa: F811
+    # the serving defaults on a CPU (fp32 compute, bf16 latent cache), a small grid
+    return Glm53Engine(tiny_dirs.model, device="cpu", dtype="fp32", kv_dtype="bf16", prefill_chunk=C)
 
 
 def raw(t: torch.Tensor) -> torch.Tensor:
