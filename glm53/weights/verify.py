@@ -210,7 +210,8 @@ def expected_modules(cfg: Glm53Config) -> list[tuple[int | None, str]]:
         if mtp or cfg.indexer_is_full(i):
             names += [f"{p}.self_attn.indexer.{m}" for m in ("wq_b", "wk", "weights_proj")] + [f"{p}.self_attn.indexer.k_norm.weight"]
         if mtp:
-            names += [f"{p}.enorm.weight", f"{p}.hnorm.weight", f"{p}.eh_proj", f"{p}.shared_head.norm.weight", f"{p}.shared_head.head"]
+            # MTP's own embed_tokens / shared_head.head are optional: packs may rely on the main model's
+            names += [f"{p}.enorm.weight", f"{p}.hnorm.weight", f"{p}.eh_proj", f"{p}.shared_head.norm.weight"]
         if not mtp and not cfg.is_moe_layer(i):
             names += [f"{p}.mlp.{m}" for m in ("gate_proj", "up_proj", "down_proj")]
         else:
