@@ -90,10 +90,10 @@ def read_group(tensors: TensorSource, prefix: str) -> Exl3Group:
     if trellis.dtype != torch.int16:
         raise Exl3Error(f"{name}: dtype {trellis.dtype}, expected int16")
     if trellis.dim() != 3:
-        raise Exl3Error(f"{name}: shape {tuple(trellis.shape)} has {trellis.dim()} dims; expected [in/16, out/16, 16*K]")
+        raise Exl3Error(f"{name}: shape {list(trellis.shape)} has {trellis.dim()} dims; expected [in/16, out/16, 16*K]")
     tiles_in, tiles_out, words = (int(s) for s in trellis.shape)
     if tiles_in == 0 or tiles_out == 0:
-        raise Exl3Error(f"{name}: shape {tuple(trellis.shape)} is empty")
+        raise Exl3Error(f"{name}: shape {list(trellis.shape)} is empty")
     in_features, out_features = tiles_in * 16, tiles_out * 16
     bits = bits_from_words(words)
 
@@ -126,14 +126,14 @@ def read_group(tensors: TensorSource, prefix: str) -> Exl3Group:
         )
     bias = get(f"{prefix}.bias")
     if bias is not None and tuple(bias.shape) != (out_features,):
-        raise Exl3Error(f"{prefix}.bias: shape {tuple(bias.shape)}, expected [{out_features}] (out_features)")
+        raise Exl3Error(f"{prefix}.bias: shape {list(bias.shape)}, expected [{out_features}] (out_features)")
     return Exl3Group(prefix, trellis, suh, svh, codebook, bits, in_features, out_features, bias)
 
 
 def _check_marker(prefix: str, codebook: str, marker: torch.Tensor) -> None:
     """The marker's value is the codebook's multiplier; another value is a codebook this kit does not know."""
     if marker.numel() != 1 or marker.dtype not in (torch.int32, torch.int64, torch.uint32):
-        raise Exl3Error(f"{prefix}.{codebook}: marker must be one integer, got {marker.dtype} {tuple(marker.shape)}")
+        raise Exl3Error(f"{prefix}.{codebook}: marker must be one integer, got {marker.dtype} {list(marker.shape)}")
     value = int(marker.reshape(()).item()) & 0xFFFFFFFF
     if value != CODEBOOK_MULTIPLIERS[codebook]:
         raise Exl3Error(
@@ -159,7 +159,7 @@ def _sign_vector(get: Callable[[str], torch.Tensor | None], prefix: str, plain: 
         if vec.dtype != torch.float16:
             raise Exl3Error(f"{prefix}.{plain}: dtype {vec.dtype}, expected float16")
         if tuple(vec.shape) != (n,):
-            raise Exl3Error(f"{prefix}.{plain}: shape {tuple(vec.shape)} inconsistent with the trellis; expected [{n}]")
+            raise Exl3Error(f"{prefix}.{plain}: shape {list(vec.shape)} inconsistent with the trellis; expected [{n}]")
         return vec
     bits = get(f"{prefix}.{packed}")
     if bits is None:
@@ -169,5 +169,5 @@ def _sign_vector(get: Callable[[str], torch.Tensor | None], prefix: str, plain: 
     if bits.dtype != torch.int16:
         raise Exl3Error(f"{prefix}.{packed}: dtype {bits.dtype}, expected int16 (packed sign bits)")
     if tuple(bits.shape) != (n // 16,):
-        raise Exl3Error(f"{prefix}.{packed}: shape {tuple(bits.shape)} inconsistent with the trellis; expected [{n // 16}]")
+        raise Exl3Error(f"{prefix}.{packed}: shape {list(bits.shape)} inconsistent with the trellis; expected [{n // 16}]")
     return unpack_signs(bits)
