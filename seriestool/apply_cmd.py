@@ -204,7 +204,8 @@ def run_status(inv: Invocation) -> int:
     print_families(scan_families(wd.path), kit_families(series, series.names), indent="  ")
     if RebaseState.exists(wd):
         state = RebaseState.load(wd)
-        say(f"in progress: series rebase onto {state.onto_tag}, stopped at {state.current}")
+        where = "a model family clash, after the last patch" if state.clash else state.current
+        say(f"in progress: series rebase onto {state.onto_tag}, stopped at {where}")
     elif wd.am_in_progress():
         say("in progress: git am (run `git am --abort` or finish it)")
     elif wd.git_rebase_in_progress():

@@ -129,8 +129,8 @@ class _ModuleReader:
             if bound is None:
                 raise _NotStatic(f"{self.rel}:{node.lineno}: {node.id} is not defined at module level")
             return bound[0]
-        raise _NotStatic(f"{self.rel}:{node.lineno}: MODEL_TYPES is not a literal "
-                         f"({ast.unparse(node)[:60]})")
+        raise _NotStatic(f"{self.rel}:{node.lineno}: MODEL_TYPES cannot be read statically: "
+                         f"`{ast.unparse(node)[:60]}` is not a literal")
 
     def follow(self, node: ast.ImportFrom, name: str) -> tuple[tuple[str, ...], str]:
         """`from .sub import NAME` within the family's own package (or its absolute spelling)."""

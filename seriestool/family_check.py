@@ -62,8 +62,8 @@ def _describe_clashes(scan: FamilyScan, kit: dict[str, str], base: str) -> list[
     return lines
 
 
-def _choices(scan: FamilyScan, kit: dict[str, str], inv: Invocation, tag: str, workdir: Path
-             ) -> list[str]:
+def _choices(scan: FamilyScan, kit: dict[str, str], inv: Invocation, tag: str, workdir: Path,
+             dropped: tuple[str, ...]) -> list[str]:
     lines: list[str] = []
     for clash in scan.clashes:
         ours = [f for f in clash.families if f.name in kit]
@@ -81,7 +81,7 @@ def _choices(scan: FamilyScan, kit: dict[str, str], inv: Invocation, tag: str, w
         lines += [f"  1. drop the registration patch (upstream's family serves {clash.model_type!r}; "
                   "the kit's engine is no longer used for it):",
                   f"       {inv.command('rebase', '--abort')}",
-                  f"       {inv.command('rebase', '--onto', tag, '--drop', patch)}"]
+                  f"       {inv.command('rebase', '--onto', tag, *_drops((*dropped, patch)))}"]
         for other in theirs:
             other_dir = str(PurePosixPath(other.file).parent) if other.file.endswith("/__init__.py") \
                 else other.file
@@ -102,8 +102,12 @@ def _choices(scan: FamilyScan, kit: dict[str, str], inv: Invocation, tag: str, w
     return lines
 
 
+def _drops(names: tuple[str, ...]) -> list[str]:
+    return [word for name in dict.fromkeys(names) for word in ("--drop", name)]
+
+
 def require_no_clash(tree: Path, series: Series, names: list[str], inv: Invocation, *, mode: str,
-                     tag: str) -> FamilyScan:
+                     tag: str, dropped: tuple[str, ...] = ()) -> FamilyScan:
     """Scan the applied tree; raise FAMILY_CLASH (exit 9) with the full explanation on a clash
     or a family file that does not parse. Unreadable-but-valid MODEL_TYPES only warn."""
     scan = scan_families(tree)
@@ -119,7 +123,7 @@ def require_no_clash(tree: Path, series: Series, names: list[str], inv: Invocati
     if mode == REBASE:
         lines += ["The rebase stopped before writing anything: series and patches/ are untouched, "
                   f"and {inv.workdir} holds the rebased tree to look at.", *_choices(
-                      scan, kit, inv, tag, inv.workdir)]
+                      scan, kit, inv, tag, inv.workdir, dropped)]
     else:
         where = "the applied tree in " + str(inv.workdir) if mode == APPLY else "a fresh apply"
         lines += [f"Found in {where} on the pinned {tag}. To resolve it, carry the series onto the "

@@ -227,7 +227,8 @@ def _stop_at_clash(wd: Workdir, inv: Invocation, series: Series, state: RebaseSt
     """Before anything is written: a family clash stops the rebase (resumable, exit 9)."""
     applied = [name for name in state.names if name in state.commits]
     try:
-        require_no_clash(wd.path, series, applied, inv, mode=REBASE, tag=state.onto_tag)
+        require_no_clash(wd.path, series, applied, inv, mode=REBASE, tag=state.onto_tag,
+                         dropped=tuple(state.dropped))
     except SeriesToolError as exc:
         if exc.code != ExitCode.FAMILY_CLASH:
             raise
