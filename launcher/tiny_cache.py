@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -50,4 +51,7 @@ def ensure_tiny(quiet: bool = False) -> Path:
         write_tiny_checkpoint(target, seed=0)
         if not quiet:
             print(f"serve: tiny checkpoint ready in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+        for stale in target.parent.glob("seed0-*"):  # made by an older generator: never used again
+            if stale != target:
+                shutil.rmtree(stale, ignore_errors=True)
     return target

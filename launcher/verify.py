@@ -138,10 +138,18 @@ class Verifier:
         return result
 
     def cached(self):
-        """A long first turn, then the same conversation extended: the resend must reuse the prefix."""
+        """A first turn longer than the prefill chunk, then the same conversation extended: the
+        resend must reuse the prefix (reuse happens in whole chunks)."""
         chunk = int(self.health.get("prefill_chunk") or 0)
-        words = SENTENCE * max(4, (chunk // 12) + 4)
-        first_turn = [{"role": "user", "content": words}]
+        context = int(self.health.get("context") or 0)
+        one = self.chat([{"role": "user", "content": SENTENCE}], max_tokens=1)["usage"]["prompt_tokens"]
+        two = self.chat([{"role": "user", "content": SENTENCE * 2}], max_tokens=1)["usage"]["prompt_tokens"]
+        per_sentence = max(1, two - one)
+        sentences = max(4, -(-(chunk + 64 - one) // per_sentence) + 1)
+        if context and one + sentences * per_sentence + 64 > context:
+            return ("SKIPPED", f"the server's context ({context}) is too short for a first turn longer than its "
+                               f"prefill chunk ({chunk}) plus a second turn")
+        first_turn = [{"role": "user", "content": SENTENCE * sentences}]
         a = self.chat(first_turn, max_tokens=4)
         if a["usage"]["prompt_tokens"] <= chunk:
             raise AssertionError(f"the first turn has {a['usage']['prompt_tokens']} tokens, not more than the "

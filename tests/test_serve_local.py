@@ -1,0 +1,165 @@
+"""The embedded default end to end: serve.sh --local runs the real glm53 engine on the tiny
+checkpoint under the kit's front; verify.sh checks it; the bad cases stop the lane cleanly."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from lane_fixtures import free_port, tiny_model  # noqa: F401  (fixture)
+from launcher.state import pid_alive, read_json
+
+ROOT = Path(__file__).resolve().parents[1]
+LANES = ROOT / ".work" / "lanes"
+
+
+def sh(*args: str, env: dict[str, str] | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def rank_pid(port: int, rank: int) -> int:
+    return int((LANES / str(port) / f"rank{rank}.pid").read_text())
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def lane(tiny_model: Path):
+    port = free_port()
+    started = sh("serve.sh", "--local", "--model", str(tiny_model), "--port", str(port), "--context", "1024")
+    try:
+        assert started.returncode == 0, started.stderr
+        yield port, started
+    finally:
+        sh("serve.sh", "stop", "--port", str(port))
+
+
+def test_local_lane_is_ready_and_passes_verify(lane) -> None:
+    port, started = lane
+    assert "preflight: rank 0 (local): ok" in started.stderr
+    assert "memory plan: context 1024 tokens" in started.stderr
+    assert f"READY: glm-5.3-exl3 on http://127.0.0.1:{port} (1 rank); smoke completion: 8 tokens" in started.stderr
+    assert "loading" in started.stderr and "GiB free" in started.stderr  # progress with free memory
+    checked = sh("verify.sh", "--url", f"http://127.0.0.1:{port}")
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    out = checked.stdout
+    for name in ("models", "completion", "repeat", "cached", "stream"):
+        assert f"PASS     {name}:" in out, out
+    # the tiny lane has no drafter: the draft check must say so, not pass
+    assert "SKIPPED  draft: the server reports drafting off" in out
+
+
+def test_prompt_longer_than_context_is_400_with_limits(lane) -> None:
+    port, _ = lane
+    words = "The lighthouse keeper counted ships in the harbour. " * 150
+    r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions",
+                   json={"messages": [{"role": "user", "content": words}], "max_tokens": 8}, timeout=60)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == "messages" and "context of 1024 tokens" in error["message"]
+    assert int(error["message"].split("prompt has ")[1].split()[0]) > 1024
+
+
+def test_client_disconnect_mid_stream_stops_the_real_engine(lane) -> None:
+    port, _ = lane
+
+    def completed() -> int:
+        m = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        return int(next(line for line in m.splitlines() if line.startswith("glm53_completion_tokens_total ")).split()[1])
+
+    before = completed()
+    body = json.dumps({"messages": [{"role": "user", "content": "count"}], "max_tokens": 900, "ignore_eos": True,
+                       "stream": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    got = b""
+    while got.count(b"data: ") < 4:
+        got += sock.recv(65536)
+    sock.close()
+    wait_for(lambda: "glm53_cancelled_total 1" in httpx.get(f"http://127.0.0.1:{port}/metrics").text, 60,
+             "the engine to stop after the disconnect")
+    assert completed() - before < 200  # 900 asked
+    assert httpx.get(f"http://127.0.0.1:{port}/health").json()["status"] == "ok"
+
+
+def test_port_in_use_and_lane_already_running(lane, tiny_model: Path) -> None:
+    port, _ = lane
+    again = sh("serve.sh", "--local", "--model", str(tiny_model), "--port", str(port))
+    assert again.returncode == 5 and f"a lane already serves port {port}" in again.stderr
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        busy = holder.getsockname()[1]
+        r = sh("serve.sh", "--local", "--model", str(tiny_model), "--port", str(busy))
+    assert r.returncode == 5, r.stderr
+    assert f"port {busy} on 127.0.0.1 is in use" in r.stderr and "--port" in r.stderr
+
+
+def test_rank_killed_during_a_request_stops_the_lane_naming_it(lane) -> None:
+    port, _ = lane  # last test of the module: it ends the lane
+    pid = rank_pid(port, 0)
+    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60,
+                      json={"messages": [{"role": "user", "content": "go"}], "max_tokens": 900,
+                            "ignore_eos": True, "stream": True}) as r:
+        lines = r.iter_lines()
+        next(lines)
+        os.kill(pid, signal.SIGKILL)
+        rest = []
+        try:
+            rest = list(lines)
+        except httpx.HTTPError:
+            pass
+    assert "data: [DONE]" not in rest  # the stream broke off
+    wait_for(lambda: (read_json(LANES / str(port) / "lane.json") or {}).get("phase") == "failed", 30, "the lane to stop")
+    status = sh("serve.sh", "status", "--port", str(port))
+    assert status.returncode == 1
+    state = json.loads(status.stdout)
+    assert "rank 0 on local exited with code -9 (killed (SIGKILL))" in state["message"]
+    assert not pid_alive(state["pid"])
+    stopped = sh("serve.sh", "stop", "--port", str(port))
+    assert stopped.returncode == 0 and (LANES / str(port) / "rank0.log").stat().st_size > 0  # logs kept
+
+
+def test_rank_killed_during_load_fails_the_start_with_its_log(tiny_model: Path) -> None:
+    port = free_port()
+    proc = subprocess.Popen(["bash", "serve.sh", "--local", "--model", str(tiny_model), "--port", str(port)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        state_file = LANES / str(port) / "lane.json"
+
+        def loading() -> bool:
+            ranks = (read_json(state_file) or {}).get("ranks") or []
+            return bool(ranks) and ranks[0].get("state") == "loading"
+
+        wait_for(loading, 60, "rank 0 to report loading")
+        os.kill(rank_pid(port, 0), signal.SIGKILL)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        sh("serve.sh", "stop", "--port", str(port))
+    assert proc.returncode == 1, err
+    assert "rank 0 on local exited with code -9" in err
+    assert "last lines of rank 0's log" in err and "@state" in err
+
+
+def test_stop_with_nothing_running_is_harmless() -> None:
+    r = sh("serve.sh", "stop", "--port", str(free_port()))
+    assert r.returncode == 0 and "nothing to stop" in r.stderr
