@@ -206,8 +206,3 @@ def family_of_path(path: str) -> str | None:
         return head[:-3] if head.endswith(".py") and head != "__init__.py" else None
     return head
 
-
-def describe(family: Family) -> str:
-    types = ", ".join(family.model_types) if family.model_types else "-"
-    extra = f"  ({family.problem})" if family.problem else ""
-    return f"{family.name} [{types}] {family.file}{extra}"

@@ -74,7 +74,6 @@ def _choices(scan: FamilyScan, kit: dict[str, str], inv: Invocation, tag: str, w
             continue
         mine = ours[0]
         patch = kit[mine.name]
-        git = lambda *words: inv.git_command(*words)    # noqa: E731 (reads as the command it prints)
         lines.append(f"Choose how the kit's family {mine.name} (patch {patch}) and "
                      f"{', '.join(f.name for f in theirs) or 'the other kit family'} share "
                      f"{clash.model_type!r}:")
@@ -86,9 +85,9 @@ def _choices(scan: FamilyScan, kit: dict[str, str], inv: Invocation, tag: str, w
             other_dir = str(PurePosixPath(other.file).parent) if other.file.endswith("/__init__.py") \
                 else other.file
             only_this = set(other.model_types) <= {c.model_type for c in scan.clashes}
-            how = (f"{git('rm', '-r', '-q', other_dir)}" if only_this else
+            how = (inv.git_command("rm", "-r", "-q", other_dir) if only_this else
                    f"edit {workdir / other.file}: remove {clash.model_type!r} from MODEL_TYPES, then "
-                   f"{git('add', other.file)}")
+                   f"{inv.git_command('add', other.file)}")
             lines += [f"  2. replace upstream's registration: {patch} also takes {clash.model_type!r} "
                       f"away from {other.name} (the kit's family stays the one TensorFold uses):",
                       f"       {how}",
@@ -96,7 +95,7 @@ def _choices(scan: FamilyScan, kit: dict[str, str], inv: Invocation, tag: str, w
         lines += [f"  3. rename the kit's model type mapping: in {workdir / mine.file} claim a type "
                   f"of its own (e.g. '{clash.model_type}_glm53kit') instead of {clash.model_type!r}, "
                   "and have the kit's launcher map the checkpoint's model_type to it:",
-                  f"       {git('add', mine.file)}",
+                  f"       {inv.git_command('add', mine.file)}",
                   f"       {inv.command('rebase', '--continue')}   # folds the staged change into {patch}"]
     lines += ["Or stop: " + inv.command("rebase", "--abort") + "   # series and patches/ untouched"]
     return lines

@@ -179,3 +179,23 @@ def test_clash_after_conflict_continue_then_rename_the_kit_type(kit: Kit, upstre
     assert b"+MODEL_TYPES = ('glm_moe_dsa_glm53kit',)" in (kit.patches / NAMES[0]).read_bytes()
     assert b"+TP_CHOICES = (1, 2, 4, 8)" in (kit.patches / NAMES[1]).read_bytes()
     run(kit.args("check"))
+
+
+def test_a_fix_that_cannot_be_folded_is_staged_again(kit: Kit, upstream: Upstream) -> None:
+    """A staged change outside any family is folded into the kit's patch in the clash (0001);
+    here it edits a line only 0002 creates, so the fold conflicts: nothing is lost or moved."""
+    stop_at_clash(kit)
+    stopped_at = git(kit.workdir, "rev-parse", "HEAD")
+    before = kit.snapshot()
+    cli = kit.workdir / "src/tensorfold/cli_args.py"
+    cli.write_text(cli.read_text().replace("(1, 2, 4)", "(1, 2, 4, 16)"))
+    git(kit.workdir, "add", "src/tensorfold/cli_args.py")
+    err = run(kit.args("rebase", "--continue"), ExitCode.BAD_STATE).stderr
+    assert f"could not fold the staged change into {NAMES[0]}" in err and "staged again" in err
+    assert git(kit.workdir, "rev-parse", "HEAD") == stopped_at
+    assert git(kit.workdir, "diff", "--cached", "--name-only") == "src/tensorfold/cli_args.py"
+    assert "(1, 2, 4, 16)" in cli.read_text() and kit.snapshot() == before
+    git(kit.workdir, "commit", "-qm", "by hand")
+    assert "reset --soft" in run(kit.args("rebase", "--continue"), ExitCode.BAD_STATE).stderr
+    run(kit.args("rebase", "--abort"))
+    assert kit.snapshot() == before
