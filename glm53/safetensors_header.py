@@ -191,14 +191,17 @@ def _tensor_entry(path: str | Path, name: str, entry: Any) -> TensorInfo:
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
     if dtype not in DTYPE_BITS:
         raise ShardError("dtype", path, f"{where}: unknown dtype {dtype!r} (known: {', '.join(DTYPE_BITS)})")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+    # type(x) is int: JSON gives exact ints, and this excludes bools (hot loop: 230k tensors)
+    if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
         raise ShardError("header_schema", path, f"{where}: shape {shape!r} is not a list of non-negative integers")
-    if (not isinstance(offsets, list) or len(offsets) != 2
-            or not all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offsets)
-            or offsets[0] > offsets[1]):
+    if (type(offsets) is not list or len(offsets) != 2 or type(offsets[0]) is not int or type(offsets[1]) is not int
+            or not 0 <= offsets[0] <= offsets[1]):
         raise ShardError("header_schema", path, f"{where}: data_offsets {offsets!r} must be [begin, end] with 0 <= begin <= end")
     info = TensorInfo(name, dtype, tuple(shape), offsets[0], offsets[1])
-    bits = info.numel * DTYPE_BITS[dtype]
+    numel = 1
+    for d in shape:
+        numel *= d
+    bits = numel * DTYPE_BITS[dtype]
     if bits % 8 or bits // 8 != info.nbytes:
         raise ShardError("shape_span", path, f"{where}: shape {list(shape)} x {dtype} is {bits / 8:g} bytes but data_offsets span {info.nbytes:,}")
     return info

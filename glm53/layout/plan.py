@@ -165,6 +165,7 @@ def _tensor_slice(name: str, info: TensorInfo, suffix: str, split: FeatureSplit)
 
 
 def _slice_bytes(info: TensorInfo, spec: SliceSpec | None) -> int:
+    """Bytes of `spec` of tensor `info` (whole rows of its dim: the other dims' product stays)."""
     if spec is None:
         return info.nbytes
     rows = info.shape[spec.dim]
@@ -181,6 +182,7 @@ class LayoutPlan:
     extents: dict[str, int] = field(default_factory=dict)  # module prefix -> features along the split axis
     exl3_modules: set[str] = field(default_factory=set)
     unclassified: list[str] = field(default_factory=list)  # replicated because no rule names them
+    members: dict[str, list[tuple[str, str]]] = field(default_factory=dict, repr=False)  # split module -> (name, part)
     _features: dict[int, dict[str, FeatureSplit]] = field(default_factory=dict, repr=False)
     _slices: dict[int, dict[str, SliceSpec | None]] = field(default_factory=dict, repr=False)
     _bytes: list[int] | None = field(default=None, repr=False)
@@ -189,18 +191,22 @@ class LayoutPlan:
     def features(self, rank: int) -> Mapping[str, FeatureSplit]:
         """Module prefix -> the features this rank owns and reads, for every split module."""
         self._check_rank(rank)
-        if rank in self._features:
-            return MappingProxyType(self._features[rank])
-        out: dict[str, FeatureSplit] = {}
-        for module, rule in self.rules.items():
-            total = self.extents[module]
-            own = self._own_range(rule, total, rank, module)
-            read = own
-            if module in self.exl3_modules and own[0] < own[1]:
-                read = (own[0] // BLOCK * BLOCK, min(-(-own[1] // BLOCK) * BLOCK, total))
-            out[module] = FeatureSplit(rule.axis or "out", own, read, total)
-        self._features[rank] = out
-        return MappingProxyType(out)
+        if rank not in self._features:
+            memo: dict[tuple, FeatureSplit] = {}  # 58k modules share a handful of (rule, width, exl3)
+            out: dict[str, FeatureSplit] = {}
+            for module, rule in self.rules.items():
+                total = self.extents[module]
+                key = (rule.kind, rule.axis, rule.unit, rule.rotate, total, module in self.exl3_modules)
+                split = memo.get(key)
+                if split is None:
+                    own = self._own_range(rule, total, rank, module)
+                    read = own
+                    if key[-1] and own[0] < own[1]:
+                        read = (own[0] // BLOCK * BLOCK, min(-(-own[1] // BLOCK) * BLOCK, total))
+                    split = memo[key] = FeatureSplit(rule.axis or "out", own, read, total)
+                out[module] = split
+            self._features[rank] = out
+        return MappingProxyType(self._features[rank])
 
     def slices(self, rank: int) -> Mapping[str, SliceSpec | None]:
         """Every tensor -> the slice rank `rank` holds (None: the whole tensor, replicated). Read-only."""
@@ -210,18 +216,19 @@ class LayoutPlan:
         if rank in self._slices:
             return self._slices[rank]
         feats = self.features(rank)
-        result: dict[str, SliceSpec | None] = {}
+        result: dict[str, SliceSpec | None] = dict.fromkeys(self.tensors)  # replicated unless a split module says
         memo: dict[tuple, SliceSpec | None] = {}  # thousands of experts share a few (part, shape, split)
-        for name, info in self.tensors.items():
-            module, suffix = _module_and_suffix(name)
-            split = feats.get(module)
-            if split is None:
-                result[name] = None
-                continue
-            key = (suffix, info.shape, split)
-            if key not in memo:
-                memo[key] = _tensor_slice(name, info, suffix, split)
-            result[name] = memo[key]
+        tensors = self.tensors
+        for module, parts in self.members.items():
+            split = feats[module]
+            skey = (split.axis, split.read, split.total)
+            for name, suffix in parts:
+                info = tensors[name]
+                key = (suffix, info.shape, skey)
+                spec = memo.get(key, memo)
+                if spec is memo:
+                    spec = memo[key] = _tensor_slice(name, info, suffix, split)
+                result[name] = spec
         self._slices[rank] = result
         return result
 
@@ -229,11 +236,14 @@ class LayoutPlan:
         """Weight bytes each rank holds (from the headers; replicated tensors counted on every rank)."""
         if self._bytes is None:
             tensors = self.tensors
+            split_names = [n for parts in self.members.values() for n, _ in parts]
+            replicated = self.total_bytes - sum(tensors[n].nbytes for n in split_names)
             totals = []
             for r in range(self.ranks):
-                total = 0
-                for name, spec in self._slices_of(r).items():
-                    total += tensors[name].nbytes if spec is None else _slice_bytes(tensors[name], spec)
+                slices = self._slices_of(r)
+                total = replicated
+                for name in split_names:
+                    total += _slice_bytes(tensors[name], slices[name])
                 totals.append(total)
             self._bytes = totals
         return list(self._bytes)
@@ -320,6 +330,7 @@ def plan_layout(
         if suffix not in _LINEAR_SUFFIXES:
             raise PlanError(f"{name}: unknown part '.{suffix}' of a split module; the layout knows {', '.join(_LINEAR_SUFFIXES)}")
         plan.rules[module] = rule
+        plan.members.setdefault(module, []).append((name, suffix))
         if suffix == "trellis":
             plan.exl3_modules.add(module)
         extent = _axis_extent(info, suffix, rule.axis or "out")
