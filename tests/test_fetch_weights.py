@@ -27,17 +27,21 @@ LFS_SUFFIXES = (".safetensors",)
 
 
 class FakeHub:
-    """Serves one model repo from a folder; LFS-style metadata for *.safetensors."""
+    """Serves model repos from folders; LFS-style metadata for *.safetensors."""
 
-    def __init__(self, folder: Path, repo: str = REPO, commit: str = COMMIT) -> None:
-        self.folder, self.repo, self.commit = folder, repo, commit
+    def __init__(self, folder: Path, repo: str = REPO, commit: str = COMMIT, extra: dict[str, Path] | None = None) -> None:
+        self.repo, self.commit = repo, commit
         self.requests: Counter[str] = Counter()
-        self.files = {}
-        for p in sorted(folder.iterdir()):
-            data = p.read_bytes()
-            blob = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
-            sha = hashlib.sha256(data).hexdigest() if p.suffix in LFS_SUFFIXES else None
-            self.files[p.name] = {"size": len(data), "blob": blob, "sha256": sha}
+        self.repos: dict[str, tuple[Path, dict[str, dict]]] = {}
+        for name, src in {repo: folder, **(extra or {})}.items():
+            files = {}
+            for p in sorted(src.iterdir()):
+                data = p.read_bytes()
+                blob = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+                sha = hashlib.sha256(data).hexdigest() if p.suffix in LFS_SUFFIXES else None
+                files[p.name] = {"size": len(data), "blob": blob, "sha256": sha}
+            self.repos[name] = (src, files)
+        self.files = self.repos[repo][1]
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -65,25 +69,29 @@ class FakeHub:
             def _serve(self, head: bool) -> None:
                 path = unquote(urlparse(self.path).path)
                 hub.requests[f"{self.command} {path}"] += 1
-                api = f"/api/models/{hub.repo}/"
-                if path.startswith("/api/models/") and not path.startswith(api):
-                    return self._json({"error": "Repository not found"}, 404, {"X-Error-Code": "RepoNotFound"})
-                if path.startswith(api + "revision/"):
-                    return self._json({"id": hub.repo, "modelId": hub.repo, "sha": hub.commit, "private": False,
-                                       "siblings": [hub.sibling(n) for n in hub.files]})
-                if path.startswith(api + "tree/"):
-                    return self._json([hub.tree_entry(n) for n in hub.files])
-                prefix = f"/{hub.repo}/resolve/"
-                if path.startswith(prefix):
-                    rev, _, name = path[len(prefix):].partition("/")
-                    if name not in hub.files:
+                parts = path.strip("/").split("/")
+                if parts[:2] == ["api", "models"]:
+                    repo, rest = "/".join(parts[2:4]), parts[4:]
+                    if repo not in hub.repos:
+                        return self._json({"error": "Repository not found"}, 404, {"X-Error-Code": "RepoNotFound"})
+                    files = hub.repos[repo][1]
+                    if rest[:1] == ["revision"]:
+                        return self._json({"id": repo, "modelId": repo, "sha": hub.commit, "private": False,
+                                           "siblings": [hub.sibling(files, n) for n in files]})
+                    if rest[:1] == ["tree"]:
+                        return self._json([hub.tree_entry(files, n) for n in files])
+                repo = "/".join(parts[:2])
+                if repo in hub.repos and parts[2:3] == ["resolve"]:
+                    name = "/".join(parts[4:])
+                    if name not in hub.repos[repo][1]:
                         return self._json({"error": "Entry not found"}, 404, {"X-Error-Code": "EntryNotFound"})
-                    return self._file(name, head)
+                    return self._file(repo, name, head)
                 self._json({"error": "not found"}, 404)
 
-            def _file(self, name: str, head: bool) -> None:
-                meta = hub.files[name]
-                data = (hub.folder / name).read_bytes()
+            def _file(self, repo: str, name: str, head: bool) -> None:
+                folder, files = hub.repos[repo]
+                meta = files[name]
+                data = (folder / name).read_bytes()
                 start, end = 0, len(data)
                 rng = self.headers.get("Range")
                 status = 200
@@ -107,15 +115,17 @@ class FakeHub:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
-    def sibling(self, name: str) -> dict:
-        m = self.files[name]
+    @staticmethod
+    def sibling(files: dict[str, dict], name: str) -> dict:
+        m = files[name]
         d = {"rfilename": name, "size": m["size"], "blobId": m["blob"]}
         if m["sha256"]:
             d["lfs"] = {"sha256": m["sha256"], "size": m["size"], "pointerSize": 134}
         return d
 
-    def tree_entry(self, name: str) -> dict:
-        m = self.files[name]
+    @staticmethod
+    def tree_entry(files: dict[str, dict], name: str) -> dict:
+        m = files[name]
         d = {"type": "file", "path": name, "size": m["size"], "oid": m["blob"]}
         if m["sha256"]:
             d["lfs"] = {"oid": m["sha256"], "size": m["size"], "pointerSize": 134}
@@ -226,3 +236,19 @@ def test_hub_serving_a_damaged_shard_is_caught(source: Path, tmp_path: Path) -> 
         proc = fetch(["--dir", str(tmp_path / "m"), "--revision", COMMIT], hub.url, tmp_path / "hf")
     assert proc.returncode == 1
     assert shard.name in proc.stderr and "truncated" in proc.stderr
+
+
+def test_drafter_fetched_beside_dir(source: Path, tmp_path: Path) -> None:
+    drafter_src = tmp_path / "drafter_src"
+    drafter_src.mkdir()
+    shutil.copy(sorted(source.glob("*.safetensors"))[0], drafter_src / "model.safetensors")
+    (drafter_src / "config.json").write_text(json.dumps({"model_type": "dflash2"}))
+    report = tmp_path / "r.json"
+    with FakeHub(source, extra={"incoai/GLM-5.3-DFlash2": drafter_src}) as hub:
+        proc = fetch(["--dir", str(tmp_path / "models" / "glm"), "--drafter", "--revision", COMMIT, "--json", str(report)],
+                     hub.url, tmp_path / "hf")
+    assert proc.returncode == 0, proc.stderr
+    assert "CC BY-NC-ND" in proc.stderr
+    got = tmp_path / "models" / "GLM-5.3-DFlash2" / "model.safetensors"
+    assert got.read_bytes() == (drafter_src / "model.safetensors").read_bytes()
+    assert json.loads(report.read_text())["drafter"]["status"] == "ok"
