@@ -112,6 +112,8 @@ def local_lane(ranks: int = 1, **settings: Any) -> LaneConfig:
     if ranks < 1:
         raise ConfigError(f"--ranks {ranks}: a lane needs at least one rank")
     nodes = tuple(Node(host="local", rank=r) for r in range(ranks))
+    if settings.get("device") == "cpu":  # CPU ranks: no CUDA context, small activations
+        settings.setdefault("memory", MemorySettings(floor_gib=2.0, overhead_gib=1.0, workspace_gib=0.5))
     return _validated(LaneConfig(nodes=nodes, runtime=Runtime(venv=str(Path(os.sys.executable).parents[1])),
                                  **settings))
 

@@ -24,16 +24,13 @@ class RankNeed:
     kv: int
     workspace: int
     overhead: int
-    available: int
+    available: int  # on this rank's node now
     floor: int
+    left: int  # what the node keeps once every rank on it has what it needs
 
     @property
     def need(self) -> int:
         return self.weights + self.kv + self.workspace + self.overhead
-
-    @property
-    def left(self) -> int:
-        return self.available - self.need
 
     @property
     def fits(self) -> bool:
@@ -128,20 +125,27 @@ def plan_memory(*, context: int, per_token: int, kv_for: Callable[[int], list[in
         floor, fraction = floor * 2, fraction * 2
     fixed = int(settings.overhead_gib * GIB)
 
-    def need(rank: int, ctx: int) -> RankNeed:
-        kv = kv_for(ctx)[rank]
-        node, avail = available[rank]
-        overhead = fixed + int(fraction * (weights[rank] + kv))
-        return RankNeed(rank, node, weights[rank], kv, workspace, overhead, avail, floor)
+    def needs(ctx: int) -> tuple[RankNeed, ...]:
+        kv = kv_for(ctx)
+        own = [weights[r] + kv[r] + workspace + fixed + int(fraction * (weights[r] + kv[r])) for r in range(ranks)]
+        used: dict[str, int] = {}
+        for r in range(ranks):
+            used[available[r][0]] = used.get(available[r][0], 0) + own[r]
+        return tuple(RankNeed(r, available[r][0], weights[r], kv[r], workspace,
+                              fixed + int(fraction * (weights[r] + kv[r])), available[r][1], floor,
+                              available[r][1] - used[available[r][0]]) for r in range(ranks))
 
-    rows = tuple(need(r, context) for r in range(ranks))
+    def fits(ctx: int) -> bool:
+        return all(n.fits for n in needs(ctx))
+
+    rows = needs(context)
     # largest context: binary search on whole tokens (need is monotone in the context)
     lo, hi = 0, max_context
-    if not all(need(r, 1).fits for r in range(ranks)):
+    if not fits(1):
         lo = hi = 0
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if all(need(r, mid).fits for r in range(ranks)):
+        if fits(mid):
             lo = mid
         else:
             hi = mid - 1

@@ -73,10 +73,6 @@ def memory_plan(config: LaneConfig, model: str, checks: Preflight, freed: dict[s
     weights, source = weights_per_rank(model, config.ranks)
     per_token = kv_per_token(model, config.kv_dtype)
     kv_for = kv_function(model, config.ranks, config.dcp, config.kv_dtype)
-    # ranks sharing a node share its memory: each gets an equal part
-    sharing: dict[str, int] = {}
-    for node in config.nodes:
-        sharing[node.host] = sharing.get(node.host, 0) + 1
     available = []
     unified = config.memory.unified == "yes"
     for node in config.nodes:
@@ -87,7 +83,7 @@ def memory_plan(config: LaneConfig, model: str, checks: Preflight, freed: dict[s
         unified = unified or node_unified
         avail = probe["mem_available"] if node_unified or not gpu_free else min(gpu_free) * (1 << 20)
         avail += (freed or {}).get(node.host, 0)
-        available.append((node.host, avail // sharing[node.host]))
+        available.append((node.host, avail))  # ranks on one node share it (plan_memory sums them)
     context = config.context or max_context
     plan = plan_memory(context=context, per_token=per_token, kv_for=kv_for, weights=weights, weights_source=source,
                        available=available, settings=config.memory, unified=unified, max_context=max_context)

@@ -91,5 +91,7 @@ def test_plan_on_the_tiny_checkpoint_uses_the_layout_plan(tiny_model: Path) -> N
     layout = plan_layout(tiny_model, 2).bytes_per_rank()
     kv = kv_bytes_per_rank(Glm53Config.from_dir(tiny_model), 4096, 2, dcp=True)
     assert [r.weights for r in plan.ranks] == layout and [r.kv for r in plan.ranks] == kv
-    assert [r.available for r in plan.ranks] == [15 * GIB, 15 * GIB]  # two ranks share one node
+    # two ranks share one node: its memory and its floor
+    assert [r.available for r in plan.ranks] == [30 * GIB, 30 * GIB]
+    assert plan.ranks[0].left == plan.ranks[1].left == 30 * GIB - plan.ranks[0].need - plan.ranks[1].need
     assert plan.fits and "glm53.layout" in plan.table()

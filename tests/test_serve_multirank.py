@@ -1,0 +1,128 @@
+"""Several local ranks under the real launcher (supervisor, ordering, a dead rank stops the rest,
+the memory guard, the memory plan's refusal) with a stand-in engine: the glm53 engine serves one
+rank until its multi-rank follow() lands (tests/standin_rank.py). Everything else is real."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from lane_fixtures import free_port, tiny_model  # noqa: F401  (fixture)
+from launcher.state import pid_alive, read_json
+
+ROOT = Path(__file__).resolve().parents[1]
+LANES = ROOT / ".work" / "lanes"
+STANDIN = {"GLM53_RANK_MODULE": "tests.standin_rank"}
+
+
+def sh(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **STANDIN, **(env or {})})
+
+
+def pids(port: int, ranks: int) -> list[int]:
+    return [int((LANES / str(port) / f"rank{r}.pid").read_text()) for r in range(ranks)]
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def meminfo(path: Path, available_gib: float) -> None:
+    kb = int(available_gib * (1 << 20))
+    path.write_text(f"MemTotal:       {64 << 20} kB\nMemFree:        {kb} kB\nMemAvailable:   {kb} kB\n")
+
+
+def start_order(port: int, ranks: int) -> list[int]:
+    """Ranks sorted by the time their process started (from /proc: field 22, clock ticks)."""
+    started = {}
+    for rank, pid in enumerate(pids(port, ranks)):
+        started[rank] = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    return sorted(started, key=lambda r: (started[r], -r))
+
+
+def test_three_ranks_ready_then_a_dead_rank_stops_the_others(tiny_model: Path) -> None:
+    port = free_port()
+    up = sh("serve.sh", "--local", "--ranks", "3", "--model", str(tiny_model), "--port", str(port))
+    try:
+        assert up.returncode == 0, up.stderr
+        assert "READY" in up.stderr and "(3 ranks)" in up.stderr
+        assert "rank 2 (local): following" in up.stderr or "rank 2 (local): loading" in up.stderr
+        assert start_order(port, 3)[-1] == 0  # rank 0 last
+        all_pids = pids(port, 3)
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", timeout=30,
+                          json={"messages": [{"role": "user", "content": "go"}], "max_tokens": 5000,
+                                "stream": True}) as r:
+            lines = r.iter_lines()
+            next(lines)
+            os.kill(all_pids[1], signal.SIGKILL)  # a follower dies mid-request
+            try:
+                rest = list(lines)
+            except httpx.HTTPError:
+                rest = []
+        assert "data: [DONE]" not in rest
+        wait_for(lambda: (read_json(LANES / str(port) / "lane.json") or {}).get("phase") == "failed", 30,
+                 "the lane to stop")
+        wait_for(lambda: not any(pid_alive(p) for p in all_pids), 30, "every rank to stop")
+        state = read_json(LANES / str(port) / "lane.json")
+        assert state["message"].startswith("rank 1 on local exited with code -9")
+    finally:
+        sh("serve.sh", "stop", "--port", str(port))
+
+
+def test_memory_guard_stops_the_lane_below_the_floor(tiny_model: Path, tmp_path: Path) -> None:
+    port = free_port()
+    fake = tmp_path / "meminfo"
+    meminfo(fake, 40)
+    env = {"TF_GLM53_MEMINFO": str(fake)}
+    up = sh("serve.sh", "--local", "--ranks", "2", "--model", str(tiny_model), "--port", str(port), env=env)
+    try:
+        assert up.returncode == 0, up.stderr
+        all_pids = pids(port, 2)
+        meminfo(fake, 1.0)  # under the 2 GiB floor the local CPU lane passes to every rank
+        wait_for(lambda: (read_json(LANES / str(port) / "lane.json") or {}).get("phase") == "failed", 30,
+                 "the guard to stop the lane")
+        wait_for(lambda: not any(pid_alive(p) for p in all_pids), 30, "every rank to stop")
+        state = read_json(LANES / str(port) / "lane.json")
+        assert "exited with code 75 (the memory guard stopped it)" in state["message"]
+        dead = next(r for r in state["ranks"] if r["exit"] == 75)
+        log = Path(dead["log"]).read_text()
+        assert f"memory guard: rank {dead['rank']}" in log and "fell below the floor of 2048 MiB" in log
+    finally:
+        sh("serve.sh", "stop", "--port", str(port))
+
+
+def test_memory_plan_refuses_a_start_and_names_the_largest_context(tiny_model: Path, tmp_path: Path) -> None:
+    fake = tmp_path / "meminfo"
+    meminfo(fake, 6.0)  # two CPU ranks need 2 x 1.5 GiB + KV; the floor is 4 GiB (2, doubled: unified)
+    port = free_port()
+    r = sh("serve.sh", "--local", "--ranks", "2", "--model", str(tiny_model), "--port", str(port),
+           "--context", "32768", env={"TF_GLM53_MEMINFO": str(fake)})
+    assert r.returncode == 4, r.stderr
+    assert "memory plan refuses the start: rank 0 on local" in r.stderr
+    assert "the weights alone do not fit" in r.stderr or "--context" in r.stderr
+    assert not (LANES / str(port) / "lane.json").exists()
+
+
+def test_dry_run_prints_plan_and_commands_and_changes_nothing(tiny_model: Path) -> None:
+    port = free_port()
+    r = sh("serve.sh", "--local", "--ranks", "2", "--model", str(tiny_model), "--port", str(port), "--context", "2048",
+           env={"DRY_RUN": "1"})
+    assert r.returncode == 0, r.stderr
+    out = r.stderr
+    assert "memory plan: context 2048 tokens" in out and "DRY_RUN: nothing is started or changed" in out
+    assert "start order: rank 1, rank 0 (rank 0 last)" in out
+    assert out.index("start rank 1 (local)") < out.index("start rank 0 (local)")
+    assert f"--rank 1 --ranks 2" in out and f"--port {port}" in out and "stop rank 0 (local)" in out
+    assert not (LANES / str(port)).exists()
