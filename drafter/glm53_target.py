@@ -77,6 +77,15 @@ class DraftPlan:
         self.max_depth = max(1, min(max_depth, MAX_DEPTH))
         self.stats = AcceptanceStats()
 
+    @property
+    def taps(self) -> tuple[int, ...]:
+        """Target layers whose outputs the sources need (ask the prefill for them: `prefilled=`)."""
+        return tuple(self.dflash.config.target_layer_ids) if self.kind == "dflash2" else ()
+
+    @property
+    def needs_hidden(self) -> bool:
+        return self.kind == "mtp"
+
     def new_source(self, target: Target):
         if self.kind == "copy":
             return CopySource(max_depth=self.max_depth)

@@ -89,7 +89,9 @@ class Dflash2Config:
             head_dim=int(get("head_dim", None) or hidden // heads),
             intermediate_size=int(get("intermediate_size")), rms_norm_eps=float(get("rms_norm_eps")),
             rope_theta=float(get("rope_theta", 10000.0)), block_size=int(get("block_size")),
-            mask_token_id=int(get("mask_token_id")), target_layer_ids=[int(i) for i in get("target_layer_ids")],
+            mask_token_id=int(get("mask_token_id")),
+            # ids name layer OUTPUTS (DFlash2's convention); a checkpoint may pin an offset ("tap_shift")
+            target_layer_ids=[int(i) + int(get("tap_shift", 0)) for i in get("target_layer_ids")],
             conv_kernel_size=int(get("conv_kernel_size", 2)), conv_group_size=int(get("conv_group_size", 16)),
             selector_rank=int(get("selector_rank")), selector_top_k=int(get("selector_top_k")),
             layer_types=list(get("layer_types", None) or ["full_attention"] * layers),
