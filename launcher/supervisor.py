@@ -18,7 +18,7 @@ from typing import IO, Any
 
 import httpx
 
-from launcher.commands import rank_command, stop_command
+from launcher.commands import alive_command, rank_command, stop_command
 from launcher.config import LaneConfig, Node
 from launcher.nodes import node_argv, run
 from launcher.state import write_json
@@ -106,6 +106,12 @@ class Supervisor:
     def describe_death(self, r: RankProcess) -> str:
         code = r.exit_code()
         why = EXIT_CODES_EXPLAINED.get(code, "")
+        if code == 255 and not r.node.is_local:  # ssh's own failure, or the remote rank killed by a signal
+            probe = run(r.node, self.config, alive_command(self.config, r.node), timeout=15)
+            if probe.returncode == 0 and probe.stdout.strip() == "gone":
+                why = "ssh reports 255: the rank process is gone, killed by a signal or crashed"
+            elif probe.returncode == 0:
+                why = "ssh lost the connection; the rank was still running and is being stopped"
         return (f"rank {r.node.rank} on {r.node.host} exited with code {code}{' (' + why + ')' if why else ''}; "
                 f"the lane is stopped. Its log: {r.log_path}")
 

@@ -31,10 +31,16 @@ def write_tokenizer(model_dir: Path) -> None:
         {"eos_token": "<|endoftext|>", "chat_template": CHAT_TEMPLATE}))
 
 
+LANES_DIR = Path(__file__).resolve().parents[1] / ".work" / "lanes"
+_ports_used: list[int] = []
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port = s.getsockname()[1]
+    _ports_used.append(port)
+    return port
 
 
 class StandInEngine:
@@ -105,3 +111,13 @@ def tiny_model() -> Path:
     from launcher.tiny_cache import ensure_tiny
 
     return ensure_tiny(quiet=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cleanup_lanes():
+    """Remove the lane dirs (logs, state) of the ports these tests used, at the end of the session."""
+    yield
+    import shutil
+
+    for port in _ports_used:
+        shutil.rmtree(LANES_DIR / str(port), ignore_errors=True)
