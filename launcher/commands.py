@@ -80,6 +80,8 @@ def rank_command(config: LaneConfig, node: Node, model: str) -> str:
     does), its pid in a file on the node so `stop` can reach it."""
     rd = run_dir(config)
     env = rank_env(config)
+    # which of the host's GPUs this rank uses: its index among the ranks sharing the host
+    env["LOCAL_RANK"] = str(sorted(n.rank for n in config.nodes if n.host == node.host).index(node.rank))
     argv = rank_argv(config, node, model)
     prologue = f"mkdir -p {q(rd)} && cd {q(config.kit_dir)} && echo $$ > {q(pid_file(config, node))} && "
     if config.runtime.image:

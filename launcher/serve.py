@@ -123,19 +123,26 @@ def check(config: LaneConfig, model: str, out: TextIO, freed: dict[str, int] | N
         problems.append(f"port {config.port} on {config.listen} is in use: stop what holds it "
                         f"(bash serve.sh stop --port {config.port}) or choose another --port")
     plan = None
-    if len(checks.probes) == config.ranks:
+    if len(checks.probes) == config.ranks and not checks.failures:
         if tiny_pending:
             print(f"memory plan: the tiny checkpoint {model} does not exist yet (generated on first start: "
                   f"{sys.executable} -m glm53.tiny {model})", file=out)
+        elif not (Path(model) / "config.json").is_file():
+            problems.append(f"memory plan: {model}/config.json is not on this machine; the plan reads the "
+                            f"checkpoint's headers here: start serve.sh on a node that holds the weights")
         else:
-            plan = memory_plan(config, model, checks, freed)
-            print(plan.table(), file=out)
-            if plan.refusal():
-                problems.append(plan.refusal())
+            try:
+                plan = memory_plan(config, model, checks, freed)
+            except (OSError, ValueError) as exc:  # unreadable headers, a config the layout refuses
+                problems.append(f"memory plan: cannot plan {model}: {exc}")
             else:
-                from dataclasses import replace
+                print(plan.table(), file=out)
+                if plan.refusal():
+                    problems.append(plan.refusal())
+                else:
+                    from dataclasses import replace
 
-                config = replace(config, context=plan.context)
+                    config = replace(config, context=plan.context)
     return config, plan, problems
 
 

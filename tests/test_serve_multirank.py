@@ -126,3 +126,24 @@ def test_dry_run_prints_plan_and_commands_and_changes_nothing(tiny_model: Path) 
     assert out.index("start rank 1 (local)") < out.index("start rank 0 (local)")
     assert f"--rank 1 --ranks 2" in out and f"--port {port}" in out and "stop rank 0 (local)" in out
     assert not (LANES / str(port)).exists()
+
+
+def test_restart_checks_new_settings_before_stopping_the_old_lane(tiny_model: Path, tmp_path: Path) -> None:
+    port = free_port()
+    up = sh("serve.sh", "--local", "--ranks", "2", "--model", str(tiny_model), "--port", str(port))
+    try:
+        assert up.returncode == 0, up.stderr
+        old = pids(port, 2)
+        refused = sh("serve.sh", "restart", "--local", "--ranks", "2", "--model", str(tmp_path / "missing"),
+                     "--port", str(port))
+        assert refused.returncode == 3 and "restart refused; the running lane (if any) was left as it was" in refused.stderr
+        assert "missing/config.json is missing" in refused.stderr
+        assert all(pid_alive(p) for p in old)
+        assert httpx.get(f"http://127.0.0.1:{port}/health").json()["ranks"] == 2
+        again = sh("serve.sh", "restart", "--local", "--ranks", "3", "--model", str(tiny_model), "--port", str(port))
+        assert again.returncode == 0, again.stderr
+        assert "stopped on request" in again.stderr and "READY" in again.stderr
+        assert not any(pid_alive(p) for p in old)
+        assert httpx.get(f"http://127.0.0.1:{port}/health").json()["ranks"] == 3
+    finally:
+        sh("serve.sh", "stop", "--port", str(port))
