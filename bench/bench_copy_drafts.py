@@ -56,16 +56,24 @@ def _git_commit() -> str:
         return "unknown"
 
 
-def texts() -> dict[str, str]:
+def tracked_python_files() -> list[Path]:
+    try:
+        out = subprocess.run(["git", "ls-files", "*.py"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+        return [REPO / line for line in out.splitlines() if line]
+    except (OSError, subprocess.CalledProcessError):
+        return sorted((REPO / "drafter").rglob("*.py"))
+
+
+def texts(limit_chars: int = 200_000) -> dict[str, str]:
     code = "\n\n".join(p.read_text() for p in sorted((REPO / "drafter").rglob("*.py")))
     records = []
-    sources = [p for p in sorted(REPO.rglob("*.py")) if not {".venv", ".git"} & set(p.parts)]
-    for i, p in enumerate(sources[:400]):
-        records.append(json.dumps({"id": i, "path": p.relative_to(REPO).as_posix(), "kind": "python",
-                                   "lines": len(p.read_text(errors="replace").splitlines()), "status": "ok"}))
+    for i, p in enumerate(tracked_python_files()[:400]):
+        if p.is_file():
+            records.append(json.dumps({"id": i, "path": p.relative_to(REPO).as_posix(), "kind": "python",
+                                       "lines": len(p.read_text(errors="replace").splitlines()), "status": "ok"}))
     prose = (REPO / "../shared/DESIGN.md").resolve()
     prose_text = prose.read_text() if prose.is_file() else (REPO / "README.md").read_text()
-    return {"code": code, "structured": "\n".join(records), "prose": prose_text}
+    return {"code": code[:limit_chars], "structured": "\n".join(records)[:limit_chars], "prose": prose_text[:limit_chars]}
 
 
 class ForcedTarget:
@@ -158,6 +166,7 @@ def main() -> int:
         print("bench_copy_drafts: --device cuda but no CUDA device", file=sys.stderr)
         return 2
     from glm53.tiny_tokenizer import build_tokenizer
+    print("[bench_copy_drafts] building the tokenizer and encoding the texts", file=sys.stderr, flush=True)
     tok = build_tokenizer()
     encoded = {name: tok.encode(t).ids for name, t in texts().items()}
     vocab_needed = max(max(ids) for ids in encoded.values()) + 1
