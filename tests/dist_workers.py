@@ -109,7 +109,56 @@ def stuck(comm: Comm, out: Path) -> None:
         comm.all_reduce_sum(torch.ones(4), name="stuck_all_reduce")
 
 
-SCENARIOS = {"suite": suite, "spin": spin, "stuck": stuck}
+# ---- the model over R ranks (phase 2) ---------------------------------------------------------
+PROMPT = [(7 * i + 3) % 1900 + 20 for i in range(45)]  # 45 tokens: past the tiny model's index_topk (32)
+STEPS = 64
+PREFILL_PIECE = 13  # chunk starts that are not multiples of R
+
+
+def greedy(model, state, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
+    """Prefill in pieces, then greedy decode: (tokens, fp32 logits [steps + 1, vocab])."""
+    for a in range(0, len(prompt), PREFILL_PIECE):
+        out = model.forward(state, prompt[a:a + PREFILL_PIECE], a, "prefill")
+    rows = [model.logits(out.hidden[-1:])[0]]
+    tokens: list[int] = []
+    for _ in range(steps):
+        tokens.append(int(rows[-1].argmax()))
+        out = model.forward(state, [tokens[-1]], state.length, "decode")
+        rows.append(model.logits(out.hidden)[0])
+    return tokens, torch.stack(rows)
+
+
+def load_model(model_dir: Path, plan):
+    from glm53.config import Glm53Config
+    from glm53.model.transformer import Glm53Model
+    from glm53.weights_loader import load_weights
+
+    cfg = Glm53Config.from_dir(model_dir)
+    weights = load_weights(model_dir, cfg, plan=plan, dtype=torch.float32, with_mtp=False, progress=lambda m: None)
+    return Glm53Model(cfg, weights, plan, torch.float32)
+
+
+def model(comm: Comm, out: Path) -> None:
+    from glm53.config import Glm53Config
+    from glm53.dist.parallel_engine import DistRankPlan
+
+    model_dir = Path(os.environ["GLM53_TEST_MODEL"])
+    vocab = Glm53Config.from_dir(model_dir).vocab_size
+    results: dict[str, object] = {"rank": comm.rank}
+    for dcp_on in (False, True):
+        plan = DistRankPlan.create(comm, vocab, dcp_on=dcp_on)
+        m = load_model(model_dir, plan)
+        state = plan.new_state(m, "fp32")
+        results[f"dcp{int(dcp_on)}"] = greedy(m, state, PROMPT, STEPS)
+        own = plan.ownership  # the cache rows this rank keeps (layer 0: a function of the embeddings alone)
+        results[f"dcp{int(dcp_on)}_rows"] = (own.owned_positions(0, state.length), state.capacity,
+                                             state.latent[0][: own.count(state.length)].clone())
+        if dcp_on and comm.world_size == 4:  # the same request again, fresh state: same bits
+            results["dcp1_again"] = greedy(m, plan.new_state(m, "fp32"), PROMPT, STEPS)
+    torch.save(results, out / f"rank{comm.rank}.pt")
+
+
+SCENARIOS = {"suite": suite, "spin": spin, "stuck": stuck, "model": model}
 
 
 def main() -> None:

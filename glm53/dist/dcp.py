@@ -168,16 +168,20 @@ def dcp_merge_to_owners(comm: Comm, out: torch.Tensor, lse: torch.Tensor,
                         head_ranges: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """Like dcp_merge(heads=own range) with 1/R of the bytes: one all-to-all sends each rank only
     the heads it owns (padded to the largest range), then the same rank-order merge.
-    out [H, ...d], lse [H] over this rank's positions -> merged (out, lse) of this rank's heads."""
+    out [H, *lead, d], lse [H, *lead] over this rank's positions -> merged (out, lse) of this
+    rank's heads: [h, *lead, d] (fp32), [h, *lead]."""
+    n_heads, lead, d = out.shape[0], tuple(out.shape[1:-1]), out.shape[-1]
     width = max(b - a for a, b in head_ranges)
-    packed = torch.cat([out.float().flatten(1), lse.float()[:, None]], dim=-1)  # [H, d + 1]
+    packed = torch.cat([out.float().reshape(n_heads, -1), lse.float().reshape(n_heads, -1)], dim=-1)
     send = packed.new_zeros((len(head_ranges), width, packed.shape[-1]))
     for j, (a, b) in enumerate(head_ranges):
         send[j, : b - a] = packed[a:b]
-    got = comm.all_to_all(send, name="dcp_merge_to_owners")  # [R, width, d + 1], row i from rank i
+    got = comm.all_to_all(send, name="dcp_merge_to_owners")  # [R, width, ...], row i from rank i
     a, b = head_ranges[comm.rank]
-    merged, merged_lse = merge_partials(got[:, : b - a, :-1], got[:, : b - a, -1])
-    return merged.view(b - a, *out.shape[1:]), merged_lse
+    n_out = packed.shape[-1] - lse[0].numel()
+    outs = got[:, : b - a, :n_out].reshape(len(head_ranges), b - a, *lead, d)
+    lses = got[:, : b - a, n_out:].reshape(len(head_ranges), b - a, *lead)
+    return merge_partials(outs, lses)
 
 
 # ---- top-k with a deterministic tie-break ---------------------------------------------------

@@ -1,0 +1,180 @@
+"""One rank of the TP R + DCP R layout, through the model's plug points (glm53.model.parallel.RankPlan).
+
+    comm = rendezvous(RendezvousSpec(rank, R, master, master_port))
+    plan = DistRankPlan.create(comm, cfg.vocab_size)   # DCP from TF_GLM53_DCP (on by default)
+    weights = load_weights(model_dir, cfg, plan=plan)  # this rank's slices
+    model = Glm53Model(cfg, weights, plan)
+    state = plan.new_state(model, kv_dtype)            # holds only this rank's positions under DCP
+
+What each plug point does here:
+- head_range / ffn_columns / vocab_range: glm53.dist.tp (the layout plan's split arithmetic);
+- sum_partials: gather + sum in fixed rank order (same bits on every rank, deterministic at any R);
+- embed: lookup in this rank's vocabulary rows, zeros elsewhere, summed (exact: one term is non-zero);
+- gather_logits: all-gather of the vocabulary slices (padded to the largest), concatenated;
+- merge_topk: DCP on: scores of owned positions -> glm53.dist.dcp.dcp_topk (global top-k, ties to
+  the lower position, the model's own rule) -> this rank's selected positions; DCP off: local;
+- merge_attention: DCP on: each rank's (out, lse) over its selected positions, merged by
+  log-sum-exp in rank order and delivered to the heads' owner (all-to-all); other heads zero, so
+  the row-parallel o_proj + sum_partials adds each head once.
+
+Limitation of the current plug points (reported to the lead): the model projects queries and
+attends with the heads of `head_range`, and has no hook between the query projection and the
+attention, so under DCP every rank must attend with all heads: head_range returns every head
+(q_b, kv_b, o replicated) and only the MLP, experts and vocabulary are split. DcpKVState stores
+only owned rows, but its read hands the model a full-length tensor (zeros on other ranks'
+positions), because the model indexes the cache by absolute position.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from glm53.dist import dcp, tp
+from glm53.dist.collectives import Comm
+from glm53.kv_state import KVState
+from glm53.model.indexer import select_topk
+from glm53.model.parallel import RankPlan
+
+if TYPE_CHECKING:
+    from glm53.model.transformer import Glm53Model
+
+
+@dataclass(frozen=True)
+class DistRankPlan(RankPlan):
+    comm: Comm | None = field(default=None, compare=False, repr=False)
+    vocab_size: int = 0
+    dcp: bool = False
+
+    @classmethod
+    def create(cls, comm: Comm, vocab_size: int, dcp_on: bool | None = None) -> "DistRankPlan":
+        on = dcp.dcp_enabled() if dcp_on is None else dcp_on
+        return cls(world=comm.world_size, rank=comm.rank, comm=comm, vocab_size=vocab_size,
+                   dcp=on and comm.world_size > 1)
+
+    @property
+    def ownership(self) -> dcp.Ownership:
+        return dcp.Ownership.for_rank(self.rank, self.world, enabled=self.dcp)
+
+    # ---- what this rank holds ------------------------------------------------------------
+    def head_range(self, n_heads: int) -> range:
+        if self.dcp:  # see the module docstring: attention runs every head under DCP
+            return range(n_heads)
+        return range(*tp.head_ranges(n_heads, self.world)[self.rank])
+
+    def ffn_columns(self, layer: int, width: int) -> range:
+        return range(*tp.column_ranges(width, self.world, layer)[self.rank])
+
+    def vocab_range(self, vocab: int) -> range:
+        return range(*tp.vocab_ranges(vocab, self.world)[self.rank])
+
+    # ---- collectives ---------------------------------------------------------------------
+    def sum_partials(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.world == 1 else self._comm.sum_in_rank_order(x, name="sum_partials")
+
+    def embed(self, table: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        if self.world == 1:
+            return table[tokens]
+        first = tp.vocab_ranges(self.vocab_size, self.world)[self.rank][0]
+        local = tokens - first
+        mine = (local >= 0) & (local < table.shape[0])
+        rows = table[local.clamp(0, table.shape[0] - 1)] * mine[:, None].to(table.dtype)
+        return self._comm.sum_in_rank_order(rows, name="embed")
+
+    def gather_logits(self, local_logits: torch.Tensor) -> torch.Tensor:
+        if self.world == 1:
+            return local_logits
+        sizes = [b - a for a, b in tp.vocab_ranges(self.vocab_size, self.world)]
+        width = max(sizes)
+        padded = torch.nn.functional.pad(local_logits, (0, width - local_logits.shape[-1]))
+        parts = self._comm.all_gather(padded, name="gather_logits")  # [R, T, width]
+        return torch.cat([parts[r][..., : sizes[r]] for r in range(self.world)], dim=-1)
+
+    # ---- context parallelism ---------------------------------------------------------------
+    def owned_positions(self, start: int, stop: int) -> torch.Tensor | None:
+        return self.ownership.owned_positions(start, stop) if self.dcp else None
+
+    def merge_topk(self, scores: torch.Tensor, k: int) -> torch.Tensor:
+        if not self.dcp:
+            return select_topk(scores, k)
+        own = self.ownership
+        positions = own.owned_positions(0, scores.shape[-1], device=scores.device)
+        top_scores, top_positions = dcp.dcp_topk(self._comm, scores[:, positions], positions, k)
+        keep = torch.isfinite(top_scores) & ((top_positions % own.ranks) == own.index)
+        mask = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+        rows = torch.arange(scores.shape[0], device=scores.device)[:, None].expand_as(top_positions)
+        mask[rows[keep], top_positions[keep]] = True
+        return mask
+
+    def merge_attention(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        """out [T, H, v], lse [T, H] over this rank's selected positions, every head ->
+        [T, H, v]: merged values on this rank's heads, zeros on the others."""
+        if not self.dcp:
+            return out
+        ranges = tp.head_ranges(out.shape[1], self.world)
+        merged, _ = dcp.dcp_merge_to_owners(self._comm, out.transpose(0, 1), lse.transpose(0, 1), ranges)
+        a, b = ranges[self.rank]
+        full = torch.zeros_like(out)
+        full[:, a:b] = merged.transpose(0, 1).to(out.dtype)
+        return full
+
+    # ---- state ---------------------------------------------------------------------------
+    def new_state(self, model: "Glm53Model", kv_dtype: str = "bf16") -> KVState:
+        """The cache for one sequence on this rank (only owned positions under DCP)."""
+        indexed = frozenset(l.index for l in model.w.layers if l.indexer is not None)
+        return DcpKVState(n_layers=len(model.w.layers), latent_dim=model.cfg.latent_dim,
+                          index_dim=model.cfg.index_head_dim, indexed_layers=indexed, kv_dtype=kv_dtype,
+                          device=model.device, own=self.ownership)
+
+    # ---- helpers ---------------------------------------------------------------------------
+    @property
+    def _comm(self) -> Comm:
+        if self.comm is None:
+            raise RuntimeError(f"DistRankPlan for world {self.world} has no Comm; build it with DistRankPlan.create(comm)")
+        return self.comm
+
+
+@dataclass
+class DcpKVState(KVState):
+    """KVState holding only this rank's positions (p % R == rank, at slot p // R).
+
+    Writes take rows for absolute positions and keep the owned ones; reads return a full-length
+    tensor (zeros on other ranks' positions) because the model indexes the cache by position;
+    the selection mask from merge_topk never picks those rows. Capacity counts local slots."""
+
+    own: dcp.Ownership = dcp.Ownership(0, 1)
+
+    def reserve(self, n: int) -> None:
+        super().reserve(self.own.count(n))
+
+    def write_latent(self, layer: int, start: int, rows: torch.Tensor) -> None:
+        self._write_owned(self.latent[layer], self.latent_scale[layer], start, rows)
+
+    def write_index(self, layer: int, start: int, rows: torch.Tensor) -> None:
+        self._write_owned(self.index_keys[layer], self.index_scale[layer], start, rows)
+
+    def read_latent(self, layer: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        return self._read_owned(self.latent[layer], self.latent_scale[layer], stop, dtype)
+
+    def read_index(self, layer: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        return self._read_owned(self.index_keys[layer], self.index_scale[layer], stop, dtype)
+
+    def export_rows(self, start: int, stop: int) -> dict[str, torch.Tensor]:
+        if self.own.ranks > 1:
+            raise NotImplementedError("prefix-cache export under DCP: each rank holds every R-th row; "
+                                      "the prefix cache must store per-rank rows (not wired yet)")
+        return super().export_rows(start, stop)
+
+    def _write_owned(self, store: torch.Tensor, scale: torch.Tensor | None, start: int, rows: torch.Tensor) -> None:
+        slots, mine = self.own.rows_to_write(start, rows)
+        if slots.numel():
+            self._write(store, scale, int(slots[0]), mine)  # owned slots of a range are consecutive
+
+    def _read_owned(self, store: torch.Tensor, scale: torch.Tensor | None, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        local = self._read(store, scale, self.own.count(stop), dtype)
+        if self.own.ranks == 1:
+            return local
+        full = torch.zeros((stop, store.shape[1]), dtype=dtype, device=store.device)
+        full[self.own.owned_positions(0, stop, device=store.device)] = local
+        return full
