@@ -229,21 +229,21 @@ class RecordingMtp:
 
 def test_mtp_source_sees_target_hidden_and_committed_tokens():
     prompt = [3, 14, 15, 92, 65, 35]
-    stop = StopRule(max_tokens=20)
     s = MODEL.session()
     rec = RecordingMtp(s.mtp())
-    res = drafted_decode(s, prompt, GREEDY, stop, MtpSource(rec))
+    res = drafted_decode(s, prompt, GREEDY, StopRule(max_tokens=20), MtpSource(rec))
     full = prompt + res.tokens
-    hidden = MODEL.session().forward(full, 0).hidden     # the target's hidden at every position
-    commits = [c for c in rec.calls if len(c[1]) > 1 or c[2] + 1 < len(full) and c[1] == [full[c[2] + 1]]]
+    hidden = MODEL.session().forward(full, 0).hidden     # the target's hidden state at every position
     covered = set()
     for h, toks, start in rec.calls:
-        if all(start + j + 1 < len(full) and toks[j] == full[start + j + 1] for j in range(len(toks))) \
-                and torch.equal(h, hidden[start:start + len(toks)]):
+        # a commit call: the TARGET's hidden rows at [start, start + r) paired with the committed tokens
+        pairs_match = toks == full[start + 1:start + 1 + len(toks)]
+        if pairs_match and torch.equal(h, hidden[start:start + len(toks)]):
             covered.update(range(start, start + len(toks)))
-    # every position before the last pending token got an MTP row from the TARGET's hidden state
+    # every position up to the last commit got an MTP row computed from the target's own hidden state
     assert covered >= set(range(len(full) - 2)), sorted(set(range(len(full) - 2)) - covered)
-    assert commits
+    assert rec.calls[0][2] == 0 and len(rec.calls[0][1]) == len(prompt)      # the prefill commit
+    assert rec.truncations and all(t <= len(full) for t in rec.truncations)
 
 
 @pytest.fixture(scope="module")
