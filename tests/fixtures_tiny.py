@@ -4,8 +4,10 @@ Import the fixtures you use into your test module:
 
     from tests.fixtures_tiny import tiny_dirs, tiny_engine   # noqa: F401
 
-`tiny_dirs` -> TinyDirs(model=<EXL3 tiny checkpoint>, reference=<decoded transformers twin>), written once
-per session by glm53.tiny.write_tiny_checkpoint (seed 0). `tiny_engine` -> a Glm53Engine on it, CPU, fp32
+`tiny_dirs` -> TinyDirs(model=<EXL3 tiny checkpoint>, reference=<decoded transformers twin>), written by
+glm53.tiny.write_tiny_checkpoint (seed 0) into pytest's cache folder under a name that hashes the writer's
+sources (glm53/tiny*.py, glm53/exl3/*.py, glm53/config.py) and the torch version, so it is regenerated
+whenever they change (and once per fresh checkout, as in CI); GLM53_TINY_FRESH=1 forces a rewrite. `tiny_engine` -> a Glm53Engine on it, CPU, fp32
 compute, fp32 latent cache, prefill grid 32 (so prompts span several chunks); shared: tests that change
 its settings must restore them (use `fresh_engine_state`).
 """
@@ -15,6 +17,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
+
+import hashlib
+import os
+import shutil
 
 import pytest
 
@@ -27,13 +33,30 @@ class TinyDirs:
     reference: Path
 
 
+def _writer_key() -> str:
+    import torch
+
+    import glm53
+
+    pkg = Path(glm53.__file__).parent
+    sources = sorted([*pkg.glob("tiny*.py"), *pkg.glob("exl3/*.py"), pkg / "config.py"])
+    digest = hashlib.sha256(torch.__version__.encode())
+    for path in sources:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 @pytest.fixture(scope="session")
-def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> TinyDirs:
+def tiny_dirs(request: pytest.FixtureRequest) -> TinyDirs:
     from glm53.tiny import write_tiny_checkpoint
 
-    root = tmp_path_factory.mktemp("glm53_tiny")
+    root = Path(request.config.cache.mkdir(f"glm53_tiny_{_writer_key()}"))
     model, reference = root / "model", root / "reference"
-    write_tiny_checkpoint(model, seed=0, reference_dir=reference)
+    complete = (model / "config.json").exists() and (reference / "config.json").exists()
+    if not complete or os.environ.get("GLM53_TINY_FRESH") == "1":
+        shutil.rmtree(model, ignore_errors=True)
+        shutil.rmtree(reference, ignore_errors=True)
+        write_tiny_checkpoint(model, seed=0, reference_dir=reference)  # each folder appears by rename
     return TinyDirs(model, reference)
 
 

@@ -1,0 +1,149 @@
+"""TensorFold's family contract, as glm53 implements it (what TensorFold's CLI and server call)."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import glm53
+from glm53.config import ConfigError
+from glm53.engine import EngineError
+from glm53.weights_loader import CheckpointError
+from tests.fixtures_tiny import fresh_engine_state, tiny_dirs, tiny_engine  # noqa: F401
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    """A checkpoint folder whose shards link to the original (only edited files are rewritten)."""
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.suffix == ".safetensors":
+            (dst / f.name).symlink_to(f)
+        else:
+            shutil.copy(f, dst / f.name)
+    return dst
+
+
+def _edit_json(path: Path, edit) -> None:  # noqa: ANN001
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+def test_package_exports_the_contract() -> None:
+    assert glm53.MODEL_TYPES == ("glm_moe_dsa",)
+    assert callable(glm53.check) and callable(glm53.cuda_engine)
+
+
+def test_check_accepts_the_tiny_checkpoint(tiny_dirs) -> None:  # noqa: F811
+    assert glm53.check(tiny_dirs.model) is None
+
+
+def test_check_refuses_wrong_model_type(tiny_dirs, tmp_path) -> None:  # noqa: F811
+    d = _copy(tiny_dirs.model, tmp_path / "m")
+    _edit_json(d / "config.json", lambda c: c.update(model_type="glm5_next"))
+    with pytest.raises(ConfigError, match=r"config\.json.*model_type.*glm5_next"):
+        glm53.check(d)
+
+
+def test_check_refuses_missing_tensor(tiny_dirs, tmp_path) -> None:  # noqa: F811
+    d = _copy(tiny_dirs.model, tmp_path / "m")
+    name = "model.layers.2.self_attn.indexer.wk.weight"
+    _edit_json(d / "model.safetensors.index.json", lambda ix: ix["weight_map"].pop(name))
+    with pytest.raises(CheckpointError, match=rf"{name} is missing"):
+        glm53.check(d)
+
+
+def test_check_refuses_unservable_exl3_width(tiny_dirs, tmp_path) -> None:  # noqa: F811
+    d = _copy(tiny_dirs.model, tmp_path / "m")
+    name = "model.layers.1.mlp.experts.3.up_proj.trellis"
+    cfg = json.loads((d / "config.json").read_text())
+    shape = (cfg["hidden_size"] // 16, cfg["moe_intermediate_size"] // 16, 16 * 5)  # K = 5 bits
+    save_file({name: torch.zeros(shape, dtype=torch.int16)}, str(d / "patched.safetensors"))
+    _edit_json(d / "model.safetensors.index.json", lambda ix: ix["weight_map"].update({name: "patched.safetensors"}))
+    with pytest.raises(CheckpointError, match=r"patched\.safetensors.*experts\.3\.up_proj\.trellis.*K = 5"):
+        glm53.check(d)
+
+
+def test_check_refuses_shape_disagreeing_with_config(tiny_dirs, tmp_path) -> None:  # noqa: F811
+    d = _copy(tiny_dirs.model, tmp_path / "m")
+    _edit_json(d / "config.json", lambda c: c.update(kv_lora_rank=96))
+    with pytest.raises(CheckpointError, match=r"kv_a_proj_with_mqa\.weight has shape .*config\.json implies"):
+        glm53.check(d)
+
+
+def test_check_refuses_missing_shard(tiny_dirs, tmp_path) -> None:  # noqa: F811
+    d = _copy(tiny_dirs.model, tmp_path / "m")
+    shard = sorted(d.glob("model-*.safetensors"))[-1]
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=rf"names shard {shard.name}"):
+        glm53.check(d)
+
+
+def test_generate_streams_and_stops_on_false(tiny_engine) -> None:  # noqa: F811
+    prompt = list(range(10, 60))
+    seen: list[list[int]] = []
+    with fresh_engine_state(tiny_engine):
+        full = tiny_engine.generate(prompt, 8, {"ignore_eos": True}, lambda new: seen.append(new))
+        assert [t for batch in seen for t in batch] == full and len(full) == 8
+        stats = tiny_engine.last_stats
+        assert stats["prompt_tokens"] == 50 and stats["completion_tokens"] == 8 and stats["finish_reason"] == "length"
+        assert "cached_tokens" in stats
+
+        calls: list[list[int]] = []
+
+        def hang_up(new: list[int]) -> bool:
+            calls.append(new)
+            return len(calls) < 3
+
+        cut = tiny_engine.generate(prompt, 8, {"ignore_eos": True}, hang_up)
+        assert cut == full[:3] and len(calls) == 3
+        assert tiny_engine.last_stats["finish_reason"] == "cancelled"
+        assert tiny_engine.last_stats["completion_tokens"] == 3
+
+
+def test_eos_ends_the_reply_unless_ignored(tiny_engine) -> None:  # noqa: F811
+    prompt = list(range(100, 140))
+    with fresh_engine_state(tiny_engine, reuse_live=False):
+        free = tiny_engine.generate(prompt, 10, {"ignore_eos": True})
+        stop_token = free[3]
+        first = free.index(stop_token)
+        tiny_engine.eos = [stop_token]
+        try:
+            stopped = tiny_engine.generate(prompt, 10, {})
+            assert stopped == free[:first + 1]  # the eos token is part of the reply (TensorFold's convention)
+            assert tiny_engine.last_stats["finish_reason"] == "stop"
+            assert tiny_engine.generate(prompt, 10, {"ignore_eos": True}) == free
+        finally:
+            tiny_engine.eos = list(tiny_engine.cfg.eos_token_ids)
+
+
+def test_bad_requests_are_refused_with_the_field_named(tiny_engine) -> None:  # noqa: F811
+    with pytest.raises(EngineError, match="prompt"):
+        tiny_engine.generate([], 4)
+    with pytest.raises(EngineError, match=r"prompt token 999999"):
+        tiny_engine.generate([1, 999999], 4)
+    with pytest.raises(EngineError, match="max_tokens"):
+        tiny_engine.generate([1, 2], -1)
+    with pytest.raises(ValueError, match="top_p"):
+        tiny_engine.generate([1, 2], 4, {"temperature": 0.7, "top_p": 1.5})
+    assert tiny_engine.generate([1, 2], 0) == []
+
+
+def test_follow_returns_at_once_on_one_rank(tiny_engine) -> None:  # noqa: F811
+    assert tiny_engine.follow() is None
+    assert isinstance(tiny_engine.eos, list) and all(isinstance(t, int) for t in tiny_engine.eos)
+
+
+def test_cuda_engine_runs_on_cpu_and_refuses_unknown_options(tiny_dirs) -> None:  # noqa: F811
+    with pytest.raises(EngineError, match="unknown engine option.*colour"):
+        glm53.cuda_engine(tiny_dirs.reference, device="cpu", colour="blue")
+    with pytest.raises(EngineError, match="ranks run 0..tp-1"):
+        glm53.cuda_engine(tiny_dirs.reference, device="cpu", tp=2, rank=2)
+    engine = glm53.cuda_engine(tiny_dirs.reference, device="cpu", drafter=None, tp=1, rank=0,
+                               master="127.0.0.1", master_port=29551, no_drafts=True, mtp_drafts=None)
+    assert engine.device.type == "cpu" and engine.dtype_name == "fp32"
+    assert len(engine.generate([5, 6, 7], 3, None)) == 3
