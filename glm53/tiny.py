@@ -20,7 +20,7 @@ transformers' GlmMoeDsaForCausalLM.from_pretrained (per-expert keys, which trans
 load), without quantization_config. The MTP layer is left out of its index (transformers has no MTP
 module and would warn about it); its decoded tensors go to `mtp.safetensors` beside it.
 
-Exit codes: 0 written; 1 bad arguments or output folder not empty (message on stderr).
+Exit codes: 0 written; 2 bad arguments or output folder not empty (click's usage error, on stderr).
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ import torch
 from safetensors.torch import save_file
 
 from .exl3.decode import decode_weight
-from .exl3.encode import encode_weights
+from .exl3.encode import encode_weights, single_threaded
 from .exl3.format import read_group
 from .tiny_tokenizer import VOCAB_SIZE, write_tokenizer
 
@@ -100,7 +100,7 @@ def expert_quant(layer: int, expert: int, proj: int) -> tuple[float, str]:
     if expert == N_EXPERTS - 1:  # the last expert of every layer carries the half-integer rates
         return (2.5 if proj < 2 else 3.5), "mul1"
     bits = _INTEGER_BITS[(layer + expert + proj) % 3]
-    codebook = _CODEBOOKS[(layer + 2 * expert + proj) % 3]
+    codebook = _CODEBOOKS[(layer + expert // 2 + proj) % 3]  # one width spans several codebooks
     return float(bits), codebook
 
 
@@ -300,8 +300,11 @@ def write_tiny_checkpoint(out_dir: str | Path, *, seed: int = 0, reference_dir: 
 
     Each folder is assembled under a hidden sibling and renamed into place when complete.
     """
-    out = Path(out_dir)
-    ref = Path(reference_dir) if reference_dir is not None else None
+    with single_threaded():
+        return _write_tiny_checkpoint(Path(out_dir), seed, Path(reference_dir) if reference_dir is not None else None)
+
+
+def _write_tiny_checkpoint(out: Path, seed: int, ref: Path | None) -> Path:
     stage = _staging(out)
     ref_stage = _staging(ref) if ref is not None else None
     try:
