@@ -44,7 +44,7 @@ sys.path.insert(0, str(REPO))
 from glm53.config import Glm53Config  # noqa: E402
 from glm53.model.indexer import IndexerWeights  # noqa: E402
 from glm53.model.mla import AttentionWeights  # noqa: E402
-from glm53.model.moe import DecodedExperts, MLPWeights, MoEWeights, RouterWeights, route  # noqa: E402
+from glm53.model.moe import DecodedExperts, MLPWeights, MoEWeights, RouterWeights  # noqa: E402
 from glm53.model.transformer import Glm53Model, LayerWeights, ModelWeights  # noqa: E402
 
 TINY = dict(vocab_size=1000, hidden_size=256, intermediate_size=768, moe_intermediate_size=512,
@@ -97,10 +97,21 @@ def build_layer(cfg: Glm53Config, kind: str, routing: str, device: str, dtype: t
         router = RouterWeights(weight=router_w, bias=_rand((e,), device, torch.float32, g, std=1.0),
                                top_k=cfg.num_experts_per_tok, n_group=1, topk_group=1, norm_topk_prob=True,
                                scaling=cfg.routed_scaling_factor)
-        experts = DecodedExperts(_rand((e, 2 * w, h), device, dtype, g), _rand((e, h, w), device, dtype, g))
+        experts = CountingExperts(DecodedExperts(_rand((e, 2 * w, h), device, dtype, g), _rand((e, h, w), device, dtype, g)))
         shared = MLPWeights(_rand((w, h), device, dtype, g), _rand((w, h), device, dtype, g), _rand((h, w), device, dtype, g))
         ffn = MoEWeights(router=router, experts=experts, shared=shared)
     return LayerWeights(index=0, input_norm=ones(h), post_norm=ones(h), attn=attn, indexer=indexer, ffn=ffn)
+
+
+class CountingExperts:
+    """DecodedExperts that remember how many distinct experts the last call read."""
+
+    def __init__(self, inner: DecodedExperts) -> None:
+        self.inner, self.n_experts, self.last_distinct = inner, inner.n_experts, 0
+
+    def __call__(self, x, ids, weights):
+        self.last_distinct = int(ids.unique().numel())
+        return self.inner(x, ids, weights)
 
 
 def make_timer(device: str):
@@ -143,8 +154,7 @@ def bench_case(cfg, kind, routing, context, ks, reps, warmup, device, dtype, see
             if rep >= warmup:
                 samples[k].append(us)
                 if kind == "moe":
-                    x = embed[torch.tensor(toks, device=device)]
-                    distinct[k].append(int(route(layer.ffn.router, x)[0].unique().numel()))
+                    distinct[k].append(layer.ffn.experts.last_distinct)
     del model, layer, state
     if device == "cuda":
         torch.cuda.empty_cache()
