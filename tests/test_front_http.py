@@ -254,3 +254,16 @@ def test_engine_failure_is_500_then_health_503(model_dir: Path) -> None:
         assert app.fatal is not None
     finally:
         server.server_close()
+
+
+def test_completions_stream_matches_plain(lane) -> None:
+    url, _, _ = lane
+    body = {"prompt": "hello world", "max_tokens": 8}
+    plain = httpx.post(url + "/v1/completions", json=body).json()
+    r = httpx.post(url + "/v1/completions", json={**body, "stream": True})
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "text_completion" for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == plain["choices"][0]["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
