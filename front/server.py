@@ -54,7 +54,11 @@ def prefix_cache_state(engine: Any) -> str:
 
 
 def drafting_state(engine: Any) -> bool:
-    """Whether requests are drafted unless they send "draft": false."""
+    """Whether requests are drafted unless they send "draft": false: the engine's own
+    `drafting_enabled` when it has one, else a drafter present and drafts not turned off."""
+    flag = getattr(engine, "drafting_enabled", None)
+    if flag is not None:
+        return bool(flag)
     return getattr(engine, "drafter", None) is not None and not getattr(engine, "no_drafts", False)
 
 

@@ -32,7 +32,8 @@ def lane_options(f):
         click.option("--host", "listen", default=None, help="HTTP listen address (default 127.0.0.1, loopback)"),
         click.option("--context", type=int, default=None, help="tokens per request (default: the most that fits)"),
         click.option("--served-model-name", "served_model", default=None, help="model id (default glm-5.3-exl3)"),
-        click.option("--kv-dtype", type=click.Choice(["bf16", "fp8"]), default=None),
+        click.option("--kv-dtype", type=click.Choice(["bf16", "fp8"]), default=None,
+                     help="latent cache dtype (default bf16; fp8 about halves KV bytes)"),
         click.option("--drafting/--no-drafting", default=None, help="speculative decoding (default on)"),
         click.option("--ready-timeout", type=float, default=1800.0, show_default=True,
                      help="seconds to wait for READY"),
@@ -66,7 +67,12 @@ def main() -> None:
     pass
 
 
-@main.command("serve")
+EXIT_CODES = ("Exit codes: 0 READY; 1 the lane failed to start (the failing rank's log tail is printed); "
+              "2 bad usage or settings; 3 preflight failed; 4 the memory plan refused the start; "
+              "5 the port is taken or a lane already runs there.")
+
+
+@main.command("serve", epilog=EXIT_CODES)
 @lane_options
 def serve_cmd(ready_timeout: float, **opts: Any) -> None:
     """Start the lane in the background; return when READY (DRY_RUN=1: print the plan and commands)."""
@@ -78,7 +84,7 @@ def serve_cmd(ready_timeout: float, **opts: Any) -> None:
         _fail(exc)
 
 
-@main.command("restart")
+@main.command("restart", epilog=EXIT_CODES)
 @lane_options
 def restart_cmd(ready_timeout: float, **opts: Any) -> None:
     """Check the new settings, then stop the running lane on that port and start the new one."""
