@@ -96,7 +96,9 @@ def rank_command(config: LaneConfig, node: Node, model: str) -> str:
 
 def stop_command(config: LaneConfig, node: Node, signal: str = "TERM") -> str:
     pf = q(pid_file(config, node))
-    cmd = f"if [ -f {pf} ]; then kill -{signal} $(cat {pf}) 2>/dev/null; fi; true"
+    # only a process that is still this rank (a pid can be reused after the rank is gone)
+    cmd = (f"if [ -f {pf} ]; then p=$(cat {pf}); if tr '\\0' ' ' < /proc/$p/cmdline 2>/dev/null "
+           f"| grep -q -- '--rank {node.rank} '; then kill -{signal} $p 2>/dev/null; fi; fi; true")
     if config.runtime.image:
         cmd = f"docker stop -t 10 glm53-rank{node.rank}-{config.port} >/dev/null 2>&1; " + cmd
     return cmd

@@ -147,3 +147,20 @@ def test_restart_checks_new_settings_before_stopping_the_old_lane(tiny_model: Pa
         assert httpx.get(f"http://127.0.0.1:{port}/health").json()["ranks"] == 3
     finally:
         sh("serve.sh", "stop", "--port", str(port))
+
+
+def test_stop_after_the_supervisor_was_killed_still_stops_every_rank(tiny_model: Path) -> None:
+    port = free_port()
+    up = sh("serve.sh", "--local", "--ranks", "2", "--model", str(tiny_model), "--port", str(port))
+    try:
+        assert up.returncode == 0, up.stderr
+        ranks = pids(port, 2)
+        supervisor = read_json(LANES / str(port) / "lane.json")["pid"]
+        os.kill(supervisor, signal.SIGKILL)
+        wait_for(lambda: not pid_alive(supervisor), 10, "the supervisor to die")
+        assert all(pid_alive(p) for p in ranks)  # orphaned ranks keep serving...
+        stopped = sh("serve.sh", "stop", "--port", str(port))
+        assert stopped.returncode == 0 and "no supervisor was running" in stopped.stderr
+        wait_for(lambda: not any(pid_alive(p) for p in ranks), 15, "the ranks to stop")  # ...until stop
+    finally:
+        sh("serve.sh", "stop", "--port", str(port))
