@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shutil
 import statistics
@@ -38,8 +39,6 @@ def environment() -> dict[str, object]:
         commit = None
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
-    import os
-
     import huggingface_hub
     return {"git_commit": commit, "device": f"CPU: {cpu}", "cpu_cores": os.cpu_count(), "python": platform.python_version(),
             "huggingface_hub": huggingface_hub.__version__, "platform": platform.platform()}
@@ -78,13 +77,15 @@ def main() -> int:
                     raise SystemExit(f"{shard}: {b} bytes allocated for a {h}-byte header: this filesystem does not keep holes; "
                                      "pass --workdir on one that does (ext4, xfs, tmpfs)")
                 apparent, allocated, header_bytes = apparent + a, allocated + b, header_bytes + h
-            verify_s, summary_s = [], []
+            verify_s, summary_s, verify_cpu, summary_cpu = [], [], [], []
             for _ in range(args.repeats):
-                t0 = time.perf_counter()
+                c0, t0 = time.process_time(), time.perf_counter()
                 result = verify_checkpoint(folder)
-                t1 = time.perf_counter()
+                c1, t1 = time.process_time(), time.perf_counter()
                 report = build_report(result)
-                t2 = time.perf_counter()
+                c2, t2 = time.process_time(), time.perf_counter()
+                verify_cpu.append(c1 - c0)
+                summary_cpu.append(c2 - c1)
                 if report["exit_code"] != 0:
                     raise SystemExit(f"verification of the synthetic checkpoint failed: {report['findings'][:3]}")
                 verify_s.append(t1 - t0)
@@ -92,6 +93,9 @@ def main() -> int:
             rows.append({"shards": n, "tensors": len(specs), "apparent_bytes": apparent, "allocated_bytes": allocated,
                          "header_bytes": header_bytes, "write_seconds": write_s, "verify_seconds": verify_s,
                          "summary_seconds": summary_s, "verify": stats(verify_s), "summary": stats(summary_s),
+                         "verify_cpu_seconds": verify_cpu, "summary_cpu_seconds": summary_cpu,
+                         "verify_cpu": stats(verify_cpu), "summary_cpu": stats(summary_cpu),
+                         "load_average_1m": os.getloadavg()[0],
                          "bytes_per_rank": report["summary"]["bytes_per_rank"]})
             shutil.rmtree(folder)
     finally:
@@ -106,11 +110,14 @@ def main() -> int:
     out.write_text(json.dumps(doc, indent=2) + "\n")
     print(f"\nheader verification, GLM-5.3 tensor list ({len(specs):,} tensors, {apparent_total / 2**30:.1f} GiB apparent), "
           f"{args.repeats} runs each, warm page cache; JSON: {out}")
-    print(f"{'shards':>6} {'on disk MiB':>11} {'headers MiB':>11} {'verify s (med [min-max])':>26} {'summary+plan s (med [min-max])':>32}")
+    print("wall = elapsed; cpu = this process' CPU time (the machine is shared: wall includes waiting for a core)")
+    print(f"{'shards':>6} {'on disk MiB':>11} {'headers MiB':>11} {'verify wall s med [min-max]':>28} {'cpu s':>6} "
+          f"{'summary+plan wall s med [min-max]':>34} {'cpu s':>6} {'load':>5}")
     for r in rows:
-        v, s = r["verify"], r["summary"]
+        v, s, vc, sc = r["verify"], r["summary"], r["verify_cpu"], r["summary_cpu"]
         print(f"{r['shards']:>6} {r['allocated_bytes'] / 2**20:>11.1f} {r['header_bytes'] / 2**20:>11.1f} "
-              f"{v['median']:>10.3f} [{v['min']:.3f}-{v['max']:.3f}] {s['median']:>16.3f} [{s['min']:.3f}-{s['max']:.3f}]")
+              f"{v['median']:>12.2f} [{v['min']:.2f}-{v['max']:.2f}] {vc['median']:>6.2f} "
+              f"{s['median']:>18.2f} [{s['min']:.2f}-{s['max']:.2f}] {sc['median']:>6.2f} {r['load_average_1m']:>5.1f}")
     return 0
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -68,7 +68,7 @@ class ModuleRule:
     kind: str  # "heads" | "blocks" | "vocab" | "replicated"
     axis: Axis | None = None
     unit: int = 1  # features per head / block
-    rotate: int = 0  # rank that takes the first extra unit
+    layer: int | None = None  # blocks: the extra block goes to rank layer % R first
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,7 @@ def _module_and_suffix(name: str) -> tuple[str, str]:
     return prefix, suffix
 
 
-def module_rule(cfg: Glm53Config, module: str, ranks: int) -> ModuleRule | None:
+def module_rule(cfg: Glm53Config, module: str) -> ModuleRule | None:
     """The split rule for a linear-like module prefix, or None when it is not a split module."""
     m = _LAYER.match(module)
     layer = int(m.group(1)) if m else 0
@@ -123,7 +123,7 @@ def module_rule(cfg: Glm53Config, module: str, ranks: int) -> ModuleRule | None:
         return ModuleRule("heads", "in", cfg.v_head_dim)
     mlp = re.fullmatch(r"model\.layers\.\d+\.mlp\.(experts\.\d+\.|shared_experts\.)?(gate_proj|up_proj|down_proj)", module)
     if mlp:
-        return ModuleRule("blocks", "in" if mlp.group(2) == "down_proj" else "out", BLOCK, layer % ranks)
+        return ModuleRule("blocks", "in" if mlp.group(2) == "down_proj" else "out", BLOCK, layer)
     return None
 
 
@@ -196,7 +196,8 @@ class LayoutPlan:
             out: dict[str, FeatureSplit] = {}
             for module, rule in self.rules.items():
                 total = self.extents[module]
-                key = (rule.kind, rule.axis, rule.unit, rule.rotate, total, module in self.exl3_modules)
+                rotate = rule.layer % self.ranks if rule.layer is not None else 0
+                key = (rule.kind, rule.axis, rule.unit, rotate, total, module in self.exl3_modules)
                 split = memo.get(key)
                 if split is None:
                     own = self._own_range(rule, total, rank, module)
@@ -242,8 +243,14 @@ class LayoutPlan:
             for r in range(self.ranks):
                 slices = self._slices_of(r)
                 total = replicated
+                memo: dict[tuple, int] = {}
                 for name in split_names:
-                    total += _slice_bytes(tensors[name], slices[name])
+                    info, spec = tensors[name], slices[name]
+                    key = (info.nbytes, info.shape, spec)
+                    got = memo.get(key)
+                    if got is None:
+                        got = memo[key] = _slice_bytes(info, spec)
+                    total += got
                 totals.append(total)
             self._bytes = totals
         return list(self._bytes)
@@ -289,12 +296,83 @@ class LayoutPlan:
         n_units, rem = divmod(total, rule.unit)
         if rem:
             raise PlanError(f"{module}: {total} features along its {rule.axis} axis is not a multiple of {rule.unit} ({rule.kind})")
-        a, b = split_units(n_units, self.ranks, rule.rotate)[rank]
+        rotate = rule.layer % self.ranks if rule.layer is not None else 0
+        a, b = split_units(n_units, self.ranks, rotate)[rank]
         return a * rule.unit, b * rule.unit
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.ranks:
             raise PlanError(f"rank {rank} is outside 0..{self.ranks - 1}")
+
+
+@dataclass
+class _Classification:
+    """The rank-independent part of a plan: which modules split how (shared by plans for several R)."""
+    rules: dict[str, ModuleRule]
+    extents: dict[str, int]
+    exl3_modules: set[str]
+    unclassified: list[str]
+    members: dict[str, list[tuple[str, str]]]
+
+
+def _classify(tensors: Mapping[str, TensorInfo], config: Glm53Config) -> _Classification:
+    c = _Classification({}, {}, set(), [], {})
+    rule_cache: dict[str, ModuleRule | None] = {}
+    for name, info in tensors.items():
+        module, suffix = _module_and_suffix(name)
+        if module not in rule_cache:
+            rule_cache[module] = module_rule(config, module)
+        rule = rule_cache[module]
+        if rule is None:
+            if not _REPLICATED.match(name):
+                c.unclassified.append(name)
+            continue
+        if suffix not in _LINEAR_SUFFIXES:
+            raise PlanError(f"{name}: unknown part '.{suffix}' of a split module; the layout knows {', '.join(_LINEAR_SUFFIXES)}")
+        c.rules[module] = rule
+        c.members.setdefault(module, []).append((name, suffix))
+        if suffix == "trellis":
+            c.exl3_modules.add(module)
+        extent = _axis_extent(info, suffix, rule.axis or "out")
+        if extent is not None:
+            seen = c.extents.setdefault(module, extent)
+            if seen != extent:
+                raise PlanError(f"{name}: shape {list(info.shape)} gives {extent} {rule.axis} features, its module's other tensors {seen}")
+    for module in c.rules:
+        if module not in c.extents:
+            raise PlanError(f"{module}: none of its tensors shows its {c.rules[module].axis} width (need .weight, .trellis or the sign vector)")
+    return c
+
+
+def plan_layouts(
+    source: str | Path | Mapping[str, TensorInfo],
+    ranks: Iterable[int],
+    config: Glm53Config | None = None,
+) -> dict[int, LayoutPlan]:
+    """Plans for several rank counts at once (the headers are read and classified once)."""
+    wanted = list(ranks)
+    for r in wanted:
+        if not 1 <= r <= MAX_RANKS:
+            raise PlanError(f"ranks = {r}: the layout supports 1..{MAX_RANKS} ranks")
+    locations: dict[str, TensorLocation] = {}
+    if isinstance(source, (str, Path)):
+        config = config or Glm53Config.from_dir(source)
+        tensors, locations = read_tensor_table(source)
+    else:
+        if config is None:
+            raise PlanError("plan_layout: pass the config when planning from a header table")
+        tensors = dict(source)
+    for r in wanted:
+        if config.num_attention_heads < r:
+            raise PlanError(f"ranks = {r} exceeds the {config.num_attention_heads} attention heads; use at most that many ranks")
+    c = _classify(tensors, config)
+    plans = {}
+    for r in wanted:
+        plan = LayoutPlan(r, config, tensors, locations, c.rules, c.extents, c.exl3_modules, list(c.unclassified), c.members)
+        for rank in range(r):
+            plan._slices_of(rank)  # validates divisibility and tile alignment up front
+        plans[r] = plan
+    return plans
 
 
 def plan_layout(
@@ -304,47 +382,7 @@ def plan_layout(
 ) -> LayoutPlan:
     """Build the plan for `ranks` ranks from a checkpoint folder, or from a name -> TensorInfo table
     (then `config` is required). Reads headers only."""
-    if not 1 <= ranks <= MAX_RANKS:
-        raise PlanError(f"ranks = {ranks}: the layout supports 1..{MAX_RANKS} ranks")
-    locations: dict[str, TensorLocation] = {}
-    if isinstance(source, (str, Path)):
-        config = config or Glm53Config.from_dir(source)
-        tensors, locations = read_tensor_table(source)
-    else:
-        if config is None:
-            raise PlanError("plan_layout: pass the config when planning from a header table")
-        tensors = dict(source)
-    if config.num_attention_heads < ranks:
-        raise PlanError(f"ranks = {ranks} exceeds the {config.num_attention_heads} attention heads; use at most that many ranks")
-    plan = LayoutPlan(ranks, config, tensors, locations)
-    rule_cache: dict[str, ModuleRule | None] = {}
-    for name, info in tensors.items():
-        module, suffix = _module_and_suffix(name)
-        if module not in rule_cache:
-            rule_cache[module] = module_rule(config, module, ranks)
-        rule = rule_cache[module]
-        if rule is None:
-            if not _REPLICATED.match(name):
-                plan.unclassified.append(name)
-            continue
-        if suffix not in _LINEAR_SUFFIXES:
-            raise PlanError(f"{name}: unknown part '.{suffix}' of a split module; the layout knows {', '.join(_LINEAR_SUFFIXES)}")
-        plan.rules[module] = rule
-        plan.members.setdefault(module, []).append((name, suffix))
-        if suffix == "trellis":
-            plan.exl3_modules.add(module)
-        extent = _axis_extent(info, suffix, rule.axis or "out")
-        if extent is not None:
-            seen = plan.extents.setdefault(module, extent)
-            if seen != extent:
-                raise PlanError(f"{name}: shape {list(info.shape)} gives {extent} {rule.axis} features, its module's other tensors {seen}")
-    for module in plan.rules:
-        if module not in plan.extents:
-            raise PlanError(f"{module}: none of its tensors shows its {plan.rules[module].axis} width (need .weight, .trellis or the sign vector)")
-    plan.features(0)  # validate divisibility/tiles once, up front
-    for r in range(ranks):
-        plan._slices_of(r)
-    return plan
+    return plan_layouts(source, [ranks], config)[ranks]
 
 
 def read_tensor_table(model_dir: str | Path) -> tuple[dict[str, TensorInfo], dict[str, TensorLocation]]:

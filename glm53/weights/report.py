@@ -16,7 +16,7 @@ import re
 from collections import Counter
 from typing import Any
 
-from ..layout.plan import PlanError, plan_layout
+from ..layout.plan import PlanError, plan_layouts
 from .verify import VerifyResult
 
 EXIT_OK = 0
@@ -87,11 +87,11 @@ def summarize(result: VerifyResult) -> dict[str, Any]:
     }
     summary["bytes_per_rank"] = {}
     if cfg is not None and tensors and not result.file_errors:
-        for ranks in REPORT_RANKS:
-            try:
-                summary["bytes_per_rank"][str(ranks)] = plan_layout(tensors, ranks, cfg).bytes_per_rank()
-            except PlanError as exc:
-                summary["bytes_per_rank"][str(ranks)] = f"cannot plan: {exc}"
+        try:
+            plans = plan_layouts(tensors, REPORT_RANKS, cfg)
+            summary["bytes_per_rank"] = {str(r): p.bytes_per_rank() for r, p in plans.items()}
+        except PlanError as exc:
+            summary["bytes_per_rank"] = {str(r): f"cannot plan: {exc}" for r in REPORT_RANKS}
     return summary
 
 
