@@ -158,12 +158,44 @@ def model(comm: Comm, out: Path) -> None:
     torch.save(results, out / f"rank{comm.rank}.pt")
 
 
+ENGINE_OPTIONS = {"device": "cpu", "dtype": "fp32", "kv_dtype": "fp32", "prefill_chunk": 16}
+ENGINE_REQUESTS = [  # (prompt, max_tokens, sampling, cancel after n tokens or None)
+    (PROMPT, 20, None, None),
+    (PROMPT + [5, 6, 7], 12, None, None),  # extends the live conversation: reuse on every rank alike
+    (PROMPT[:40], 30, None, 3),  # rank 0's client goes away after 3 tokens
+    (PROMPT[:38], 16, {"temperature": 0.9, "top_p": 0.95}, None),  # seed drawn on rank 0, shared
+]
+
+
+def engine_requests(spec_rank: int, world: int, port: int, out: Path) -> None:
+    """RankEngine: rank 0 serves ENGINE_REQUESTS, the others follow; rank 0 saves replies and seeds."""
+    from glm53.dist.parallel_engine import RankEngine
+
+    eng = RankEngine(os.environ["GLM53_TEST_MODEL"], tp=world, rank=spec_rank, master="127.0.0.1",
+                     master_port=port, rendezvous_timeout_s=60, **ENGINE_OPTIONS)
+    if eng.rank != 0:
+        eng.follow()
+        return
+    replies = []
+    for prompt, max_tokens, sampling, cancel in ENGINE_REQUESTS:
+        seen: list[int] = []
+
+        def on_tokens(new: list[int], seen=seen, cancel=cancel) -> bool:
+            seen.extend(new)
+            return cancel is None or len(seen) < cancel
+
+        reply = eng.generate(prompt, max_tokens, sampling, on_tokens)
+        replies.append((reply, eng.engine.last_stats["seed"], eng.engine.last_stats["finish_reason"]))
+    eng.close()
+    torch.save({"replies": replies}, out / "rank0.pt")
+
+
 SCENARIOS = {"suite": suite, "spin": spin, "stuck": stuck, "model": model}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=sorted(SCENARIOS))
+    parser.add_argument("scenario", choices=sorted([*SCENARIOS, "engine"]))
     parser.add_argument("--rank", type=int)
     parser.add_argument("--world", type=int)
     parser.add_argument("--port", type=int)
@@ -172,6 +204,10 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=30.0)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.scenario == "engine":
+        engine_requests(args.rank, args.world, args.port, args.out)
+        (args.out / f"done{args.rank}").write_text("")
+        return
     if args.env:
         spec = spec_from_env(timeout_s=args.timeout)
     else:

@@ -59,3 +59,25 @@ def test_ranks_match_world_one_with_dcp_on_and_off(tmp_path: Path, tiny_dirs, wo
     if R == 4:
         for x in res:
             assert torch.equal(x["dcp1_again"][1], x["dcp1"][1]) and x["dcp1_again"][0] == x["dcp1"][0]
+
+
+@pytest.mark.parametrize("R,dcp", [(2, "1"), (3, "0")])
+def test_rank_engine_leader_and_followers_match_world_one(tmp_path: Path, tiny_dirs, R: int, dcp: str) -> None:  # noqa: F811
+    """RankEngine: rank 0 serves four requests (reuse of the live conversation, a cancellation
+    after 3 tokens, sampling with a seed drawn on rank 0); followers follow and leave on stop.
+    Replies equal a world-1 Glm53Engine's with the same seeds."""
+    from glm53.engine import Glm53Engine
+
+    ranks = Ranks(tmp_path, "engine", R, timeout=60,
+                  extra_env={"GLM53_TEST_MODEL": str(tiny_dirs.model), "TF_GLM53_DCP": dcp})
+    codes = ranks.wait(within=400)
+    assert codes == {r: 0 for r in range(R)}, "\n".join(ranks.stderr(r)[-3000:] for r in range(R))
+    got = torch.load(tmp_path / "rank0.pt")["replies"]
+    one = Glm53Engine(tiny_dirs.model, **W.ENGINE_OPTIONS)
+    for (prompt, max_tokens, sampling, cancel), (reply, seed, finish) in zip(W.ENGINE_REQUESTS, got):
+        params = dict(sampling or {}, seed=seed) if sampling else None
+        seen: list[int] = []
+        want = one.generate(prompt, max_tokens, params,
+                            lambda new: seen.extend(new) or cancel is None or len(seen) < cancel)
+        assert reply == want and finish == one.last_stats["finish_reason"], (prompt[:3], reply, want)
+    assert got[2][2] == "cancelled" and len(got[2][0]) == 3

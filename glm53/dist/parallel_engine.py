@@ -178,3 +178,112 @@ class DcpKVState(KVState):
         full = torch.zeros((stop, store.shape[1]), dtype=dtype, device=store.device)
         full[self.own.owned_positions(0, stop, device=store.device)] = local
         return full
+
+
+# ---- the family contract over R ranks ------------------------------------------------------------
+REQUEST_KEY = "glm53/request/"
+STOP = "stop"
+
+
+class RankEngine:
+    """Glm53Engine on one rank of R: rank 0 serves `generate`, ranks 1..R-1 run `follow()`.
+
+    Rank 0 publishes each request (prompt, max_tokens, sampling with its seed resolved) through the
+    rendezvous store; every rank then runs the same Glm53Engine.generate, whose forwards meet in the
+    collectives. All ranks compute the same logits bit for bit, so they decide the same tokens; a
+    cancellation on rank 0 (on_tokens returning False) is broadcast at each decided batch so every
+    rank stops at the same token. Followers wait for requests on the store (no collective timeout
+    while idle); the guard still stops them within seconds when rank 0 dies."""
+
+    def __init__(self, model_dir: str, *, tp: int, rank: int, master: str = "127.0.0.1", master_port: int = 29551,
+                 device: str | None = None, dcp_on: bool | None = None, rendezvous_timeout_s: float = 120.0,
+                 **engine_options: object) -> None:
+        from glm53.config import Glm53Config
+        from glm53.dist.rendezvous import RendezvousSpec, rendezvous
+        from glm53.engine import Glm53Engine
+
+        dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        torch_device = torch.device(f"cuda:{rank % max(torch.cuda.device_count(), 1)}") if dev == "cuda" else torch.device("cpu")
+        self.comm = rendezvous(RendezvousSpec(rank, tp, master, master_port, rendezvous_timeout_s), device=torch_device)
+        cfg = Glm53Config.from_dir(model_dir)
+        self.plan = DistRankPlan.create(self.comm, cfg.vocab_size, dcp_on)
+        if self.plan.dcp and engine_options.get("prefix_cache") is not None:
+            raise ValueError("the prefix cache does not hold DCP rows yet: run with TF_GLM53_DCP=0 or no prefix cache")
+        self.engine = Glm53Engine(model_dir, tp=tp, rank=rank, master=master, master_port=master_port,
+                                  device=dev, plan=self.plan, **engine_options)
+        # The model builds states itself; under DCP they must be the rank's own (plug point asked for).
+        model = self.engine.model
+        model.new_state = lambda kv_dtype="bf16": self.plan.new_state(model, kv_dtype)  # type: ignore[method-assign]
+        self.eos = self.engine.eos
+        self._seq = 0
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    # ---- rank 0 ---------------------------------------------------------------------------
+    def generate(self, prompt: list[int], max_tokens: int, sampling: object = None,
+                 on_tokens=None) -> list[int]:
+        if self.rank != 0:
+            raise RuntimeError(f"generate runs on rank 0; rank {self.rank} runs follow()")
+        params = self.engine._params(sampling).with_seed()  # one seed for every rank
+        self._publish(("generate", list(prompt), max_tokens, params))
+
+        def agreed(new: list[int]) -> bool:
+            keep_going = True if on_tokens is None else on_tokens(new) is not False
+            self.comm.broadcast(torch.tensor([int(keep_going)]), name="continue")
+            return keep_going
+
+        return self.engine.generate(prompt, max_tokens, params, agreed)
+
+    def close(self) -> None:
+        if self.rank == 0:
+            self._publish((STOP,))
+        self.comm.close()
+
+    # ---- ranks 1..R-1 ------------------------------------------------------------------------
+    def follow(self) -> None:
+        """Run what rank 0 publishes until it says stop; then leave the group."""
+        while True:
+            request = self._next_request()
+            if request[0] == STOP:
+                self.comm.close()
+                return
+            _, prompt, max_tokens, params = request
+
+            def agreed(new: list[int]) -> bool:
+                flag = self.comm.broadcast(torch.tensor([0]), name="continue")
+                return bool(flag.item())
+
+            try:
+                self.engine.generate(prompt, max_tokens, params, agreed)
+            except Exception as exc:  # a request rank 0 rejected the same way: stay in step
+                from glm53.engine import EngineError
+
+                if not isinstance(exc, EngineError):
+                    raise
+
+    # ---- the request channel (the rendezvous store) -----------------------------------------
+    def _publish(self, request: tuple) -> None:
+        import pickle
+
+        self._seq += 1
+        self.comm.store.set(f"{REQUEST_KEY}{self._seq}", pickle.dumps(request))
+        if self._seq > 1:
+            self.comm.store.delete_key(f"{REQUEST_KEY}{self._seq - 1}")  # every follower has read it
+
+    def _next_request(self) -> tuple:
+        import pickle
+        from datetime import timedelta
+
+        self._seq += 1
+        key = f"{REQUEST_KEY}{self._seq}"
+        while True:
+            if self.comm.guard.failure is not None:
+                raise RuntimeError(self.comm.guard.failure)
+            try:
+                self.comm.store.wait([key], timedelta(seconds=1))
+                return pickle.loads(self.comm.store.get(key))
+            except Exception as exc:  # the 1 s wait ran out: keep waiting (the guard watches rank 0)
+                if "timeout" not in str(exc).lower() and "timed out" not in str(exc).lower():
+                    raise
