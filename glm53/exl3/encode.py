@@ -11,12 +11,11 @@ costs accuracy (relative RMS error about 0.55 at K=2, 0.17 at K=4; see tests).
 """
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 
 import torch
 
-from .decode import HAD_DIM, TENSOR_CORE_PERM, codebook_table, position_bits
+from .decode import HAD_DIM, TENSOR_CORE_PERM, codebook_table, position_bits, single_threaded
 from .format import CODEBOOK_MULTIPLIERS, CODEBOOKS, SERVED_BITS, Exl3Error
 
 _MARKER_DTYPE = torch.int32  # safetensors has no uint32; exllamav3 stores the multiplier viewed as int32
@@ -102,18 +101,6 @@ def _pack(chosen: torch.Tensor, bits: float) -> torch.Tensor:
     words = (stream.view(-1, n_words, 32) * weights).sum(-1)  # uint32 values
     halves = torch.stack((words & 0xFFFF, words >> 16), dim=-1).view(-1, 2 * n_words)
     return halves.to(torch.int32).to(torch.int16)  # wraps to the same 16 bits
-
-
-@contextmanager
-def single_threaded() -> Iterator[None]:
-    """Run torch on one thread: the encoder's many small ops only contend on a loaded machine
-    (measured 25x slower with 2 threads at load 10 on 2 cores). Results do not depend on it."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def encode_weights(
