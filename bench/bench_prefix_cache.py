@@ -1,0 +1,380 @@
+"""Prefix cache on against off, through the real glm53 engine (cache = kv_cache.PrefixCache).
+
+    python bench/bench_prefix_cache.py                    # CPU, tiny checkpoint, issue-7 sizes
+    python bench/bench_prefix_cache.py --small            # CPU smoke: shorter turns and prompts
+    python bench/bench_prefix_cache.py --real-dims        # GPU: GLM-5.3 layer dimensions (see below)
+
+Three scenarios, cache on and cache off interleaved sample by sample in one process:
+  turns     a six-turn agent conversation, each turn = previous prompt + reply + ~2.7k new tokens;
+            per-turn wall time of generate() (prefill + `--reply` tokens), prompt and cached
+            tokens, speedup; goal: on, turn 6 / turn 1 <= 1.2
+  one-word  a ~19k-token prompt, then the same prompt + one word: cold (cache off) against
+            reused (live rows); goal >= 100x
+  disk      a long prompt stored to the disk tier (TF_GLM53_DISK_CACHE), then a restart of the
+            cache (new index from the files, empty host tier, no live rows, the files' pages
+            dropped from the OS page cache with posix_fadvise) and the prompt + one word: disk
+            resume against cold; goal >= 50x
+Every on/off pair also checks that the replies and the prompt's last logits are bitwise identical.
+
+--real-dims writes (to a temp folder, once) a checkpoint with GLM-5.3's layer dimensions (hidden
+6144, 64 heads, q/kv LoRA 2048/512, qk 192+64, v 256, indexer 32x128 top-k 2048, dense MLP 12288),
+`--layers` dense layers, random bf16 weights, vocab `--vocab`; the engine runs it with its GPU
+defaults (bf16, grid 2048) unless overridden. The weights are noise: this measures time, not text.
+
+Wall times are end-to-end generate() calls (perf_counter; the engine syncs when it reads a token).
+Prints a table last; writes every sample, medians, min/max, settings, commit, device and versions
+as JSON (--out). Exit codes: 0 done; 1 a reply or logits row differed between cache on and off; 2 bad arguments.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from glm53.engine import Glm53Engine  # noqa: E402
+from kv_cache.engine_adapter import attach_prefix_cache  # noqa: E402
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ---- checkpoints -------------------------------------------------------------------------------
+def tiny_checkpoint(root: Path) -> Path:
+    from glm53.tiny import write_tiny_checkpoint
+
+    log("writing the tiny checkpoint (EXL3 encode; a minute or two on a CPU) ...")
+    return write_tiny_checkpoint(root / "tiny")
+
+
+def real_dims_checkpoint(root: Path, layers: int, vocab: int) -> Path:
+    """GLM-5.3 layer dimensions, all-dense layers (no routed experts), plain bf16 weights."""
+    from safetensors.torch import save_file
+
+    from glm53.config import Glm53Config
+    from glm53.tiny import TINY_CONFIG, _layer_plain, _linear, _norm, _randn
+
+    real = Glm53Config()  # the defaults are GLM-5.3's published dimensions
+    cfg = {**TINY_CONFIG, **{k: getattr(real, k) for k in (
+        "hidden_size", "intermediate_size", "moe_intermediate_size", "num_attention_heads", "q_lora_rank",
+        "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "index_topk", "index_head_dim",
+        "index_n_heads", "rms_norm_eps")}}
+    cfg.update(num_hidden_layers=layers, num_key_value_heads=cfg["num_attention_heads"], vocab_size=vocab,
+               first_k_dense_replace=layers, mlp_layer_types=["dense"] * layers,
+               indexer_types=[("full" if i % 2 == 0 else "shared") for i in range(layers)],
+               num_nextn_predict_layers=0, max_position_embeddings=1 << 20, bos_token_id=0,
+               eos_token_id=[1], head_dim=cfg["qk_rope_head_dim"])
+    out = root / "real_dims"
+    out.mkdir()
+    h = cfg["hidden_size"]
+    log(f"writing a {layers}-layer checkpoint at GLM-5.3 layer dimensions (hidden {h}) ...")
+    files: dict[str, str] = {}
+    head = {"model.embed_tokens.weight": _randn("model.embed_tokens", (vocab, h), 0, 1.0),
+            "model.norm.weight": _norm("model.norm", h, 0), "lm_head.weight": _linear("lm_head", vocab, h, 0)}
+    parts = [head] + [None] * layers
+    for i, part in enumerate(parts):
+        tensors = part if part is not None else _layer_plain(i - 1, cfg, 0)
+        name = f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors"
+        save_file({k: v.to(torch.bfloat16).contiguous() for k, v in tensors.items()}, str(out / name),
+                  metadata={"format": "pt"})
+        files.update({k: name for k in tensors})
+        log(f"  shard {i + 1}/{len(parts)}")
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": files}))
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    return out
+
+
+# ---- measurement -------------------------------------------------------------------------------
+class Side:
+    """One arm (cache on or off): its cache and its own retained conversation on the shared engine."""
+
+    def __init__(self, engine: Glm53Engine, name: str, environ: dict[str, str]) -> None:
+        self.engine, self.name, self.environ = engine, name, environ
+        self.cache = attach_prefix_cache(engine, revision="bench", environ=environ)
+        self.state = None
+
+    def restart(self) -> None:
+        self.cache = attach_prefix_cache(self.engine, revision="bench", environ=self.environ)
+        self.state = None
+
+    def generate(self, prompt: list[int], reply_tokens: int) -> dict[str, Any]:
+        e = self.engine
+        e.prefix_cache, e.state = self.cache, self.state
+        first_logits: list[torch.Tensor] = []
+        real_logits = e.model.logits
+
+        def logits(hidden):  # keep the prompt's last-position logits (the first call) for the bitwise check
+            out = real_logits(hidden)
+            if not first_logits:
+                first_logits.append(out.detach().to("cpu", copy=True))
+            return out
+
+        e.model.logits = logits
+        try:
+            sync()
+            t0 = time.perf_counter()
+            reply = e.generate(list(prompt), reply_tokens, {"temperature": 0.0})
+            sync()
+            wall = time.perf_counter() - t0
+        finally:
+            del e.model.logits
+        self.state = e.state
+        s = e.last_stats
+        return {"wall_s": wall, "ttft_s": s.get("ttft_s"), "prompt_tokens": s["prompt_tokens"],
+                "cached_tokens": s["cached_tokens"], "reply": reply, "_logits": first_logits[0]}
+
+
+def pair(on: Side, off: Side, prompt: list[int], reply: int, i: int) -> tuple[dict, dict]:
+    """One sample of each arm, the order alternating between samples (no arm always runs first)."""
+    if i % 2:
+        b = off.generate(prompt, reply)
+        return on.generate(prompt, reply), b
+    a = on.generate(prompt, reply)
+    return a, off.generate(prompt, reply)
+
+
+def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Replies equal and the prompt's last logits bitwise equal; drops the tensors from the record."""
+    la, lb = a.pop("_logits"), b.pop("_logits")
+    return a["reply"] == b["reply"] and torch.equal(la.view(torch.int32), lb.view(torch.int32))
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def summary(xs: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def rand_tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def scenario_turns(engine, args, rng, mismatches: list[str]) -> dict[str, Any]:
+    on, off = Side(engine, "on", args.on_env), Side(engine, "off", {"TF_GLM53_PREFIX_CACHE": "0"})
+    prompt: list[int] = []
+    rows = []
+    for turn in range(1, args.turns + 1):
+        prompt = prompt + rand_tokens(rng, args.turn_tokens, engine.vocab_size)
+        a, b = pair(on, off, prompt, args.reply, turn)
+        if not same(a, b):
+            mismatches.append(f"turns: turn {turn}")
+        rows.append({"turn": turn, "on": a, "off": b, "speedup": b["wall_s"] / a["wall_s"]})
+        log(f"turn {turn}: prompt {a['prompt_tokens']} cached {a['cached_tokens']} on {a['wall_s']:.3f}s "
+            f"off {b['wall_s']:.3f}s")
+        prompt = prompt + a["reply"]
+    return {"turns": rows, "on_turn_last_over_first": rows[-1]["on"]["wall_s"] / rows[0]["on"]["wall_s"]}
+
+
+def scenario_one_word(engine, args, rng, mismatches: list[str]) -> dict[str, Any]:
+    on, off = Side(engine, "on", args.on_env), Side(engine, "off", {"TF_GLM53_PREFIX_CACHE": "0"})
+    base = rand_tokens(rng, args.long, engine.vocab_size)
+    first = on.generate(base, args.reply)  # fills the cache (not a sample)
+    first.pop("_logits")
+    cold, warm = [], []
+    for i in range(args.repeats):
+        word = rand_tokens(rng, 1, engine.vocab_size)
+        w, c = pair(on, off, base + word, args.reply, i)
+        if not same(w, c):
+            mismatches.append(f"one-word: sample {i}")
+        warm.append(w)
+        cold.append(c)
+        log(f"one-word {i}: cold {c['wall_s']:.3f}s reused {w['wall_s']:.4f}s (cached {w['cached_tokens']})")
+    cw, ww = [x["wall_s"] for x in cold], [x["wall_s"] for x in warm]
+    return {"prompt_tokens": len(base) + 1, "fill_s": first["wall_s"], "cold": cold, "reused": warm,
+            "cold_s": summary(cw), "reused_s": summary(ww), "speedup": statistics.median(cw) / statistics.median(ww)}
+
+
+def drop_page_cache(folder: Path) -> int:
+    """Evict the cache files' pages from the OS page cache (clean after fsync), so the resume reads
+    the disk. Returns the bytes advised."""
+    n = 0
+    for p in folder.rglob("*.kvc"):
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            n += os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+    return n
+
+
+def scenario_disk(engine, args, rng, mismatches: list[str], disk_dir: Path) -> dict[str, Any]:
+    env = {**args.on_env, "TF_GLM53_DISK_CACHE": str(disk_dir), "TF_GLM53_DISK_CACHE_BYTES": args.disk_bytes}
+    on, off = Side(engine, "on", env), Side(engine, "off", {"TF_GLM53_PREFIX_CACHE": "0"})
+    base = rand_tokens(rng, args.disk_long, engine.vocab_size)
+    first = on.generate(base, args.reply)  # writes the chunks to disk
+    first.pop("_logits")
+    disk_bytes = on.cache.disk.used_bytes
+    cold, warm = [], []
+    for i in range(args.repeats):
+        word = rand_tokens(rng, 1, engine.vocab_size)
+        on.restart()
+        advised = drop_page_cache(disk_dir)
+        w, c = pair(on, off, base + word, args.reply, i)
+        if not same(w, c):
+            mismatches.append(f"disk: sample {i}")
+        w["disk_tokens"] = on.cache.stats.disk_tokens
+        w["page_cache_dropped_bytes"] = advised
+        warm.append(w)
+        cold.append(c)
+        log(f"disk {i}: cold {c['wall_s']:.3f}s disk resume {w['wall_s']:.4f}s (from disk {w['disk_tokens']})")
+    cw, ww = [x["wall_s"] for x in cold], [x["wall_s"] for x in warm]
+    return {"prompt_tokens": len(base) + 1, "fill_s": first["wall_s"], "disk_bytes": disk_bytes,
+            "cold": cold, "disk_resume": warm, "cold_s": summary(cw), "disk_resume_s": summary(ww),
+            "speedup": statistics.median(cw) / statistics.median(ww)}
+
+
+# ---- report ------------------------------------------------------------------------------------
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def device_name(engine) -> str:
+    if engine.device.type == "cuda":
+        return torch.cuda.get_device_name(engine.device)
+    return f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores, torch threads {torch.get_num_threads()})"
+
+
+def versions() -> dict[str, str]:
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    try:
+        import triton
+        out["triton"] = triton.__version__
+    except ImportError:
+        out["triton"] = "absent"
+    return out
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = []
+    t = result.get("turns")
+    if t:
+        lines += ["turn | prompt | cached | on (s) | off (s) | speedup",
+                  "---- | ------ | ------ | ------ | ------- | -------"]
+        for r in t["turns"]:
+            lines.append(f"{r['turn']:4d} | {r['on']['prompt_tokens']:6d} | {r['on']['cached_tokens']:6d} | "
+                         f"{r['on']['wall_s']:6.3f} | {r['off']['wall_s']:7.3f} | {r['speedup']:6.1f}x")
+        lines.append(f"cache on: turn {len(t['turns'])} / turn 1 = {t['on_turn_last_over_first']:.2f} (goal <= 1.2)")
+    o = result.get("one_word")
+    if o:
+        lines.append(f"one-word extension of {o['prompt_tokens'] - 1} tokens: cold {o['cold_s']['median']:.3f}s "
+                     f"[{o['cold_s']['min']:.3f}, {o['cold_s']['max']:.3f}], reused {o['reused_s']['median']:.4f}s "
+                     f"[{o['reused_s']['min']:.4f}, {o['reused_s']['max']:.4f}]: {o['speedup']:.0f}x (goal >= 100x)")
+    d = result.get("disk")
+    if d:
+        lines.append(f"disk resume of {d['prompt_tokens'] - 1} tokens ({d['disk_bytes'] / 2**20:.0f} MiB): cold "
+                     f"{d['cold_s']['median']:.3f}s, disk {d['disk_resume_s']['median']:.4f}s "
+                     f"[{d['disk_resume_s']['min']:.4f}, {d['disk_resume_s']['max']:.4f}]: {d['speedup']:.0f}x (goal >= 50x)")
+    lines.append(f"replies and last-position logits bitwise identical cache on/off: {not result['mismatches']}"
+                 + (f" (differ: {', '.join(result['mismatches'])})" if result["mismatches"] else ""))
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-dir", type=Path, help="an existing checkpoint (default: generate one)")
+    p.add_argument("--real-dims", action="store_true", help="generate a GLM-5.3-layer-size checkpoint (GPU)")
+    p.add_argument("--layers", type=int, default=4, help="--real-dims: dense layers (default 4)")
+    p.add_argument("--vocab", type=int, default=32768, help="--real-dims: vocabulary (default 32768)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None)
+    p.add_argument("--chunk", type=int, default=None, help="prefill grid C (engine default: 2048 cuda, 256 cpu)")
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--turn-tokens", type=int, default=None, help="new tokens per turn (default 2700)")
+    p.add_argument("--long", type=int, default=None, help="one-word scenario prompt length (default 19000)")
+    p.add_argument("--disk-long", type=int, default=None, help="disk scenario prompt length (default: 94000 "
+                   "with --real-dims, else --long)")
+    p.add_argument("--disk-bytes", default="64G")
+    p.add_argument("--reply", type=int, default=1, help="tokens generated per request (default 1: prefill cost)")
+    p.add_argument("--repeats", type=int, default=None, help="samples per one-word/disk arm (default 3)")
+    p.add_argument("--boundary", type=int, choices=(0, 1), default=1,
+                   help="TF_GLM53_PREFIX_REUSE_BOUNDARY for cache on (0 measures off-grid reuse; the "
+                        "bitwise check then says whether it is exact on this device)")
+    p.add_argument("--scenarios", nargs="*", default=["turns", "one-word", "disk"],
+                   choices=["turns", "one-word", "disk"])
+    p.add_argument("--small", action="store_true", help="CPU smoke defaults: 300-token turns, 2k prompts, 2 repeats")
+    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "prefix_cache.json")
+    args = p.parse_args()
+    small = {"turn_tokens": 300, "long": 2048, "repeats": 2, "disk_long": 2048}
+    full = {"turn_tokens": 2700, "long": 19000, "repeats": 3}
+    for name, value in (small if args.small else full).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.disk_long is None:
+        args.disk_long = 94000 if args.real_dims else args.long
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda but no CUDA device is visible; run on the GPU machine or use --device cpu",
+              file=sys.stderr)
+        return 2
+    if min(args.turns, args.turn_tokens, args.long, args.disk_long, args.repeats) <= 0:
+        print("error: --turns, --turn-tokens, --long, --disk-long and --repeats must be positive", file=sys.stderr)
+        return 2
+
+    work = Path(tempfile.mkdtemp(prefix="bench_prefix_cache."))
+    try:
+        if args.model_dir:
+            model_dir = args.model_dir
+        elif args.real_dims:
+            model_dir = real_dims_checkpoint(work, args.layers, args.vocab)
+        else:
+            model_dir = tiny_checkpoint(work)
+        log(f"loading the engine on {model_dir} ...")
+        engine = Glm53Engine(model_dir, device=args.device, prefill_chunk=args.chunk)
+        rng = random.Random(1129)
+        mismatches: list[str] = []
+        warm = Side(engine, "warmup", {"TF_GLM53_PREFIX_CACHE": "0"})
+        warm.generate(rand_tokens(rng, min(2 * engine.chunk + 3, 4096), engine.vocab_size), 2)  # discarded
+        args.on_env = {"TF_GLM53_PREFIX_REUSE_BOUNDARY": "1" if args.boundary else "0"}
+        result: dict[str, Any] = {
+            "bench": "prefix_cache", "git_commit": git_commit(), "device": device_name(engine),
+            "versions": versions(),
+            "settings": {"model_dir": str(model_dir), "real_dims": args.real_dims, "layers": len(engine.model.w.layers),
+                         "hidden": engine.cfg.hidden_size, "compute_dtype": engine.dtype_name,
+                         "kv_dtype": engine.kv_dtype, "chunk": engine.chunk, "ranks": 1, "dcp": False,
+                         "drafting": False, "reply_tokens": args.reply, "turns": args.turns,
+                         "turn_tokens": args.turn_tokens, "long": args.long, "disk_long": args.disk_long,
+                         "repeats": args.repeats, "reuse_boundary": bool(args.boundary),
+                         "timing": "wall clock of generate(), interleaved on/off"},
+            "mismatches": mismatches,
+        }
+        if "turns" in args.scenarios:
+            result["turns"] = scenario_turns(engine, args, rng, mismatches)
+        if "one-word" in args.scenarios:
+            result["one_word"] = scenario_one_word(engine, args, rng, mismatches)
+        if "disk" in args.scenarios:
+            result["disk"] = scenario_disk(engine, args, rng, mismatches, work / "disk_cache")
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = args.out.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(result, indent=1))
+        os.replace(tmp, args.out)
+        print(table(result))
+        print(f"full results: {args.out}")
+        return 1 if mismatches else 0
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
