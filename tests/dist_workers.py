@@ -158,6 +158,37 @@ def model(comm: Comm, out: Path) -> None:
     torch.save(results, out / f"rank{comm.rank}.pt")
 
 
+def nccl(comm: Comm, out: Path) -> None:
+    """The collectives and merges on CUDA tensors (NCCL); results saved on the CPU."""
+    dev = comm.device
+    r, R = comm.rank, comm.world_size
+    results: dict[str, object] = {"rank": r, "backend": comm.backend}
+    results["all_gather"] = comm.all_gather(torch.tensor([r * 10 + 1.5], device=dev)).cpu()
+    own = dcp.Ownership(r, R)
+    for n in ATTN_LENGTHS:
+        q, k, v = (t.to(dev) for t in attention_inputs(n))
+        pos = own.owned_positions(0, n, device=dev)
+        o, lse = dcp.attend_reference(q, k[pos], v[pos], SCALE)
+        results[f"attn{n}"] = tuple(t.cpu() for t in dcp.dcp_merge(comm, o, lse))
+        owners = dcp.dcp_merge_to_owners(comm, o, lse, tp.head_ranges(HEADS, R))
+        results[f"attn{n}_owners"] = tuple(t.cpu() for t in owners)
+    for n, k_sel in TOPK_CASES:
+        scores, positions = topk_inputs(n)
+        mine = own.owned_positions(0, n)
+        got = dcp.dcp_topk(comm, scores[:, mine].to(dev), positions[mine].to(dev), k_sel)
+        results[f"topk{n}_{k_sel}"] = tuple(t.cpu() for t in got)
+    torch.save(results, out / f"rank{r}.pt")
+
+
+def spin_cuda(comm: Comm, out: Path) -> None:
+    t = torch.ones(1024, device=comm.device)
+    for i in range(10**9):
+        comm.all_reduce_sum(t.clone(), name="spin_all_reduce")
+        if i == 20:
+            torch.cuda.synchronize()
+            (out / f"ready{comm.rank}").write_text(str(os.getpid()))
+
+
 ENGINE_OPTIONS = {"device": "cpu", "dtype": "fp32", "kv_dtype": "fp32", "prefill_chunk": 16}
 ENGINE_REQUESTS = [  # (prompt, max_tokens, sampling, cancel after n tokens or None)
     (PROMPT, 20, None, None),
@@ -190,7 +221,7 @@ def engine_requests(spec_rank: int, world: int, port: int, out: Path) -> None:
     torch.save({"replies": replies}, out / "rank0.pt")
 
 
-SCENARIOS = {"suite": suite, "spin": spin, "stuck": stuck, "model": model}
+SCENARIOS = {"suite": suite, "spin": spin, "stuck": stuck, "model": model, "nccl": nccl, "spin_cuda": spin_cuda}
 
 
 def main() -> None:
@@ -212,7 +243,8 @@ def main() -> None:
         spec = spec_from_env(timeout_s=args.timeout)
     else:
         spec = RendezvousSpec(args.rank, args.world, "127.0.0.1", args.port, timeout_s=args.timeout)
-    comm = rendezvous(spec)
+    device = torch.device(f"cuda:{spec.rank}") if args.scenario in ("nccl", "spin_cuda") else torch.device("cpu")
+    comm = rendezvous(spec, device=device)
     SCENARIOS[args.scenario](comm, args.out)
     comm.close()
     (args.out / f"done{comm.rank}").write_text("")
