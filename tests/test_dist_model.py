@@ -61,7 +61,7 @@ def test_ranks_match_world_one_with_dcp_on_and_off(tmp_path: Path, tiny_dirs, wo
             assert torch.equal(x["dcp1_again"][1], x["dcp1"][1]) and x["dcp1_again"][0] == x["dcp1"][0]
 
 
-@pytest.mark.parametrize("R,dcp", [(2, "1"), (3, "0")])
+@pytest.mark.parametrize("R,dcp", [(2, "1")])
 def test_rank_engine_leader_and_followers_match_world_one(tmp_path: Path, tiny_dirs, R: int, dcp: str) -> None:  # noqa: F811
     """RankEngine: rank 0 serves four requests (reuse of the live conversation, a cancellation
     after 3 tokens, sampling with a seed drawn on rank 0); followers follow and leave on stop.
