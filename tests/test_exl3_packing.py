@@ -82,6 +82,8 @@ def test_width_groups_are_runs_of_equal_slots(packed) -> None:
     assert seen == set(QUANT)
     gate_groups = [(g.bits, g.codebook, g.experts) for g in packed.groups if g.projection == "gate_proj"]
     assert gate_groups == [(2.0, "3inst", (2,)), (2.0, "mcg", (0, 3)), (3.0, "3inst", (1,))]
+    assert packed.experts_by_bits("gate_proj") == {2.0: (2, 0, 3), 3.0: (1,)}
+    assert packed.experts_by_bits("down_proj") == {3.0: (1, 0, 3), 3.5: (2,)}
 
 
 def test_sizes(packed, tensors) -> None:

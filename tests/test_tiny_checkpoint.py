@@ -188,3 +188,10 @@ def test_cli_writes_the_same_bytes_and_refuses_a_non_empty_folder(dirs, tmp_path
     again = subprocess.run([sys.executable, "-m", "glm53.tiny", str(out)], capture_output=True, text=True)
     assert again.returncode == 2 and "not an empty folder" in again.stderr
     assert not any(p.name.startswith(".cli.partial") for p in tmp_path.iterdir())
+
+
+def test_passes_the_weights_verifier(dirs) -> None:
+    from glm53.weights.verify import verify_checkpoint
+
+    result = verify_checkpoint(dirs[0])
+    assert result.config is not None and result.findings == [], result.findings

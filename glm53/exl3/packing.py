@@ -92,6 +92,14 @@ class PackedExperts:
             out[g.bits] = out.get(g.bits, 0) + g.words * len(g.experts) * 2 * len(self.blocks)
         return dict(sorted(out.items()))
 
+    def experts_by_bits(self, projection: str) -> dict[float, tuple[int, ...]]:
+        """Experts of one projection per width K (any codebook), for kernels grouped by K alone."""
+        out: dict[float, tuple[int, ...]] = {}
+        for g in self.groups:
+            if g.projection == projection:
+                out[g.bits] = out.get(g.bits, ()) + g.experts
+        return out
+
     # ---- access --------------------------------------------------------------------------------
     def block_group(self, expert: int, projection: str) -> Exl3Group:
         """The held blocks of one expert projection as one EXL3 group (intermediate side = held blocks)."""
