@@ -168,9 +168,9 @@ def print_commands(config: LaneConfig, model: str, out: TextIO) -> None:
 
 
 def _url(config: LaneConfig) -> str:
-    from launcher.supervisor import http_base
+    from launcher.supervisor import lane_url
 
-    return http_base(config)
+    return lane_url(config) + ("" if config.nodes[0].is_local else " (reached through an ssh tunnel)")
 
 
 def start(config: LaneConfig, *, dry_run: bool, ready_timeout: float, out: TextIO = sys.stderr) -> int:
@@ -220,13 +220,14 @@ def follow(run_dir: Path, proc: subprocess.Popen, out: TextIO) -> int:
         state = read_json(run_dir / "lane.json") or {}
         phase = state.get("phase", "starting")
         if state.get("ranks"):
+            states = phase + " ".join(f"{r['rank']}:{r.get('state')}" for r in state["ranks"])
             line = " | ".join(f"rank {r['rank']} ({r['node']}): {r.get('state', '?')}"
                               + (f", {r['available_mib'] / 1024:.1f} GiB free" if r.get("available_mib", -1) >= 0 else "")
                               for r in state["ranks"])
             now = time.monotonic()
-            if line != last_line or now - last_print > 10:
+            if states != last_line or now - last_print > 10:  # on a change of state, else every 10 s
                 print(f"[{state.get('elapsed_s', 0):7.1f}s] {phase}: {line}", file=out, flush=True)
-                last_line, last_print = line, now
+                last_line, last_print = states, now
         if phase == "ready":
             print(state["message"], file=out, flush=True)
             print(f"serve: stop with: bash serve.sh stop --port {state['port']}", file=out, flush=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -20,7 +21,7 @@ import httpx
 
 from launcher.commands import alive_command, rank_command, stop_command
 from launcher.config import LaneConfig, Node
-from launcher.nodes import node_argv, run
+from launcher.nodes import node_argv, run, ssh_argv
 from launcher.state import write_json
 
 EXIT_RANK_DIED = 4
@@ -32,11 +33,46 @@ EXIT_CODES_EXPLAINED = {3: "its HTTP port is taken", 70: "the engine failed", 75
 SMOKE = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8, "temperature": 0}
 
 
+WILDCARDS = ("0.0.0.0", "::", "")
+
+
 def http_base(config: LaneConfig) -> str:
-    host = config.nodes[0].fabric_address if not config.nodes[0].is_local else "127.0.0.1"
-    if config.listen not in ("0.0.0.0", "::"):
-        host = config.listen if config.nodes[0].is_local else host
+    """The lane's URL as clients on rank 0's node see it."""
+    host = "127.0.0.1" if config.listen in WILDCARDS else config.listen
     return f"http://{host}:{config.port}"
+
+
+def lane_url(config: LaneConfig) -> str:
+    node = config.nodes[0]
+    return http_base(config) + ("" if node.is_local else f" on {node.host}")
+
+
+class Tunnel:
+    """An ssh port forward from this machine to rank 0's HTTP address on its node: readiness and
+    the smoke completion reach a remote rank 0 that listens on its loopback (the default)."""
+
+    def __init__(self, config: LaneConfig) -> None:
+        node = config.nodes[0]
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        target = "127.0.0.1" if config.listen in WILDCARDS else config.listen
+        argv = ssh_argv(node, config) + ["-N", "-o", "ExitOnForwardFailure=yes",
+                                         "-L", f"127.0.0.1:{self.port}:{target}:{config.port}"]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, start_new_session=True)
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def tail(path: Path, lines: int = 25) -> str:
@@ -84,11 +120,20 @@ class Supervisor:
         self.phase, self.message = "starting", ""
         self.t0 = time.monotonic()
         self.stop_requested = threading.Event()
+        self.tunnel: Tunnel | None = None
+
+    def reach(self) -> str:
+        """Where this supervisor reaches rank 0's HTTP front (through ssh when rank 0 is remote)."""
+        if self.config.nodes[0].is_local:
+            return http_base(self.config)
+        if self.tunnel is None or self.tunnel.proc.poll() is not None:
+            self.tunnel = Tunnel(self.config)
+        return self.tunnel.base
 
     def write_state(self) -> None:
         write_json(self.run_dir / "lane.json", {
             "pid": __import__("os").getpid(), "port": self.config.port, "phase": self.phase, "message": self.message,
-            "url": http_base(self.config), "elapsed_s": round(time.monotonic() - self.t0, 1),
+            "url": lane_url(self.config), "elapsed_s": round(time.monotonic() - self.t0, 1),
             "ranks": [{**r.state, "exit": r.exit_code(), "log": str(r.log_path)} for _, r in sorted(self.ranks.items())]})
 
     def start_ranks(self) -> None:
@@ -132,6 +177,8 @@ class Supervisor:
             deadline = time.monotonic() + grace
             while time.monotonic() < deadline and any(r.exit_code() is None for r in live):
                 time.sleep(0.1)
+        if self.tunnel is not None:
+            self.tunnel.close()
         for r in self.ranks.values():
             if r.exit_code() is None:  # the remote kill failed: at least drop the ssh session
                 r.proc.kill()
@@ -139,7 +186,6 @@ class Supervisor:
             r.close()
 
     def wait_ready(self) -> int:
-        base = http_base(self.config)
         deadline = time.monotonic() + self.ready_timeout
         while time.monotonic() < deadline:
             if self.stop_requested.is_set():
@@ -148,6 +194,7 @@ class Supervisor:
             if dead:
                 self.phase, self.message = "failed", self.describe_death(dead)
                 return EXIT_RANK_DIED
+            base = self.reach()
             try:
                 health = httpx.get(base + "/health", timeout=2)
                 if health.status_code == 200 and health.json().get("status") == "ok":
@@ -157,7 +204,8 @@ class Supervisor:
             self.phase = "loading"
             self.write_state()
             time.sleep(0.3)
-        self.phase, self.message = "failed", f"rank 0 did not answer {base}/health within {self.ready_timeout:.0f} s"
+        self.phase = "failed"
+        self.message = f"rank 0 did not answer {lane_url(self.config)} /health within {self.ready_timeout:.0f} s"
         return EXIT_NOT_READY
 
     def smoke(self, base: str) -> int:
@@ -177,7 +225,7 @@ class Supervisor:
             self.message = self.describe_death(dead) if dead else f"the smoke completion through all ranks failed: {detail}"
             return EXIT_RANK_DIED if dead else EXIT_SMOKE_FAILED
         self.phase = "ready"
-        self.message = (f"READY: {self.config.served_model} on {base} ({self.config.ranks} rank"
+        self.message = (f"READY: {self.config.served_model} on {lane_url(self.config)} ({self.config.ranks} rank"
                         f"{'s' if self.config.ranks > 1 else ''}); smoke completion: "
                         f"{body['usage']['completion_tokens']} tokens, finish {body['choices'][0]['finish_reason']}")
         return 0

@@ -112,7 +112,7 @@ def test_lane_started_over_ssh_serves_and_stops(sshd: Sshd, tiny_model: Path, tm
     up = sh("serve.sh", "--cluster", str(path))
     try:
         assert up.returncode == 0, up.stderr
-        assert f"READY: glm-5.3-exl3 on http://127.0.0.1:{port} (1 rank)" in up.stderr
+        assert f"READY: glm-5.3-exl3 on http://127.0.0.1:{port} on 127.0.0.1 (1 rank)" in up.stderr  # via the tunnel
         r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60,
                        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
