@@ -15,6 +15,8 @@ from typing import Any
 from glm53.config import MODEL_TYPE
 
 MODEL_TYPES = (MODEL_TYPE,)
+TITLE = "GLM-5.3 (glm53 kit: EXL3 mixed-width, TP/DCP up to 4 ranks)"
+QUANT_METHODS = ("exl3",)  # config.json quantization_config.quant_method values served (plain bf16 too)
 
 
 def check(model_dir: str | Path) -> None:
@@ -28,11 +30,18 @@ def check(model_dir: str | Path) -> None:
 def cuda_engine(model_dir: str | Path, *, drafter: Any = None, tp: int = 1, rank: int = 0,
                 master: str = "127.0.0.1", master_port: int = 29551, no_drafts: bool = False,
                 mtp_drafts: int | None = None, **options: Any):
-    """The engine TensorFold's CLI starts on every rank (rank 0 serves; others call follow())."""
+    """The engine TensorFold's CLI starts on every rank (rank 0 serves; others call follow()).
+    One rank: a Glm53Engine. Several: glm53.dist's RankEngine (rendezvous at master:master_port,
+    then every rank runs the same Glm53Engine under a DistRankPlan)."""
+    if tp > 1:
+        from glm53.dist.parallel_engine import RankEngine
+
+        return RankEngine(str(model_dir), tp=tp, rank=rank, master=master or "127.0.0.1", master_port=master_port,
+                          drafter=drafter, no_drafts=no_drafts, mtp_drafts=mtp_drafts, **options)
     from glm53.engine import Glm53Engine
 
     return Glm53Engine(model_dir, drafter=drafter, tp=tp, rank=rank, master=master, master_port=master_port,
                        no_drafts=no_drafts, mtp_drafts=mtp_drafts, **options)
 
 
-__all__ = ["MODEL_TYPES", "check", "cuda_engine"]
+__all__ = ["MODEL_TYPES", "QUANT_METHODS", "TITLE", "check", "cuda_engine"]

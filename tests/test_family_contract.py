@@ -147,3 +147,47 @@ def test_cuda_engine_runs_on_cpu_and_refuses_unknown_options(tiny_dirs) -> None:
                                master="127.0.0.1", master_port=29551, no_drafts=True, mtp_drafts=None)
     assert engine.device.type == "cpu" and engine.dtype_name == "fp32"
     assert len(engine.generate([5, 6, 7], 3, None)) == 3
+
+
+RANK_SCRIPT = """
+import json, sys
+import glm53
+model_dir, tp, rank, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+engine = glm53.cuda_engine(model_dir, tp=tp, rank=rank, master="127.0.0.1", master_port=port,
+                           device="cpu", dtype="fp32", kv_dtype="fp32", prefill_chunk=32)
+if rank > 0:          # what the patched CLI does for every rank above 0 (patches/0001)
+    engine.follow()
+else:
+    print(json.dumps(engine.generate(list(range(3, 50)), 6, {"ignore_eos": True})), flush=True)
+    engine.close()
+"""
+
+
+@pytest.mark.slow
+def test_cli_rank_dispatch_tp3_follows_rank_zero_and_matches_one_rank(tiny_dirs, tmp_path) -> None:  # noqa: F811
+    """patches/0001's dispatch, run for real: tp 3, ranks 1 and 2 enter follow(), rank 0 serves;
+    the reply equals one rank's greedy reply."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, str(script), str(tiny_dirs.reference), "3", str(r), str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for r in range(3)]
+    try:
+        outs = [p.communicate(timeout=400) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for r, (p, (_, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"rank {r} exited {p.returncode}: {err[-2000:]}"
+    reply = json.loads(outs[0][0].strip().splitlines()[-1])
+    one = glm53.cuda_engine(tiny_dirs.reference, device="cpu", dtype="fp32", kv_dtype="fp32", prefill_chunk=32)
+    assert reply == one.generate(list(range(3, 50)), 6, {"ignore_eos": True})

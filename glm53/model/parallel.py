@@ -6,8 +6,8 @@ work (glm53/layout, glm53/dist) replaces this class (or subclasses it) without t
 - which attention heads / expert columns / vocabulary rows this rank owns (the loader slices with them),
 - the sum of row-parallel partial outputs (o_proj, MLP down projections),
 - the gather of vocabulary-sharded logits,
-- which cached positions this rank owns, the merge of per-rank attention partials by log-sum-exp,
-  and the global merge of the indexer's top-k.
+- which cached positions this rank owns (and the cache object holding them: `new_state`), the
+  merge of per-rank attention partials by log-sum-exp, and the global merge of the indexer's top-k.
 
 World 1 is implemented here: every method is the identity.
 """
@@ -69,6 +69,16 @@ class RankPlan:
         from glm53.model.indexer import select_topk
 
         return select_topk(scores, k)
+
+    # ---- the cache ------------------------------------------------------------------------
+    def new_state(self, model, kv_dtype: str = "bf16"):  # noqa: ANN001, ANN201 - (Glm53Model) -> KVState
+        """The cache for one sequence on this rank (a DCP layout keeps only its owned positions)."""
+        from glm53.kv_state import KVState
+
+        indexed = frozenset(l.index for l in model.w.layers if l.indexer is not None)
+        return KVState(n_layers=len(model.w.layers), latent_dim=model.cfg.latent_dim,
+                       index_dim=model.cfg.index_head_dim, indexed_layers=indexed, kv_dtype=kv_dtype,
+                       device=model.device)
 
     def _world_one(self, what: str) -> None:
         if self.world != 1:

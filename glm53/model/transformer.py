@@ -74,10 +74,8 @@ class Glm53Model:
 
     # ---- caches ---------------------------------------------------------------------------
     def new_state(self, kv_dtype: str = "bf16") -> KVState:
-        indexed = frozenset(l.index for l in self.w.layers if l.indexer is not None)
-        return KVState(n_layers=len(self.w.layers), latent_dim=self.cfg.latent_dim,
-                       index_dim=self.cfg.index_head_dim, indexed_layers=indexed, kv_dtype=kv_dtype,
-                       device=self.device)
+        """A fresh cache for one sequence, as the rank plan lays it out."""
+        return self.plan.new_state(self, kv_dtype)
 
     def new_mtp_state(self, kv_dtype: str = "bf16") -> KVState:
         if self.w.mtp is None:
