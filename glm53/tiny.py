@@ -280,9 +280,12 @@ def _module_storage(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, Any], f
     return modules, round(bits_sum / max(weights, 1), 4)
 
 
-def _staging(out_dir: Path) -> Path:
+def _check_target(out_dir: Path) -> None:
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise click.UsageError(f"{out_dir}: exists and is not an empty folder; remove it or choose another")
+
+
+def _staging(out_dir: Path) -> Path:
     stage = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
     shutil.rmtree(stage, ignore_errors=True)
     stage.mkdir(parents=True)
@@ -305,6 +308,11 @@ def write_tiny_checkpoint(out_dir: str | Path, *, seed: int = 0, reference_dir: 
 
 
 def _write_tiny_checkpoint(out: Path, seed: int, ref: Path | None) -> Path:
+    for target in (out, ref):
+        if target is not None:
+            _check_target(target)
+    if ref is not None and ref.resolve() == out.resolve():
+        raise click.UsageError(f"{ref}: the reference folder must differ from the checkpoint folder")
     stage = _staging(out)
     ref_stage = _staging(ref) if ref is not None else None
     try:

@@ -187,7 +187,12 @@ def test_cli_writes_the_same_bytes_and_refuses_a_non_empty_folder(dirs, tmp_path
         assert (dirs[0] / name).read_bytes() == (out / name).read_bytes(), name
     again = subprocess.run([sys.executable, "-m", "glm53.tiny", str(out)], capture_output=True, text=True)
     assert again.returncode == 2 and "not an empty folder" in again.stderr
-    assert not any(p.name.startswith(".cli.partial") for p in tmp_path.iterdir())
+    # a bad --reference is refused before anything is written
+    fresh = tmp_path / "fresh"
+    bad_ref = subprocess.run([sys.executable, "-m", "glm53.tiny", str(fresh), "--reference", str(out)],
+                             capture_output=True, text=True)
+    assert bad_ref.returncode == 2 and "not an empty folder" in bad_ref.stderr and not fresh.exists()
+    assert not any(".partial" in p.name for p in tmp_path.iterdir())
 
 
 def test_passes_the_weights_verifier(dirs) -> None:
