@@ -279,12 +279,16 @@ class DiskTier:
     def _make_room(self, need: int, protect: set[bytes]) -> bool:
         if self.used_bytes + need <= self.budget_bytes:
             return True
+        before, chunks = self.used_bytes, 0
         for h in sorted(self.index, key=lambda x: self.index[x].mtime_ns):
             if self.used_bytes + need <= self.budget_bytes:
                 break
             if h in protect or h not in self.index:
                 continue
-            self.evict(h)
+            chunks += self.evict(h)
+        if chunks:
+            log.info("kv_cache disk evict: %d chunks, %d bytes (budget %d)", chunks, before - self.used_bytes,
+                     self.budget_bytes)
         return self.used_bytes + need <= self.budget_bytes
 
     def evict(self, h: bytes) -> int:

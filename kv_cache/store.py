@@ -81,12 +81,16 @@ class HostStore:
 
     def _make_room(self, need: int, protect: Iterable[bytes]) -> None:
         protect = set(protect)
+        before, chunks = self.used_bytes, 0
         for victim in list(self._nodes):
             if self.used_bytes + need <= self.budget_bytes:
-                return
+                break
             if victim in protect or victim not in self._nodes:
                 continue
-            self.evict(victim)
+            chunks += self.evict(victim)
+        if chunks:
+            log.info("kv_cache host evict: %d chunks, %d bytes (budget %d)", chunks, before - self.used_bytes,
+                     self.budget_bytes)
 
     def evict(self, h: bytes) -> int:
         """Remove a chunk and every descendant; returns the number of chunks removed."""
@@ -94,7 +98,7 @@ class HostStore:
         if node is None:
             return 0
         self.used_bytes -= node.nbytes
-        self.evictions += 1
+        self.evictions += 1  # chunks evicted, descendants included
         parent = self._nodes.get(node.parent)
         if parent is not None:
             parent.children.discard(h)

@@ -160,6 +160,7 @@ def test_stats_and_logging(caplog):
     assert s["host_evictions"] == 3 and s["evictions"] == 3  # a's 3 chunks were trimmed for b's 3
     assert any("kv_cache hit: 24 of 34" in r.message for r in caplog.records)
     assert any("kv_cache miss" in r.message for r in caplog.records)
+    assert any("kv_cache host evict: 3 chunks" in r.message for r in caplog.records)
 
 
 # ---- DCP: each rank holds its own rows; a hit counts only where every rank holds it ----------
