@@ -75,13 +75,17 @@ def rank_env(config: LaneConfig) -> dict[str, str]:
     return env
 
 
+def local_rank(config: LaneConfig, node: Node) -> int:
+    """Which of its host's GPUs a rank uses: its index among the ranks on that host (LOCAL_RANK)."""
+    return sorted(n.rank for n in config.nodes if n.host == node.host).index(node.rank)
+
+
 def rank_command(config: LaneConfig, node: Node, model: str) -> str:
     """Starts one rank in the foreground of its ssh session (so the session ends when the rank
     does), its pid in a file on the node so `stop` can reach it."""
     rd = run_dir(config)
     env = rank_env(config)
-    # which of the host's GPUs this rank uses: its index among the ranks sharing the host
-    env["LOCAL_RANK"] = str(sorted(n.rank for n in config.nodes if n.host == node.host).index(node.rank))
+    env["LOCAL_RANK"] = str(local_rank(config, node))
     argv = rank_argv(config, node, model)
     prologue = f"mkdir -p {q(rd)} && cd {q(config.kit_dir)} && echo $$ > {q(pid_file(config, node))} && "
     if config.runtime.image:

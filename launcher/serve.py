@@ -81,9 +81,12 @@ def memory_plan(config: LaneConfig, model: str, checks: Preflight, freed: dict[s
         node_unified = config.memory.unified == "yes" or (config.memory.unified == "auto" and (
             probe["unified"] or config.device == "cpu"))
         unified = unified or node_unified
-        avail = probe["mem_available"] if node_unified or not gpu_free else min(gpu_free) * (1 << 20)
-        avail += (freed or {}).get(node.host, 0)
-        available.append((node.host, avail))  # ranks on one node share it (plan_memory sums them)
+        if node_unified or not gpu_free:  # one pool per node: its ranks share it (plan_memory sums them)
+            where, avail = node.host, probe["mem_available"]
+        else:  # device memory: each rank has its host's GPU number LOCAL_RANK
+            index = commands.local_rank(config, node) % len(gpu_free)
+            where, avail = f"{node.host}/gpu{index}", gpu_free[index] * (1 << 20)
+        available.append((where, avail + (freed or {}).get(where, 0)))
     context = config.context or max_context
     plan = plan_memory(context=context, per_token=per_token, kv_for=kv_for, weights=weights, weights_source=source,
                        available=available, settings=config.memory, unified=unified, max_context=max_context)

@@ -95,3 +95,18 @@ def test_plan_on_the_tiny_checkpoint_uses_the_layout_plan(tiny_model: Path) -> N
     assert [r.available for r in plan.ranks] == [30 * GIB, 30 * GIB]
     assert plan.ranks[0].left == plan.ranks[1].left == 30 * GIB - plan.ranks[0].need - plan.ranks[1].need
     assert plan.fits and "glm53.layout" in plan.table()
+
+
+def test_ranks_on_a_multi_gpu_host_each_get_their_own_gpu(tiny_model: Path) -> None:
+    from launcher.config import local_lane
+    from launcher.preflight import Preflight
+    from launcher.serve import memory_plan
+
+    config = local_lane(2, device="cuda", context=4096)
+    gpus = [{"name": "H200", "total_mib": 143771, "free_mib": 100_000}, {"name": "H200", "total_mib": 143771,
+                                                                          "free_mib": 50_000}]
+    probe = {"gpus": gpus, "unified": False, "mem_available": 500 * GIB}
+    plan = memory_plan(config, str(tiny_model), Preflight(probes={0: probe, 1: probe}))
+    assert [(r.node, r.available) for r in plan.ranks] == [("local/gpu0", 100_000 * MIB), ("local/gpu1", 50_000 * MIB)]
+    assert [r.left for r in plan.ranks] == [r.available - r.need for r in plan.ranks]  # nothing shared
+    assert not plan.unified
