@@ -63,7 +63,7 @@ def preflight(config: LaneConfig, model: str, local_commit: str | None, check_ru
         if probe["disk_free"] < MIN_DISK_FREE:
             report.failures.append(f"{node.label}: only {probe['disk_free'] / GIB:.1f} GiB free under {config.kit_dir}."
                                    f" Fix: free at least {MIN_DISK_FREE / GIB:.0f} GiB for logs")
-        if probe["kit_version"] is None:
+        if probe["kit_version"] is None and not config.local:  # a local lane runs from this checkout
             report.failures.append(f"{node.label}: the kit is not installed in the runtime ({probe['python']}). "
                                    f"Fix: python -m launcher prepare --cluster {config.source}")
     _check_same(config, report, local_commit, check_runtime_key)
