@@ -118,7 +118,8 @@ def check(config: LaneConfig, model: str, out: TextIO, freed: dict[str, int] | N
     for rank, probe in sorted(checks.probes.items()):
         node = config.nodes[rank]
         gpu = ", ".join(g["name"] for g in probe["gpus"]) or "no GPU"
-        print(f"preflight: {node.label}: ok ({gpu}; {probe['mem_available'] / 2**30:.1f} GiB available; "
+        verdict = "FAILED" if any(f.startswith(node.label + ":") for f in checks.failures) else "ok"
+        print(f"preflight: {node.label}: {verdict} ({gpu}; {probe['mem_available'] / 2**30:.1f} GiB available; "
               f"kit {probe['kit_version']} @ {(probe['kit_commit'] or '-')[:12]})", file=out)
     problems += [f"preflight: {f}" for f in checks.failures]
     print(f"preflight: {len(checks.probes)}/{config.ranks} nodes answered in {time.monotonic() - t0:.1f} s", file=out)
@@ -167,13 +168,10 @@ def print_commands(config: LaneConfig, model: str, out: TextIO) -> None:
         print(f"    stop {node.label}: {display(node_argv(node, config, commands.stop_command(config, node)))}", file=out)
     print(f"  supervisor: {sys.executable} -m launcher supervise {lane_dir(config)} (detached; logs and state there)",
           file=out)
-    print(f"  readiness: GET {_url(config)}/health, then a smoke chat completion", file=out)
+    from launcher.supervisor import http_base
 
-
-def _url(config: LaneConfig) -> str:
-    from launcher.supervisor import lane_url
-
-    return lane_url(config) + ("" if config.nodes[0].is_local else " (reached through an ssh tunnel)")
+    where = "" if config.nodes[0].is_local else f" on {config.nodes[0].host}, through an ssh tunnel"
+    print(f"  readiness: GET {http_base(config)}/health{where}; then a smoke chat completion", file=out)
 
 
 def start(config: LaneConfig, *, dry_run: bool, ready_timeout: float, out: TextIO = sys.stderr) -> int:
