@@ -87,7 +87,33 @@ def suite(comm: Comm, out: Path) -> None:
         scores, positions = topk_inputs(n)
         mine = own.owned_positions(0, n)
         results[f"topk{n}_{k_sel}"] = dcp.dcp_topk(comm, scores[:, mine], positions[mine], k_sel)
+
+    for n_heads in MLA_HEADS:  # TP heads + DCP positions on the same ranks (6 heads over 4: 2/2/1/1)
+        q_nope, q_rot, kv_b, rows, mask = mla_inputs(n_heads)
+        a, b = tp.head_ranges(n_heads, R)[r]
+        per_head = kv_b.view(n_heads, MLA_NOPE + MLA_V, MLA_R)
+        pos = own.owned_positions(0, MLA_N)
+        results[f"mla{n_heads}"] = dcp.tp_dcp_attention(
+            comm, q_nope[:, a:b], q_rot[:, a:b], per_head[a:b, :MLA_NOPE], per_head[a:b, MLA_NOPE:],
+            rows[pos], mask[:, pos], tp.head_ranges(n_heads, R), MLA_SCALE)
     torch.save(results, out / f"rank{r}.pt")
+
+
+MLA_HEADS, MLA_NOPE, MLA_ROPE, MLA_V, MLA_R, MLA_N, MLA_T = (8, 6), 16, 8, 12, 20, 37, 4
+MLA_SCALE = (MLA_NOPE + MLA_ROPE) ** -0.5
+
+
+def mla_inputs(n_heads: int):
+    """Queries, kv_b, latent rows and a selection mask (query 3 selects only positions 1, 5: rank 1's)."""
+    g = torch.Generator().manual_seed(500 + n_heads)
+    q_nope = torch.randn(MLA_T, n_heads, MLA_NOPE, generator=g)
+    q_rot = torch.randn(MLA_T, n_heads, MLA_ROPE, generator=g)
+    kv_b = torch.randn(n_heads * (MLA_NOPE + MLA_V), MLA_R, generator=g) * 0.3
+    rows = torch.randn(MLA_N, MLA_R + MLA_ROPE, generator=g)
+    mask = torch.rand(MLA_T, MLA_N, generator=g) < 0.4
+    mask[3] = False
+    mask[3, [1, 5]] = True
+    return q_nope, q_rot, kv_b, rows, mask
 
 
 def spin(comm: Comm, out: Path) -> None:

@@ -153,6 +153,27 @@ def test_suite_at_four_ranks_from_torchrun_environment(tmp_path: Path) -> None:
             assert torch.equal(got_s, want_s)
 
 
+    for n_heads in W.MLA_HEADS:  # vs the model's own world-1 absorbed attention
+        want = world_one_mla(n_heads)
+        for x in res:
+            a, b = tp.head_ranges(n_heads, R)[x["rank"]]
+            got = x[f"mla{n_heads}"]
+            assert not torch.isnan(got).any()
+            torch.testing.assert_close(got, want[:, a:b], atol=2e-5, rtol=2e-5)
+
+
+def world_one_mla(n_heads: int) -> torch.Tensor:
+    from glm53.model.mla import AttentionWeights, attend_absorbed
+
+    q_nope, q_rot, kv_b, rows, mask = W.mla_inputs(n_heads)
+    empty = torch.empty(0)
+    w = AttentionWeights(q_a=empty, q_a_norm=empty, q_b=empty, kv_a=empty, kv_a_norm=empty, kv_b=kv_b, o=empty,
+                         n_heads=n_heads, nope=W.MLA_NOPE, rope=W.MLA_ROPE, v_dim=W.MLA_V, kv_rank=W.MLA_R,
+                         scale=W.MLA_SCALE)
+    out, _ = attend_absorbed(w, q_nope, q_rot, rows, mask)
+    return out
+
+
 def topk_by_sorting(scores: torch.Tensor, positions: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Independent single-rank reference: Python sort by (-score, position)."""
     out_s, out_p = [], []

@@ -120,20 +120,46 @@ def attend_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return weights @ v.float(), lse
 
 
-def attend_latent(q_lat: torch.Tensor, q_rot: torch.Tensor, rows: torch.Tensor, scale: float
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Absorbed MLA decode over latent rows [n, r + rope] (n may be 0) for queries q_lat [T, H, r],
-    q_rot [T, H, rope]: (latent out [T, H, r] in q's dtype, lse [T, H] fp32). What a DCP rank
-    computes for every head over the selected positions it owns; W_uv is applied after the merge."""
+def attend_latent(q_lat: torch.Tensor, q_rot: torch.Tensor, rows: torch.Tensor, scale: float,
+                  mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed MLA over latent rows [n, r + rope] (n may be 0) for queries q_lat [T, H, r],
+    q_rot [T, H, rope], optionally only where mask [T, n]: (latent out [T, H, r] in q's dtype,
+    lse [T, H] fp32; a query with no row: out 0, lse -inf). What a DCP rank computes for every head
+    over the selected positions it owns; W_uv is applied after the merge."""
     r = q_lat.shape[-1]
     if rows.shape[0] == 0:
         return (q_lat.new_zeros(q_lat.shape),
                 torch.full(q_lat.shape[:-1], float("-inf"), dtype=torch.float32, device=q_lat.device))
     c, k_rot = rows[:, :r].to(q_lat.dtype), rows[:, r:].to(q_lat.dtype)
     scores = (torch.einsum("thr,kr->thk", q_lat, c) + torch.einsum("thp,kp->thk", q_rot, k_rot)).float() * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse[..., None]).to(q_lat.dtype)
+    safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    probs = torch.exp(scores - safe[..., None]).to(q_lat.dtype)
     return torch.einsum("thk,kr->thr", probs, c), lse
+
+
+def tp_dcp_attention(comm: Comm, q_nope: torch.Tensor, q_rot: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor,
+                     rows: torch.Tensor, mask: torch.Tensor, head_ranges: list[tuple[int, int]], scale: float
+                     ) -> torch.Tensor:
+    """MLA with heads split by TP and positions by DCP on the same ranks (absorbed form).
+
+    This rank holds its heads' queries q_nope [T, h, nope], q_rot [T, h, rope] and weights
+    w_uk [h, nope, r], w_uv [h, v, r], and the latent rows it owns [n, r + rope] with mask [T, n]
+    (the selected positions it owns). One all-gather of the absorbed queries (every rank attends
+    with every head over its own rows), one all-to-all merge to the heads' owners (rank order),
+    then W_uv on this rank's heads: out [T, h, v], as one rank attending over all positions."""
+    q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
+    width = max(b - a for a, b in head_ranges)
+    packed = torch.cat([q_lat, q_rot.to(q_lat.dtype)], dim=-1)
+    packed = torch.nn.functional.pad(packed, (0, 0, 0, width - packed.shape[1]))
+    every = comm.all_gather(packed, name="tp_dcp_queries")  # [R, T, width, r + rope]
+    q_all = torch.cat([every[j][:, : b - a] for j, (a, b) in enumerate(head_ranges)], dim=1)  # [T, H, r + rope]
+    r = q_lat.shape[-1]
+    latent_out, lse = attend_latent(q_all[..., :r], q_all[..., r:], rows, scale, mask)
+    merged, _ = dcp_merge_to_owners(comm, latent_out.transpose(0, 1), lse.transpose(0, 1), head_ranges)
+    return torch.einsum("htr,hvr->thv", merged.to(q_lat.dtype), w_uv)
 
 
 def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

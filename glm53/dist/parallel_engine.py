@@ -20,7 +20,10 @@ What each plug point does here:
 Limitation of the current plug points (reported to the lead): the model projects queries and
 attends with the heads of `head_range`, and has no hook between the query projection and the
 attention, so under DCP every rank must attend with all heads: head_range returns every head
-(q_b, kv_b, o replicated) and only the MLP, experts and vocabulary are split. DcpKVState stores
+(q_b, kv_b, o replicated) and only the MLP, experts and vocabulary are split. The memory-right
+form is ready and tested (glm53.dist.dcp.tp_dcp_attention: heads by TP, positions by DCP, one
+query all-gather and one all-to-all merge per layer); it needs the model to let the plan run the
+attention (a `RankPlan.attend(...)` plug point). DcpKVState stores
 only owned rows, but its read hands the model a full-length tensor (zeros on other ranks'
 positions), because the model indexes the cache by absolute position.
 """
