@@ -191,3 +191,47 @@ def test_cli_rank_dispatch_tp3_follows_rank_zero_and_matches_one_rank(tiny_dirs,
     reply = json.loads(outs[0][0].strip().splitlines()[-1])
     one = glm53.cuda_engine(tiny_dirs.reference, device="cpu", dtype="fp32", kv_dtype="fp32", prefill_chunk=32)
     assert reply == one.generate(list(range(3, 50)), 6, {"ignore_eos": True})
+
+
+PATCHES = Path(__file__).resolve().parents[1] / "patches"
+
+
+def _added_lines(patch: Path, file: str) -> list[str]:
+    """The '+' lines of one file's hunks in a format-patch file."""
+    lines, current = [], None
+    for line in patch.read_text(encoding="utf-8").splitlines():
+        if line.startswith("+++ "):
+            current = line[len("+++ b/"):]
+        elif current == file and line.startswith("+") and not line.startswith("+++"):
+            lines.append(line[1:])
+    return lines
+
+
+def test_patch_0001_lifts_tp_to_four_and_sends_ranks_above_zero_to_follow() -> None:
+    import ast
+
+    patch = next(PATCHES.glob("0001-*.patch"))
+    args = "\n".join(_added_lines(patch, "src/tensorfold/cli_args.py"))
+    assert 'choices=(1, 2, 3, 4)' in args and 'choices=(0, 1, 2, 3)' in args
+    text = patch.read_text(encoding="utf-8")
+    follow = text.index("+    if args.rank > 0:")
+    assert " engine.follow()" in text[follow:follow + 400]  # the branch every rank above 0 takes
+    checks = "\n".join(_added_lines(patch, "src/tensorfold/cli.py")[:4])
+    ast.parse("def f(args):\n" + checks + "\n        pass\n")  # the added guard lines are valid Python
+
+
+def test_patch_0002_family_file_exposes_the_kit_contract(tmp_path) -> None:
+    """Write the file 0002 adds into a stand-in families folder and import it against the installed kit."""
+    import importlib.util
+
+    patch = next(PATCHES.glob("0002-*.patch"))
+    source = "\n".join(_added_lines(patch, "src/tensorfold/families/glm53_kit/__init__.py")) + "\n"
+    target = tmp_path / "glm53_kit" / "__init__.py"
+    target.parent.mkdir()
+    target.write_text(source)
+    spec = importlib.util.spec_from_file_location("glm53_kit", target)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.MODEL_TYPES == glm53.MODEL_TYPES == ("glm_moe_dsa",)
+    assert module.cuda_engine is glm53.cuda_engine and module.check is glm53.check
+    assert module.TITLE == glm53.TITLE and module.QUANT_METHODS == glm53.QUANT_METHODS
