@@ -233,3 +233,19 @@ def test_collective_timeout_names_the_rank_that_never_joined(tmp_path: Path) -> 
     assert time.monotonic() - start < 12
     assert "ranks [1] never reached it" in ranks.stderr(0) + ranks.stderr(2)
     ranks.kill_all()
+
+
+def test_real_torchrun_launch_uses_the_agent_store(tmp_path: Path) -> None:
+    """torchrun's agent already listens at MASTER_PORT; every rank joins it as a client."""
+    port = free_port()
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+         str(WORKER), "suite", "--env", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    want = dcp.attend_reference(*W.attention_inputs(37), W.SCALE)[0]
+    for r in range(2):
+        x = torch.load(tmp_path / f"rank{r}.pt")
+        assert x["world"] == 2
+        torch.testing.assert_close(x["attn37"][0], want, atol=2e-6, rtol=2e-6)
