@@ -2,8 +2,9 @@
 
 `python -m front.rank --model DIR --rank R --ranks N [...]`. Progress goes to stdout as
 `@state {json}` lines (the launcher shows them); errors go to stderr. Exit codes:
-0 stopped by SIGTERM/SIGINT; 2 bad arguments; 3 the HTTP port is taken; 70 the engine failed;
-75 the memory guard stopped the lane (launcher.guard.EXIT_MEMORY_GUARD).
+0 stopped by SIGTERM/SIGINT; 2 bad arguments; 70 the engine failed; 75 the memory guard stopped the
+lane (launcher.guard.EXIT_MEMORY_GUARD); 98 the HTTP port is taken. glm53.dist's guard may end a
+rank with 3 (a peer died), 4 (a collective timed out) or 5 (rank 0's store unreachable).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from typing import Any, Callable
 from launcher.guard import MemoryGuard, floor_bytes_from_env
 from launcher.meminfo import MIB, available_bytes
 
-EXIT_PORT_IN_USE = 3
+EXIT_PORT_IN_USE = 98
 EXIT_ENGINE_FAILED = 70
 
 
@@ -166,6 +167,9 @@ def main(argv: list[str] | None = None, engine_factory: Callable[[argparse.Names
             print(f"rank 0: the engine failed: {type(app.fatal).__name__}: {app.fatal}", file=sys.stderr, flush=True)
             return EXIT_ENGINE_FAILED
     server.shutdown()
+    close = getattr(engine, "close", None)
+    if callable(close):  # the orderly leave: followers see "bye" and return from follow()
+        close()
     progress.set("stopped")
     return 0
 

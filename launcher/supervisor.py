@@ -27,7 +27,9 @@ from launcher.state import write_json
 EXIT_RANK_DIED = 4
 EXIT_NOT_READY = 5
 EXIT_SMOKE_FAILED = 6
-EXIT_CODES_EXPLAINED = {3: "its HTTP port is taken", 70: "the engine failed", 75: "the memory guard stopped it",
+EXIT_CODES_EXPLAINED = {98: "its HTTP port is taken", 70: "the engine failed", 75: "the memory guard stopped it",
+                        3: "glm53.dist: a peer died or failed", 4: "glm53.dist: a collective timed out",
+                        5: "glm53.dist: rank 0's rendezvous store is unreachable",
                         255: "ssh lost the connection", -9: "killed (SIGKILL)", -15: "terminated (SIGTERM)",
                         137: "killed (SIGKILL)", 143: "terminated (SIGTERM)"}
 SMOKE = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8, "temperature": 0}

@@ -38,7 +38,11 @@ _ports_used: list[int] = []
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return track_port(s.getsockname()[1])
+
+
+def track_port(port: int) -> int:
+    """Remember a lane port so that cleanup_lanes removes its lane dir at the end."""
     _ports_used.append(port)
     return port
 

@@ -11,7 +11,7 @@ import httpx
 import pytest
 import yaml
 
-from lane_fixtures import cleanup_lanes, free_port, tiny_model  # noqa: F401  (fixtures)
+from lane_fixtures import cleanup_lanes, free_port, tiny_model, track_port  # noqa: F401  (fixtures)
 from launcher.commands import RUNTIME_STAMP, runtime_key
 from launcher.state import pid_alive, read_json
 from sshd_fixture import Sshd, start_sshd, stop_sshd
@@ -152,3 +152,19 @@ def test_follower_over_ssh_dies_and_the_lane_stops(sshd: Sshd, tiny_model: Path,
         assert not pid_alive(pids[0])  # rank 0 was stopped through ssh
     finally:
         sh("serve.sh", "stop", "--cluster", str(path), env=env)
+
+
+def test_remote_rank0_port_in_use_fails_the_start_naming_it(sshd: Sshd, tiny_model: Path, tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = track_port(holder.getsockname()[1])
+        path = cluster(tmp_path, sshd, tiny_model, 2, port)
+        up = sh("serve.sh", "--cluster", str(path), env={"GLM53_RANK_MODULE": "tests.standin_rank"})
+    assert up.returncode == 1, up.stderr
+    assert "rank 0 on 127.0.0.1 exited with code 98 (its HTTP port is taken)" in up.stderr
+    assert f"rank 0: cannot listen on 127.0.0.1:{port}" in up.stderr  # the log tail
+    state = read_json(LANES / str(port) / "lane.json")
+    assert state["phase"] == "failed" and all(r["exit"] is not None for r in state["ranks"])  # rank 1 stopped too

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from lane_fixtures import cleanup_lanes, free_port, tiny_model  # noqa: F401  (fixtures)
+from lane_fixtures import cleanup_lanes, free_port, tiny_model, track_port  # noqa: F401  (fixtures)
 from launcher.state import pid_alive, read_json
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,7 +106,7 @@ def test_port_in_use_and_lane_already_running(lane, tiny_model: Path) -> None:
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
-        busy = holder.getsockname()[1]
+        busy = track_port(holder.getsockname()[1])
         r = sh("serve.sh", "--local", "--model", str(tiny_model), "--port", str(busy))
     assert r.returncode == 5, r.stderr
     assert f"port {busy} on 127.0.0.1 is in use" in r.stderr and "--port" in r.stderr
