@@ -8,11 +8,12 @@ decode-sized messages of this model (a few KiB) the extra bytes cost less than a
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 import torch.distributed as dist
 
-from glm53.dist.guard import Guard
+from glm53.dist.guard import DistFailure, Guard
 
 # torch 2.13 renamed all_gather_into_tensor (and warns on the old name); the GPU machine has 2.11.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -75,6 +76,22 @@ class Comm:
                 dist.barrier(device_ids=[self.device.index or 0])
             else:
                 dist.barrier()
+
+    def store_barrier(self, tag: str, timeout_s: float) -> None:
+        """Wait for every rank to reach `tag`, through the store, not a collective: for long
+        uneven phases (loading weights) that must not trip the collective timeout. The guard
+        still stops the rank within seconds if a peer dies meanwhile."""
+        self.store.set(f"glm53/barrier/{tag}/{self.rank}", "1")
+        keys = {r: f"glm53/barrier/{tag}/{r}" for r in range(self.world_size)}
+        deadline = time.monotonic() + timeout_s
+        while keys:
+            if self.guard.failure is not None:
+                raise DistFailure(self.guard.failure)
+            keys = {r: k for r, k in keys.items() if not self.store.check([k])}
+            if keys and time.monotonic() > deadline:
+                raise DistFailure(f"glm53.dist: rank {self.rank}: ranks {sorted(keys)} did not reach '{tag}' "
+                                  f"within {timeout_s:.0f} s")
+            time.sleep(0.05)
 
     # ---- shutdown ------------------------------------------------------------------------
     def close(self) -> None:

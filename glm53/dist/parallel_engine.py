@@ -200,7 +200,7 @@ class RankEngine:
 
     def __init__(self, model_dir: str, *, tp: int, rank: int, master: str = "127.0.0.1", master_port: int = 29551,
                  device: str | None = None, dcp_on: bool | None = None, rendezvous_timeout_s: float = 120.0,
-                 **engine_options: object) -> None:
+                 load_timeout_s: float = 3600.0, **engine_options: object) -> None:
         from glm53.config import Glm53Config
         from glm53.dist.rendezvous import RendezvousSpec, rendezvous
         from glm53.engine import Glm53Engine
@@ -214,6 +214,8 @@ class RankEngine:
             raise ValueError("the prefix cache does not hold DCP rows yet: run with TF_GLM53_DCP=0 or no prefix cache")
         self.engine = Glm53Engine(model_dir, tp=tp, rank=rank, master=master, master_port=master_port,
                                   device=dev, plan=self.plan, **engine_options)
+        # ranks load at different speeds (minutes at full size): meet on the store, not in a collective
+        self.comm.store_barrier("weights_loaded", load_timeout_s)
         # The model builds states itself; under DCP they must be the rank's own (plug point asked for).
         model = self.engine.model
         model.new_state = lambda kv_dtype="bf16": self.plan.new_state(model, kv_dtype)  # type: ignore[method-assign]
