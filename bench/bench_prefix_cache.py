@@ -109,6 +109,7 @@ class Side:
         self.state = None
 
     def restart(self) -> None:
+        self.cache.close()  # as at process exit: pending disk writes finish
         self.cache = attach_prefix_cache(self.engine, revision="bench", environ=self.environ)
         self.state = None
 
@@ -220,8 +221,9 @@ def scenario_disk(engine, args, rng, mismatches: list[str], disk_dir: Path) -> d
     env = {**args.on_env, "TF_GLM53_DISK_CACHE": str(disk_dir), "TF_GLM53_DISK_CACHE_BYTES": args.disk_bytes}
     on, off = Side(engine, "on", env), Side(engine, "off", {"TF_GLM53_PREFIX_CACHE": "0"})
     base = rand_tokens(rng, args.disk_long, engine.vocab_size)
-    first = on.generate(base, args.reply)  # writes the chunks to disk
+    first = on.generate(base, args.reply)  # writes the chunks to disk (background thread)
     first.pop("_logits")
+    on.cache.flush()
     disk_bytes = on.cache.disk.used_bytes
     cold, warm = [], []
     for i in range(args.repeats):

@@ -13,13 +13,14 @@ the hit the length every rank holds.
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import re
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from .disk import DiskTier
+from .disk import BackgroundWriter, DiskTier
 from .grid import Grid
 from .keys import CacheKey, chain_hashes, common_prefix, root_hash
 from .rows import Rows, rows_to_host
@@ -87,7 +88,7 @@ class Hit:
 class PrefixCache:
     def __init__(self, key: CacheKey, *, enabled: bool = True, host_bytes: int = DEFAULT_HOST_BYTES,
                  disk: DiskTier | None = None, boundary_only: bool = True,
-                 agree: Callable[[int], int] | None = None) -> None:
+                 agree: Callable[[int], int] | None = None, disk_async: bool = False) -> None:
         self.key = key
         self.grid = Grid(key.chunk_size)
         self.enabled = enabled
@@ -97,6 +98,10 @@ class PrefixCache:
         self.agree = agree or (lambda n: n)
         self.stats = Stats()
         self._root = root_hash(key)
+        # serving writes the disk tier on a background thread (flushed at exit); tests may write inline
+        self._writer = BackgroundWriter(disk) if disk is not None and disk_async else None
+        if self._writer is not None:
+            atexit.register(self._writer.flush)
 
     @classmethod
     def from_env(cls, key: CacheKey, agree: Callable[[int], int] | None = None,
@@ -113,7 +118,8 @@ class PrefixCache:
             disk_bytes = parse_bytes("TF_GLM53_DISK_CACHE_BYTES", env.get("TF_GLM53_DISK_CACHE_BYTES") or str(DEFAULT_DISK_BYTES))
             disk = DiskTier(disk_dir, key, disk_bytes)
         boundary = env_flag("TF_GLM53_PREFIX_REUSE_BOUNDARY", True, env)
-        return cls(key, enabled=enabled, host_bytes=host_bytes, disk=disk, boundary_only=boundary, agree=agree)
+        return cls(key, enabled=enabled, host_bytes=host_bytes, disk=disk, boundary_only=boundary, agree=agree,
+                   disk_async=True)
 
     # ---- lookup ---------------------------------------------------------------------------
     def lookup(self, token_ids: Sequence[int], live_tokens: Sequence[int] = (), live_frontier: int = 0) -> Hit:
@@ -215,12 +221,25 @@ class PrefixCache:
             r = self.host.get(h)
             rows.append(r if r is not None else rows_to_host(rows_for(k)))
         inserted = self.host.put_chain(self._root, hashes, rows)
-        if on_disk:
+        if on_disk and self._writer is not None:
+            self._writer.submit(self._root, hashes, rows)
+        elif on_disk:
             self.stats.disk_written_chunks += self.disk.put_chain(self._root, hashes, rows)
         self.stats.stored_chunks += inserted
         if inserted:
             log.debug("kv_cache store: %d new chunks (frontier %d)", inserted, frontier)
         return inserted
+
+    def flush(self) -> None:
+        """Wait for pending disk writes (a no-op without a background writer)."""
+        if self._writer is not None:
+            self._writer.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            atexit.unregister(self._writer.flush)
+            self._writer = None
 
     @property
     def evictions(self) -> int:
@@ -228,6 +247,8 @@ class PrefixCache:
 
     def stats_dict(self) -> dict:
         d = dict(self.stats.__dict__)
+        if self._writer is not None:
+            d["disk_written_chunks"] = self._writer.written
         d.update(host_bytes=self.host.used_bytes, host_chunks=len(self.host),
                  host_evictions=self.host.evictions,
                  disk_bytes=self.disk.used_bytes if self.disk else 0,

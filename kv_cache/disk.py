@@ -21,7 +21,9 @@ import hashlib
 import json
 import logging
 import os
+import queue
 import struct
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -124,6 +126,7 @@ class DiskTier:
             raise OSError(f"TF_GLM53_DISK_CACHE={root}: cannot create {self.dir}: {e.strerror}; "
                           "point it at a writable directory or unset it") from e
         self.index: dict[bytes, _Entry] = {}
+        self._lock = threading.RLock()  # index and byte count; file I/O runs outside it
         self.used_bytes = 0
         self.evictions = 0
         self.quarantined = 0
@@ -189,11 +192,13 @@ class DiskTier:
 
     # ---- reads ----------------------------------------------------------------------------
     def __contains__(self, h: bytes) -> bool:
-        return h in self.index
+        with self._lock:
+            return h in self.index
 
     def load(self, h: bytes) -> Rows | None:
         """The chunk's rows, fully verified, or None (a miss)."""
-        e = self.index.get(h)
+        with self._lock:
+            e = self.index.get(h)
         if e is None:
             return None
         try:
@@ -210,15 +215,21 @@ class DiskTier:
                 raise CorruptEntry("payload checksum mismatch")
             rows = _decode(meta, payload)
         except FileNotFoundError:
-            self._drop(h)
+            with self._lock:
+                self._drop(h)
             return None
         except (CorruptEntry, ValueError, KeyError, TypeError, RuntimeError) as err:
-            self._drop(h)
-            self._quarantine(e.path, str(err))
+            with self._lock:
+                self._drop(h)
+                self._quarantine(e.path, str(err))
             return None
         return rows
 
     def touch_chain(self, hashes: Sequence[bytes]) -> None:
+        with self._lock:
+            self._touch_chain(hashes)
+
+    def _touch_chain(self, hashes: Sequence[bytes]) -> None:
         now = time.time_ns()
         for i, h in enumerate(reversed(hashes)):  # root newest
             e = self.index.get(h)
@@ -239,14 +250,14 @@ class DiskTier:
         parent = root
         protect = set(hashes)
         for h, r in zip(hashes, rows):
-            if h not in self.index:
-                if r is None or (parent != root and parent not in self.index):
+            if h not in self:
+                if r is None or (parent != root and parent not in self):
                     break
                 pieces = encode(self.key, h, parent, r)
                 size = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in pieces)
-                if size > self.budget_bytes or not self._make_room(size, protect):
-                    break
-                if not self._write(h, pieces, size, parent):
+                with self._lock:
+                    fits = size <= self.budget_bytes and self._make_room(size, protect)
+                if not fits or not self._write(h, pieces, size, parent):
                     break
                 written += 1
             parent = h
@@ -272,8 +283,9 @@ class DiskTier:
             log.log(level, "kv_cache disk: write of %s failed (%s); entry skipped", final.name, why)
             return False
         st = final.stat()
-        self.index[h] = _Entry(final, parent, st.st_size, st.st_mtime_ns)
-        self.used_bytes += st.st_size
+        with self._lock:
+            self.index[h] = _Entry(final, parent, st.st_size, st.st_mtime_ns)
+            self.used_bytes += st.st_size
         return True
 
     def _make_room(self, need: int, protect: set[bytes]) -> bool:
@@ -285,7 +297,7 @@ class DiskTier:
                 break
             if h in protect or h not in self.index:
                 continue
-            chunks += self.evict(h)
+            chunks += self._evict(h)
         if chunks:
             log.info("kv_cache disk evict: %d chunks, %d bytes (budget %d)", chunks, before - self.used_bytes,
                      self.budget_bytes)
@@ -293,6 +305,10 @@ class DiskTier:
 
     def evict(self, h: bytes) -> int:
         """Delete a chunk and its descendants (unreachable without it)."""
+        with self._lock:
+            return self._evict(h)
+
+    def _evict(self, h: bytes) -> int:
         e = self.index.get(h)
         if e is None:
             return 0
@@ -301,13 +317,49 @@ class DiskTier:
         self.evictions += 1
         removed = 1
         for child in [c for c, ce in self.index.items() if ce.parent == h]:
-            removed += self.evict(child)
+            removed += self._evict(child)
         return removed
 
     def _drop(self, h: bytes) -> None:
         e = self.index.pop(h, None)
         if e is not None:
             self.used_bytes -= e.size
+
+
+class BackgroundWriter:
+    """Writes chains to a DiskTier on one thread, so disk I/O stays off the request's path.
+    The rows handed over are the host tier's copies, never modified afterwards."""
+
+    def __init__(self, tier: DiskTier) -> None:
+        self.tier = tier
+        self.written = 0
+        self._jobs: "queue.Queue[tuple[bytes, list[bytes], list[Rows | None]] | None]" = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="kv_cache-disk-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, root: bytes, hashes: Sequence[bytes], rows: Sequence[Rows | None]) -> None:
+        self._jobs.put((root, list(hashes), list(rows)))
+
+    def flush(self) -> None:
+        """Wait until every submitted chain is on disk (or failed and was logged)."""
+        self._jobs.join()
+
+    def close(self) -> None:
+        self.flush()
+        self._jobs.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            try:
+                if job is None:
+                    return
+                self.written += self.tier.put_chain(*job)
+            except Exception:  # a cache write must never take the server down
+                log.exception("kv_cache disk: background write failed; entry skipped")
+            finally:
+                self._jobs.task_done()
 
 
 def _decode(meta: dict, payload: bytearray) -> Rows:

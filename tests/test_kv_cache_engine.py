@@ -81,7 +81,7 @@ def assert_exact(warm: Run, ref: Run, what: str) -> None:
         assert torch.equal(raw(warm.rows[name]), raw(ref.rows[name])), f"{what}: rows {name} differ"
 
 
-def conversation(rng: random.Random, vocab: int):
+def conversation(rng: random.Random, vocab: int, earlier: list[list[int]]):
     """(name, prompt builder from the previous prompt and reply) for each pattern."""
     def rand(n):
         return [rng.randrange(3, vocab) for _ in range(n)]
@@ -92,23 +92,20 @@ def conversation(rng: random.Random, vocab: int):
         ("one-word extension", lambda p, r: p + [rng.randrange(3, vocab)]),
         ("edit in the middle", lambda p, r: p[:len(p) // 2] + [(p[len(p) // 2] + 1) % vocab] + p[len(p) // 2 + 1:]),
         ("unrelated prompt", lambda p, r: rand(30)),
-        ("back to the earlier conversation (host tier)", lambda p, r: PREVIOUS[0] + rand(5)),
+        ("back to the earlier conversation (host tier)", lambda p, r: earlier[0] + rand(5)),
     ]
 
 
-PREVIOUS: list[list[int]] = []
-
-
-def test_reuse_is_bitwise_for_every_extension_pattern(engine):
+def run_patterns(engine: Glm53Engine, seed: int) -> None:
     cache = attach_prefix_cache(engine, revision="tiny-test", environ={})
     engine.state = None
-    rng = random.Random(20261129)
-    prompt, reply = [], []
+    rng = random.Random(seed)
+    prompt, reply, earlier = [], [], []
     reused = {}
-    for name, build in conversation(rng, engine.vocab_size):
+    for name, build in conversation(rng, engine.vocab_size, earlier):
         prompt = build(prompt, reply)
         if name == "edit in the middle":
-            PREVIOUS.append(prompt)
+            earlier.append(prompt)
         warm = Run(engine, prompt, 3, GREEDY)
         assert_exact(warm, cold(engine, prompt, 3, GREEDY), name)
         reply = warm.reply
@@ -120,6 +117,19 @@ def test_reuse_is_bitwise_for_every_extension_pattern(engine):
     assert reused["back to the earlier conversation (host tier)"] >= C
     s = cache.stats_dict()
     assert s["host_tokens"] > 0 and s["hits"] >= 5 and s["misses"] >= 2
+
+
+def test_reuse_is_bitwise_for_every_extension_pattern(engine):
+    run_patterns(engine, 20261129)
+
+
+@pytest.mark.gpu
+def test_reuse_is_bitwise_on_cuda(tiny_dirs):  # noqa: F811
+    """The same patterns with the engine's GPU defaults (bf16 compute, bf16 cache)."""
+    gpu_engine = Glm53Engine(tiny_dirs.model, device="cuda", prefill_chunk=C)
+    for seed in (1, 2, 3):
+        run_patterns(gpu_engine, seed)
+    assert gpu_engine.dtype_name == "bf16"
 
 
 def test_multi_turn_chat_rerendered_by_the_template(engine):
@@ -159,11 +169,12 @@ def test_prefix_cache_off_gives_identical_replies(engine):
 
 def test_disk_tier_restores_exact_rows_after_a_restart(engine, tmp_path):
     env = {"TF_GLM53_DISK_CACHE": str(tmp_path), "TF_GLM53_DISK_CACHE_BYTES": "64M"}
-    attach_prefix_cache(engine, revision="tiny-test", environ=env)
+    first = attach_prefix_cache(engine, revision="tiny-test", environ=env)
     engine.state = None
     rng = random.Random(9)
     prompt = [rng.randrange(3, engine.vocab_size) for _ in range(70)]
     Run(engine, prompt, 2, GREEDY)
+    first.close()  # what process exit does: pending background writes finish
     # a new cache over the same folder (empty host tier) and no live rows: as after a restart
     cache = attach_prefix_cache(engine, revision="tiny-test", environ=env)
     engine.state = None
