@@ -12,17 +12,10 @@ def rows_nbytes(rows: Rows) -> int:
 
 
 def rows_to_host(rows: Rows) -> Rows:
-    """An independent CPU copy (the engine may overwrite its buffers right after)."""
-    out: Rows = {}
-    for name, t in rows.items():
-        t = t.detach()
-        if t.device.type == "cpu":
-            out[name] = t.clone().contiguous()
-        else:
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
-            host.copy_(t)
-            out[name] = host
-    return out
+    """An independent CPU copy (the engine may overwrite its buffers right after). Pageable
+    memory on purpose: the pinned caching allocator rounds every block up to a power of two,
+    which would make the host budget a fiction."""
+    return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in rows.items()}
 
 
 def rows_equal(a: Rows, b: Rows) -> bool:
