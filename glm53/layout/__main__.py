@@ -17,6 +17,13 @@ from .plan import PlanError, plan_layout
 GIB = 1 << 30
 
 
+def _human(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("model_dir", type=click.Path(file_okay=False))
 @click.option("--ranks", "-r", type=click.IntRange(1, 8), required=True, help="Tensor-parallel ranks (1..8).")
@@ -37,11 +44,11 @@ def main(model_dir: str, ranks: int, context: int, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(summary, indent=2))
         return
-    click.echo(f"{model_dir}: {len(plan.tensors):,} tensors, {plan.total_bytes / GIB:.2f} GiB, {ranks} rank(s)")
+    click.echo(f"{model_dir}: {len(plan.tensors):,} tensors, {_human(plan.total_bytes)}, {ranks} rank(s)")
     click.echo(f"attention heads per rank: {summary['heads_per_rank']}")
     click.echo("expert 128-blocks per rank, by layer % R: " + " ".join(str(x) for x in summary["expert_blocks_per_rank_by_layer_mod_ranks"]))
     for rule, n in sorted(summary["tensors_by_rule"].items()):
-        click.echo(f"  {rule:<16} {n:>8,} tensors  {summary['bytes_by_rule'][rule] / GIB:9.2f} GiB")
+        click.echo(f"  {rule:<16} {n:>8,} tensors  {_human(summary['bytes_by_rule'][rule]):>12}")
     if summary["widened_exl3_modules"]:
         click.echo(f"EXL3 modules read widened to 128-blocks (extra rows computed and dropped): {len(summary['widened_exl3_modules'])}")
     if summary["unclassified"]:
@@ -49,9 +56,9 @@ def main(model_dir: str, ranks: int, context: int, as_json: bool) -> None:
     click.echo(f"KV cache at {context:,} tokens per rank (GiB):")
     for key, values in kv.items():
         click.echo(f"  {key:<14} " + " ".join(f"{v / GIB:8.2f}" for v in values))
-    click.echo("rank  weight GiB")
+    click.echo("rank  weights")
     for r, b in enumerate(summary["bytes_per_rank"]):
-        click.echo(f"{r:>4}  {b / GIB:10.3f}")
+        click.echo(f"{r:>4}  {_human(b):>12}  ({b:,} bytes)")
 
 
 if __name__ == "__main__":

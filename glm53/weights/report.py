@@ -122,8 +122,10 @@ def render_text(report: dict[str, Any]) -> str:
     s = report["summary"]
     lines = [f"checkpoint  {report['model_dir']}"]
     src = report.get("source") or {}
-    if src.get("repo"):
-        lines.append(f"source      {src['repo']} @ {src.get('commit') or src.get('revision')}")
+    if src.get("commit"):
+        lines.append(f"source      {src['repo']} @ {src['commit']}" + ("" if src.get("online") else " (manifest; checked offline)"))
+    elif src:
+        lines.append("source      local folder without a manifest (not fetched by fetch_weights.sh): sizes and hashes unknown")
     m = s.get("model")
     if m:
         lines.append(f"model       {m['model_type']}: {m['layers']} layers ({m['dense_layers']} dense, {m['moe_layers']} MoE), "
