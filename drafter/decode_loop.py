@@ -103,6 +103,7 @@ def drafted_decode(target: Target, prompt: Sequence[int], sample: Sampler, stop:
     request; sources keep per-request state) and optionally `finish(stats)`.
     `prefilled`: the caller already ran the prompt's uncached rows (with `source.taps`, and the
     hidden states MTP needs); the loop then starts from that output instead of its own prefill.
+    Its logits may be the last row only.
     `policy.enabled = False` (a request with "draft": false) makes every window empty, which is
     serial decoding through the same code. `relaxed_top2` is LOSSY and must be asked for by name
     (argument, or TF_GLM53_DRAFT_RELAXED_TOP2=1 through the default policy's config)."""
@@ -121,8 +122,11 @@ def drafted_decode(target: Target, prompt: Sequence[int], sample: Sampler, stop:
         out = prefill(target, prompt, taps=taps)
         result.forwards += 1
     else:
-        if prefilled.start + prefilled.rows != len(prompt) or target.length() != len(prompt):
-            raise ValueError(f"prefilled output covers [{prefilled.start}, {prefilled.start + prefilled.rows}) and the "
+        # logits may hold only the last row (the others are never read); hidden / taps cover every row
+        rows = max([prefilled.rows] + ([prefilled.hidden.shape[0]] if prefilled.hidden is not None else [])
+                   + [t.shape[0] for t in prefilled.taps.values()])
+        if prefilled.start + rows != len(prompt) or target.length() != len(prompt):
+            raise ValueError(f"prefilled output covers [{prefilled.start}, {prefilled.start + rows}) and the "
                              f"cache holds {target.length()} rows; both must end at the prompt's length {len(prompt)}")
         out = prefilled
     start = out.start

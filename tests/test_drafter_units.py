@@ -373,3 +373,17 @@ def test_pin_then_verify_detects_changes(tmp_path):
     r = run("verify", str(d))
     assert r.returncode == 1 and "config.json: missing" in r.stderr
     assert run("bogus").returncode == 2
+
+
+def test_prefilled_handoff_equals_own_prefill():
+    prompt = [2, 7, 1, 8, 2, 8, 1, 8, 2, 8]
+    stop = StopRule(max_tokens=15)
+    ref = drafted_decode(MODEL.session(), prompt, GREEDY, stop, MtpSource(MODEL.session().mtp()))
+    target = MODEL.session()
+    out = target.forward(prompt, 0, taps=(0, 1))
+    out.logits = out.logits[-1:]                       # the engine hands over the last row only
+    src = MtpSource(target.mtp())
+    got = drafted_decode(target, prompt, GREEDY, stop, src, prefilled=out)
+    assert got.tokens == ref.tokens and got.stats.proposed == ref.stats.proposed
+    with pytest.raises(ValueError, match="prefilled output covers"):
+        drafted_decode(MODEL.session(), prompt, GREEDY, stop, CopySource(), prefilled=out)
