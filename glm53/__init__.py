@@ -33,6 +33,10 @@ def cuda_engine(model_dir: str | Path, *, drafter: Any = None, tp: int = 1, rank
     """The engine TensorFold's CLI starts on every rank (rank 0 serves; others call follow()).
     One rank: a Glm53Engine. Several: glm53.dist's RankEngine (rendezvous at master:master_port,
     then every rank runs the same Glm53Engine under a DistRankPlan)."""
+    from glm53.engine import EngineError
+
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or not isinstance(rank, int) or not 0 <= rank < tp:
+        raise EngineError(f"--tp {tp} --rank {rank}: ranks run 0..tp-1")
     if tp > 1:
         from glm53.dist.parallel_engine import RankEngine
 
@@ -40,8 +44,13 @@ def cuda_engine(model_dir: str | Path, *, drafter: Any = None, tp: int = 1, rank
                           drafter=drafter, no_drafts=no_drafts, mtp_drafts=mtp_drafts, **options)
     from glm53.engine import Glm53Engine
 
-    return Glm53Engine(model_dir, drafter=drafter, tp=tp, rank=rank, master=master, master_port=master_port,
-                       no_drafts=no_drafts, mtp_drafts=mtp_drafts, **options)
+    engine = Glm53Engine(model_dir, drafter=None, tp=tp, rank=rank, master=master, master_port=master_port,
+                         no_drafts=no_drafts, mtp_drafts=mtp_drafts, **options)
+    # the draft source per request (copy / MTP / DFlash2, or none) is drafter's decision (drafter/glm53_target.py)
+    from drafter.glm53_target import DraftPlan
+
+    engine.drafter = DraftPlan.from_contract(engine, drafter=drafter or None, no_drafts=no_drafts, mtp_drafts=mtp_drafts)
+    return engine
 
 
 __all__ = ["MODEL_TYPES", "QUANT_METHODS", "TITLE", "check", "cuda_engine"]

@@ -232,16 +232,17 @@ class Glm53Engine:
         eos = frozenset(self.eos)
         if max_tokens == 0:
             return reply
-        outs = self.run(state, prompt[cached:], cached, len(prompt))
+        use_drafts = self.drafter is not None and params.draft and not self.no_drafts
+        taps = tuple(getattr(self.drafter, "taps", ()) or ()) if use_drafts else ()
+        outs = self.run(state, prompt[cached:], cached, len(prompt), taps=taps)
         self.store_prefix(prompt, state)
         logits = self.model.logits(outs[-1].hidden[-1:])[0]
         t_first = time.perf_counter()
         stats["ttft_s"] = t_first - t0
-        use_drafts = self.drafter is not None and params.draft and not self.no_drafts
         stats["drafted"] = use_drafts
         try:
             if use_drafts:
-                reply = self._drafted(state, prompt, logits, params, max_tokens, eos, on_tokens, stats)
+                reply = self._drafted(state, prompt, cached, outs, logits, params, max_tokens, eos, on_tokens, stats)
             else:
                 reply = self._serial(state, prompt, logits, params, max_tokens, eos, on_tokens, stats)
         finally:
@@ -270,12 +271,15 @@ class Glm53Engine:
             logits = self.model.logits(out.hidden[-1:])[0]
             pos += 1
 
-    def _drafted(self, state: KVState, prompt: list[int], logits: torch.Tensor, params: SamplingParams,
-                 max_tokens: int, eos: frozenset[int], on_tokens: OnTokens | None, stats: dict) -> list[int]:
-        """Drafted decoding through drafter.decode_loop (the prompt is already prefilled: the loop's
-        own prefill sees a one-row window, the last prompt token, recomputed in decode mode after
-        truncating it). Plug point for the drafter work; see ENGINE.md."""
+    def _drafted(self, state: KVState, prompt: list[int], cached: int, outs: list[ForwardOutput],
+                 logits: torch.Tensor, params: SamplingParams, max_tokens: int, eos: frozenset[int],
+                 on_tokens: OnTokens | None, stats: dict) -> list[int]:
+        """Drafted decoding through drafter.decode_loop.drafted_decode, handed the prefill this engine
+        already ran (`prefilled`: hidden states and taps for rows [cached, len(prompt)); of the logits
+        only the last row is computed, the others are a stride-0 view of it, since the loop reads only
+        the last). `self.drafter` is a DraftSource or a factory (drafter.glm53_target.DraftPlan)."""
         from drafter.decode_loop import StopRule, drafted_decode
+        from drafter.target import WindowOutput
 
         reply: list[int] = []
 
@@ -284,12 +288,15 @@ class Glm53Engine:
             if on_tokens is not None and on_tokens(new) is False:
                 raise _Cancelled
 
+        hidden = torch.cat([o.hidden for o in outs])
+        taps = {k: torch.cat([o.taps[k] for o in outs]) for k in (outs[0].taps if outs else {})}
+        prefilled = WindowOutput(start=cached, logits=logits[None].expand(hidden.shape[0], -1), hidden=hidden,
+                                 taps=taps)
         target = Glm53Target(self, state, len(prompt))
-        state.truncate(len(prompt) - 1)  # the loop's prefill recomputes the last prompt row (decode mode)
         try:
             result = drafted_decode(target, prompt, lambda row, pos: sample(row, params, pos),
                                     StopRule(max_tokens, eos, params.ignore_eos), self.drafter,
-                                    on_tokens=forward_tokens)
+                                    on_tokens=forward_tokens, prefilled=prefilled)
             stats["draft"] = result.stats.metrics() if hasattr(result.stats, "metrics") else {}
             if result.tokens and result.tokens[-1] in eos and not params.ignore_eos:
                 stats["finish_reason"] = "stop"
