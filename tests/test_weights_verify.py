@@ -271,3 +271,36 @@ def test_report_replaced_atomically(ckpt: Path) -> None:
     report.write_text("old contents")
     rc, _, _, doc = run_cli(ckpt, report=report)
     assert rc == 0 and doc["status"] == "ok"
+
+
+def test_interrupted_deep_check_stops_promptly_and_writes_nothing(tmp_path: Path) -> None:
+    """Ctrl-C during --deep over an 8 GiB shard (sparse: no disk): exit 130 within seconds, no report."""
+    import signal
+    import time
+
+    from glm53.weights.synthetic import TensorSpec, write_shard
+
+    ckpt = write_checkpoint(tmp_path / "big", tiny_config(), n_shards=2)
+    big = TensorSpec("model.layers.0.mlp.unused.weight", "BF16", (65536, 65536))
+    write_shard(ckpt / "zz-big.safetensors", [big], sparse=True)
+    index_path = ckpt / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"][big.name] = "zz-big.safetensors"
+    index_path.write_text(json.dumps(index))
+    wrong_hashes = {p.name: FileRecord(p.stat().st_size, "0" * 64) for p in ckpt.glob("*.safetensors")}
+    save_manifest(ckpt, Manifest("r/x", "main", "c" * 40, "http://x", wrong_hashes))
+    report = tmp_path / "report" / "r.json"
+    report.parent.mkdir()
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    proc = subprocess.Popen(["bash", str(ROOT / "fetch_weights.sh"), "--offline", "--dir", str(ckpt), "--deep", "--json", str(report)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    assert proc.stderr is not None
+    for line in proc.stderr:  # the first progress line means hashing has begun
+        if line.startswith("deep:"):
+            break
+    t0 = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole process group
+    rc = proc.wait(timeout=60)
+    assert rc == 130
+    assert time.monotonic() - t0 < 10
+    assert list(report.parent.iterdir()) == []  # no report, no temp file

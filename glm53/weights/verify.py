@@ -247,12 +247,18 @@ def _check_model_tensors(cfg: Glm53Config, names: set[str], result: VerifyResult
 
 # ---- deep -----------------------------------------------------------------------------------
 
-def sha256_file(path: Path, on_bytes: Callable[[int], None] | None = None) -> str:
+class _Stopped(Exception):
+    """Hashing abandoned because the run is being interrupted."""
+
+
+def sha256_file(path: Path, on_bytes: Callable[[int], None] | None = None, stop: threading.Event | None = None) -> str:
     h = hashlib.sha256()
     with open(path, "rb", buffering=0) as f:
         buf = bytearray(_HASH_CHUNK)
         view = memoryview(buf)
         while True:
+            if stop is not None and stop.is_set():
+                raise _Stopped(str(path))
             n = f.readinto(buf)
             if not n:
                 break
@@ -291,17 +297,25 @@ def _deep_check(root: Path, manifest: Manifest | None, shard_names: list[str], r
                 rate = done[0] / max(now - started, 1e-9)
                 progress(f"deep: {done[0] / 2**30:8.2f} / {total / 2**30:.2f} GiB  {rate / 2**20:7.1f} MiB/s")
 
+    stop = threading.Event()
+
     def one(item: tuple[str, str]) -> tuple[str, str, str]:
         name, want = item
-        return name, want, sha256_file(root / name, tick)
+        return name, want, sha256_file(root / name, tick, stop)
 
     mismatches = 0
-    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+    pool = ThreadPoolExecutor(max_workers=max(1, workers))
+    try:
         for name, want, got in pool.map(one, todo):
             if got != want:
                 mismatches += 1
                 result.add("error", "hash_mismatch", str(root / name), f"SHA-256 {got[:16]}... differs from the hub's {want[:16]}...",
                            f"delete it and re-download: {FETCH_HINT}")
+    except BaseException:
+        stop.set()  # Ctrl-C: workers stop at their next chunk instead of finishing whole shards
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
     seconds = time.monotonic() - started
     return {"checked": len(todo), "mismatches": mismatches, "bytes": total, "seconds": round(seconds, 3),
             "mib_per_s": round(total / 2**20 / seconds, 1) if seconds > 0 else None, "workers": workers}
