@@ -42,6 +42,7 @@ class FakeHub:
                 files[p.name] = {"size": len(data), "blob": blob, "sha256": sha}
             self.repos[name] = (src, files)
         self.files = self.repos[repo][1]
+        self.api_status: int | None = None  # set to e.g. 503 to make the API fail
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -70,6 +71,8 @@ class FakeHub:
                 path = unquote(urlparse(self.path).path)
                 hub.requests[f"{self.command} {path}"] += 1
                 parts = path.strip("/").split("/")
+                if parts[:2] == ["api", "models"] and hub.api_status:
+                    return self._json({"error": "unavailable"}, hub.api_status)
                 if parts[:2] == ["api", "models"]:
                     repo, rest = "/".join(parts[2:4]), parts[4:]
                     if repo not in hub.repos:
@@ -252,3 +255,15 @@ def test_drafter_fetched_beside_dir(source: Path, tmp_path: Path) -> None:
     got = tmp_path / "models" / "GLM-5.3-DFlash2" / "model.safetensors"
     assert got.read_bytes() == (drafter_src / "model.safetensors").read_bytes()
     assert json.loads(report.read_text())["drafter"]["status"] == "ok"
+
+
+def test_hub_5xx_falls_back_to_local_copy(source: Path, tmp_path: Path) -> None:
+    dest, hf_home = tmp_path / "model", tmp_path / "hf"
+    with FakeHub(source) as hub:
+        assert fetch(["--dir", str(dest), "--revision", COMMIT], hub.url, hf_home).returncode == 0
+        hub.api_status = 503
+        proc = fetch(["--dir", str(dest), "--revision", COMMIT], hub.url, hf_home)
+        assert proc.returncode == 0, proc.stderr
+        assert "503" in proc.stderr and "local copy" in proc.stderr
+        proc = fetch(["--dir", str(tmp_path / "empty"), "--revision", COMMIT], hub.url, hf_home)
+        assert proc.returncode == 4 and "no local copy" in proc.stderr
