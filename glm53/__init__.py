@@ -50,6 +50,10 @@ def cuda_engine(model_dir: str | Path, *, drafter: Any = None, tp: int = 1, rank
     from drafter.glm53_target import DraftPlan
 
     engine.drafter = DraftPlan.from_contract(engine, drafter=drafter or None, no_drafts=no_drafts, mtp_drafts=mtp_drafts)
+    # the prefix cache (TF_GLM53_PREFIX_CACHE=0 turns it off; kv_cache/engine_adapter.py reads the rest)
+    from kv_cache.engine_adapter import attach_prefix_cache
+
+    attach_prefix_cache(engine)
     return engine
 
 
