@@ -116,3 +116,33 @@ def test_fp8_latent_cache_runs_deterministically_close_to_fp32(tiny_dirs) -> Non
     assert state.latent[0].dtype == torch.float8_e4m3fn and state.latent_scale[0].shape[0] >= 50
     assert state.bytes_per_position() < results["fp32"][1].bytes_per_position() / 3
     assert (results["fp8"][0] - results["fp32"][0]).abs().max() < 0.25  # fp8 rows: ~2^-4 relative error
+
+
+def test_mtp_layer_runs_window_or_row_by_row_alike(tiny_engine) -> None:  # noqa: F811
+    """The MTP layer (stored as layer num_hidden_layers) over its own cache: a window of rows equals
+    the same rows fed one at a time (fp32, tolerance 1e-4 on logits: summation order only)."""
+    model = tiny_engine.model
+    assert model.w.mtp is not None, "the tiny checkpoint has one MTP layer"
+    prompt = _prompt(40, 8)
+    with torch.inference_mode():
+        state = model.new_state("fp32")
+        hidden = model.forward(state, prompt, 0, "prefill").hidden
+        window_state = model.new_mtp_state("fp32")
+        logits, mtp_hidden = model.mtp_forward(window_state, hidden[:-1], prompt[1:], 0)
+        assert logits.shape == (39, tiny_engine.cfg.vocab_size) and mtp_hidden.shape == hidden[:-1].shape
+        row_state = model.new_mtp_state("fp32")
+        rows = [model.mtp_forward(row_state, hidden[i:i + 1], prompt[i + 1:i + 2], i)[0] for i in range(39)]
+    assert (torch.cat(rows) - logits).abs().max() < 1e-4
+    assert window_state.length == row_state.length == 39
+
+
+def test_bf16_compute_with_fp8_cache_generates_deterministically(tiny_dirs) -> None:  # noqa: F811
+    from glm53.engine import Glm53Engine
+
+    engine = Glm53Engine(tiny_dirs.reference, device="cpu", dtype="bf16", kv_dtype="fp8", prefill_chunk=TINY_CHUNK,
+                         reuse_live=False)
+    prompt = _prompt(45, 9)
+    a = engine.generate(prompt, 5, {"ignore_eos": True})
+    b = engine.generate(prompt, 5, {"ignore_eos": True})
+    assert a == b and len(a) == 5
+    assert engine.state.latent[0].dtype == torch.float8_e4m3fn
