@@ -107,8 +107,15 @@ def main(argv: list[str] | None = None, engine_factory: Callable[[argparse.Names
     progress = Progress(args.rank, args.progress_interval)
     progress.start()
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        if progress.state in ("starting", "loading"):  # nothing to close yet: leave at once
+            print(f"rank {args.rank}: stopped during load ({signal.Signals(signum).name})", file=sys.stderr, flush=True)
+            os._exit(128 + signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     MemoryGuard(args.rank, floor_bytes_from_env()).start()
 
     server = None

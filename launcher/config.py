@@ -112,10 +112,20 @@ def local_lane(ranks: int = 1, **settings: Any) -> LaneConfig:
     if ranks < 1:
         raise ConfigError(f"--ranks {ranks}: a lane needs at least one rank")
     nodes = tuple(Node(host="local", rank=r) for r in range(ranks))
+    # a free rendezvous port, so that lanes (and other jobs) on this machine never collide on 29551
+    settings.setdefault("master_port", free_port())
     if settings.get("device") == "cpu":  # CPU ranks: no CUDA context, small activations
         settings.setdefault("memory", MemorySettings(floor_gib=2.0, overhead_gib=1.0, workspace_gib=0.5))
     return _validated(LaneConfig(nodes=nodes, runtime=Runtime(venv=str(Path(os.sys.executable).parents[1])),
                                  **settings))
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _field(raw: dict[str, Any], name: str, kinds: type | tuple[type, ...], source: str, where: str = "") -> Any:

@@ -32,6 +32,7 @@ EXIT_CODES_EXPLAINED = {98: "its HTTP port is taken", 70: "the engine failed", 7
                         5: "glm53.dist: rank 0's rendezvous store is unreachable",
                         255: "ssh lost the connection", -9: "killed (SIGKILL)", -15: "terminated (SIGTERM)",
                         137: "killed (SIGKILL)", 143: "terminated (SIGTERM)"}
+CONSEQUENCES = (3, 4, 5)  # glm53.dist: the rank stopped because of a peer
 SMOKE = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8, "temperature": 0}
 
 
@@ -95,6 +96,7 @@ class RankProcess:
                                      text=True, bufsize=1, start_new_session=True)
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
+        self.died_at: float | None = None  # when the supervisor first saw it gone
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -145,10 +147,17 @@ class Supervisor:
             self.write_state()
 
     def dead_rank(self) -> RankProcess | None:
+        """The rank whose death stops the lane: a rank that failed on its own comes before one that
+        only followed a peer's failure (glm53.dist's exits 3/4/5), then the first seen, then rank order."""
+        now = time.monotonic()
+        dead = []
         for _, r in sorted(self.ranks.items()):
             if r.exit_code() is not None:
-                return r
-        return None
+                r.died_at = r.died_at or now
+                dead.append(r)
+        if not dead:
+            return None
+        return min(dead, key=lambda r: (r.exit_code() in CONSEQUENCES, r.died_at, r.node.rank))
 
     def describe_death(self, r: RankProcess) -> str:
         code = r.exit_code()

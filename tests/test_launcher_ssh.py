@@ -33,7 +33,7 @@ def cluster(tmp: Path, sshd: Sshd, model: Path, ranks: int, port: int, **extra) 
     for r, changes in extra.pop("node_changes", {}).items():
         nodes[r].update(changes)
     body = {"nodes": nodes, "model": str(model), "runtime": {"venv": str(ROOT / ".venv")}, "kit_dir": str(ROOT),
-            "port": port, "device": "cpu", "ssh_options": ["-F", str(sshd.client_config)],
+            "port": port, "device": "cpu", "master_port": free_port(), "ssh_options": ["-F", str(sshd.client_config)],
             "memory": {"floor_gib": 1.0, "overhead_gib": 1.0, "workspace_gib": 0.5}, **extra}
     path = tmp / f"cluster-{port}.yaml"
     path.write_text(yaml.safe_dump(body))
@@ -105,53 +105,46 @@ def test_runtime_preparation_is_keyed_and_checked_on_every_node(sshd: Sshd, tiny
     assert check.returncode == 0, check.stderr
 
 
-def test_lane_started_over_ssh_serves_and_stops(sshd: Sshd, tiny_model: Path, tmp_path: Path) -> None:
-    """The real glm53 engine, its rank started through sshd; stop reaches it over ssh."""
+@pytest.fixture(scope="module")
+def ssh_lane(sshd: Sshd, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
+    """Two real glm53 ranks, each started through sshd (glm53.dist over gloo on loopback)."""
     port = free_port()
-    path = cluster(tmp_path, sshd, tiny_model, 1, port, context=2048)
+    path = cluster(tmp_path_factory.mktemp("lane"), sshd, tiny_model, 2, port, context=2048)
     up = sh("serve.sh", "--cluster", str(path))
     try:
-        assert up.returncode == 0, up.stderr
-        assert f"READY: glm-5.3-exl3 on http://127.0.0.1:{port} on 127.0.0.1 (1 rank)" in up.stderr  # via the tunnel
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60,
-                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5})
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
-        pid = int((LANES / str(port) / "rank0.pid").read_text())
-        assert pid_alive(pid)
+        yield port, path, up
     finally:
-        stopped = sh("serve.sh", "stop", "--cluster", str(path))
-    assert stopped.returncode == 0 and "stopped on request" in stopped.stderr
-    deadline = time.monotonic() + 10
-    while pid_alive(pid) and time.monotonic() < deadline:
+        sh("serve.sh", "stop", "--cluster", str(path))
+
+
+def test_lane_started_over_ssh_serves(ssh_lane) -> None:
+    port, _, up = ssh_lane
+    assert up.returncode == 0, up.stderr
+    assert f"READY: glm-5.3-exl3 on http://127.0.0.1:{port} on 127.0.0.1 (2 ranks)" in up.stderr  # via the tunnel
+    r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60,
+                   json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_follower_over_ssh_dies_and_the_lane_stops(ssh_lane) -> None:
+    port, path, up = ssh_lane  # ends the module's lane
+    assert up.returncode == 0, up.stderr
+    pids = [int((LANES / str(port) / f"rank{r}.pid").read_text()) for r in (0, 1)]
+    os.kill(pids[1], 9)
+    deadline = time.monotonic() + 60
+    while (read_json(LANES / str(port) / "lane.json") or {}).get("phase") != "failed" and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not pid_alive(pid)
+    state = read_json(LANES / str(port) / "lane.json")
+    # ssh exits 255 when the remote command dies of a signal; the supervisor asks the node why
+    assert state["phase"] == "failed" and state["message"].startswith(
+        "rank 1 on 127.0.0.1 exited with code 255 (ssh reports 255: the rank process is gone"), state["message"]
+    deadline = time.monotonic() + 30
+    while pid_alive(pids[0]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not pid_alive(pids[0])  # rank 0 was stopped (through ssh)
     assert (LANES / str(port) / "rank0.log").read_text().count("@state") >= 2  # logs kept
-    assert read_json(LANES / str(port) / "lane.json")["phase"] == "stopped"
-
-
-def test_follower_over_ssh_dies_and_the_lane_stops(sshd: Sshd, tiny_model: Path, tmp_path: Path) -> None:
-    """Two ranks over ssh (stand-in engine: the glm53 engine serves one rank for now)."""
-    port = free_port()
-    path = cluster(tmp_path, sshd, tiny_model, 2, port)
-    env = {"GLM53_RANK_MODULE": "tests.standin_rank"}
-    up = sh("serve.sh", "--cluster", str(path), env=env)
-    try:
-        assert up.returncode == 0, up.stderr
-        pids = [int((LANES / str(port) / f"rank{r}.pid").read_text()) for r in (0, 1)]
-        os.kill(pids[1], 9)
-        deadline = time.monotonic() + 30
-        while (read_json(LANES / str(port) / "lane.json") or {}).get("phase") != "failed" and time.monotonic() < deadline:
-            time.sleep(0.1)
-        state = read_json(LANES / str(port) / "lane.json")
-        # ssh exits 255 when the remote command dies of a signal; the supervisor asks the node why
-        assert state["phase"] == "failed" and state["message"].startswith(
-            "rank 1 on 127.0.0.1 exited with code 255 (ssh reports 255: the rank process is gone")
-        deadline = time.monotonic() + 20
-        while pid_alive(pids[0]) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not pid_alive(pids[0])  # rank 0 was stopped through ssh
-    finally:
-        sh("serve.sh", "stop", "--cluster", str(path), env=env)
+    stopped = sh("serve.sh", "stop", "--cluster", str(path))
+    assert stopped.returncode == 0
 
 
 def test_remote_rank0_port_in_use_fails_the_start_naming_it(sshd: Sshd, tiny_model: Path, tmp_path: Path) -> None:
