@@ -47,10 +47,12 @@ def _writer_key() -> str:
 
 
 @pytest.fixture(scope="session")
-def tiny_dirs(request: pytest.FixtureRequest) -> TinyDirs:
+def tiny_dirs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> TinyDirs:
     from glm53.tiny import write_tiny_checkpoint
 
-    root = Path(request.config.cache.mkdir(f"glm53_tiny_{_writer_key()}"))
+    cache = getattr(request.config, "cache", None)  # absent under -p no:cacheprovider: write per session
+    name = f"glm53_tiny_{_writer_key()}"
+    root = Path(cache.mkdir(name)) if cache is not None else tmp_path_factory.mktemp(name)
     model, reference = root / "model", root / "reference"
     complete = (model / "config.json").exists() and (reference / "config.json").exists()
     if not complete or os.environ.get("GLM53_TINY_FRESH") == "1":
