@@ -93,7 +93,7 @@ def rank_command(config: LaneConfig, node: Node, model: str) -> str:
         flags = " ".join(f"-e {q(k + '=' + v)}" for k, v in sorted(env.items()))
         mounts = " ".join(f"-v {q(p)}:{q(p)}" for p in sorted({model, config.kit_dir}))
         return (prologue + f"exec docker run --rm --name {name} --gpus all --network host --ipc host {mounts} "
-                f"{flags} {q(config.runtime.image)} " + " ".join(q(a) for a in argv))
+                f"-w {q(config.kit_dir)} {flags} {q(config.runtime.image)} " + " ".join(q(a) for a in argv))
     assigns = " ".join(q(f"{k}={v}") for k, v in sorted(env.items()))
     return prologue + f"exec env {assigns} " + " ".join(q(a) for a in argv)
 
@@ -114,12 +114,18 @@ def alive_command(config: LaneConfig, node: Node) -> str:
 
 
 def probe_command(config: LaneConfig, model: str) -> str:
-    argv = [python_of(config), "-m", "launcher.probe", "--model", model, "--kit-dir", config.kit_dir]
+    """Runs launcher.probe with the lane's runtime: the venv's python, or inside the image (with
+    the GPUs, the checkpoint and the kit checkout mounted as the ranks will have them)."""
+    argv = ["-m", "launcher.probe", "--model", model, "--kit-dir", config.kit_dir]
     if config.workdir:
         argv += ["--workdir", config.workdir]
     if config.runtime.venv:
         argv += ["--runtime-stamp", f"{config.runtime.venv}/{RUNTIME_STAMP}"]
-    return f"cd {q(config.kit_dir)} && " + " ".join(q(a) for a in argv)
+    if config.runtime.image:
+        mounts = " ".join(f"-v {q(p)}:{q(p)}" for p in sorted({model, config.kit_dir}))
+        return (f"docker run --rm --gpus all --network host {mounts} -w {q(config.kit_dir)} {q(config.runtime.image)} "
+                "python " + " ".join(q(a) for a in argv))
+    return f"cd {q(config.kit_dir)} && " + " ".join(q(a) for a in [python_of(config), *argv])
 
 
 def prepare_command(config: LaneConfig, key: str) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from launcher import commands
-from launcher.config import LaneConfig, from_dict, to_dict
+from launcher.config import KIT_DIR, LaneConfig, from_dict, to_dict
 from launcher.memplan import MemoryPlan, config_dict, kv_function, kv_per_token, plan_memory, weights_per_rank
 from launcher.nodes import display, node_argv, run
 from launcher.preflight import Preflight, preflight
@@ -41,7 +41,8 @@ def err(message: str) -> None:
 
 
 def lane_dir(config: LaneConfig) -> Path:
-    return Path(commands.run_dir(config))
+    """This machine's state and logs for the lane (the nodes keep only pid files, under kit_dir)."""
+    return KIT_DIR / ".work" / "lanes" / str(config.port)
 
 
 def running_supervisor(run_dir: Path) -> dict[str, Any] | None:
