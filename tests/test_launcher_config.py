@@ -92,3 +92,15 @@ def test_runtime_key_changes_with_a_patch(tmp_path: Path) -> None:
     (tmp_path / "patches" / "0001-a.patch").write_text("diff\n")
     after = commands.runtime_key(tmp_path)
     assert before != after and after == commands.runtime_key(tmp_path)
+
+
+def test_image_runtime_commands_run_in_the_container(tmp_path: Path) -> None:
+    config = load_cluster(write(tmp_path, BASE.replace("runtime: {venv: /opt/glm53}", "runtime: {image: glm53:1}")))
+    node = config.nodes[1]
+    start = commands.rank_command(config, node, "/models/glm")
+    assert "exec docker run --rm --name glm53-rank1-9000 --gpus all --network host" in start
+    assert "-v /models/glm:/models/glm" in start and "-e TF_GLM53_PREFILL_CHUNK=1024" in start
+    assert " glm53:1 python -m front.rank --model /models/glm --rank 1 --ranks 2" in start
+    assert commands.probe_command(config, "/models/glm").startswith("docker run --rm --gpus all")
+    assert "docker stop -t 10 glm53-rank1-9000" in commands.stop_command(config, node)
+    assert "glm53.runtime-key" in commands.prepare_command(config, "k")
