@@ -109,12 +109,14 @@ def _common(a: list[int], b: list[int]) -> int:
 import pytest  # noqa: E402
 
 
-@pytest.fixture(scope="session")
-def tiny_model() -> Path:
-    """The tiny checkpoint serve.sh uses, from its cache (.work/tiny); generated once per machine."""
-    from launcher.tiny_cache import ensure_tiny
+from tests.fixtures_tiny import tiny_dirs  # noqa: E402,F401  (the suite's one tiny checkpoint)
 
-    return ensure_tiny(quiet=True)
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_dirs) -> Path:  # noqa: F811
+    """The tiny checkpoint (glm53.tiny, seed 0), shared with the model's tests: one generation per
+    run. serve.sh's own first-use path (launcher.tiny_cache) writes the same checkpoint to .work/tiny."""
+    return tiny_dirs.model
 
 
 @pytest.fixture(scope="session", autouse=True)

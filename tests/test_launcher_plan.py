@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from lane_fixtures import tiny_model  # noqa: F401  (fixture)
+from lane_fixtures import tiny_dirs, tiny_model  # noqa: F401  (fixture)
 
 from launcher.config import MemorySettings
 from launcher.meminfo import GIB, MIB

@@ -11,7 +11,7 @@ import httpx
 import pytest
 import yaml
 
-from lane_fixtures import cleanup_lanes, free_port, tiny_model, track_port  # noqa: F401  (fixtures)
+from lane_fixtures import cleanup_lanes, free_port, tiny_dirs, tiny_model, track_port  # noqa: F401  (fixtures)
 from launcher.commands import RUNTIME_STAMP, runtime_key
 from launcher.state import pid_alive, read_json
 from sshd_fixture import Sshd, start_sshd, stop_sshd

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from lane_fixtures import cleanup_lanes, free_port, tiny_model  # noqa: F401  (fixtures)
+from lane_fixtures import cleanup_lanes, free_port, tiny_dirs, tiny_model  # noqa: F401  (fixtures)
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from lane_fixtures import cleanup_lanes, free_port, tiny_model, track_port  # noqa: F401  (fixtures)
+from lane_fixtures import cleanup_lanes, free_port, tiny_dirs, tiny_model, track_port  # noqa: F401  (fixtures)
 from launcher.state import pid_alive, read_json
 
 ROOT = Path(__file__).resolve().parents[1]
