@@ -238,6 +238,7 @@ def scenario_disk(engine, args, rng, mismatches: list[str], disk_dir: Path) -> d
         warm.append(w)
         cold.append(c)
         log(f"disk {i}: cold {c['wall_s']:.3f}s disk resume {w['wall_s']:.4f}s (from disk {w['disk_tokens']})")
+    on.cache.close()  # finish background writes before the folder goes away
     cw, ww = [x["wall_s"] for x in cold], [x["wall_s"] for x in warm]
     return {"prompt_tokens": len(base) + 1, "fill_s": first["wall_s"], "disk_bytes": disk_bytes,
             "cold": cold, "disk_resume": warm, "cold_s": summary(cw), "disk_resume_s": summary(ww),
