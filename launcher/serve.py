@@ -212,7 +212,12 @@ def launch(config: LaneConfig, model: str, run_dir: Path, ready_timeout: float, 
                                 stdin=subprocess.DEVNULL, start_new_session=True, cwd=config.kit_dir)
     print(f"serve: starting {config.ranks} rank{'s' if config.ranks > 1 else ''} (highest first, rank 0 last); "
           f"logs in {run_dir}", file=out, flush=True)
-    return follow(run_dir, proc, out)
+    try:
+        return follow(run_dir, proc, out)
+    except KeyboardInterrupt:  # an interrupted start leaves nothing running behind
+        err("serve: interrupted before READY: stopping the lane being started")
+        stop(run_dir, out)
+        return EXIT_START_FAILED
 
 
 def follow(run_dir: Path, proc: subprocess.Popen, out: TextIO) -> int:

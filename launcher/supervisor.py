@@ -242,6 +242,14 @@ class Supervisor:
         return 0
 
     def serve(self) -> int:
+        try:
+            return self._serve()
+        except BaseException as exc:  # the supervisor itself failed: never leave ranks behind
+            print(f"supervisor: {type(exc).__name__}: {exc}; stopping every rank", file=sys.stderr, flush=True)
+            self.stop_all()
+            raise
+
+    def _serve(self) -> int:
         signal.signal(signal.SIGTERM, lambda *_: self.stop_requested.set())
         signal.signal(signal.SIGINT, lambda *_: self.stop_requested.set())
         self.start_ranks()
