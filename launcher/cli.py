@@ -50,11 +50,12 @@ def resolve(cluster: str | None, local: bool, ranks: int | None, **flags: Any) -
                 raise ConfigError("--ranks is for the local lane; a cluster file lists its nodes")
             config = load_cluster(cluster)
         else:
-            config = local_lane(ranks or 1, device=lane.local_device())
+            config = local_lane(1 if ranks is None else ranks, device=lane.local_device())
         config = with_environment(config)
         return with_flags(config, **flags)
     except ConfigError as exc:
-        raise click.ClickException(str(exc)) from None
+        click.echo(f"serve: {exc}", err=True)
+        sys.exit(lane.EXIT_USAGE)
 
 
 def _fail(exc: Exception) -> None:
