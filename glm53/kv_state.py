@@ -118,6 +118,11 @@ class KVState:
             store[start:stop] = q
             scale[start:stop] = s
 
+    def owned_positions(self, stop: int) -> torch.Tensor | None:
+        """Positions in [0, stop) whose rows reads return, ascending; None: all of them (this class).
+        A cache split by position (glm53.dist.parallel_engine.DcpKVState) returns its own."""
+        return None
+
     def read_latent(self, layer: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
         return self._read(self.latent[layer], self.latent_scale[layer], stop, dtype)
 
@@ -187,7 +192,15 @@ class KVState:
         return names
 
     def bytes_per_position(self) -> int:
-        per = self.n_layers * self.latent_dim + len(self.index_keys) * self.index_dim
-        size = torch.empty((), dtype=KV_DTYPES[self.kv_dtype]).element_size()
-        scales = (self.n_layers + len(self.index_keys)) * 4 if self.fp8 else 0
-        return per * size + scales
+        return (self.n_layers * row_bytes(self.latent_dim, self.kv_dtype)
+                + len(self.index_keys) * row_bytes(self.index_dim, self.kv_dtype))
+
+
+def row_bytes(dim: int, kv_dtype: str) -> int:
+    """Bytes one cached row of `dim` values takes: the values in the cache dtype, plus one fp32
+    scale per row for fp8. glm53.layout.kv (the memory plan) counts with this, so the plan is
+    what KVState allocates."""
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype {kv_dtype!r}: choose one of {', '.join(KV_DTYPES)}")
+    size = torch.empty((), dtype=KV_DTYPES[kv_dtype]).element_size()
+    return dim * size + (4 if kv_dtype == "fp8" else 0)

@@ -101,6 +101,51 @@ class TensorFiles:
         return self.handle(name).get_slice(name)[:, cols.start:cols.stop]
 
 
+class RankTensorFiles(TensorFiles):
+    """TensorFiles for one rank of R: every read returns the rank's slice as glm53.layout plans it,
+    read with positioned reads of exactly those bytes (`bytes_read` counts them), EXL3 experts
+    included (their tiles, sign vectors and codebook markers of the rank's 128-column blocks).
+
+    `rows` / `cols` check that the slice the model asks for (from its RankPlan) is the plan's."""
+
+    def __init__(self, model_dir: str | Path, cfg: Glm53Config, ranks: int, rank: int) -> None:
+        super().__init__(model_dir)
+        from glm53.layout.plan import plan_layout
+        from glm53.layout.slices import SliceReader
+
+        self.layout = plan_layout(model_dir, ranks, cfg)
+        self.slices = self.layout.slices(rank)
+        self.reader = SliceReader()
+        self.rank = rank
+
+    @property
+    def bytes_read(self) -> int:
+        return self.reader.bytes_read
+
+    def get(self, name: str) -> torch.Tensor | None:
+        if name not in self.where:
+            return None
+        return self.reader.read(self.layout.tensors[name], self.layout.locations[name], self.slices[name])
+
+    def rows(self, name: str, rows: range) -> torch.Tensor:
+        return self._planned(name, 0, rows)
+
+    def cols(self, name: str, cols: range) -> torch.Tensor:
+        return self._planned(name, 1, cols)
+
+    def _planned(self, name: str, dim: int, want: range) -> torch.Tensor:
+        t = self.need(name)
+        spec = self.slices[name]
+        got = range(0, t.shape[dim]) if spec is None else range(spec.start, spec.stop)
+        if spec is not None and spec.dim != dim or (got.start, got.stop) != (want.start, want.stop):
+            raise CheckpointError(f"{self.where[name]}: {name}: rank {self.rank} needs [{want.start}, {want.stop}) of dim "
+                                  f"{dim} but the layout plan reads {spec}; glm53.layout and the RankPlan disagree")
+        return t
+
+    def close(self) -> None:
+        self.reader.close()
+
+
 def _head_rows(heads: range, per_head: int) -> range:
     return range(heads.start * per_head, heads.stop * per_head)
 
@@ -143,6 +188,19 @@ class _Loader:
                           up=self.t(self.f.rows(f"{p}.up_proj.weight", cols)),
                           down=self.t(self.f.cols(f"{p}.down_proj.weight", cols)))
 
+    def expert_part(self, p: str, cols: range, down: bool) -> torch.Tensor:
+        """This rank's part of one expert projection, [out, in] in the compute dtype: rows `cols` of
+        gate/up, columns `cols` of down. Plain weights are read sliced; an EXL3 group is decoded from
+        what the files give (the whole group at world 1, the rank's 128-column blocks at R > 1)."""
+        if f"{p}.weight" in self.f:
+            return self.t(self.f.cols(f"{p}.weight", cols) if down else self.f.rows(f"{p}.weight", cols))
+        w = self.expert_matrix(p)
+        if down and w.shape[1] != len(cols):
+            w = w[:, cols.start:cols.stop]
+        elif not down and w.shape[0] != len(cols):
+            w = w[cols.start:cols.stop]
+        return w
+
     def expert_matrix(self, p: str) -> torch.Tensor:
         """One expert projection as [out, in] in the compute dtype, whatever its storage."""
         if f"{p}.weight" in self.f:
@@ -167,10 +225,10 @@ class _Loader:
         gate_up, down = [], []
         for e in range(c.n_routed_experts):
             ep = f"{p}.experts.{e}"
-            g, u = self.expert_matrix(f"{ep}.gate_proj"), self.expert_matrix(f"{ep}.up_proj")
-            d = self.expert_matrix(f"{ep}.down_proj")
-            gate_up.append(torch.cat([g[cols.start:cols.stop], u[cols.start:cols.stop]], 0))
-            down.append(d[:, cols.start:cols.stop])
+            g = self.expert_part(f"{ep}.gate_proj", cols, down=False)
+            u = self.expert_part(f"{ep}.up_proj", cols, down=False)
+            gate_up.append(torch.cat([g, u], 0))
+            down.append(self.expert_part(f"{ep}.down_proj", cols, down=True))
         router = RouterWeights(
             weight=self.t(self.f.need(f"{p}.gate.weight"), torch.float32),
             bias=self.t(self.f.need(f"{p}.gate.e_score_correction_bias"), torch.float32),
@@ -204,8 +262,21 @@ def load_weights(model_dir: str | Path, cfg: Glm53Config | None = None, *, plan:
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", with_mtp: bool = True,
                  progress: Callable[[str], None] | None = None) -> ModelWeights:
     cfg = cfg or Glm53Config.from_dir(model_dir)
-    files = TensorFiles(model_dir)
-    ld = _Loader(cfg, files, plan or RankPlan(), dtype, torch.device(device), progress)
+    plan = plan or RankPlan()
+    # R > 1: read only this rank's slices (glm53.layout), counted; world 1 reads whole tensors
+    files = TensorFiles(model_dir) if plan.world == 1 else RankTensorFiles(model_dir, cfg, plan.world, plan.rank)
+    try:
+        weights = _load(cfg, files, plan, dtype, torch.device(device), with_mtp, progress)
+    finally:
+        if isinstance(files, RankTensorFiles):
+            files.close()
+    weights.bytes_read = files.bytes_read if isinstance(files, RankTensorFiles) else None
+    return weights
+
+
+def _load(cfg: Glm53Config, files: TensorFiles, plan: RankPlan, dtype: torch.dtype, device: torch.device,
+          with_mtp: bool, progress: Callable[[str], None] | None) -> ModelWeights:
+    ld = _Loader(cfg, files, plan, dtype, device, progress)
     say = progress or (lambda msg: print(msg, file=sys.stderr, flush=True))
     layers = []
     for i in range(cfg.num_hidden_layers):

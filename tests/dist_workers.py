@@ -164,23 +164,35 @@ def load_model(model_dir: Path, plan):
     return Glm53Model(cfg, weights, plan, torch.float32)
 
 
+SHORT_PROMPT = [31, 7]  # at R = 3, 4 some ranks hold no row at all during prefill and the first steps
+SHORT_STEPS = 6
+
+
 def model(comm: Comm, out: Path) -> None:
+    """One group, one load of this rank's slices (heads, columns and vocabulary do not depend on
+    DCP), then DCP off and on (and, at R = 4, the same request twice) through two plans."""
     from glm53.config import Glm53Config
     from glm53.dist.parallel_engine import DistRankPlan
+    from glm53.model.transformer import Glm53Model
 
     model_dir = Path(os.environ["GLM53_TEST_MODEL"])
-    vocab = Glm53Config.from_dir(model_dir).vocab_size
+    cfg = Glm53Config.from_dir(model_dir)
     results: dict[str, object] = {"rank": comm.rank}
+    weights = None
     for dcp_on in (False, True):
-        plan = DistRankPlan.create(comm, vocab, dcp_on=dcp_on)
-        m = load_model(model_dir, plan)
-        state = plan.new_state(m, "fp32")
+        plan = DistRankPlan.create(comm, cfg.vocab_size, dcp_on=dcp_on)
+        if weights is None:
+            weights = load_model(model_dir, plan).w
+        m = Glm53Model(cfg, weights, plan, torch.float32)
+        state = m.new_state("fp32")  # the model asks its plan: DcpKVState with this rank's positions
         results[f"dcp{int(dcp_on)}"] = greedy(m, state, PROMPT, STEPS)
         own = plan.ownership  # the cache rows this rank keeps (layer 0: a function of the embeddings alone)
         results[f"dcp{int(dcp_on)}_rows"] = (own.owned_positions(0, state.length), state.capacity,
                                              state.latent[0][: own.count(state.length)].clone())
+        results[f"dcp{int(dcp_on)}_short"] = greedy(m, m.new_state("fp32"), SHORT_PROMPT, SHORT_STEPS)
         if dcp_on and comm.world_size == 4:  # the same request again, fresh state: same bits
-            results["dcp1_again"] = greedy(m, plan.new_state(m, "fp32"), PROMPT, STEPS)
+            results["dcp1_again"] = greedy(m, m.new_state("fp32"), PROMPT, STEPS)
+    results["q_b_rows"] = weights.layers[0].attn.q_b.shape[0]
     torch.save(results, out / f"rank{comm.rank}.pt")
 
 

@@ -7,25 +7,20 @@
     state = plan.new_state(model, kv_dtype)            # holds only this rank's positions under DCP
 
 What each plug point does here:
-- head_range / ffn_columns / vocab_range: glm53.dist.tp (the layout plan's split arithmetic);
+- head_range / ffn_columns / vocab_range: glm53.dist.tp (the layout plan's split arithmetic); heads
+  are split by TP whether DCP is on or off (q_b / kv_b rows and o_proj columns of this rank only);
 - sum_partials: gather + sum in fixed rank order (same bits on every rank, deterministic at any R);
 - embed: lookup in this rank's vocabulary rows, zeros elsewhere, summed (exact: one term is non-zero);
 - gather_logits: all-gather of the vocabulary slices (padded to the largest), concatenated;
-- merge_topk: DCP on: scores of owned positions -> glm53.dist.dcp.dcp_topk (global top-k, ties to
-  the lower position, the model's own rule) -> this rank's selected positions; DCP off: local;
-- merge_attention: DCP on: each rank's (out, lse) over its selected positions, merged by
-  log-sum-exp in rank order and delivered to the heads' owner (all-to-all); other heads zero, so
-  the row-parallel o_proj + sum_partials adds each head once.
-
-Limitation of the current plug points (reported to the lead): the model projects queries and
-attends with the heads of `head_range`, and has no hook between the query projection and the
-attention, so under DCP every rank must attend with all heads: head_range returns every head
-(q_b, kv_b, o replicated) and only the MLP, experts and vocabulary are split. The memory-right
-form is ready and tested (glm53.dist.dcp.tp_dcp_attention: heads by TP, positions by DCP, one
-query all-gather and one all-to-all merge per layer); it needs the model to let the plan run the
-attention (a `RankPlan.attend(...)` plug point). DcpKVState stores
-only owned rows, but its read hands the model a full-length tensor (zeros on other ranks'
-positions), because the model indexes the cache by absolute position.
+- new_state: DcpKVState, holding (and reading back) only this rank's positions under DCP;
+- merge_topk: DCP on: index scores of the owned positions (with their global positions) ->
+  glm53.dist.dcp.dcp_topk (global top-k, ties to the lower position, the model's own rule) -> a
+  mask over this rank's rows; DCP off: local (every rank holds every position and every score);
+- attend: DCP on: glm53.dist.dcp.tp_dcp_attention: each rank absorbs its heads' queries through
+  its W_UK slice, one all-gather shares them, each rank attends with every head over the selected
+  rows it owns (a rank with none: lse = -inf), one all-to-all returns (out, lse) to the heads'
+  owners, merged by log-sum-exp in rank order, W_UV of the owner's heads; o_proj row partials are
+  then summed in rank order by sum_partials. DCP off: the world-1 attention on this rank's heads.
 """
 from __future__ import annotations
 
@@ -38,6 +33,7 @@ from glm53.dist import dcp, tp
 from glm53.dist.collectives import Comm
 from glm53.kv_state import KVState
 from glm53.model.indexer import select_topk
+from glm53.model.mla import AttentionWeights
 from glm53.model.parallel import RankPlan
 
 if TYPE_CHECKING:
@@ -62,8 +58,6 @@ class DistRankPlan(RankPlan):
 
     # ---- what this rank holds ------------------------------------------------------------
     def head_range(self, n_heads: int) -> range:
-        if self.dcp:  # see the module docstring: attention runs every head under DCP
-            return range(n_heads)
         return range(*tp.head_ranges(n_heads, self.world)[self.rank])
 
     def ffn_columns(self, layer: int, width: int) -> range:
@@ -94,33 +88,32 @@ class DistRankPlan(RankPlan):
         parts = self._comm.all_gather(padded, name="gather_logits")  # [R, T, width]
         return torch.cat([parts[r][..., : sizes[r]] for r in range(self.world)], dim=-1)
 
-    # ---- context parallelism ---------------------------------------------------------------
-    def owned_positions(self, start: int, stop: int) -> torch.Tensor | None:
-        return self.ownership.owned_positions(start, stop) if self.dcp else None
-
-    def merge_topk(self, scores: torch.Tensor, k: int) -> torch.Tensor:
-        if not self.dcp:
+    # ---- attention: heads by TP, positions by DCP -------------------------------------------
+    def merge_topk(self, scores: torch.Tensor, key_positions: torch.Tensor | None, k: int) -> torch.Tensor:
+        """scores [Tq, n] of the keys this rank holds at key_positions -> mask [Tq, n] of those among
+        the global top-k. key_positions None (DCP off, or a cache that holds every position): local."""
+        if key_positions is None:
             return select_topk(scores, k)
+        top_scores, top_positions = dcp.dcp_topk(self._comm, scores, key_positions, k)
         own = self.ownership
-        positions = own.owned_positions(0, scores.shape[-1], device=scores.device)
-        top_scores, top_positions = dcp.dcp_topk(self._comm, scores[:, positions], positions, k)
         keep = torch.isfinite(top_scores) & ((top_positions % own.ranks) == own.index)
-        mask = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
         rows = torch.arange(scores.shape[0], device=scores.device)[:, None].expand_as(top_positions)
-        mask[rows[keep], top_positions[keep]] = True
+        mask = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+        # this rank's rows are its positions in ascending order: row of position p is p // R
+        mask[rows[keep], torch.div(top_positions[keep], own.ranks, rounding_mode="floor")] = True
         return mask
 
-    def merge_attention(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-        """out [T, H, v], lse [T, H] over this rank's selected positions, every head ->
-        [T, H, v]: merged values on this rank's heads, zeros on the others."""
-        if not self.dcp:
-            return out
-        ranges = tp.head_ranges(out.shape[1], self.world)
-        merged, _ = dcp.dcp_merge_to_owners(self._comm, out.transpose(0, 1), lse.transpose(0, 1), ranges)
-        a, b = ranges[self.rank]
-        full = torch.zeros_like(out)
-        full[:, a:b] = merged.transpose(0, 1).to(out.dtype)
-        return full
+    def attend(self, w: AttentionWeights, q_nope: torch.Tensor, q_rot: torch.Tensor, rows: torch.Tensor,
+               key_positions: torch.Tensor | None, selection: torch.Tensor, mode: str, gather_above: int,
+               total_heads: int) -> torch.Tensor:
+        if key_positions is None:  # every rank holds every position: attend locally with our heads
+            return super().attend(w, q_nope, q_rot, rows, key_positions, selection, mode, gather_above, total_heads)
+        if q_nope.shape[0] == 1:  # one decode query: attend over its selected owned rows only
+            picked = selection[0].nonzero().squeeze(1)
+            rows = rows[picked]
+            selection = torch.ones(1, picked.shape[0], dtype=torch.bool, device=rows.device)
+        return dcp.tp_dcp_attention(self._comm, q_nope, q_rot, w.w_uk, w.w_uv, rows, selection,
+                                    tp.head_ranges(total_heads, self.world), w.scale)
 
     # ---- state ---------------------------------------------------------------------------
     def new_state(self, model: "Glm53Model", kv_dtype: str = "bf16") -> KVState:
@@ -142,14 +135,19 @@ class DistRankPlan(RankPlan):
 class DcpKVState(KVState):
     """KVState holding only this rank's positions (p % R == rank, at slot p // R).
 
-    Writes take rows for absolute positions and keep the owned ones; reads return a full-length
-    tensor (zeros on other ranks' positions) because the model indexes the cache by position;
-    the selection mask from merge_topk never picks those rows. Capacity counts local slots."""
+    Writes take rows for absolute positions and keep the owned ones; reads return only the owned
+    rows of [0, stop), in position order, and `owned_positions(stop)` says which positions they
+    are (the model scores and attends over exactly these). Capacity counts local slots."""
 
     own: dcp.Ownership = dcp.Ownership(0, 1)
 
     def reserve(self, n: int) -> None:
         super().reserve(self.own.count(n))
+
+    def owned_positions(self, stop: int) -> torch.Tensor | None:
+        if self.own.ranks == 1:
+            return None
+        return self.own.owned_positions(0, stop, device=self.device)
 
     def write_latent(self, layer: int, start: int, rows: torch.Tensor) -> None:
         self._write_owned(self.latent[layer], self.latent_scale[layer], start, rows)
@@ -158,10 +156,10 @@ class DcpKVState(KVState):
         self._write_owned(self.index_keys[layer], self.index_scale[layer], start, rows)
 
     def read_latent(self, layer: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
-        return self._read_owned(self.latent[layer], self.latent_scale[layer], stop, dtype)
+        return self._read(self.latent[layer], self.latent_scale[layer], self.own.count(stop), dtype)
 
     def read_index(self, layer: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
-        return self._read_owned(self.index_keys[layer], self.index_scale[layer], stop, dtype)
+        return self._read(self.index_keys[layer], self.index_scale[layer], self.own.count(stop), dtype)
 
     def export_rows(self, start: int, stop: int) -> dict[str, torch.Tensor]:
         if self.own.ranks > 1:
@@ -169,18 +167,15 @@ class DcpKVState(KVState):
                                       "the prefix cache must store per-rank rows (not wired yet)")
         return super().export_rows(start, stop)
 
+    def import_rows(self, start: int, rows: dict[str, torch.Tensor], tokens: list[int]) -> None:
+        if self.own.ranks > 1:
+            raise NotImplementedError("prefix-cache import under DCP: not wired yet (run with TF_GLM53_DCP=0)")
+        super().import_rows(start, rows, tokens)
+
     def _write_owned(self, store: torch.Tensor, scale: torch.Tensor | None, start: int, rows: torch.Tensor) -> None:
         slots, mine = self.own.rows_to_write(start, rows)
         if slots.numel():
             self._write(store, scale, int(slots[0]), mine)  # owned slots of a range are consecutive
-
-    def _read_owned(self, store: torch.Tensor, scale: torch.Tensor | None, stop: int, dtype: torch.dtype) -> torch.Tensor:
-        local = self._read(store, scale, self.own.count(stop), dtype)
-        if self.own.ranks == 1:
-            return local
-        full = torch.zeros((stop, store.shape[1]), dtype=dtype, device=store.device)
-        full[self.own.owned_positions(0, stop, device=store.device)] = local
-        return full
 
 
 # ---- the family contract over R ranks ------------------------------------------------------------
@@ -216,9 +211,6 @@ class RankEngine:
                                   device=dev, plan=self.plan, **engine_options)
         # ranks load at different speeds (minutes at full size): meet on the store, not in a collective
         self.comm.store_barrier("weights_loaded", load_timeout_s)
-        # The model builds states itself; under DCP they must be the rank's own (plug point asked for).
-        model = self.engine.model
-        model.new_state = lambda kv_dtype="bf16": self.plan.new_state(model, kv_dtype)  # type: ignore[method-assign]
         self.eos = self.engine.eos
         self._seq = 0
 

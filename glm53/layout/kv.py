@@ -8,21 +8,20 @@ What a GLM-5.3 layer caches per token (transformers' glm_moe_dsa, DeepSeek-V3.2 
 The latent is not split by head, so tensor parallelism does not divide it: without DCP every rank
 holds every position; with DCP position p lives on rank p % R, so rank r holds ceil((T - r) / R).
 
-Storage formats (`kv_dtype`):
+Storage formats (`kv_dtype`), exactly what glm53.kv_state.KVState allocates (`row_bytes`):
 - "bf16": 2 bytes a value: 1152 bytes of latent and 256 of indexer key per token and layer;
-- "fp8": the FlashMLA-style layout: the 512 latent values in fp8 with one fp32 scale per 128
-  (512 + 16 bytes), the 64 rope values kept in bf16 (128 bytes): 656 bytes; the indexer key in fp8
-  with one fp32 scale: 132 bytes.
+- "fp8": e4m3 values with one fp32 scale per row: 576 + 4 = 580 bytes of latent, 128 + 4 = 132
+  of indexer key. (FlashMLA's fp8 layout, a scale per 128 latent values and the rope part in
+  bf16, is 656 bytes; a GPU kernel that needs it will change KVState and this count together.)
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from ..config import Glm53Config
+from ..kv_state import row_bytes
 
 KV_DTYPES = ("bf16", "fp8")
-_FP8_SCALE_GROUP = 128
-_FP32 = 4
 
 
 @dataclass(frozen=True)
@@ -41,12 +40,8 @@ class KvTokenBytes:
 def kv_token_bytes(config: Glm53Config, kv_dtype: str = "bf16", include_mtp: bool = True) -> KvTokenBytes:
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype {kv_dtype!r}: use one of {', '.join(KV_DTYPES)}")
-    if kv_dtype == "bf16":
-        latent = 2 * (config.kv_lora_rank + config.qk_rope_head_dim)
-        indexer = 2 * config.index_head_dim
-    else:
-        latent = config.kv_lora_rank + _FP32 * -(-config.kv_lora_rank // _FP8_SCALE_GROUP) + 2 * config.qk_rope_head_dim
-        indexer = config.index_head_dim + _FP32
+    latent = row_bytes(config.kv_lora_rank + config.qk_rope_head_dim, kv_dtype)
+    indexer = row_bytes(config.index_head_dim, kv_dtype)
     mtp = config.num_mtp_layers if include_mtp else 0
     full = sum(1 for i in range(config.num_hidden_layers) if config.indexer_is_full(i)) + mtp
     return KvTokenBytes(latent, indexer, config.num_hidden_layers + mtp, full)

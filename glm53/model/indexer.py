@@ -46,9 +46,9 @@ def indexer_queries(w: IndexerWeights, q_resid: torch.Tensor, cos: torch.Tensor,
 
 
 def index_scores(w: IndexerWeights, q: torch.Tensor, x_norm: torch.Tensor, keys: torch.Tensor,
-                 q_positions: torch.Tensor) -> torch.Tensor:
-    """[Tq, Tk] fp32 scores of keys at positions [0, Tk) for queries at q_positions; -inf where the
-    key lies in the query's future."""
+                 q_positions: torch.Tensor, key_positions: torch.Tensor | None = None) -> torch.Tensor:
+    """[Tq, Tk] fp32 scores of keys at key_positions (default [0, Tk); a DCP rank passes the
+    positions it owns) for queries at q_positions; -inf where the key lies in the query's future."""
     head_weights = (x_norm.to(torch.float32) @ w.weights_proj.to(torch.float32).T) * (w.n_heads ** -0.5)
     keys32 = keys.to(torch.float32).T  # [D, Tk]
     scale = w.head_dim ** -0.5
@@ -57,7 +57,9 @@ def index_scores(w: IndexerWeights, q: torch.Tensor, x_norm: torch.Tensor, keys:
         qb = q[b:b + QUERY_BLOCK].to(torch.float32)  # [B, H, D]
         per_head = torch.relu(torch.matmul(qb, keys32) * scale)  # [B, H, Tk]
         out[b:b + QUERY_BLOCK] = torch.matmul(head_weights[b:b + QUERY_BLOCK, None, :], per_head)[:, 0]
-    future = torch.arange(keys.shape[0], device=q.device)[None, :] > q_positions[:, None]
+    if key_positions is None:
+        key_positions = torch.arange(keys.shape[0], device=q.device)
+    future = key_positions[None, :] > q_positions[:, None]
     return out.masked_fill(future, float("-inf"))
 
 

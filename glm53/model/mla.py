@@ -9,7 +9,7 @@ k_rot (qk_rope_head_dim). kv_b maps c to per-head [k_nope | v]. Two ways to atte
   against the latents directly, and map the attended latent through kv_b's v part (W_uv).
 
 Both return per-head outputs and the log-sum-exp of the scores, so a context-parallel layout can
-merge partial attentions (RankPlan.merge_attention).
+merge partial attentions (RankPlan.attend; glm53.dist.dcp.tp_dcp_attention).
 """
 from __future__ import annotations
 
@@ -100,6 +100,17 @@ def attend_absorbed(w: AttentionWeights, q_nope: torch.Tensor, q_rot: torch.Tens
     attended, lse = _softmax_attend(scores, mask[None], c[None].expand(w.n_heads, -1, -1), q_lat.dtype)  # [H, Tq, r]
     out = torch.einsum("htr,hvr->thv", attended, w.w_uv)
     return out, lse.transpose(0, 1)
+
+
+def attend_decode(w: AttentionWeights, q_nope: torch.Tensor, q_rot: torch.Tensor, cached: torch.Tensor,
+                  selection: torch.Tensor, gather_above: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """attend_absorbed; a single query over more than `gather_above` rows (the indexer's top-k)
+    gathers its selected rows (ascending) first instead of masking all of them."""
+    if q_nope.shape[0] == 1 and cached.shape[0] > gather_above:
+        picked = selection[0].nonzero().squeeze(1)
+        return attend_absorbed(w, q_nope, q_rot, cached[picked],
+                               torch.ones(1, picked.shape[0], dtype=torch.bool, device=cached.device))
+    return attend_absorbed(w, q_nope, q_rot, cached, selection)
 
 
 def output_projection(w: AttentionWeights, attn: torch.Tensor) -> torch.Tensor:

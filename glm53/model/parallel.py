@@ -6,16 +6,22 @@ work (glm53/layout, glm53/dist) replaces this class (or subclasses it) without t
 - which attention heads / expert columns / vocabulary rows this rank owns (the loader slices with them),
 - the sum of row-parallel partial outputs (o_proj, MLP down projections),
 - the gather of vocabulary-sharded logits,
-- which cached positions this rank owns (and the cache object holding them: `new_state`), the
-  merge of per-rank attention partials by log-sum-exp, and the global merge of the indexer's top-k.
+- the cache object for one sequence (`new_state`: a DCP layout keeps only its owned positions),
+- the indexer's global top-k over the positions this rank holds (`merge_topk`),
+- attention of this rank's heads over the selected positions (`attend`: under DCP, partial
+  (out, lse) from every rank merged by log-sum-exp at the heads' owners).
 
 World 1 is implemented here: every method is the identity.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from glm53.model.mla import AttentionWeights
 
 
 @dataclass(frozen=True)
@@ -55,20 +61,30 @@ class RankPlan:
     def gather_logits(self, local_logits: torch.Tensor) -> torch.Tensor:
         return local_logits
 
-    # ---- context parallelism ---------------------------------------------------------------
-    def owned_positions(self, start: int, stop: int) -> torch.Tensor | None:
-        """Positions in [start, stop) whose cache rows live here; None means all of them."""
-        return None
+    # ---- attention (heads by TP, positions by DCP) ------------------------------------------
+    def merge_topk(self, scores: torch.Tensor, key_positions: torch.Tensor | None, k: int) -> torch.Tensor:
+        """The indexer's selection as a mask [Tq, n] over the rows this rank holds.
 
-    def merge_attention(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-        """Combine per-rank attention partials (out [..., d], lse [...]) by log-sum-exp in rank order."""
-        return out
-
-    def merge_topk(self, scores: torch.Tensor, k: int) -> torch.Tensor:
-        """Global top-k selection mask from this rank's index scores (world 1: local selection)."""
+        scores [Tq, n] are for the keys at key_positions (None: the cache holds every position
+        0..n-1, the world-1 case); the top-k is global, ties toward the lower position."""
         from glm53.model.indexer import select_topk
 
         return select_topk(scores, k)
+
+    def attend(self, w: "AttentionWeights", q_nope: torch.Tensor, q_rot: torch.Tensor, rows: torch.Tensor,
+               key_positions: torch.Tensor | None, selection: torch.Tensor, mode: str, gather_above: int,
+               total_heads: int) -> torch.Tensor:
+        """Attention of this rank's heads' queries (q_nope [T, h, nope], q_rot [T, h, rope]) over the
+        selected cache rows -> [T, h, v] for those heads (before o_proj).
+
+        rows [n, r + rope] are the rows this rank holds, at key_positions (None: all positions),
+        selection [T, n] the mask from merge_topk. World 1: prefill expands keys through kv_b,
+        decode works in the latent space (absorbed)."""
+        from glm53.model.mla import attend_decode, attend_expanded
+
+        if mode == "prefill":
+            return attend_expanded(w, q_nope, q_rot, rows, selection)[0]
+        return attend_decode(w, q_nope, q_rot, rows, selection, gather_above)[0]
 
     # ---- the cache ------------------------------------------------------------------------
     def new_state(self, model, kv_dtype: str = "bf16"):  # noqa: ANN001, ANN201 - (Glm53Model) -> KVState

@@ -15,8 +15,7 @@ import torch
 from glm53.config import Glm53Config
 from glm53.kv_state import KVState
 from glm53.model.indexer import IndexerWeights, index_scores, indexer_keys, indexer_queries
-from glm53.model.mla import (AttentionWeights, attend_absorbed, attend_expanded, latent_rows,
-                             output_projection, project_queries)
+from glm53.model.mla import AttentionWeights, latent_rows, output_projection, project_queries
 from glm53.model.moe import MLPWeights, MoEWeights
 from glm53.model.norm import rms_norm
 from glm53.model.parallel import RankPlan
@@ -53,6 +52,7 @@ class ModelWeights:
     final_norm: torch.Tensor
     head: torch.Tensor  # [vocab (this rank's rows), hidden]
     mtp: MtpWeights | None = None
+    bytes_read: int | None = None  # checkpoint bytes this rank read (R > 1: exactly its planned slices)
 
 
 @dataclass
@@ -144,33 +144,24 @@ class Glm53Model:
     def _layer(self, state: KVState, layer: LayerWeights, x: torch.Tensor, positions: torch.Tensor, start: int,
                cos: torch.Tensor, sin: torch.Tensor, selection: torch.Tensor | None, mode: str
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        cfg, a = self.cfg, layer.attn
+        cfg, a, plan = self.cfg, layer.attn, self.plan
         h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
         q_resid, q_nope, q_rot = project_queries(a, h, cos, sin)
         stop = start + x.shape[0]
+        # the rows this rank holds (all of [0, stop) unless the cache is split by position)
+        key_positions = state.owned_positions(stop)
         state.write_latent(layer.index, start, latent_rows(a, h, cos, sin))
         cached = state.read_latent(layer.index, stop, self.dtype)  # read back: attend to what is stored
         if layer.indexer is not None:
             state.write_index(layer.index, start, indexer_keys(layer.indexer, h, cos, sin))
             keys = state.read_index(layer.index, stop, self.dtype)
             q_idx = indexer_queries(layer.indexer, q_resid, cos, sin)
-            selection = self.plan.merge_topk(index_scores(layer.indexer, q_idx, h, keys, positions), cfg.index_topk)
+            scores = index_scores(layer.indexer, q_idx, h, keys, positions, key_positions)
+            selection = plan.merge_topk(scores, key_positions, cfg.index_topk)
         elif selection is None:
             raise ValueError(f"layer {layer.index} shares the indexer selection but no earlier full layer ran")
-        if mode == "prefill":
-            out, lse = attend_expanded(a, q_nope, q_rot, cached, selection)
-        else:
-            out, lse = self._attend_decode(a, q_nope, q_rot, cached, selection)
-        out = self.plan.merge_attention(out, lse)
-        x = x + self.plan.sum_partials(output_projection(a, out))
+        out = plan.attend(a, q_nope, q_rot, cached, key_positions, selection, mode, cfg.index_topk,
+                          cfg.num_attention_heads)
+        x = x + plan.sum_partials(output_projection(a, out))
         h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
-        return x + self.plan.sum_partials(layer.ffn(h)), selection
-
-    def _attend_decode(self, a: AttentionWeights, q_nope: torch.Tensor, q_rot: torch.Tensor, cached: torch.Tensor,
-                       selection: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if q_nope.shape[0] == 1 and cached.shape[0] > self.cfg.index_topk:
-            # one query over a long context: gather its selected rows (ascending) instead of masking all
-            picked = selection[0].nonzero().squeeze(1)
-            return attend_absorbed(a, q_nope, q_rot, cached[picked],
-                                   torch.ones(1, picked.shape[0], dtype=torch.bool, device=cached.device))
-        return attend_absorbed(a, q_nope, q_rot, cached, selection)
+        return x + plan.sum_partials(layer.ffn(h)), selection
