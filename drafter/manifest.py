@@ -2,9 +2,13 @@
 licence, and how to check what was fetched.
 
 The weights may not be redistributed (see drafter/NOTICE): the fetcher downloads them for the
-user. Hashes the manifest does not know yet (null) are pinned on first fetch into
-`<dir>/drafter.lock.json` (trust on first use) and enforced from then on; hashes the manifest
-does know are always enforced.
+user. What was fetched is pinned into `<dir>/drafter.lock.json` and enforced from then on. When
+the fetcher passes the hub's file metadata (`hub_files`), the lock holds the hub's record: its size
+and LFS SHA-256 for large files (so `verify` hashes them against the hub, never against a damaged
+download), and for small (git) files a local SHA-256 taken only after the file's git blob id
+matched the hub's; a size or git blob id that disagrees with the hub is refused, not pinned.
+Without hub metadata (the CLI's `pin`) the lock trusts the files on first use. Hashes the
+manifest itself knows are always enforced.
 
 CLI (for fetch_weights.sh --drafter):
     python -m drafter.manifest show             print repository, revision, patterns, licence (JSON)
@@ -131,18 +135,78 @@ def _fetched_files(directory: Path, manifest: DrafterManifest) -> list[str]:
     return sorted(names)
 
 
-def pin(directory: str | Path, manifest: DrafterManifest | None = None, *, commit: str | None = None) -> dict:
-    """Hash every fetched file into DIR/drafter.lock.json; manifest hashes that are known must match."""
+@dataclass(frozen=True)
+class HubFile:
+    """What the hub says one file of the fetched revision is (`model_info(files_metadata=True)`)."""
+    size: int | None
+    sha256: str | None = None   # LFS files: the hub's content hash
+    blob_id: str | None = None  # git blob id (of the content for git files, of the pointer for LFS files)
+
+
+class PinRefused(ValueError):
+    """The fetched files do not match what the hub (or the manifest) says; nothing was pinned."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+def git_blob_id(path: Path, chunk: int = 1 << 24) -> str:
+    """git's object id of the file's content (sha1 over "blob <size>\\0" + content)."""
+    h = hashlib.sha1(b"blob %d\0" % path.stat().st_size)
+    with path.open("rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _hub_record(directory: Path, rel: str, hub: HubFile) -> tuple[dict | None, str | None]:
+    """(lock entry, None) when the local file agrees with the hub's record, else (None, problem)."""
+    p = directory / rel
+    if not p.is_file():
+        return None, f"{p}: missing, though the hub lists it (download incomplete; fetch again)"
+    size = p.stat().st_size
+    if hub.size is not None and size != hub.size:
+        return None, f"{p}: size {size}, the hub says {hub.size} (incomplete or damaged download; fetch again)"
+    if hub.sha256:  # LFS: the hub's hash is the record; `verify` hashes the file against it
+        return {"sha256": hub.sha256, "size": size, "from": "hub"}, None
+    if hub.blob_id and git_blob_id(p) != hub.blob_id:
+        return None, f"{p}: content differs from the hub's (git blob id {hub.blob_id}); fetch again"
+    return {"sha256": sha256_of(p), "size": size, "from": "hub-git" if hub.blob_id else "local"}, None
+
+
+def pin(directory: str | Path, manifest: DrafterManifest | None = None, *, commit: str | None = None,
+        hub_files: dict[str, HubFile] | None = None) -> dict:
+    """Record the fetched files in DIR/drafter.lock.json (atomically) and return the lock.
+
+    With `hub_files` (the hub's metadata for the fetched revision, already filtered by the
+    manifest's allow_patterns) the lock holds the hub's sizes and hashes; a file whose size or git
+    blob id disagrees is refused (PinRefused), LFS content is left to `verify` against the hub's
+    SHA-256; without `hub_files` every fetched file is hashed as found (trust on first use).
+    Manifest hashes that are known must match either way."""
     manifest = manifest or load_manifest()
     directory = Path(directory)
     problems = check_against_manifest(directory, manifest)
-    if problems:
-        raise FileNotFoundError("\n".join(problems))
-    files = {}
-    for rel in _fetched_files(directory, manifest):
-        p = directory / rel
-        files[rel] = {"sha256": sha256_of(p), "size": p.stat().st_size}
-    lock = {"repository": manifest.repository, "revision": commit or manifest.revision, "files": files}
+    files: dict[str, dict] = {}
+    if hub_files is None:
+        if problems:
+            raise FileNotFoundError("\n".join(problems))
+        for rel in _fetched_files(directory, manifest):
+            p = directory / rel
+            files[rel] = {"sha256": sha256_of(p), "size": p.stat().st_size, "from": "local"}
+    else:
+        unlisted = sorted({f.path for f in manifest.files} - set(hub_files))
+        problems += [f"{manifest.source}: expects {rel}, which the hub's revision does not have" for rel in unlisted]
+        for rel, hub in sorted(hub_files.items()):
+            entry, problem = _hub_record(directory, rel, hub)
+            if problem:
+                problems.append(problem)
+            else:
+                files[rel] = entry
+        if problems:
+            raise PinRefused(problems)
+    lock = {"repository": manifest.repository, "revision": commit or manifest.revision,
+            "licence": manifest.licence_spdx, "files": files}
     _atomic_json(directory / LOCK_NAME, lock)
     return lock
 
@@ -185,7 +249,11 @@ def verify(directory: str | Path, manifest: DrafterManifest | None = None) -> li
         elif p.stat().st_size != want.get("size"):
             problems.append(f"{p}: size {p.stat().st_size}, {LOCK_NAME} says {want.get('size')}")
         elif sha256_of(p) != want.get("sha256"):
-            problems.append(f"{p}: sha256 differs from {LOCK_NAME} (file changed since it was pinned)")
+            whose = "the hub's record" if want.get("from") == "hub" else "the hash pinned"
+            problems.append(f"{p}: sha256 differs from {whose} in {LOCK_NAME} (corrupt or changed since it was "
+                            "fetched; fetch again: bash fetch_weights.sh --drafter)")
+    if not entries:
+        problems.append(f"{lock_path}: lists no files; fetch again")
     return problems
 
 
@@ -220,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     except ManifestError as e:
         print(f"drafter.manifest: {e}", file=sys.stderr)
         return 2
-    except FileNotFoundError as e:
+    except (FileNotFoundError, PinRefused) as e:
         print(f"drafter.manifest: {e}", file=sys.stderr)
         return 1
     print(usage, file=sys.stderr)

@@ -152,10 +152,16 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_checkpoint(tmp_path_factory.mktemp("hubrepo"), tiny_config(), n_shards=3, seed=3)
 
 
-def fetch(args: list[str], endpoint: str, hf_home: Path) -> subprocess.CompletedProcess:
+def hub_env(endpoint: str, hf_home: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
     env.update(HF_ENDPOINT=endpoint, HF_HOME=str(hf_home), HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_ETAG_TIMEOUT="5")
-    return subprocess.run(["bash", str(ROOT / "fetch_weights.sh"), *args], capture_output=True, text=True, timeout=180, env=env)
+    return env
+
+
+def fetch(args: list[str], endpoint: str, hf_home: Path) -> subprocess.CompletedProcess:
+    """fetch_weights.sh with stdin not a terminal (as in CI and scripts)."""
+    return subprocess.run(["bash", str(ROOT / "fetch_weights.sh"), *args], capture_output=True, text=True, timeout=180,
+                          env=hub_env(endpoint, hf_home), stdin=subprocess.DEVNULL)
 
 
 def dead_endpoint() -> str:
@@ -241,22 +247,6 @@ def test_hub_serving_a_damaged_shard_is_caught(source: Path, tmp_path: Path) -> 
     assert shard.name in proc.stderr and "truncated" in proc.stderr
 
 
-def test_drafter_fetched_beside_dir(source: Path, tmp_path: Path) -> None:
-    drafter_src = tmp_path / "drafter_src"
-    drafter_src.mkdir()
-    shutil.copy(sorted(source.glob("*.safetensors"))[0], drafter_src / "model.safetensors")
-    (drafter_src / "config.json").write_text(json.dumps({"model_type": "dflash2"}))
-    report = tmp_path / "r.json"
-    with FakeHub(source, extra={"incoai/GLM-5.3-DFlash2": drafter_src}) as hub:
-        proc = fetch(["--dir", str(tmp_path / "models" / "glm"), "--drafter", "--revision", COMMIT, "--json", str(report)],
-                     hub.url, tmp_path / "hf")
-    assert proc.returncode == 0, proc.stderr
-    assert "CC BY-NC-ND" in proc.stderr
-    got = tmp_path / "models" / "GLM-5.3-DFlash2" / "model.safetensors"
-    assert got.read_bytes() == (drafter_src / "model.safetensors").read_bytes()
-    assert json.loads(report.read_text())["drafter"]["status"] == "ok"
-
-
 def test_hub_5xx_falls_back_to_local_copy(source: Path, tmp_path: Path) -> None:
     dest, hf_home = tmp_path / "model", tmp_path / "hf"
     with FakeHub(source) as hub:
@@ -267,3 +257,137 @@ def test_hub_5xx_falls_back_to_local_copy(source: Path, tmp_path: Path) -> None:
         assert "503" in proc.stderr and "local copy" in proc.stderr
         proc = fetch(["--dir", str(tmp_path / "empty"), "--revision", COMMIT], hub.url, hf_home)
         assert proc.returncode == 4 and "no local copy" in proc.stderr
+
+
+# --- the DFlash2 drafter: --drafter, driven by drafter/MANIFEST.json ---
+
+DRAFTER_REPO = "incoai/GLM-5.3-DFlash2"
+
+
+@pytest.fixture(scope="module")
+def drafter_src(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny real DFlash2 drafter as the hub repo, plus files the manifest's allow_patterns leave out."""
+    from drafter.tiny_dflash import write_tiny_dflash2
+
+    src = write_tiny_dflash2(tmp_path_factory.mktemp("drafter_repo"), vocab_size=16, hidden_size=16, target_layer_ids=[0])
+    (src / "LICENSE").write_text("CC BY-NC-ND 4.0\n")
+    (src / "training_args.bin").write_bytes(b"not for us" * 10)
+    return src
+
+
+def drafter_hub(source: Path, drafter_src: Path) -> FakeHub:
+    return FakeHub(source, extra={DRAFTER_REPO: drafter_src})
+
+
+def flip_last_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x55
+    path.write_bytes(bytes(data))
+
+
+def test_drafter_fetch_pins_the_hubs_record_then_offline_reverify(source: Path, drafter_src: Path, tmp_path: Path) -> None:
+    from drafter.manifest import LOCK_NAME
+
+    dest, report = tmp_path / "GLM-5.3-DFlash2", tmp_path / "r.json"
+    with drafter_hub(source, drafter_src) as hub:
+        proc = fetch(["--drafter", "--accept-licence", "--dir", str(dest), "--json", str(report)], hub.url, tmp_path / "hf")
+        files = hub.repos[DRAFTER_REPO][1]
+    assert proc.returncode == 0, proc.stderr
+    assert "CC-BY-NC-ND-4.0" in proc.stderr and "may not be redistributed" in proc.stderr
+    assert "placeholder" in proc.stderr  # the manifest's revision is not pinned yet, and says so
+    for name in ("config.json", "model.safetensors", "LICENSE"):
+        assert (dest / name).read_bytes() == (drafter_src / name).read_bytes(), name
+    assert not (dest / "training_args.bin").exists()  # outside allow_patterns
+    assert not (dest / "glm53-manifest.json").exists()  # the drafter's record is its lock, not the model manifest
+    lock = json.loads((dest / LOCK_NAME).read_text())
+    assert lock["repository"] == DRAFTER_REPO and lock["revision"] == COMMIT and lock["licence"] == "CC-BY-NC-ND-4.0"
+    assert set(lock["files"]) == {"config.json", "model.safetensors", "LICENSE"}
+    shard = lock["files"]["model.safetensors"]
+    assert shard == {"sha256": files["model.safetensors"]["sha256"], "size": files["model.safetensors"]["size"], "from": "hub"}
+    assert lock["files"]["config.json"]["from"] == "hub-git"  # git file: its blob id matched the hub's
+    assert lock["files"]["config.json"]["sha256"] == hashlib.sha256((drafter_src / "config.json").read_bytes()).hexdigest()
+    doc = json.loads(report.read_text())
+    assert doc["status"] == "ok" and doc["drafter_dir"] == str(dest) and doc["source"]["commit"] == COMMIT
+    assert f"drafter: {dest}" in proc.stdout and f"--drafter {dest}" in proc.stdout  # where the engine finds it
+
+    # offline, no hub at all: re-verified against the lock; no licence question (nothing is downloaded)
+    proc = fetch(["--drafter", "--offline", "--dir", str(dest)], dead_endpoint(), tmp_path / "hf")
+    assert proc.returncode == 0, proc.stderr
+    assert "verify      ok: 3 files" in proc.stdout and "licence" not in proc.stderr
+    # a corrupted file (same size) is caught by the hash, named, exit 1
+    flip_last_byte(dest / "model.safetensors")
+    proc = fetch(["--drafter", "--offline", "--dir", str(dest), "--json", str(report)], dead_endpoint(), tmp_path / "hf")
+    assert proc.returncode == 1
+    assert "model.safetensors: sha256 differs from the hub's record" in proc.stderr
+    assert json.loads(report.read_text())["status"] == "files"
+    # a truncated one by its size
+    os.truncate(dest / "config.json", 3)
+    proc = fetch(["--drafter", "--offline", "--dir", str(dest)], dead_endpoint(), tmp_path / "hf")
+    assert proc.returncode == 1 and "config.json: size 3" in proc.stderr
+
+
+def test_drafter_refused_without_accepting_the_licence(source: Path, drafter_src: Path, tmp_path: Path) -> None:
+    dest, report = tmp_path / "d", tmp_path / "r.json"
+    with drafter_hub(source, drafter_src) as hub:
+        proc = fetch(["--drafter", "--dir", str(dest), "--json", str(report)], hub.url, tmp_path / "hf")
+        assert sum(hub.requests.values()) == 0  # not even the file list was asked for
+    assert proc.returncode == 5
+    assert "--accept-licence" in proc.stderr and "CC-BY-NC-ND-4.0" in proc.stderr
+    assert "https://creativecommons.org/licenses/by-nc-nd/4.0/" in proc.stderr and "Nothing was downloaded" in proc.stderr
+    assert not dest.exists()
+    assert json.loads(report.read_text())["status"] == "licence_not_accepted"
+    # --repo is not the drafter's to choose
+    proc = fetch(["--drafter", "--accept-licence", "--repo", "x/y"], dead_endpoint(), tmp_path / "hf")
+    assert proc.returncode == 2 and "MANIFEST.json" in proc.stderr
+
+
+def test_drafter_licence_prompt_on_a_terminal(source: Path, drafter_src: Path, tmp_path: Path) -> None:
+    """stdin a real pseudo-terminal: 'n' (or no answer) downloads nothing; 'y' fetches."""
+    import pty
+
+    def on_tty(answer: bytes, dest: Path, url: str) -> tuple[int, str]:
+        master, slave = pty.openpty()
+        try:
+            proc = subprocess.Popen(["bash", str(ROOT / "fetch_weights.sh"), "--drafter", "--dir", str(dest)],
+                                    stdin=slave, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    env=hub_env(url, tmp_path / "hf"))
+            os.write(master, answer)
+            _, err = proc.communicate(timeout=120)
+        finally:
+            os.close(slave)
+            os.close(master)
+        return proc.returncode, err
+
+    with drafter_hub(source, drafter_src) as hub:
+        code, err = on_tty(b"n\n", tmp_path / "no", hub.url)
+        assert code == 5 and "Accept CC-BY-NC-ND-4.0" in err and "nothing was downloaded" in err
+        assert not (tmp_path / "no").exists() and sum(hub.requests.values()) == 0
+        code, err = on_tty(b"y\n", tmp_path / "yes", hub.url)
+        assert code == 0, err
+    assert (tmp_path / "yes" / "model.safetensors").read_bytes() == (drafter_src / "model.safetensors").read_bytes()
+
+
+def test_drafter_served_damaged_is_caught(source: Path, drafter_src: Path, tmp_path: Path) -> None:
+    """A mirror serving bytes that differ from its own metadata: the lock keeps the hub's hash, not the
+    damaged file's, so the fetch fails (exit 1) and so does every later offline re-verify."""
+    from drafter.manifest import LOCK_NAME
+
+    bad, dest = tmp_path / "bad_src", tmp_path / "d"
+    shutil.copytree(drafter_src, bad)
+    with drafter_hub(source, bad) as hub:  # metadata taken now; then the served shard changes, same size
+        want = hub.repos[DRAFTER_REPO][1]["model.safetensors"]["sha256"]
+        flip_last_byte(bad / "model.safetensors")
+        proc = fetch(["--drafter", "--accept-licence", "--dir", str(dest)], hub.url, tmp_path / "hf")
+    assert proc.returncode == 1, proc.stderr
+    assert "model.safetensors: sha256 differs from the hub's record" in proc.stderr and "FAILED" in proc.stdout
+    assert json.loads((dest / LOCK_NAME).read_text())["files"]["model.safetensors"]["sha256"] == want
+    proc = fetch(["--drafter", "--offline", "--dir", str(dest)], dead_endpoint(), tmp_path / "hf")
+    assert proc.returncode == 1 and "model.safetensors" in proc.stderr
+    # a damaged git (non-LFS) file is refused by its blob id before anything is pinned
+    (bad / "config.json").write_text((drafter_src / "config.json").read_text().replace("1", "2", 1))
+    shutil.rmtree(dest)
+    with drafter_hub(source, drafter_src) as hub:  # metadata of the good config.json ...
+        hub.repos[DRAFTER_REPO] = (bad, hub.repos[DRAFTER_REPO][1])  # ... served from the damaged folder
+        proc = fetch(["--drafter", "--accept-licence", "--dir", str(dest)], hub.url, tmp_path / "hf")
+    assert proc.returncode == 1 and "config.json: content differs from the hub's" in proc.stderr
+    assert not (dest / LOCK_NAME).exists()
