@@ -308,7 +308,7 @@ def test_drafter_fetch_pins_the_hubs_record_then_offline_reverify(source: Path, 
     assert lock["files"]["config.json"]["sha256"] == hashlib.sha256((drafter_src / "config.json").read_bytes()).hexdigest()
     doc = json.loads(report.read_text())
     assert doc["status"] == "ok" and doc["drafter_dir"] == str(dest) and doc["source"]["commit"] == COMMIT
-    assert f"drafter: {dest}" in proc.stdout and f"--drafter {dest}" in proc.stdout  # where the engine finds it
+    assert f"drafter: {dest}\n" in proc.stdout and f"--drafter {dest}\n" in proc.stdout  # where the engine finds it
 
     # offline, no hub at all: re-verified against the lock; no licence question (nothing is downloaded)
     proc = fetch(["--drafter", "--offline", "--dir", str(dest)], dead_endpoint(), tmp_path / "hf")
@@ -339,6 +339,19 @@ def test_drafter_refused_without_accepting_the_licence(source: Path, drafter_src
     # --repo is not the drafter's to choose
     proc = fetch(["--drafter", "--accept-licence", "--repo", "x/y"], dead_endpoint(), tmp_path / "hf")
     assert proc.returncode == 2 and "MANIFEST.json" in proc.stderr
+
+
+def test_drafter_into_the_cache_then_offline(source: Path, drafter_src: Path, tmp_path: Path) -> None:
+    from drafter.manifest import LOCK_NAME
+
+    with drafter_hub(source, drafter_src) as hub:
+        proc = fetch(["--drafter", "--accept-licence"], hub.url, tmp_path / "hf")
+    assert proc.returncode == 0, proc.stderr
+    snapshot = tmp_path / "hf" / "hub" / "models--incoai--GLM-5.3-DFlash2" / "snapshots" / COMMIT
+    assert (snapshot / LOCK_NAME).is_file() and f"drafter: {snapshot}\n" in proc.stdout
+    proc = fetch(["--drafter", "--offline"], dead_endpoint(), tmp_path / "hf")  # found by repo@main, no --dir
+    assert proc.returncode == 0, proc.stderr
+    assert f"drafter     {snapshot}\n" in proc.stdout and "verify      ok: 3 files" in proc.stdout
 
 
 def test_drafter_licence_prompt_on_a_terminal(source: Path, drafter_src: Path, tmp_path: Path) -> None:

@@ -75,8 +75,11 @@ def _has_weights(folder: Path) -> bool:
     return folder.is_dir() and ((folder / "model.safetensors.index.json").exists() or any(folder.glob("*.safetensors")))
 
 
-def find_local_copy(repo: str, revision: str, local_dir: str | Path | None) -> Path | None:
-    """The copy at `local_dir`, else the cached snapshot for (repo, revision); no network."""
+def find_local_copy(repo: str, revision: str, local_dir: str | Path | None,
+                    allow_patterns: list[str] | None = None) -> Path | None:
+    """The copy at `local_dir`, else the cached snapshot for (repo, revision); no network.
+    `allow_patterns` as at download time (the cache knows the whole tree; without them a partial
+    snapshot counts as incomplete)."""
     if local_dir is not None:
         path = Path(local_dir)
         return path if _has_weights(path) else None
@@ -84,7 +87,7 @@ def find_local_copy(repo: str, revision: str, local_dir: str | Path | None) -> P
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     try:
-        path = Path(snapshot_download(repo, revision=revision, local_files_only=True))
+        path = Path(snapshot_download(repo, revision=revision, local_files_only=True, allow_patterns=allow_patterns))
     except (LocalEntryNotFoundError, OSError, ValueError):
         return None
     return path if _has_weights(path) else None
@@ -241,7 +244,7 @@ def fetch_drafter(
 
     def offline_copy(why: str) -> DrafterFetched:
         pinned_here = local_dir is not None and (Path(local_dir) / LOCK_NAME).is_file()
-        path = Path(local_dir) if pinned_here else find_local_copy(repo, revision, local_dir)
+        path = Path(local_dir) if pinned_here else find_local_copy(repo, revision, local_dir, list(manifest.allow_patterns))
         if path is None:
             where = f"at {local_dir}" if local_dir is not None else f"in the Hugging Face cache ({_cache_dir()}) for {repo}@{revision}"
             raise FetchError(f"{why}, and there is no drafter {where}. Connect to the hub and run "
