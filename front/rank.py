@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import sys
@@ -101,9 +102,22 @@ def glm53_sampling(request: dict[str, Any]) -> Any:
     return SamplingParams.from_request(request)
 
 
+def configure_logging(environ: dict[str, str] | None = None) -> None:
+    """Log records (the front's per-request line, kv_cache hits/misses/evictions, drafter acceptance)
+    go to stderr at TF_GLM53_LOG_LEVEL (default INFO; DEBUG adds cache stores)."""
+    env = os.environ if environ is None else environ
+    name = (env.get("TF_GLM53_LOG_LEVEL") or "INFO").strip().upper()
+    level = logging.getLevelName(name)
+    if not isinstance(level, int):
+        print(f"TF_GLM53_LOG_LEVEL={name!r}: choose DEBUG, INFO, WARNING or ERROR; using INFO", file=sys.stderr)
+        level = logging.INFO
+    logging.basicConfig(level=level, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
+
+
 def main(argv: list[str] | None = None, engine_factory: Callable[[argparse.Namespace], Any] = glm53_engine,
          sampling_factory: Callable[[dict[str, Any]], Any] = glm53_sampling) -> int:
     args = parse_args(argv)
+    configure_logging()
     progress = Progress(args.rank, args.progress_interval)
     progress.start()
     stop = threading.Event()

@@ -19,6 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
 from front.chat import ChatText, IncrementalDecoder, TemplateError
+from front import observe
 from front.metrics import Metrics
 from front.protocol import GenerationRequest, RequestError, parse
 from front.worker import EngineWorker, Job
@@ -45,6 +46,7 @@ def prefix_cache_state(engine: Any) -> str:
     reuses the live conversation (glm53's `prefix_cache` / `reuse_live`); "absent" otherwise."""
     if os.environ.get("TF_GLM53_PREFIX_CACHE", "1") == "0":
         return "off"
+    engine = observe.holder(engine)
     flag = getattr(engine, "prefix_cache_enabled", None)
     if flag is None and (hasattr(engine, "prefix_cache") or hasattr(engine, "reuse_live")):
         flag = getattr(engine, "prefix_cache", None) is not None or bool(getattr(engine, "reuse_live", False))
@@ -56,6 +58,7 @@ def prefix_cache_state(engine: Any) -> str:
 def drafting_state(engine: Any) -> bool:
     """Whether requests are drafted unless they send "draft": false: the engine's own
     `drafting_enabled` when it has one, else a drafter present and drafts not turned off."""
+    engine = observe.holder(engine)
     flag = getattr(engine, "drafting_enabled", None)
     if flag is not None:
         return bool(flag)
@@ -199,7 +202,7 @@ class Handler(BaseHTTPRequestHandler):
                 "id": app.settings.served_model, "object": "model", "created": 0, "owned_by": "glm53-kit",
                 "max_model_len": app.settings.context}]}, "/v1/models")
         elif path == "/metrics":
-            data = app.metrics.render(app.worker.depth()).encode()
+            data = (app.metrics.render(app.worker.depth()) + observe.render(app.engine)).encode()
             self.send_response(200)
             self.send_header("Content-Type", "text/plain; version=0.0.4")
             self.send_header("Content-Length", str(len(data)))
@@ -235,7 +238,8 @@ class Handler(BaseHTTPRequestHandler):
         except RequestError as exc:
             self._send_error(400, str(exc), path, exc.param)
             return
-        job = Job(prompt=prompt, max_tokens=max_tokens, sampling=sampling)
+        job = Job(prompt=prompt, max_tokens=max_tokens, sampling=sampling,
+                  rid=("chatcmpl-" if request.kind == "chat" else "cmpl-") + uuid.uuid4().hex)
         app.worker.submit(job)
         if request.stream:
             self._stream(request, job, path)
@@ -276,7 +280,7 @@ class Handler(BaseHTTPRequestHandler):
                 text = app.text.decode(tokens)
                 finish = app.finish_reason(tokens, request.sampling)
                 usage = app.usage(len(job.prompt), tokens, value["stats"])
-                rid = ("chatcmpl-" if request.kind == "chat" else "cmpl-") + uuid.uuid4().hex
+                rid = job.rid
                 if request.kind == "chat":
                     choice = {"index": 0, "message": {"role": "assistant", "content": text},
                               "finish_reason": finish, "logprobs": None}
@@ -290,7 +294,7 @@ class Handler(BaseHTTPRequestHandler):
     def _stream(self, request: GenerationRequest, job: Job, route: str) -> None:
         app = self.app
         chat = request.kind == "chat"
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        rid = job.rid
         created = int(time.time())
         base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": created, "model": app.settings.served_model}

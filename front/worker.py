@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+from front.observe import Snapshot, Timing, holder, log, request_drafts, request_line
 
 
 @dataclass
@@ -20,6 +23,8 @@ class Job:
     events: "queue.Queue[tuple[str, Any]]" = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     generated: int = 0  # tokens the engine handed over, read by the metrics
+    rid: str = "-"  # the response id, named in the log line
+    timing: Timing = field(default_factory=lambda: Timing(time.perf_counter()))
 
 
 class EngineWorker:
@@ -62,13 +67,24 @@ class EngineWorker:
                 self.busy = False
 
     def _generate(self, job: Job) -> None:
+        timing = job.timing
+
         def on_tokens(tokens: list[int]) -> bool:
+            timing.last_token = time.perf_counter()
+            if job.generated == 0:
+                timing.first_token = timing.last_token
             tokens = [int(t) for t in tokens]
             job.generated += len(tokens)
             job.events.put(("tokens", tokens))
             return not job.cancelled.is_set()
 
-        tokens = self.engine.generate(job.prompt, job.max_tokens, job.sampling, on_tokens)
-        stats = dict(getattr(self.engine, "last_stats", None) or {})
-        job.events.put(("done", {"tokens": [int(t) for t in tokens], "stats": stats,
-                                 "cancelled": job.cancelled.is_set()}))
+        before = Snapshot.take(self.engine)  # only this thread runs the engine: the deltas are this job's
+        timing.started = time.perf_counter()
+        tokens = [int(t) for t in self.engine.generate(job.prompt, job.max_tokens, job.sampling, on_tokens)]
+        after = Snapshot.take(self.engine)
+        stats = dict(getattr(holder(self.engine), "last_stats", None) or {})
+        cancelled = job.cancelled.is_set()
+        log.info(request_line(job.rid, len(job.prompt), len(tokens), stats, timing,
+                              request_drafts(self.engine, before, after, stats), before, after,
+                              "cancelled" if cancelled else "done"))
+        job.events.put(("done", {"tokens": tokens, "stats": stats, "cancelled": cancelled}))
