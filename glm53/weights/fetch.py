@@ -151,8 +151,9 @@ def download(repo: str, revision: str, commit: str, local_dir: str | Path | None
     from huggingface_hub.errors import HfHubHTTPError
 
     try:
-        # pass the name, not the commit: the cache then records refs/<name>, which the offline lookup needs
-        got = snapshot_download(repo, revision=revision, local_dir=str(local_dir) if local_dir is not None else None,
+        # into a folder: the commit the file list came from, so a branch moving meanwhile cannot mix revisions;
+        # into the cache: the name, so the cache records refs/<name> (the offline lookup needs it), checked below
+        got = snapshot_download(repo, revision=commit if local_dir is not None else revision, local_dir=str(local_dir) if local_dir is not None else None,
                                 max_workers=max_workers, allow_patterns=allow_patterns)
     except _connectivity_errors() as exc:
         raise FetchError(f"the download from {endpoint} broke off ({type(exc).__name__}: {exc}); run the same command "
