@@ -375,6 +375,28 @@ def test_pin_then_verify_detects_changes(tmp_path):
     assert run("bogus").returncode == 2
 
 
+def test_pin_with_hub_metadata_records_the_hubs_hashes_and_refuses_disagreement(tmp_path):
+    import hashlib
+    d = write_tiny_dflash2(tmp_path / "drafter", vocab_size=16, hidden_size=16, target_layer_ids=[0])
+    shard, cfg = (d / "model.safetensors").read_bytes(), (d / "config.json").read_bytes()
+    hub_sha = hashlib.sha256(shard).hexdigest()
+    good = {"model.safetensors": mf.HubFile(len(shard), hub_sha, "f" * 40),
+            "config.json": mf.HubFile(len(cfg), None, hashlib.sha1(b"blob %d\0" % len(cfg) + cfg).hexdigest())}
+    lock = mf.pin(d, commit="c" * 40, hub_files=good)
+    assert lock["files"]["model.safetensors"] == {"sha256": hub_sha, "size": len(shard), "from": "hub"}
+    assert lock["files"]["config.json"]["from"] == "hub-git" and lock["revision"] == "c" * 40
+    assert mf.verify(d) == []
+    (d / mf.LOCK_NAME).unlink()
+    with pytest.raises(mf.PinRefused) as e:  # size and git blob id disagreeing with the hub: nothing pinned
+        mf.pin(d, hub_files={"model.safetensors": mf.HubFile(len(shard) + 1, hub_sha),
+                             "config.json": mf.HubFile(len(cfg), None, "0" * 40)})
+    assert any("model.safetensors: size" in p for p in e.value.problems)
+    assert any("config.json: content differs from the hub's" in p for p in e.value.problems)
+    with pytest.raises(mf.PinRefused, match="expects config.json, which the hub's revision does not have"):
+        mf.pin(d, hub_files={"model.safetensors": good["model.safetensors"]})
+    assert not (d / mf.LOCK_NAME).exists()
+
+
 def test_prefilled_handoff_equals_own_prefill():
     prompt = [2, 7, 1, 8, 2, 8, 1, 8, 2, 8]
     stop = StopRule(max_tokens=15)

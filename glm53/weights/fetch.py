@@ -267,7 +267,7 @@ def fetch_drafter(
     source = {"repo": repo, "revision": revision, "commit": info.sha, "online": True, "endpoint": endpoint}
     try:
         lock = pin(got, manifest, commit=info.sha, hub_files=hub_files)
-    except PinRefused as exc:  # a damaged download is never pinned: the old lock (if any) stays and fails verify
+    except PinRefused as exc:  # a size or git blob id not the hub's: nothing pinned, an older lock (if any) untouched
         return DrafterFetched(got, exc.problems, None, source)
     return DrafterFetched(got, verify(got, manifest), lock, source)
 
