@@ -1,0 +1,274 @@
+"""The front's observability over the REAL glm53 engine on the tiny checkpoint, through a real
+front server on loopback: the per-request log line, the prefix cache's counters and the drafter's
+acceptance counters in /metrics, and /metrics as strict Prometheus text.
+
+One engine (the session's tiny_engine) with a real kv_cache.PrefixCache and a copy-draft
+DraftPlan attached for this module, restored afterwards.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+from drafter.glm53_target import DraftPlan
+from front.chat import ChatText
+from front.rank import glm53_sampling
+from front.server import App, FrontSettings, drafting_state, make_server, prefix_cache_state
+from kv_cache.cache import PrefixCache
+from kv_cache.engine_adapter import cache_key_for
+from tests.fixtures_tiny import TINY_CHUNK, fresh_engine_state, tiny_dirs, tiny_engine  # noqa: F401
+
+ROOT = Path(__file__).resolve().parents[1]
+HOST_CHUNKS = 5  # host budget in chunks: one 3-chunk prompt fits, two distinct ones evict
+
+
+# ---- a strict Prometheus text-format (0.0.4) parser --------------------------------------------
+NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
+LABEL = r'[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\["\\n])*"'
+SAMPLE = re.compile(rf"^({NAME})(\{{(?:{LABEL})(?:,{LABEL})*\}})? (\S+)$")
+HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
+
+
+def parse_prometheus(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """{(sample name, sorted labels): value}. Fails on anything the format does not allow: a sample
+    before its family's HELP and TYPE, a family declared twice or interleaved, an unknown type, a
+    sample name that is not its family's, a duplicate series, a malformed line or value, histogram
+    buckets that are not cumulative or whose +Inf bucket differs from _count."""
+    assert text.endswith("\n"), "the exposition must end with a newline"
+    samples: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    helps: dict[str, str] = {}
+    types: dict[str, str] = {}
+    closed: set[str] = set()
+    current: str | None = None
+    for number, line in enumerate(text.splitlines(), 1):
+        where = f"line {number}: {line!r}"
+        assert line.strip() == line and line, f"{where}: blank or padded line"
+        if line.startswith("# HELP "):
+            name, _, help_text = line[7:].partition(" ")
+            assert re.fullmatch(NAME, name) and help_text, where
+            assert name not in helps and name not in closed, f"{where}: family declared twice"
+            if current is not None:
+                closed.add(current)
+            helps[name], current = help_text, name
+            continue
+        if line.startswith("# TYPE "):
+            name, _, kind = line[7:].partition(" ")
+            assert name == current and name not in types, f"{where}: TYPE must follow its HELP"
+            assert kind in ("counter", "gauge", "histogram", "summary", "untyped"), where
+            types[name] = kind
+            continue
+        assert not line.startswith("#"), f"{where}: unknown comment"
+        m = SAMPLE.match(line)
+        assert m, f"{where}: malformed sample"
+        name, labels_text, value_text = m.groups()
+        assert current is not None and current in types, f"{where}: sample before HELP/TYPE"
+        if types[current] == "histogram":
+            assert name in tuple(current + s for s in HISTOGRAM_SUFFIXES), f"{where}: not of {current}"
+        else:
+            assert name == current, f"{where}: sample of family {current}"
+        labels = tuple(sorted(re.findall(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"', labels_text or "")))
+        assert len({k for k, _ in labels}) == len(labels), f"{where}: repeated label"
+        value = float(value_text)  # raises on a malformed value
+        assert not math.isnan(value), where
+        if types[current] == "counter":
+            assert value >= 0, f"{where}: negative counter"
+        key = (name, labels)
+        assert key not in samples, f"{where}: duplicate series"
+        samples[key] = value
+    for family, kind in types.items():
+        if kind != "histogram":
+            continue
+        buckets = sorted(((math.inf if dict(lab)["le"] == "+Inf" else float(dict(lab)["le"])), v)
+                         for (n, lab), v in samples.items() if n == family + "_bucket")
+        assert buckets and buckets[-1][0] == math.inf, f"{family}: no +Inf bucket"
+        assert all(a[1] <= b[1] for a, b in zip(buckets, buckets[1:])), f"{family}: buckets not cumulative"
+        assert buckets[-1][1] == samples[(family + "_count", ())], f"{family}: +Inf bucket != _count"
+        assert (family + "_sum", ()) in samples, f"{family}: no _sum"
+    return samples
+
+
+def value(samples: dict, name: str, **labels: str) -> float:
+    return samples[(name, tuple(sorted(labels.items())))]
+
+
+# ---- the lane --------------------------------------------------------------------------------
+def chunk_bytes(engine) -> int:
+    """Host bytes of one cached chunk of this engine, measured with a throwaway cache."""
+    probe = PrefixCache(cache_key_for(engine, revision="probe"))
+    with fresh_engine_state(engine, prefix_cache=probe, drafter=None):
+        engine.generate(list(range(3, 3 + TINY_CHUNK + 1)), 1)
+    stats = probe.stats_dict()
+    assert stats["host_chunks"] == 1
+    return stats["host_bytes"]
+
+
+@pytest.fixture(scope="module")
+def lane(tiny_dirs, tiny_engine):  # noqa: F811
+    engine = tiny_engine
+    cache = PrefixCache(cache_key_for(engine, revision="front-test"), host_bytes=HOST_CHUNKS * chunk_bytes(engine))
+    with fresh_engine_state(engine, prefix_cache=cache, drafter=DraftPlan("copy")):
+        settings = FrontSettings(context=512, default_max_tokens=8, prefix_cache=prefix_cache_state(engine),
+                                 drafting=drafting_state(engine), prefill_chunk=engine.chunk)
+        app = App(engine, ChatText(tiny_dirs.model), settings, glm53_sampling)
+        server = make_server(app, "127.0.0.1", 0)
+        threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+        try:
+            yield f"http://127.0.0.1:{server.server_address[1]}", engine, cache
+        finally:
+            server.shutdown()
+            server.server_close()
+            app.worker.stop()
+
+
+@pytest.fixture
+def lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """The front's per-request log lines, as logged (records from the worker thread)."""
+    caplog.set_level(logging.INFO, logger="front.requests")
+
+    class View(list):
+        def __iter__(self):
+            return iter([r.getMessage() for r in caplog.records if r.name == "front.requests"])
+
+        def __len__(self):
+            return len(list(iter(self)))
+
+        def __getitem__(self, i):
+            return list(iter(self))[i]
+
+    return View()
+
+
+def metrics(url: str) -> dict:
+    r = httpx.get(url + "/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    return parse_prometheus(r.text)
+
+
+def field(line: str, name: str) -> str:
+    m = re.search(rf"(?:^| ){name}=(\S+)", line)
+    assert m, f"{name} missing from the log line {line!r}"
+    return m.group(1)
+
+
+def complete(url: str, prompt: list[int] | str, max_tokens: int, draft: bool) -> dict:
+    r = httpx.post(url + "/v1/completions", timeout=60,
+                   json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "draft": draft})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+# ---- tests -----------------------------------------------------------------------------------
+def test_resend_hits_the_cache_and_metrics_match_usage(lane, lines) -> None:
+    url, engine, _ = lane
+    assert httpx.get(url + "/health").json()["prefix_cache"] == "on"
+    before = metrics(url)
+    prompt = [7 + (i * 13) % 500 for i in range(3 * TINY_CHUNK + 5)]  # three whole chunks and a tail
+    first = complete(url, prompt, 4, draft=False)
+    second = complete(url, prompt, 4, draft=False)
+    after = metrics(url)
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == 3 * TINY_CHUNK and first["choices"][0]["text"] == second["choices"][0]["text"]
+
+    def delta(name: str) -> float:
+        return value(after, name) - value(before, name)
+
+    assert delta("glm53_prefix_cache_lookups_total") == 2
+    assert delta("glm53_prefix_cache_hits_total") == 1 and value(after, "glm53_prefix_cache_hits_total") > 0
+    assert delta("glm53_prefix_cache_cached_tokens_total") == first["usage"]["prompt_tokens_details"]["cached_tokens"] + cached
+    assert delta("glm53_cached_tokens_total") == delta("glm53_prefix_cache_cached_tokens_total")
+    assert value(after, "glm53_prefix_cache_host_bytes") > 0 and value(after, "glm53_prefix_cache_host_chunks") >= 3
+    assert value(after, "glm53_prefix_cache_disk_bytes") == 0  # no disk tier configured
+
+    hit = lines[-1]
+    assert f"prompt={len(prompt)} cached={cached} prefill={len(prompt) - cached} completion=4" in hit
+    assert field(hit, "cache_hits") == f"+1/{int(value(after, 'glm53_prefix_cache_hits_total'))}"
+    assert field(hit, "cache_misses") == f"+0/{int(value(after, 'glm53_prefix_cache_misses_total'))}"
+    assert float(field(hit, "ttft_ms")) > 0 and float(field(hit, "decode_tok_s")) > 0
+    assert "draft_accepted" not in hit  # "draft": false decodes serially
+    assert len(lines) == 2 and field(lines[0], "cached") == str(first["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def test_evictions_are_counted_and_logged(lane, lines) -> None:
+    url, _, _ = lane
+    before = metrics(url)
+    for base in (600, 1200):  # two distinct 3-chunk prompts cannot share a 5-chunk budget
+        complete(url, [base + i for i in range(3 * TINY_CHUNK + 1)], 1, draft=False)
+    after = metrics(url)
+    evicted = value(after, "glm53_prefix_cache_evictions_total") - value(before, "glm53_prefix_cache_evictions_total")
+    assert evicted > 0 and value(after, "glm53_prefix_cache_host_evictions_total") >= evicted
+    logged = sum(int(field(line, "cache_evictions").split("/")[0]) for line in lines)
+    assert logged == evicted
+    assert value(after, "glm53_prefix_cache_host_chunks") <= HOST_CHUNKS
+
+
+def test_drafting_counters_in_metrics_and_log_line(lane, lines) -> None:
+    url, engine, _ = lane
+    assert httpx.get(url + "/health").json()["drafting"] is True
+    before = metrics(url)
+    # copy drafts land where the reply repeats the context; on random weights that needs a try or two
+    texts = ["a b a b a b a b a b a b a b a b", "one two three four " * 12, "x = 1\nx = 1\nx = 1\n" * 6]
+    accepted = proposed = 0
+    for text in texts:
+        reply = complete(url, text, 32, draft=True)
+        got_accepted, got_proposed = map(int, field(lines[-1], "draft_accepted").split("/"))
+        engine_counts = engine.last_stats["draft"]
+        assert got_accepted == engine_counts["tf_glm53_draft_accepted_total"]
+        assert got_proposed == engine_counts["tf_glm53_draft_proposed_total"]
+        assert reply["usage"]["completion_tokens"] == 32
+        accepted, proposed = accepted + got_accepted, proposed + got_proposed
+        if accepted > 0:
+            break
+    assert proposed > 0 and accepted > 0, "no copy draft landed on any of the repetitive prompts"
+    after = metrics(url)
+
+    def delta(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - before.get((name, tuple(sorted(labels.items()))), 0)
+
+    assert delta("glm53_draft_proposed_total") == proposed and delta("glm53_draft_accepted_total") == accepted
+    assert delta("glm53_draft_source_proposed_total", source="copy") == proposed
+    assert delta("glm53_draft_source_accepted_total", source="copy") == accepted
+    steps = delta("glm53_draft_verify_steps_total")
+    assert steps > 0 and delta("glm53_draft_accepted_length_count") == steps
+    assert delta("glm53_draft_accepted_length_sum") == accepted
+    # committed tokens: the first token of each reply comes from the prefill, every other from a verify step
+    assert delta("glm53_draft_committed_total") == steps + accepted
+    assert value(after, "glm53_draft_accepted_length_bucket", le="0") < value(after, "glm53_draft_accepted_length_count")
+
+
+def test_metrics_is_strict_prometheus_text(lane) -> None:
+    url, _, _ = lane
+    complete(url, "hello world", 2, draft=True)
+    text = httpx.get(url + "/metrics").text
+    samples = parse_prometheus(text)
+    names = {name for name, _ in samples}
+    assert {"glm53_prefix_cache_hits_total", "glm53_prefix_cache_misses_total", "glm53_prefix_cache_evictions_total",
+            "glm53_prefix_cache_cached_tokens_total", "glm53_prefix_cache_host_bytes", "glm53_prefix_cache_disk_bytes",
+            "glm53_draft_proposed_total", "glm53_draft_accepted_total", "glm53_draft_verify_steps_total",
+            "glm53_draft_accepted_length_bucket", "glm53_requests_total", "glm53_queue_depth"} <= names
+    assert "# TYPE glm53_prefix_cache_host_bytes gauge" in text
+    assert "# TYPE glm53_draft_accepted_length histogram" in text
+    # the parser itself refuses what Prometheus would
+    for bad in ("glm53_x 1\n", "# HELP a b\n# TYPE a counter\nb 1\n", "# HELP a b\n# TYPE a counter\na{l=x} 1\n",
+                "# HELP a b\n# TYPE a counter\na 1\na 2\n", "# HELP a b\n# TYPE a counter\na one\n"):
+        with pytest.raises((AssertionError, ValueError)):
+            parse_prometheus(bad)
+
+
+def test_rank_logging_goes_to_stderr() -> None:
+    code = ("import logging; from front.rank import configure_logging; configure_logging(); "
+            "from front.observe import log; log.info('request x done: prompt=3'); "
+            "logging.getLogger('kv_cache.cache').debug('hidden')")
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and run.stdout == ""
+    assert "front.requests: request x done: prompt=3" in run.stderr and "hidden" not in run.stderr
+    bad = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         env={"TF_GLM53_LOG_LEVEL": "LOUD", "PATH": ""})
+    assert bad.returncode == 0 and "TF_GLM53_LOG_LEVEL='LOUD'" in bad.stderr and "request x done" in bad.stderr
