@@ -88,11 +88,9 @@ def request_drafts(engine: Any, before: Snapshot, after: Snapshot, stats: dict[s
     if before.draft is not None and after.draft is not None:
         return after.draft[2] - before.draft[2], after.draft[1] - before.draft[1]
     per_request = stats.get("draft") or {}
-    pick = [v for k, v in per_request.items() if k.endswith("_accepted_total")], \
-        [v for k, v in per_request.items() if k.endswith("_proposed_total")]
-    if pick[0] and pick[1]:
-        return int(pick[0][0]), int(pick[1][0])
-    return None
+    accepted = [v for k, v in per_request.items() if k.endswith("_accepted_total") and "{" not in k]
+    proposed = [v for k, v in per_request.items() if k.endswith("_proposed_total") and "{" not in k]
+    return (int(accepted[0]), int(proposed[0])) if accepted and proposed else None
 
 
 @dataclass

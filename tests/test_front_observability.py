@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from drafter.glm53_target import DraftPlan
+from front import observe
 from front.chat import ChatText
 from front.rank import glm53_sampling
 from front.server import App, FrontSettings, drafting_state, make_server, prefix_cache_state
@@ -129,21 +130,10 @@ def lane(tiny_dirs, tiny_engine):  # noqa: F811
 
 
 @pytest.fixture
-def lines(caplog: pytest.LogCaptureFixture) -> list[str]:
-    """The front's per-request log lines, as logged (records from the worker thread)."""
+def lines(caplog: pytest.LogCaptureFixture):
+    """lines() -> the front's per-request log lines so far in this test (logged by the worker thread)."""
     caplog.set_level(logging.INFO, logger="front.requests")
-
-    class View(list):
-        def __iter__(self):
-            return iter([r.getMessage() for r in caplog.records if r.name == "front.requests"])
-
-        def __len__(self):
-            return len(list(iter(self)))
-
-        def __getitem__(self, i):
-            return list(iter(self))[i]
-
-    return View()
+    return lambda: [r.getMessage() for r in caplog.records if r.name == "front.requests"]
 
 
 def metrics(url: str) -> dict:
@@ -187,13 +177,13 @@ def test_resend_hits_the_cache_and_metrics_match_usage(lane, lines) -> None:
     assert value(after, "glm53_prefix_cache_host_bytes") > 0 and value(after, "glm53_prefix_cache_host_chunks") >= 3
     assert value(after, "glm53_prefix_cache_disk_bytes") == 0  # no disk tier configured
 
-    hit = lines[-1]
+    hit = lines()[-1]
     assert f"prompt={len(prompt)} cached={cached} prefill={len(prompt) - cached} completion=4" in hit
     assert field(hit, "cache_hits") == f"+1/{int(value(after, 'glm53_prefix_cache_hits_total'))}"
     assert field(hit, "cache_misses") == f"+0/{int(value(after, 'glm53_prefix_cache_misses_total'))}"
     assert float(field(hit, "ttft_ms")) > 0 and float(field(hit, "decode_tok_s")) > 0
     assert "draft_accepted" not in hit  # "draft": false decodes serially
-    assert len(lines) == 2 and field(lines[0], "cached") == str(first["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert len(lines()) == 2 and field(lines()[0], "cached") == str(first["usage"]["prompt_tokens_details"]["cached_tokens"])
 
 
 def test_evictions_are_counted_and_logged(lane, lines) -> None:
@@ -204,7 +194,7 @@ def test_evictions_are_counted_and_logged(lane, lines) -> None:
     after = metrics(url)
     evicted = value(after, "glm53_prefix_cache_evictions_total") - value(before, "glm53_prefix_cache_evictions_total")
     assert evicted > 0 and value(after, "glm53_prefix_cache_host_evictions_total") >= evicted
-    logged = sum(int(field(line, "cache_evictions").split("/")[0]) for line in lines)
+    logged = sum(int(field(line, "cache_evictions").split("/")[0]) for line in lines())
     assert logged == evicted
     assert value(after, "glm53_prefix_cache_host_chunks") <= HOST_CHUNKS
 
@@ -218,10 +208,13 @@ def test_drafting_counters_in_metrics_and_log_line(lane, lines) -> None:
     accepted = proposed = 0
     for text in texts:
         reply = complete(url, text, 32, draft=True)
-        got_accepted, got_proposed = map(int, field(lines[-1], "draft_accepted").split("/"))
+        got_accepted, got_proposed = map(int, field(lines()[-1], "draft_accepted").split("/"))
         engine_counts = engine.last_stats["draft"]
         assert got_accepted == engine_counts["tf_glm53_draft_accepted_total"]
         assert got_proposed == engine_counts["tf_glm53_draft_proposed_total"]
+        # a drafter without cumulative stats: the engine's per-request dict gives the same numbers
+        nothing = observe.Snapshot(cache=None, draft=None)
+        assert observe.request_drafts(engine, nothing, nothing, engine.last_stats) == (got_accepted, got_proposed)
         assert reply["usage"]["completion_tokens"] == 32
         accepted, proposed = accepted + got_accepted, proposed + got_proposed
         if accepted > 0:
@@ -260,6 +253,22 @@ def test_metrics_is_strict_prometheus_text(lane) -> None:
                 "# HELP a b\n# TYPE a counter\na 1\na 2\n", "# HELP a b\n# TYPE a counter\na one\n"):
         with pytest.raises((AssertionError, ValueError)):
             parse_prometheus(bad)
+
+
+def test_a_wrapping_engine_is_seen_through(lane) -> None:
+    """A multi-rank engine (glm53.dist RankEngine) keeps the Glm53Engine as `.engine` and has no
+    last_stats, prefix_cache or drafter of its own: the front reads the wrapped one's."""
+    _, engine, _ = lane
+
+    class Wrapper:
+        def __init__(self, inner) -> None:
+            self.engine, self.eos = inner, inner.eos
+
+    wrapped = Wrapper(engine)
+    assert observe.holder(wrapped) is engine
+    assert observe.render(wrapped) == observe.render(engine) and "glm53_draft_proposed_total" in observe.render(wrapped)
+    assert prefix_cache_state(wrapped) == "on" and drafting_state(wrapped) is True
+    assert observe.render(object()) == ""  # an engine with neither: no families
 
 
 def test_rank_logging_goes_to_stderr() -> None:
