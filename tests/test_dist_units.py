@@ -147,3 +147,20 @@ def test_settings_and_specs_reject_bad_input_naming_it() -> None:
     assert (spec.rank, spec.world_size, spec.master, spec.master_port, spec.agent_store) == (1, 3, "h", 1234, True)
     with pytest.raises(RendezvousError, match="rank 4 is outside 0..3"):
         RendezvousSpec(4, 4)
+
+
+# ---- attention over the selected rows only ----------------------------------------------------
+@pytest.mark.parametrize("n", [0, 1, 37])
+def test_attend_selected_equals_masked_attention_and_empty_selections_give_minus_inf(n: int) -> None:
+    g = torch.Generator().manual_seed(n)
+    T, H, r, rope = 70, 3, 12, 4  # more queries than one block (64)
+    q_lat, q_rot = torch.randn(T, H, r, generator=g), torch.randn(T, H, rope, generator=g)
+    rows = torch.randn(n, r + rope, generator=g)
+    mask = torch.rand(T, n, generator=g) < 0.3
+    mask[5] = False  # a query that selected nothing on this rank
+    want_out, want_lse = dcp.attend_latent(q_lat, q_rot, rows, 0.3, mask)
+    got_out, got_lse = dcp.attend_selected(q_lat, q_rot, rows, mask, 0.3)
+    torch.testing.assert_close(got_out, want_out, atol=2e-6, rtol=0)
+    torch.testing.assert_close(got_lse, want_lse, atol=2e-6, rtol=0)
+    assert torch.isneginf(got_lse[5]).all() and (got_out[5] == 0).all()
+    assert not torch.isnan(got_out).any()

@@ -140,6 +140,40 @@ def attend_latent(q_lat: torch.Tensor, q_rot: torch.Tensor, rows: torch.Tensor, 
     return torch.einsum("thk,kr->thr", probs, c), lse
 
 
+SELECTED_QUERY_BLOCK = 64  # queries per block in attend_selected (bounds the gathered rows and scores)
+
+
+def attend_selected(q_lat: torch.Tensor, q_rot: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor, scale: float,
+                    block: int = SELECTED_QUERY_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """attend_latent restricted to the selected rows: per block of queries, each query's selected
+    rows (ascending, padded to the block's largest count) are gathered and attended, so memory and
+    work follow the top-k (index_topk rows a query), not the context. Same contract: a query with
+    no selected row gets out 0, lse = -inf."""
+    r = q_lat.shape[-1]
+    out = q_lat.new_zeros(q_lat.shape)
+    lse = torch.full(q_lat.shape[:-1], float("-inf"), dtype=torch.float32, device=q_lat.device)
+    for b in range(0, q_lat.shape[0], block):
+        m = mask[b:b + block]
+        counts = m.sum(dim=1)
+        k = int(counts.max()) if m.numel() else 0
+        if k == 0:
+            continue
+        # selected columns first, in ascending order (stable sort of "not selected")
+        idx = torch.argsort((~m).to(torch.int8), dim=1, stable=True)[:, :k]
+        valid = torch.arange(k, device=m.device)[None, :] < counts[:, None]
+        picked = rows[idx].to(q_lat.dtype)  # [B, k, r + rope]
+        c, k_rot = picked[..., :r], picked[..., r:]
+        scores = (torch.einsum("thr,tkr->thk", q_lat[b:b + block], c)
+                  + torch.einsum("thp,tkp->thk", q_rot[b:b + block], k_rot)).float() * scale
+        scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+        block_lse = torch.logsumexp(scores, dim=-1)
+        safe = torch.where(torch.isneginf(block_lse), torch.zeros_like(block_lse), block_lse)
+        probs = torch.exp(scores - safe[..., None]).to(q_lat.dtype)
+        out[b:b + block] = torch.einsum("thk,tkr->thr", probs, c)
+        lse[b:b + block] = block_lse
+    return out, lse
+
+
 def tp_dcp_attention(comm: Comm, q_nope: torch.Tensor, q_rot: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor,
                      rows: torch.Tensor, mask: torch.Tensor, head_ranges: list[tuple[int, int]], scale: float
                      ) -> torch.Tensor:
@@ -157,7 +191,7 @@ def tp_dcp_attention(comm: Comm, q_nope: torch.Tensor, q_rot: torch.Tensor, w_uk
     every = comm.all_gather(packed, name="tp_dcp_queries")  # [R, T, width, r + rope]
     q_all = torch.cat([every[j][:, : b - a] for j, (a, b) in enumerate(head_ranges)], dim=1)  # [T, H, r + rope]
     r = q_lat.shape[-1]
-    latent_out, lse = attend_latent(q_all[..., :r], q_all[..., r:], rows, scale, mask)
+    latent_out, lse = attend_selected(q_all[..., :r], q_all[..., r:], rows, mask, scale)
     merged, _ = dcp_merge_to_owners(comm, latent_out.transpose(0, 1), lse.transpose(0, 1), head_ranges)
     return torch.einsum("htr,hvr->thv", merged.to(q_lat.dtype), w_uv)
 

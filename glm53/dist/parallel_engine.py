@@ -108,10 +108,6 @@ class DistRankPlan(RankPlan):
                total_heads: int) -> torch.Tensor:
         if key_positions is None:  # every rank holds every position: attend locally with our heads
             return super().attend(w, q_nope, q_rot, rows, key_positions, selection, mode, gather_above, total_heads)
-        if q_nope.shape[0] == 1:  # one decode query: attend over its selected owned rows only
-            picked = selection[0].nonzero().squeeze(1)
-            rows = rows[picked]
-            selection = torch.ones(1, picked.shape[0], dtype=torch.bool, device=rows.device)
         return dcp.tp_dcp_attention(self._comm, q_nope, q_rot, w.w_uk, w.w_uv, rows, selection,
                                     tp.head_ranges(total_heads, self.world), w.scale)
 

@@ -129,7 +129,13 @@ def _announce_and_wait(store: dist.TCPStore, spec: RendezvousSpec) -> None:
     deadline = time.monotonic() + spec.timeout_s
     waiting = set(range(spec.world_size))
     while True:
-        waiting = {r for r in waiting if not store.check([heartbeat_key(r)])}
+        try:
+            waiting = {r for r in waiting if not store.check([heartbeat_key(r)])}
+        except Exception as exc:  # rank 0 (the store) left, e.g. its own wait ran out first
+            raise RendezvousError(
+                f"rank {spec.rank}: ranks {sorted(waiting)} did not arrive at {spec.master}:{spec.master_port} "
+                f"and rank 0's store closed while waiting ({type(exc).__name__}); start every rank or lower --tp"
+            ) from None
         if not waiting:
             return
         if time.monotonic() > deadline:
