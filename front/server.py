@@ -46,7 +46,6 @@ def prefix_cache_state(engine: Any) -> str:
     reuses the live conversation (glm53's `prefix_cache` / `reuse_live`); "absent" otherwise."""
     if os.environ.get("TF_GLM53_PREFIX_CACHE", "1") == "0":
         return "off"
-    engine = observe.holder(engine)
     flag = getattr(engine, "prefix_cache_enabled", None)
     if flag is None and (hasattr(engine, "prefix_cache") or hasattr(engine, "reuse_live")):
         flag = getattr(engine, "prefix_cache", None) is not None or bool(getattr(engine, "reuse_live", False))
@@ -58,7 +57,6 @@ def prefix_cache_state(engine: Any) -> str:
 def drafting_state(engine: Any) -> bool:
     """Whether requests are drafted unless they send "draft": false: the engine's own
     `drafting_enabled` when it has one, else a drafter present and drafts not turned off."""
-    engine = observe.holder(engine)
     flag = getattr(engine, "drafting_enabled", None)
     if flag is not None:
         return bool(flag)
