@@ -184,7 +184,8 @@ def test_kv_bytes_real_dims() -> None:
     cfg = Glm53Config.from_dict(real_config(indexer_types=["full" if i % 4 == 0 else "shared" for i in range(78)]))
     tok = kv_token_bytes(cfg, "bf16")
     assert (tok.latent, tok.indexer, tok.attention_layers, tok.indexer_layers) == (1152, 256, 78, 20)
-    assert kv_token_bytes(cfg, "fp8").latent == 656 and kv_token_bytes(cfg, "fp8").indexer == 132
+    # fp8: 576 e4m3 values + one fp32 scale per row (what glm53.kv_state allocates)
+    assert kv_token_bytes(cfg, "fp8").latent == 580 and kv_token_bytes(cfg, "fp8").indexer == 132
     T = 1 << 20
     assert kv_bytes_per_rank(cfg, T, 4) == [T // 4 * tok.per_token] * 4
     assert kv_bytes_per_rank(cfg, T, 4, dcp=False) == [T * tok.per_token] * 4
