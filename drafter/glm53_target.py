@@ -15,6 +15,11 @@ Choice (first that applies):
     mtp_drafts > 0 (or None) and the checkpoint has an MTP layer    -> MTP drafts, depth <= mtp_drafts
     otherwise                                                       -> copy drafts (prompt lookup)
 `drafter` may also be a DraftSource or factory object already (tests, embedders): used as is.
+
+Over several ranks (`world` > 1, glm53.dist's RankEngine) only copy drafts are wired: rank 0 drafts
+from its token history and the other ranks replay its verification windows. The MTP layer's forward
+and DFlash2's target taps would have to run on every rank too, so `auto` picks copy drafts there and
+asking for mtp / dflash2 by name (or a --drafter directory) is an error that says so.
 """
 from __future__ import annotations
 
@@ -98,7 +103,8 @@ class DraftPlan:
 
     @classmethod
     def from_contract(cls, engine: Any, *, drafter: Any = None, no_drafts: bool = False,
-                      mtp_drafts: int | None = None, env: dict[str, str] | None = None) -> "DraftPlan | Any | None":
+                      mtp_drafts: int | None = None, env: dict[str, str] | None = None,
+                      world: int = 1) -> "DraftPlan | Any | None":
         env = os.environ if env is None else env
         choice = str(env.get("TF_GLM53_DRAFT_SOURCE", "auto") or "auto").strip().lower()
         if choice not in SOURCES:
@@ -109,6 +115,14 @@ class DraftPlan:
             return drafter                                  # a ready source or factory
         if mtp_drafts is not None and (isinstance(mtp_drafts, bool) or not isinstance(mtp_drafts, int) or mtp_drafts < 0):
             raise ValueError(f"mtp_drafts must be a non-negative integer, got {mtp_drafts!r}")
+        if world > 1:
+            asked = choice if choice in ("mtp", "dflash2") else ("dflash2" if drafter is not None else None)
+            if asked is not None:
+                raise ValueError(f"{asked} drafts are not wired over {world} ranks yet (the {asked} forward would "
+                                 "have to run on every rank); over several ranks use copy drafts "
+                                 "(TF_GLM53_DRAFT_SOURCE=copy, the default there) or TF_GLM53_DRAFT_SOURCE=off")
+            depth = MAX_DEPTH if not mtp_drafts else min(mtp_drafts, MAX_DEPTH)
+            return cls("copy", max_depth=depth)
         model = engine.model
         has_mtp = getattr(model.w, "mtp", None) is not None
         kv_dtype = getattr(engine, "kv_dtype", "bf16")

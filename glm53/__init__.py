@@ -40,8 +40,10 @@ def cuda_engine(model_dir: str | Path, *, drafter: Any = None, tp: int = 1, rank
     if tp > 1:
         from glm53.dist.parallel_engine import RankEngine
 
+        # every rank: its own prefix cache (agreeing on the minimum) and the draft plan (copy drafts:
+        # rank 0 drafts, the others replay its verification windows)
         return RankEngine(str(model_dir), tp=tp, rank=rank, master=master or "127.0.0.1", master_port=master_port,
-                          drafter=drafter, no_drafts=no_drafts, mtp_drafts=mtp_drafts, **options)
+                          drafter=drafter, no_drafts=no_drafts, mtp_drafts=mtp_drafts, serve_features=True, **options)
     from glm53.engine import Glm53Engine
 
     engine = Glm53Engine(model_dir, drafter=None, tp=tp, rank=rank, master=master, master_port=master_port,

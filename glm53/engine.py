@@ -141,6 +141,9 @@ class Glm53Engine:
         self.state: KVState | None = None  # the retained conversation
         self.last_stats: dict[str, Any] = {}
         self.trace: list[tuple[int, torch.Tensor]] | None = None  # tests: set to [] to record (position, logits)
+        # over several ranks (glm53.dist.parallel_engine.WindowChannel): rank 0 announces its draft
+        # windows, the other ranks replay them; None at one rank
+        self.window_channel: Any = None
 
     # ---- the forward over a window, split into canonical prefill pieces and decode rows -------
     @torch.inference_mode()
@@ -232,7 +235,7 @@ class Glm53Engine:
         eos = frozenset(self.eos)
         if max_tokens == 0:
             return reply
-        use_drafts = self.drafter is not None and params.draft and not self.no_drafts
+        use_drafts = self.will_draft(params)
         taps = tuple(getattr(self.drafter, "taps", ()) or ()) if use_drafts else ()
         outs = self.run(state, prompt[cached:], cached, len(prompt), taps=taps)
         self.store_prefix(prompt, state)
@@ -249,6 +252,10 @@ class Glm53Engine:
             stats["completion_tokens"] = len(reply)
             stats["decode_s"] = time.perf_counter() - t_first
         return reply
+
+    def will_draft(self, params: SamplingParams) -> bool:
+        """Whether a request with these (resolved) sampling parameters decodes drafted."""
+        return self.drafter is not None and params.draft and not self.no_drafts
 
     def _serial(self, state: KVState, prompt: list[int], logits: torch.Tensor, params: SamplingParams,
                 max_tokens: int, eos: frozenset[int], on_tokens: OnTokens | None, stats: dict) -> list[int]:
@@ -277,8 +284,8 @@ class Glm53Engine:
         """Drafted decoding through drafter.decode_loop.drafted_decode, handed the prefill this engine
         already ran (`prefilled`: hidden states and taps for rows [cached, len(prompt)); of the logits
         only the last row is computed, the others are a stride-0 view of it, since the loop reads only
-        the last). `self.drafter` is a DraftSource or a factory (drafter.glm53_target.DraftPlan)."""
-        from drafter.decode_loop import StopRule, drafted_decode
+        the last). `self.drafter` is a DraftSource or a factory (drafter.glm53_target.DraftPlan).
+        Over several ranks (`window_channel`) rank 0 runs the loop and the others replay its windows."""
         from drafter.target import WindowOutput
 
         reply: list[int] = []
@@ -293,6 +300,25 @@ class Glm53Engine:
         prefilled = WindowOutput(start=cached, logits=logits[None].expand(hidden.shape[0], -1), hidden=hidden,
                                  taps=taps)
         target = Glm53Target(self, state, len(prompt))
+        channel = self.window_channel
+        if channel is not None and not channel.leader:
+            channel.follow_windows(target)  # rank 0 drafts, accepts and samples; this rank replays
+            stats["draft"] = {}
+            return []
+        if channel is not None:
+            target = channel.lead(target)
+        try:
+            return self._drafted_loop(target, state, prompt, prefilled, params, max_tokens, eos, forward_tokens,
+                                      reply, stats)
+        finally:
+            if channel is not None:
+                target.end()
+
+    def _drafted_loop(self, target: Any, state: KVState, prompt: list[int], prefilled: Any, params: SamplingParams,
+                      max_tokens: int, eos: frozenset[int], forward_tokens: Callable[[list[int]], None],
+                      reply: list[int], stats: dict) -> list[int]:
+        from drafter.decode_loop import StopRule, drafted_decode
+
         try:
             result = drafted_decode(target, prompt, lambda row, pos: sample(row, params, pos),
                                     StopRule(max_tokens, eos, params.ignore_eos), self.drafter,

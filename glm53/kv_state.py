@@ -145,20 +145,27 @@ class KVState:
 
     # ---- the prefix cache's view -----------------------------------------------------------
     def export_rows(self, start: int, stop: int) -> dict[str, torch.Tensor]:
-        """Raw cached rows [start, stop) per layer, as stored (names: latent.L, latent_scale.L,
-        index.L, index_scale.L). Views into the cache: copy them before the engine writes again."""
+        """Raw cached rows of positions [start, stop) per layer, as stored (names: latent.L,
+        latent_scale.L, index.L, index_scale.L): the local slots `slots(start, stop)` (under DCP only
+        this rank's positions). Views into the cache: copy them before the engine writes again."""
         if not 0 <= start <= stop <= self.length:
             raise ValueError(f"rows [{start}, {stop}) outside written [0, {self.length})")
+        a, b = self.slots(start, stop)
         out: dict[str, torch.Tensor] = {}
         for i in range(self.n_layers):
-            out[f"latent.{i}"] = self.latent[i][start:stop]
+            out[f"latent.{i}"] = self.latent[i][a:b]
             if self.latent_scale[i] is not None:
-                out[f"latent_scale.{i}"] = self.latent_scale[i][start:stop]
+                out[f"latent_scale.{i}"] = self.latent_scale[i][a:b]
         for i in self.index_keys:
-            out[f"index.{i}"] = self.index_keys[i][start:stop]
+            out[f"index.{i}"] = self.index_keys[i][a:b]
             if self.index_scale[i] is not None:
-                out[f"index_scale.{i}"] = self.index_scale[i][start:stop]
+                out[f"index_scale.{i}"] = self.index_scale[i][a:b]
         return out
+
+    def slots(self, start: int, stop: int) -> tuple[int, int]:
+        """The local slots [a, b) that hold positions [start, stop) (here: the positions
+        themselves; a cache split by position holds only its own, consecutively)."""
+        return start, stop
 
     def import_rows(self, start: int, rows: dict[str, torch.Tensor], tokens: list[int]) -> None:
         """Place restored rows for positions [start, start + len(tokens)); start must equal length.
@@ -167,6 +174,7 @@ class KVState:
             raise ValueError(f"import at {start} but the state holds {self.length} rows; rows must continue it")
         n = len(tokens)
         self.reserve(start + n)
+        a, b = self.slots(start, start + n)
         expected = set(self.export_names())
         if set(rows) != expected:
             missing, extra = expected - set(rows), set(rows) - expected
@@ -175,9 +183,13 @@ class KVState:
             kind, layer = name.rsplit(".", 1)
             target = {"latent": self.latent, "latent_scale": self.latent_scale,
                       "index": self.index_keys, "index_scale": self.index_scale}[kind][int(layer)]
-            if t.shape[0] != n or t.dtype != target.dtype or tuple(t.shape[1:]) != tuple(target.shape[1:]):
-                raise ValueError(f"restored {name}: {tuple(t.shape)} {t.dtype}, expected [{n}, ...] {target.dtype}")
-            target[start:start + n] = t.to(target.device)
+            if t.shape[0] != b - a or t.dtype != target.dtype or tuple(t.shape[1:]) != tuple(target.shape[1:]):
+                raise ValueError(f"restored {name}: {tuple(t.shape)} {t.dtype}, expected [{b - a}, ...] {target.dtype}")
+        for name, t in rows.items():
+            kind, layer = name.rsplit(".", 1)
+            target = {"latent": self.latent, "latent_scale": self.latent_scale,
+                      "index": self.index_keys, "index_scale": self.index_scale}[kind][int(layer)]
+            target[a:b] = t.to(target.device)  # every tensor checked first: nothing half-written
         self.tokens.extend(tokens)
         if self.frontier == start:
             self.frontier = start + n

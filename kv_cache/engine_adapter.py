@@ -10,7 +10,10 @@ with `KVState.export_rows`. This module builds that cache with the right key:
     engine.generate(prompt, max_tokens)     # engine.last_stats["cached_tokens"] = reused rows
     cache.stats_dict()
 
-Under DCP the agreement is a MIN all-reduce over the engine's process group (`min_over_ranks`).
+Over several ranks every rank keeps its own PrefixCache (its key names the rank and the rank count;
+under DCP a chunk's rows are the rank's own local slots) and the agreement is a minimum over ranks:
+`min_over_comm(comm)` through glm53.dist's guarded all-gather (a dead or stuck peer ends in the
+guard's named error, never a hang), or `min_over_ranks(group)` over plain torch.distributed.
 """
 from __future__ import annotations
 
@@ -43,7 +46,7 @@ def cache_key_for(engine: Any, revision: str | None = None) -> CacheKey:
         compute_dtype=str(engine.dtype_name),
         ranks=int(plan.world),
         rank=int(plan.rank),
-        dcp=int(plan.world) > 1,  # the kit's layout always runs DCP R alongside TP R
+        dcp=bool(getattr(plan, "dcp", int(plan.world) > 1)),  # DistRankPlan says; TF_GLM53_DCP=0 turns it off
         chunk_size=int(engine.chunk),
         device_kind=device_kind(engine.device),
         extra=extra,
@@ -68,10 +71,24 @@ def min_over_ranks(group: Any = None) -> Callable[[int], int]:
     return agree
 
 
-def attach_prefix_cache(engine: Any, *, revision: str | None = None, group: Any = None,
+def min_over_comm(comm: Any) -> Callable[[int], int]:
+    """The minimum of one integer over a glm53.dist Comm's ranks, through its guarded all-gather."""
+    if comm.world_size == 1:
+        return lambda n: n
+
+    def agree(n: int) -> int:
+        parts = comm.all_gather(torch.tensor([n], dtype=torch.int64, device=comm.device), name="prefix_cache_agree")
+        return int(parts.min().item())
+
+    return agree
+
+
+def attach_prefix_cache(engine: Any, *, revision: str | None = None, group: Any = None, comm: Any = None,
                         environ: dict | None = None) -> PrefixCache:
-    """Build the cache for `engine` from TF_GLM53_* variables and plug it in."""
-    cache = PrefixCache.from_env(cache_key_for(engine, revision), agree=min_over_ranks(group),
+    """Build the cache for `engine` from TF_GLM53_* variables and plug it in. Over several ranks
+    call it on every rank with the rank's `comm` (every rank then looks up every request)."""
+    agree = min_over_comm(comm) if comm is not None else min_over_ranks(group)
+    cache = PrefixCache.from_env(cache_key_for(engine, revision), agree=agree,
                                  environ=os.environ if environ is None else environ)
     engine.prefix_cache = cache
     return cache

@@ -259,12 +259,94 @@ def engine_requests(spec_rank: int, world: int, port: int, out: Path) -> None:
     torch.save({"replies": replies}, out / "rank0.pt")
 
 
+# ---- prefix cache and drafting over R ranks (tests/test_multirank_cache_draft.py) -------------------
+CACHE_PROMPT = PROMPT  # 45 tokens over a 16-token grid: chunks 0, 1 whole, chunk 2 partial
+CACHE_STEPS = 6
+DRAFT_PROMPTS = [  # repeated spans, so copy drafts find continuations to propose
+    [11, 12, 13, 14, 15, 16] * 5 + [11, 12],
+    [(5 * i) % 37 + 40 for i in range(20)] * 2,
+    [300, 301, 302, 303, 304, 305, 306, 307] * 3 + [300, 301, 302, 303],
+]
+DRAFT_STEPS = 20
+SEEDED = {"temperature": 0.8, "top_p": 0.9, "seed": 1234}
+
+
+def cache_draft_cases(reply_of: dict[str, list[int]]) -> list[tuple[str, list[int], int, dict]]:
+    """(name, prompt, max_tokens, sampling) in serving order; later prompts extend earlier replies
+    (rank 0 passes what it has seen in `reply_of`; the followers receive prompts from rank 0)."""
+    p = CACHE_PROMPT
+    edited = list(p)
+    edited[30] = 1999
+    cases = [
+        ("base", lambda: p, CACHE_STEPS, {"draft": False}),
+        ("append", lambda: p + reply_of["base"] + [5, 6, 7, 8, 9, 10, 11], CACHE_STEPS, {"draft": False}),
+        ("resend", lambda: p, CACHE_STEPS, {"draft": False}),
+        ("one_word", lambda: p + [99], CACHE_STEPS, {"draft": False}),
+        ("edit", lambda: edited, CACHE_STEPS, {"draft": False}),
+        ("restore", lambda: p + reply_of["base"] + [5, 6, 7, 8, 9, 10, 11], CACHE_STEPS, {"draft": False}),
+    ]
+    for i, q in enumerate(DRAFT_PROMPTS):
+        for mode, sampling in (("greedy", {}), ("seeded", SEEDED)):
+            cases.append((f"drafted{i}_{mode}", lambda q=q: q, DRAFT_STEPS, dict(sampling, draft=True)))
+            if i == 0 and mode == "greedy":
+                # right after a drafted request: its reply's rows (written by verification, past the
+                # frontier) are live and match the new prompt, yet must not be reused
+                cases.append(("after_draft", lambda: DRAFT_PROMPTS[0] + reply_of["drafted0_greedy"] + [5, 6],
+                              CACHE_STEPS, {"draft": False}))
+            cases.append((f"serial{i}_{mode}", lambda q=q: q, DRAFT_STEPS, dict(sampling, draft=False)))
+    return [(name, make, n, sampling) for name, make, n, sampling in cases]
+
+
+def cache_draft(spec_rank: int, world: int, port: int, out: Path) -> None:
+    """RankEngine with the prefix cache and copy drafts on every rank (as glm53.cuda_engine builds it):
+    the cases warm (one cache, requests in order), then again with TF_GLM53_PREFIX_CACHE=0 (cold: no
+    reuse at all). Every rank saves, per case, its rows, its serial logits and its cache stats."""
+    from glm53.dist.parallel_engine import RankEngine
+    from kv_cache.engine_adapter import attach_prefix_cache
+
+    eng = RankEngine(os.environ["GLM53_TEST_MODEL"], tp=world, rank=spec_rank, master="127.0.0.1",
+                     master_port=port, rendezvous_timeout_s=60, serve_features=True, **ENGINE_OPTIONS)
+    inner = eng.engine
+    results: dict[str, object] = {"rank": eng.rank, "drafter": getattr(inner.drafter, "kind", None),
+                                  "health": (eng.prefix_cache_enabled, eng.drafting_enabled)}
+    replies: dict[str, list[int]] = {}
+    for phase in ("warm", "cold"):
+        if phase == "cold":
+            attach_prefix_cache(inner, comm=eng.comm, environ={"TF_GLM53_PREFIX_CACHE": "0"})
+        got: dict[str, list[int]] = {}
+        for name, make, max_tokens, sampling in cache_draft_cases(replies):  # warm replies build later prompts
+            inner.trace = []
+            stored_before = inner.prefix_cache.stats.stored_chunks
+            started = time.monotonic()
+            if eng.rank == 0:
+                got[name] = eng.generate(make(), max_tokens, sampling)
+                if phase == "warm":
+                    replies[name] = got[name]
+            else:
+                assert eng.follow_one()
+            st = inner.state
+            results[f"{phase}/{name}"] = {
+                "reply": got.get(name), "stats": dict(inner.last_stats),
+                "trace": [(p, row.clone()) for p, row in inner.trace],
+                "rows": {k: v.clone() for k, v in st.export_rows(0, st.length).items()},
+                "length": st.length, "frontier": st.frontier, "slots": st.slots(0, st.length),
+                "stored_chunks": inner.prefix_cache.stats.stored_chunks - stored_before,
+                "seconds": time.monotonic() - started}
+    results["draft_totals"] = inner.drafter.stats.metrics() if eng.rank == 0 else None
+    if eng.rank == 0:
+        eng.close()
+    else:
+        assert not eng.follow_one()
+    torch.save(results, out / f"rank{eng.rank}.pt")
+
+
 SCENARIOS = {"suite": suite, "spin": spin, "stuck": stuck, "model": model, "nccl": nccl, "spin_cuda": spin_cuda}
+ENGINE_SCENARIOS = {"engine": engine_requests, "cache_draft": cache_draft}  # these build their own group
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=sorted([*SCENARIOS, "engine"]))
+    parser.add_argument("scenario", choices=sorted([*SCENARIOS, *ENGINE_SCENARIOS]))
     parser.add_argument("--rank", type=int)
     parser.add_argument("--world", type=int)
     parser.add_argument("--port", type=int)
@@ -273,8 +355,8 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=30.0)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    if args.scenario == "engine":
-        engine_requests(args.rank, args.world, args.port, args.out)
+    if args.scenario in ENGINE_SCENARIOS:
+        ENGINE_SCENARIOS[args.scenario](args.rank, args.world, args.port, args.out)
         (args.out / f"done{args.rank}").write_text("")
         return
     if args.env:

@@ -157,21 +157,100 @@ class DcpKVState(KVState):
     def read_index(self, layer: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
         return self._read(self.index_keys[layer], self.index_scale[layer], self.own.count(stop), dtype)
 
-    def export_rows(self, start: int, stop: int) -> dict[str, torch.Tensor]:
-        if self.own.ranks > 1:
-            raise NotImplementedError("prefix-cache export under DCP: each rank holds every R-th row; "
-                                      "the prefix cache must store per-rank rows (not wired yet)")
-        return super().export_rows(start, stop)
-
-    def import_rows(self, start: int, rows: dict[str, torch.Tensor], tokens: list[int]) -> None:
-        if self.own.ranks > 1:
-            raise NotImplementedError("prefix-cache import under DCP: not wired yet (run with TF_GLM53_DCP=0)")
-        super().import_rows(start, rows, tokens)
+    def slots(self, start: int, stop: int) -> tuple[int, int]:
+        """This rank's local slots of positions [start, stop): [own.count(start), own.count(stop)).
+        The prefix cache stores and restores exactly these per rank (each rank its own chunk rows)."""
+        return self.own.count(start), self.own.count(stop)
 
     def _write_owned(self, store: torch.Tensor, scale: torch.Tensor | None, start: int, rows: torch.Tensor) -> None:
         slots, mine = self.own.rows_to_write(start, rows)
         if slots.numel():
             self._write(store, scale, int(slots[0]), mine)  # owned slots of a range are consecutive
+
+
+# ---- drafted decoding over R ranks: rank 0 decides, the others replay its windows ----------------
+class WindowChannel:
+    """Rank 0's drafted-decoding decisions, replayed by ranks 1..R-1.
+
+    Drafting, acceptance and sampling happen on rank 0 only (copy drafts need only its token
+    history). Every forward of the model is a sequence of collectives, so each verification window
+    rank 0 runs is broadcast first (FORWARD start tokens) and every follower runs the same window;
+    truncations of rejected rows are broadcast too (TRUNCATE length), and the request ends with
+    END length (the length every rank keeps: rows of the last, pending token are dropped, exactly
+    as on rank 0). Since all ranks compute the same logits bit for bit, nothing else need agree."""
+
+    FORWARD, TRUNCATE, END = 1, 2, 3
+
+    def __init__(self, comm: Comm) -> None:
+        self.comm = comm
+
+    @property
+    def leader(self) -> bool:
+        return self.comm.rank == 0
+
+    def send(self, op: int, value: int, tokens: list[int] = ()) -> None:
+        header = torch.tensor([op, value, len(tokens)], dtype=torch.int64, device=self.comm.device)
+        self.comm.broadcast(header, name="draft_window")
+        if tokens:
+            self.comm.broadcast(torch.tensor(list(tokens), dtype=torch.int64, device=self.comm.device),
+                                name="draft_window_tokens")
+
+    def receive(self) -> tuple[int, int, list[int]]:
+        header = self.comm.broadcast(torch.zeros(3, dtype=torch.int64, device=self.comm.device), name="draft_window")
+        op, value, n = (int(x) for x in header.tolist())
+        tokens: list[int] = []
+        if n:
+            t = self.comm.broadcast(torch.zeros(n, dtype=torch.int64, device=self.comm.device),
+                                    name="draft_window_tokens")
+            tokens = [int(x) for x in t.tolist()]
+        return op, value, tokens
+
+    def lead(self, target: object) -> "LeadingTarget":
+        return LeadingTarget(target, self)
+
+    def follow_windows(self, target: object) -> None:
+        """Run rank 0's windows and truncations on this rank's `target` (a glm53.engine.Glm53Target)
+        until END."""
+        while True:
+            op, value, tokens = self.receive()
+            if op == self.FORWARD:
+                target.forward(tokens, value)
+            elif op == self.TRUNCATE:
+                target.truncate(value)
+            elif op == self.END:
+                target.truncate(min(value, target.length()))
+                return
+            else:
+                raise RuntimeError(f"glm53.dist: rank {self.comm.rank}: unknown draft-window op {op} from rank 0")
+
+
+class LeadingTarget:
+    """Rank 0's Target: each forward and truncation is announced to the followers first."""
+
+    def __init__(self, target: object, channel: WindowChannel) -> None:
+        self.target, self.channel = target, channel
+        self.vocab_size = target.vocab_size
+
+    def length(self) -> int:
+        return self.target.length()
+
+    def canonical_frontier(self) -> int:
+        return self.target.canonical_frontier()
+
+    def forward(self, tokens, start: int, *, taps=()):
+        if taps:
+            raise NotImplementedError("draft sources that read target layers (DFlash2) are not wired over "
+                                      "several ranks; use copy drafts (TF_GLM53_DRAFT_SOURCE=copy)")
+        self.channel.send(WindowChannel.FORWARD, start, list(tokens))
+        return self.target.forward(tokens, start)
+
+    def truncate(self, length: int) -> None:
+        self.channel.send(WindowChannel.TRUNCATE, length)
+        self.target.truncate(length)
+
+    def end(self) -> None:
+        """The request is over on rank 0: the followers keep the same rows."""
+        self.channel.send(WindowChannel.END, self.target.length())
 
 
 # ---- the family contract over R ranks ------------------------------------------------------------
@@ -187,11 +266,19 @@ class RankEngine:
     collectives. All ranks compute the same logits bit for bit, so they decide the same tokens; a
     cancellation on rank 0 (on_tokens returning False) is broadcast at each decided batch so every
     rank stops at the same token. Followers wait for requests on the store (no collective timeout
-    while idle); the guard still stops them within seconds when rank 0 dies."""
+    while idle); the guard still stops them within seconds when rank 0 dies.
+
+    `serve_features=True` (what glm53.cuda_engine asks for) adds what one rank gets from cuda_engine:
+    - the prefix cache on every rank (kv_cache.engine_adapter.attach_prefix_cache with this rank's
+      comm: each rank stores its own rows under its own key, a hit is the minimum every rank holds);
+      every rank looks up, restores and stores for every request, in the same order;
+    - drafted decoding (drafter.glm53_target.DraftPlan, copy drafts over several ranks): rank 0
+      drafts and verifies, the followers replay its windows (WindowChannel)."""
 
     def __init__(self, model_dir: str, *, tp: int, rank: int, master: str = "127.0.0.1", master_port: int = 29551,
                  device: str | None = None, dcp_on: bool | None = None, rendezvous_timeout_s: float = 120.0,
-                 load_timeout_s: float = 3600.0, **engine_options: object) -> None:
+                 load_timeout_s: float = 3600.0, serve_features: bool = False, drafter: object = None,
+                 no_drafts: bool = False, mtp_drafts: int | None = None, **engine_options: object) -> None:
         from glm53.config import Glm53Config
         from glm53.dist.rendezvous import RendezvousSpec, rendezvous
         from glm53.engine import Glm53Engine
@@ -201,10 +288,18 @@ class RankEngine:
         self.comm = rendezvous(RendezvousSpec(rank, tp, master, master_port, rendezvous_timeout_s), device=torch_device)
         cfg = Glm53Config.from_dir(model_dir)
         self.plan = DistRankPlan.create(self.comm, cfg.vocab_size, dcp_on)
-        if self.plan.dcp and engine_options.get("prefix_cache") is not None:
-            raise ValueError("the prefix cache does not hold DCP rows yet: run with TF_GLM53_DCP=0 or no prefix cache")
         self.engine = Glm53Engine(model_dir, tp=tp, rank=rank, master=master, master_port=master_port,
-                                  device=dev, plan=self.plan, **engine_options)
+                                  device=dev, plan=self.plan, no_drafts=no_drafts, mtp_drafts=mtp_drafts,
+                                  drafter=None if serve_features else drafter, **engine_options)
+        self.engine.window_channel = WindowChannel(self.comm)
+        if serve_features:
+            from drafter.glm53_target import DraftPlan
+            from kv_cache.engine_adapter import attach_prefix_cache
+
+            self.engine.drafter = DraftPlan.from_contract(self.engine, drafter=drafter or None, no_drafts=no_drafts,
+                                                          mtp_drafts=mtp_drafts, world=tp)
+            if engine_options.get("prefix_cache") is None:
+                attach_prefix_cache(self.engine, comm=self.comm)
         # ranks load at different speeds (minutes at full size): meet on the store, not in a collective
         self.comm.store_barrier("weights_loaded", load_timeout_s)
         self.eos = self.engine.eos
@@ -214,6 +309,30 @@ class RankEngine:
     def rank(self) -> int:
         return self.comm.rank
 
+    # ---- what the front reports (/health, verify.sh) -------------------------------------------
+    @property
+    def prefix_cache_enabled(self) -> bool:
+        cache = self.engine.prefix_cache
+        if cache is not None:
+            return bool(getattr(cache, "enabled", True))
+        return bool(self.engine.reuse_live)
+
+    @property
+    def drafting_enabled(self) -> bool:
+        return self.engine.drafter is not None and not self.engine.no_drafts
+
+    @property
+    def last_stats(self) -> dict:
+        return self.engine.last_stats
+
+    @property
+    def prefix_cache(self) -> object:
+        return self.engine.prefix_cache
+
+    @property
+    def drafter(self) -> object:
+        return self.engine.drafter
+
     # ---- rank 0 ---------------------------------------------------------------------------
     def generate(self, prompt: list[int], max_tokens: int, sampling: object = None,
                  on_tokens=None) -> list[int]:
@@ -221,10 +340,12 @@ class RankEngine:
             raise RuntimeError(f"generate runs on rank 0; rank {self.rank} runs follow()")
         params = self.engine._params(sampling).with_seed()  # one seed for every rank
         self._publish(("generate", list(prompt), max_tokens, params))
+        if self.engine.will_draft(params):  # cancellation travels with the windows (END)
+            return self.engine.generate(prompt, max_tokens, params, on_tokens)
 
         def agreed(new: list[int]) -> bool:
             keep_going = True if on_tokens is None else on_tokens(new) is not False
-            self.comm.broadcast(torch.tensor([int(keep_going)]), name="continue")
+            self.comm.broadcast(torch.tensor([int(keep_going)], device=self.comm.device), name="continue")
             return keep_going
 
         return self.engine.generate(prompt, max_tokens, params, agreed)
@@ -237,24 +358,29 @@ class RankEngine:
     # ---- ranks 1..R-1 ------------------------------------------------------------------------
     def follow(self) -> None:
         """Run what rank 0 publishes until it says stop; then leave the group."""
-        while True:
-            request = self._next_request()
-            if request[0] == STOP:
-                self.comm.close()
-                return
-            _, prompt, max_tokens, params = request
+        while self.follow_one():
+            pass
 
-            def agreed(new: list[int]) -> bool:
-                flag = self.comm.broadcast(torch.tensor([0]), name="continue")
-                return bool(flag.item())
+    def follow_one(self) -> bool:
+        """Run rank 0's next request; False (after leaving the group) when rank 0 said stop."""
+        request = self._next_request()
+        if request[0] == STOP:
+            self.comm.close()
+            return False
+        _, prompt, max_tokens, params = request
 
-            try:
-                self.engine.generate(prompt, max_tokens, params, agreed)
-            except Exception as exc:  # a request rank 0 rejected the same way: stay in step
-                from glm53.engine import EngineError
+        def agreed(new: list[int]) -> bool:
+            flag = self.comm.broadcast(torch.tensor([0], device=self.comm.device), name="continue")
+            return bool(flag.item())
 
-                if not isinstance(exc, EngineError):
-                    raise
+        try:
+            self.engine.generate(prompt, max_tokens, params, agreed)
+        except Exception as exc:  # a request rank 0 rejected the same way: stay in step
+            from glm53.engine import EngineError
+
+            if not isinstance(exc, EngineError):
+                raise
+        return True
 
     # ---- the request channel (the rendezvous store) -----------------------------------------
     def _publish(self, request: tuple) -> None:

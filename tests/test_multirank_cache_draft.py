@@ -1,0 +1,103 @@
+"""The prefix cache and drafted decoding over R real processes (gloo), TP R + DCP R, tiny checkpoint.
+
+One spawned job per R (tests/dist_workers.py `cache_draft`): RankEngine(serve_features=True) as
+glm53.cuda_engine builds it (a PrefixCache on every rank, copy drafts; CPU, fp32, fp32 cache, grid 16).
+The cases run warm (one cache, in serving order), then again after re-attaching the cache with
+TF_GLM53_PREFIX_CACHE=0 (nothing reused: the cold run at the same R). Proved, on every rank:
+(a) append / identical resend / one-word extension / middle edit / a return to an evicted
+    conversation (host-tier chunks restored through DcpKVState.import_rows): the reused rows, all
+    rows after the request and every later logit equal the cold run bit for bit; replies equal;
+    cached_tokens is the grid-floored agreed length, the same on every rank;
+(b) drafted replies equal serial ones (greedy and seeded), copy drafts with drafts accepted, cache on;
+(c) after a drafted request, the next prompt reuses only the drafted prompt's canonical chunks
+    (verification rows past the frontier are never offered), and only those chunks were stored.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.fixtures_tiny import tiny_dirs  # noqa: F401
+from tests.test_dist_processes import Ranks
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import dist_workers as W  # noqa: E402
+
+pytestmark = pytest.mark.slow
+C = W.ENGINE_OPTIONS["prefill_chunk"]
+
+
+def expected_cached(prompt_len: int, reply_len: int) -> dict[str, int]:
+    """Reused rows per case (grid C = 16, reuse floored to the grid, one token always left to prefill)."""
+    p = len(W.CACHE_PROMPT)  # 45
+    floor = lambda n: n // C * C  # noqa: E731
+    return {
+        "base": 0,
+        "append": floor(p),               # live rows; the base's frontier is its prompt (45)
+        "resend": floor(p - 1),            # identical prompt: the last token is recomputed
+        "one_word": floor(p),              # live rows, frontier 45
+        "edit": floor(30),                 # edited at 30: chunks before it
+        # back to `append`'s prompt after the edit: live rows give 16, stored chunks give the
+        # append request's canonical chunks [0, 48): restored from the host tier on every rank
+        "restore": floor(p + reply_len + 7 - 1),
+        "after_draft": floor(len(W.DRAFT_PROMPTS[0])),
+    }
+
+
+@pytest.mark.parametrize("R", [4])
+def test_prefix_cache_and_drafts_over_ranks(tmp_path: Path, tiny_dirs, R: int) -> None:  # noqa: F811
+    started = time.monotonic()
+    ranks = Ranks(tmp_path, "cache_draft", R, timeout=60, extra_env={"GLM53_TEST_MODEL": str(tiny_dirs.model)})
+    codes = ranks.wait(within=240)
+    assert codes == {r: 0 for r in range(R)}, "\n".join(ranks.stderr(r)[-3000:] for r in range(R))
+    res = [torch.load(tmp_path / f"rank{r}.pt") for r in range(R)]
+    lead = res[0]
+    assert all(x["drafter"] == "copy" for x in res) and all(x["health"] == (True, True) for x in res)
+    want = expected_cached(len(W.CACHE_PROMPT), len(lead["warm/base"]["reply"]))
+    names = [name for name, *_ in W.cache_draft_cases({})]
+    for name in names:
+        warm, cold = lead[f"warm/{name}"], lead[f"cold/{name}"]
+        assert warm["reply"] == cold["reply"], f"{name}: reply differs with the prefix cache off"
+        assert cold["stats"]["cached_tokens"] == 0
+        for x in res:
+            w, c = x[f"warm/{name}"], x[f"cold/{name}"]
+            where = f"{name}, rank {x['rank']}"
+            assert w["stats"]["cached_tokens"] == warm["stats"]["cached_tokens"], f"{where}: ranks disagree on reuse"
+            assert (w["length"], w["frontier"]) == (c["length"], c["frontier"]), where
+            # each rank holds only its own positions: slots [0, ceil((length - rank) / R))
+            assert w["slots"] == (0, max(0, (w["length"] - x["rank"] + R - 1) // R)), where
+            assert w["rows"].keys() == c["rows"].keys()
+            for key in w["rows"]:
+                assert torch.equal(w["rows"][key], c["rows"][key]), f"{where}: {key} rows differ from the cold run"
+            assert [p for p, _ in w["trace"]] == [p for p, _ in c["trace"]], where
+            for (pos, a), (_, b) in zip(w["trace"], c["trace"]):
+                assert torch.equal(a, b), f"{where}: logits at position {pos} differ from the cold run"
+    for name, n in want.items():  # (a), (c): how much was reused
+        assert lead[f"warm/{name}"]["stats"]["cached_tokens"] == n, f"{name}: reused {lead[f'warm/{name}']['stats']}"
+    # (a): the serial cases' logits were compared (a trace exists on every rank)
+    assert all(len(x["warm/append"]["trace"]) == W.CACHE_STEPS for x in res)
+    # (b) drafted == serial, greedy and seeded, and drafts were really accepted
+    accepted = 0
+    for i in range(len(W.DRAFT_PROMPTS)):
+        for mode in ("greedy", "seeded"):
+            d, s = lead[f"warm/drafted{i}_{mode}"], lead[f"warm/serial{i}_{mode}"]
+            assert d["stats"]["drafted"] and not s["stats"]["drafted"]
+            assert d["reply"] == s["reply"], f"prompt {i} {mode}: drafted reply differs from serial"
+            assert d["reply"] == lead[f"cold/drafted{i}_{mode}"]["reply"]
+            accepted += d["stats"]["draft"]["tf_glm53_draft_accepted_total"]
+            for x in res:  # every rank ends the request holding the same rows as rank 0
+                assert x[f"warm/drafted{i}_{mode}"]["length"] == d["length"] == len(W.DRAFT_PROMPTS[i]) + len(d["reply"]) - 1
+    assert accepted > 0, "copy drafts were never accepted: the drafted path was not exercised"
+    assert lead["draft_totals"]["tf_glm53_draft_accepted_total"] >= accepted
+    # (c) the drafted request stored only its prompt's whole chunks, on every rank
+    for x in res:
+        first_draft = x["warm/drafted0_greedy"]
+        assert first_draft["stored_chunks"] == len(W.DRAFT_PROMPTS[0]) // C
+        assert first_draft["frontier"] == len(W.DRAFT_PROMPTS[0])
+    print(f"R={R}: {len(names)} cases warm + cold, wall {time.monotonic() - started:.1f} s; "
+          f"per-request seconds (rank 0, warm): " +
+          ", ".join(f"{n}={lead[f'warm/{n}']['seconds']:.2f}" for n in names[:6]))
