@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -42,18 +40,11 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.benchmeta import result_header, write_json  # noqa: E402
 from drafter.decode_loop import StopRule, drafted_decode, serial_decode  # noqa: E402
 from drafter.policy import AdaptiveDepth, PolicyConfig  # noqa: E402
 from drafter.sources import CopySource  # noqa: E402
 from drafter.target import WindowOutput  # noqa: E402
-
-
-def _git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def tracked_python_files() -> list[Path]:
@@ -201,22 +192,13 @@ def main() -> int:
             "drafted_tok_s": med([x["drafted"]["decode_tok_s"] for x in p]),
             "speedup": med([x["speedup"] for x in p]),
         }
-    result = {
-        "bench": "copy_drafts", "git_commit": _git_commit(),
-        "device": torch.cuda.get_device_name() if args.device == "cuda"
-        else f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores, torch threads {torch.get_num_threads()})",
-        "torch": torch.__version__, "target": target_desc,
-        "settings": {"prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "samples": args.samples,
-                     "source": "copy (min_ngram 2, max_ngram 8)", "policy": "AdaptiveDepth default (max 13)",
-                     "forced_to_text": True, "tokenizer": "glm53.tiny_tokenizer byte-level BPE", "ranks": 1,
-                     "prefix_cache": "off (each sample a fresh cache)"},
-        "results": results,
-    }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    os.replace(tmp, out)
+    settings = {"prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "samples": args.samples,
+                "source": "copy (min_ngram 2, max_ngram 8)", "policy": "AdaptiveDepth default (max 13)",
+                "forced_to_text": True, "tokenizer": "glm53.tiny_tokenizer byte-level BPE", "ranks": 1,
+                "prefix_cache": "off (each sample a fresh cache)"}
+    result = {**result_header("copy_drafts", settings, device=args.device),
+              "torch": torch.__version__, "target": target_desc, "results": results}
+    out = write_json(args.out, result)
     print(f"wrote {out}", file=sys.stderr)
     print(f"copy drafts, {target_desc}; median (min-max) over {args.samples} windows of {args.new_tokens} tokens")
     print(f"{'text':<11}{'tok/step':>20}{'accept':>8}{'serial tok/s':>22}{'drafted tok/s':>22}{'speedup':>20}")

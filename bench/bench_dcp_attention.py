@@ -19,13 +19,8 @@ Prints a table last; the JSON holds every sample. Exit 0 on success, 2 on bad ar
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +30,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.benchmeta import result_header, summary, write_json  # noqa: E402
 from glm53.dist import dcp, tp  # noqa: E402
 
 HEADS, KV_RANK, ROPE, IDX_HEADS, IDX_DIM, TOPK = 64, 512, 64, 32, 128, 2048
@@ -102,13 +98,6 @@ def time_call(fn: Callable[[int], object], i: int, device: torch.device) -> floa
     return (time.perf_counter() - t0) * 1e3
 
 
-def _git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--small", action="store_true", help="CPU-sized contexts (4k, 16k) and few reps")
@@ -142,8 +131,9 @@ def main() -> int:
                 for name, fn in variants.items():
                     got[name].append(time_call(fn, i, device))
             for name, ms in got.items():
-                rows.append({"context": n, "ranks": R, "variant": name, "median_ms": statistics.median(ms),
-                             "min_ms": min(ms), "max_ms": max(ms), "samples": len(ms)})
+                stats = summary(ms, unit="ms")
+                rows.append({"context": n, "ranks": R, "variant": name, "median_ms": stats["median_ms"],
+                             "min_ms": stats["min_ms"], "max_ms": stats["max_ms"], "samples": stats["n"]})
                 samples[f"{n}/{R}/{name}"] = ms
             print(f"# context {n:,} R={R}: " + ", ".join(f"{k} {statistics.median(v):.3f} ms" for k, v in got.items()),
                   file=sys.stderr)
@@ -151,20 +141,12 @@ def main() -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
-    result = {
-        "bench": "dcp_attention", "git_commit": _git_commit(),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda"
-        else f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores, torch threads {torch.get_num_threads()})",
-        "torch": torch.__version__, "cuda": torch.version.cuda,
-        "settings": {"heads": HEADS, "kv_rank": KV_RANK, "rope": ROPE, "indexer_heads": IDX_HEADS,
-                     "indexer_dim": IDX_DIM, "topk": TOPK, "cache_dtype": "bf16", "reps": reps, "warmup": warmup,
-                     "contexts": contexts, "ranks": args.ranks, "cuda_graphs": False, "communication": "not timed"},
-        "results": rows, "samples_ms": samples,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=args.out.parent, delete=False, suffix=".tmp") as f:
-        json.dump(result, f, indent=1)
-    os.replace(f.name, args.out)
+    settings = {"heads": HEADS, "kv_rank": KV_RANK, "rope": ROPE, "indexer_heads": IDX_HEADS,
+                "indexer_dim": IDX_DIM, "topk": TOPK, "cache_dtype": "bf16", "reps": reps, "warmup": warmup,
+                "contexts": contexts, "ranks": args.ranks, "cuda_graphs": False, "communication": "not timed"}
+    result = {**result_header("dcp_attention", settings, device=device),
+              "torch": torch.__version__, "cuda": torch.version.cuda, "results": rows, "samples_ms": samples}
+    write_json(args.out, result)
 
     print(f"decode attention, one layer, one token ({result['device']}); ms median [min, max] of {reps}")
     print(f"{'context':>10}{'R':>3}  {'off R=1':>28}{'off (TP only)':>28}{'DCP shard+merge':>28}{'DCP/off':>9}")

@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -27,6 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.bench_verify_headers import environment  # noqa: E402
+from bench.benchmeta import result_header, summary, write_json  # noqa: E402
 from glm53.weights.manifest import FileRecord, Manifest  # noqa: E402
 from glm53.weights.verify import VerifyResult, _deep_check  # noqa: E402
 
@@ -111,19 +110,14 @@ def main() -> int:
     for state, per_mode in samples.items():
         for mode, secs in per_mode.items():
             ratios = [s / r for s, r in zip(secs, per_mode["read"])]
-            rows.append({"cache": state, "mode": mode, "seconds": secs,
-                         "mib_per_s": [total / 2**20 / s for s in secs],
-                         "median_mib_per_s": statistics.median(total / 2**20 / s for s in secs),
-                         "min_mib_per_s": min(total / 2**20 / s for s in secs),
-                         "max_mib_per_s": max(total / 2**20 / s for s in secs),
-                         "time_vs_read_median": statistics.median(ratios)})
-    doc = {"bench": "deep_hash", "environment": environment(),
-           "settings": {"files": args.files, "mib_per_file": args.mib, "bytes": total, "workers": workers, "rounds": args.rounds,
-                        "chunk_bytes": CHUNK, "cold": "posix_fadvise(DONTNEED) on these files before each sample"},
-           "rows": rows}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=2) + "\n")
+            rates = [total / 2**20 / s for s in secs]
+            rows.append({"cache": state, "mode": mode, "seconds": secs, "mib_per_s": rates,
+                         **summary(rates, unit="mib_per_s"), "time_vs_read_median": summary(ratios)["median"]})
+    settings = {"files": args.files, "mib_per_file": args.mib, "bytes": total, "workers": workers, "rounds": args.rounds,
+                "chunk_bytes": CHUNK, "cold": "posix_fadvise(DONTNEED) on these files before each sample"}
+    header = result_header("deep_hash", settings, extra_versions=("huggingface_hub",))
+    doc = {**header, "environment": environment(header), "rows": rows}
+    out = write_json(args.out, doc, indent=2)
     print(f"\n--deep vs plain reads: {args.files} x {args.mib} MiB, {args.rounds} interleaved rounds, "
           f"{os.cpu_count()} CPU cores; JSON: {out}")
     print(f"{'cache':<6} {'mode':<9} {'MiB/s median [min-max]':>26} {'time / read':>12}")

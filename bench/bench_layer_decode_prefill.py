@@ -26,11 +26,7 @@ median/min/max). Exit 0 on success, 2 on bad arguments, 3 when the device is mis
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -41,6 +37,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.benchmeta import device_description, result_header, summary, write_json  # noqa: E402
 from glm53.config import Glm53Config  # noqa: E402
 from glm53.engine import prefill_pieces  # noqa: E402
 from glm53.kv_state import KVState  # noqa: E402
@@ -53,27 +50,6 @@ from glm53.model.transformer import Glm53Model, LayerWeights, ModelWeights  # no
 SMALL = dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_attention_heads=8,
              n_routed_experts=16, num_experts_per_tok=4, q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=32,
              qk_rope_head_dim=16, v_head_dim=32, index_topk=128, index_head_dim=64, index_n_heads=8)
-
-
-def _git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
-
-
-def _version(module: str) -> str | None:
-    try:
-        return __import__(module).__version__
-    except ImportError:
-        return None
 
 
 # ---- random weights ------------------------------------------------------------------------------
@@ -233,10 +209,6 @@ def copy_bandwidth(device: torch.device, gib: float, reps: int) -> dict:
     return {"bytes_per_copy": moved, "samples_s": samples, "bandwidth_Bps": moved / statistics.median(samples)}
 
 
-def summary(samples: list[float]) -> dict:
-    return {"median_s": statistics.median(samples), "min_s": min(samples), "max_s": max(samples), "n": len(samples)}
-
-
 def random_state(model: Glm53Model, layer: LayerWeights, rows: int, kv_dtype: str, r: Rand) -> KVState:
     state = KVState(n_layers=layer.index + 1, latent_dim=model.cfg.latent_dim, index_dim=model.cfg.index_head_dim,
                     indexed_layers=frozenset({layer.index}), kv_dtype=kv_dtype, device=model.device)
@@ -314,7 +286,7 @@ def main() -> int:
     torch.manual_seed(0)
     r = Rand(device, dtype, seed=0)
 
-    say(f"device {_device_name(device)}, dtype {dtype}, kv {args.kv_dtype}")
+    say(f"device {device_description(device)}, dtype {dtype}, kv {args.kv_dtype}")
     bw = copy_bandwidth(device, copy_gib, reps=max(reps, 5))
     say(f"copy bandwidth {bw['bandwidth_Bps'] / 1e12:.3f} TB/s")
     specs = [(0, False)] + [(1 + i, True) for i in range(args.moe_layers)]
@@ -342,7 +314,7 @@ def main() -> int:
         # the indexer reads every cached key; attention reads only the selected latent rows
         floor_exl3 = dense_b + packed + context * cfg.index_head_dim * kv_size + rows * cfg.latent_dim * kv_size
         floor_bf16 = floor_exl3 - packed + decoded
-        case = {"layer": name, "step": f"decode@{context}", "tokens": 1, "samples_s": samples, **summary(samples),
+        case = {"layer": name, "step": f"decode@{context}", "tokens": 1, "samples_s": samples, **summary(samples, unit="s"),
                 "bytes_floor_exl3": floor_exl3, "bytes_floor_bf16": floor_bf16,
                 "floor_exl3_s": floor_exl3 / bw["bandwidth_Bps"], "floor_bf16_s": floor_bf16 / bw["bandwidth_Bps"],
                 "flops": layer_flops(cfg, info["moe"], 1, context)}
@@ -358,30 +330,23 @@ def main() -> int:
             floor_exl3 = n_chunks * (dense_b + packed) + kv_read + kv_bytes(cfg, n, kv_size)
             floor_bf16 = floor_exl3 + n_chunks * (decoded - packed)
             flops = sum(layer_flops(cfg, info["moe"], b - a, b) for a, b in prefill_pieces(0, n, chunk))
-            case = {"layer": name, "step": f"prefill {n}", "tokens": n, "samples_s": samples, **summary(samples),
+            case = {"layer": name, "step": f"prefill {n}", "tokens": n, "samples_s": samples, **summary(samples, unit="s"),
                     "bytes_floor_exl3": floor_exl3, "bytes_floor_bf16": floor_bf16,
                     "floor_exl3_s": floor_exl3 / bw["bandwidth_Bps"], "floor_bf16_s": floor_bf16 / bw["bandwidth_Bps"],
                     "flops": flops, "tflops_per_s": flops / case_median(samples) / 1e12}
             results.append(case)
             say(f"{name} prefill {n}: {case['median_s'] * 1e3:.1f} ms")
 
-    report = {
-        "bench": "layer_decode_prefill", "git_commit": _git_commit(), "device": _device_name(device),
-        "versions": {"torch": torch.__version__, "triton": _version("triton"), "python": platform.python_version()},
-        "settings": {"small": args.small, "dtype": str(dtype), "kv_dtype": args.kv_dtype, "ranks": 1, "dcp": False,
-                     "chunk": chunk, "context": context, "prefill": prefills, "moe_layers": args.moe_layers,
-                     "distinct_experts": args.distinct_experts, "reps": reps, "warmup": args.warmup,
-                     "config": {k: getattr(cfg, k) for k in ("hidden_size", "num_attention_heads", "kv_lora_rank",
-                                                            "q_lora_rank", "n_routed_experts", "num_experts_per_tok",
-                                                            "moe_intermediate_size", "intermediate_size", "index_topk")},
-                     "cuda_graphs": False},
-        "copy_bandwidth": bw, "results": results,
-    }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(json.dumps(report, indent=1))
-    os.replace(tmp, out)
+    settings = {"small": args.small, "dtype": str(dtype), "kv_dtype": args.kv_dtype, "ranks": 1, "dcp": False,
+                "chunk": chunk, "context": context, "prefill": prefills, "moe_layers": args.moe_layers,
+                "distinct_experts": args.distinct_experts, "reps": reps, "warmup": args.warmup,
+                "config": {k: getattr(cfg, k) for k in ("hidden_size", "num_attention_heads", "kv_lora_rank",
+                                                       "q_lora_rank", "n_routed_experts", "num_experts_per_tok",
+                                                       "moe_intermediate_size", "intermediate_size", "index_topk")},
+                "cuda_graphs": False}
+    report = {**result_header("layer_decode_prefill", settings, device=device), "copy_bandwidth": bw,
+              "results": results}
+    out = write_json(args.out, report)
 
     print(f"\ncopy bandwidth {bw['bandwidth_Bps'] / 1e12:.3f} TB/s on {report['device']}; JSON: {out}")
     print(f"{'layer':<10} {'step':<14} {'median':>10} {'min':>10} {'max':>10} {'floor exl3':>11} {'ratio':>7} "

@@ -30,11 +30,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,6 +44,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.benchmeta import result_header, summary, write_json  # noqa: E402
 from glm53.engine import Glm53Engine  # noqa: E402
 from kv_cache.engine_adapter import attach_prefix_cache  # noqa: E402
 
@@ -160,10 +159,6 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def summary(xs: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
-
-
 def rand_tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(3, vocab) for _ in range(n)]
 
@@ -246,30 +241,6 @@ def scenario_disk(engine, args, rng, mismatches: list[str], disk_dir: Path) -> d
 
 
 # ---- report ------------------------------------------------------------------------------------
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def device_name(engine) -> str:
-    if engine.device.type == "cuda":
-        return torch.cuda.get_device_name(engine.device)
-    return f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores, torch threads {torch.get_num_threads()})"
-
-
-def versions() -> dict[str, str]:
-    out = {"python": platform.python_version(), "torch": torch.__version__}
-    try:
-        import triton
-        out["triton"] = triton.__version__
-    except ImportError:
-        out["triton"] = "absent"
-    return out
-
-
 def table(result: dict[str, Any]) -> str:
     lines = []
     t = result.get("turns")
@@ -350,28 +321,22 @@ def main() -> int:
         warm = Side(engine, "warmup", {"TF_GLM53_PREFIX_CACHE": "0"})
         warm.generate(rand_tokens(rng, min(2 * engine.chunk + 3, 4096), engine.vocab_size), 2)  # discarded
         args.on_env = {"TF_GLM53_PREFIX_REUSE_BOUNDARY": "1" if args.boundary else "0"}
-        result: dict[str, Any] = {
-            "bench": "prefix_cache", "git_commit": git_commit(), "device": device_name(engine),
-            "versions": versions(),
-            "settings": {"model_dir": str(model_dir), "real_dims": args.real_dims, "layers": len(engine.model.w.layers),
-                         "hidden": engine.cfg.hidden_size, "compute_dtype": engine.dtype_name,
-                         "kv_dtype": engine.kv_dtype, "chunk": engine.chunk, "ranks": 1, "dcp": False,
-                         "drafting": False, "reply_tokens": args.reply, "turns": args.turns,
-                         "turn_tokens": args.turn_tokens, "long": args.long, "disk_long": args.disk_long,
-                         "repeats": args.repeats, "reuse_boundary": bool(args.boundary),
-                         "timing": "wall clock of generate(), interleaved on/off"},
-            "mismatches": mismatches,
-        }
+        settings = {"model_dir": str(model_dir), "real_dims": args.real_dims, "layers": len(engine.model.w.layers),
+                    "hidden": engine.cfg.hidden_size, "compute_dtype": engine.dtype_name,
+                    "kv_dtype": engine.kv_dtype, "chunk": engine.chunk, "ranks": 1, "dcp": False,
+                    "drafting": False, "reply_tokens": args.reply, "turns": args.turns,
+                    "turn_tokens": args.turn_tokens, "long": args.long, "disk_long": args.disk_long,
+                    "repeats": args.repeats, "reuse_boundary": bool(args.boundary),
+                    "timing": "wall clock of generate(), interleaved on/off"}
+        result: dict[str, Any] = {**result_header("prefix_cache", settings, device=engine.device),
+                                  "mismatches": mismatches}
         if "turns" in args.scenarios:
             result["turns"] = scenario_turns(engine, args, rng, mismatches)
         if "one-word" in args.scenarios:
             result["one_word"] = scenario_one_word(engine, args, rng, mismatches)
         if "disk" in args.scenarios:
             result["disk"] = scenario_disk(engine, args, rng, mismatches, work / "disk_cache")
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.out.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(result, indent=1))
-        os.replace(tmp, args.out)
+        write_json(args.out, result)
         print(table(result))
         print(f"full results: {args.out}")
         return 1 if mismatches else 0

@@ -12,40 +12,31 @@ are in the page cache (just written): warm numbers. Each checkpoint is deleted a
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.benchmeta import cpu_model, result_header, summary, write_json  # noqa: E402
 from glm53.config import Glm53Config  # noqa: E402
 from glm53.weights.report import build_report  # noqa: E402
 from glm53.weights.synthetic import apparent_and_allocated, glm53_tensor_specs, real_config, write_checkpoint  # noqa: E402
 from glm53.weights.verify import verify_checkpoint  # noqa: E402
 
 
-def environment() -> dict[str, object]:
-    try:
-        commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = None
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
-    import huggingface_hub
-    return {"git_commit": commit, "device": f"CPU: {cpu}", "cpu_cores": os.cpu_count(), "python": platform.python_version(),
-            "huggingface_hub": huggingface_hub.__version__, "platform": platform.platform()}
-
-
-def stats(samples: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(samples), "min": min(samples), "max": max(samples)}
+def environment(header: dict[str, Any]) -> dict[str, object]:
+    """The `environment` block these results carried before bench.benchmeta's header (kept so that
+    readers of the older JSON still find it); header is result_header(..., extra_versions=("huggingface_hub",))."""
+    return {"git_commit": header["git_commit"], "device": f"CPU: {cpu_model()}", "cpu_cores": header["cpu_cores"],
+            "python": header["versions"]["python"], "huggingface_hub": header["versions"]["huggingface_hub"],
+            "platform": platform.platform()}
 
 
 def main() -> int:
@@ -92,22 +83,20 @@ def main() -> int:
                 summary_s.append(t2 - t1)
             rows.append({"shards": n, "tensors": len(specs), "apparent_bytes": apparent, "allocated_bytes": allocated,
                          "header_bytes": header_bytes, "write_seconds": write_s, "verify_seconds": verify_s,
-                         "summary_seconds": summary_s, "verify": stats(verify_s), "summary": stats(summary_s),
+                         "summary_seconds": summary_s, "verify": summary(verify_s), "summary": summary(summary_s),
                          "verify_cpu_seconds": verify_cpu, "summary_cpu_seconds": summary_cpu,
-                         "verify_cpu": stats(verify_cpu), "summary_cpu": stats(summary_cpu),
+                         "verify_cpu": summary(verify_cpu), "summary_cpu": summary(summary_cpu),
                          "load_average_1m": os.getloadavg()[0],
                          "bytes_per_rank": report["summary"]["bytes_per_rank"]})
             shutil.rmtree(folder)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    doc = {"bench": "verify_headers", "environment": environment(),
-           "settings": {"repeats": args.repeats, "shard_counts": counts, "page_cache": "warm (headers just written)",
-                        "checkpoint": "GLM-5.3 real tensor list, EXL3 experts 2/3/4 bits (10/50/40%), sparse data",
-                        "apparent_bytes": apparent_total},
-           "rows": rows}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=2) + "\n")
+    settings = {"repeats": args.repeats, "shard_counts": counts, "page_cache": "warm (headers just written)",
+                "checkpoint": "GLM-5.3 real tensor list, EXL3 experts 2/3/4 bits (10/50/40%), sparse data",
+                "apparent_bytes": apparent_total}
+    header = result_header("verify_headers", settings, extra_versions=("huggingface_hub",))
+    doc = {**header, "environment": environment(header), "rows": rows}
+    out = write_json(args.out, doc, indent=2)
     print(f"\nheader verification, GLM-5.3 tensor list ({len(specs):,} tensors, {apparent_total / 2**30:.1f} GiB apparent), "
           f"{args.repeats} runs each, warm page cache; JSON: {out}")
     print("wall = elapsed; cpu = this process' CPU time (the machine is shared: wall includes waiting for a core)")

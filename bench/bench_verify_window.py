@@ -27,11 +27,7 @@ Exit 0 on success; 2 on bad arguments or no CUDA without --small.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -41,6 +37,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.benchmeta import installed_version, result_header, summary, write_json  # noqa: E402
 from glm53.config import Glm53Config  # noqa: E402
 from glm53.model.indexer import IndexerWeights  # noqa: E402
 from glm53.model.mla import AttentionWeights  # noqa: E402
@@ -51,20 +48,6 @@ TINY = dict(vocab_size=1000, hidden_size=256, intermediate_size=768, moe_interme
             num_attention_heads=4, n_routed_experts=16, num_experts_per_tok=4, kv_lora_rank=128,
             q_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32, index_topk=64,
             index_head_dim=64, index_n_heads=2)
-
-
-def _git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def _device_name(device: str) -> str:
-    if device == "cuda":
-        return torch.cuda.get_device_name()
-    return f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores, torch threads {torch.get_num_threads()})"
 
 
 def _rand(shape, device, dtype, g, std=0.02) -> torch.Tensor:
@@ -182,8 +165,7 @@ def summarize(case: dict) -> None:
     stats = {}
     base = statistics.median(case["samples_us"]["1"])
     for k, v in case["samples_us"].items():
-        med = statistics.median(v)
-        stats[k] = {"median_us": med, "min_us": min(v), "max_us": max(v), "n": len(v), "ratio_to_k1": med / base}
+        stats[k] = {**summary(v, unit="us"), "ratio_to_k1": statistics.median(v) / base}
         if case["distinct_experts"]:
             stats[k]["median_distinct_experts"] = statistics.median(case["distinct_experts"][k])
     case["summary"] = stats
@@ -225,20 +207,14 @@ def main() -> int:
     cases.append(bench_head(cfg, ks, args.reps, args.warmup, device, dtype, args.seed))
     for case in cases:
         summarize(case)
-    result = {
-        "bench": "verify_window", "git_commit": _git_commit(), "device": _device_name(device),
-        "torch": torch.__version__, "triton": _version("triton"), "cuda": torch.version.cuda,
-        "settings": {"dtype": str(dtype), "dims": "tiny" if args.small else "GLM-5.3 real", "contexts": contexts,
-                     "ks": ks, "reps": args.reps, "warmup": args.warmup, "ranks": 1, "dcp": 1,
-                     "experts": "DecodedExperts bf16 (not EXL3)", "mode": "decode (absorbed MLA)",
-                     "cuda_graphs": False, "timing": "CUDA events" if device == "cuda" else "wall clock"},
-        "cases": cases,
-    }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    os.replace(tmp, out)
+    settings = {"dtype": str(dtype), "dims": "tiny" if args.small else "GLM-5.3 real", "contexts": contexts,
+                "ks": ks, "reps": args.reps, "warmup": args.warmup, "ranks": 1, "dcp": 1,
+                "experts": "DecodedExperts bf16 (not EXL3)", "mode": "decode (absorbed MLA)",
+                "cuda_graphs": False, "timing": "CUDA events" if device == "cuda" else "wall clock"}
+    result = {**result_header("verify_window", settings, device=device),
+              "torch": torch.__version__, "triton": installed_version("triton"), "cuda": torch.version.cuda,
+              "cases": cases}
+    out = write_json(args.out, result)
     print(f"wrote {out}", file=sys.stderr)
     header = f"{'layer':<14}{'ctx':>7}" + "".join(f"{'k=' + str(k):>8}" for k in ks)
     print("ratio t(k)/t(1) (median); t(1) in us in the last column")
@@ -248,13 +224,6 @@ def main() -> int:
         row = f"{name:<14}{case['context'] or '-':>7}" + "".join(f"{case['summary'][str(k)]['ratio_to_k1']:>8.2f}" for k in ks)
         print(row + f"{case['summary']['1']['median_us']:>10.0f}")
     return 0
-
-
-def _version(module: str) -> str | None:
-    try:
-        return __import__(module).__version__
-    except ImportError:
-        return None
 
 
 if __name__ == "__main__":
