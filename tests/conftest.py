@@ -15,7 +15,7 @@ def _cuda_available() -> bool:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if _cuda_available():
         return
-    skip = pytest.mark.skip(reason="gpu: no CUDA device here; run on the lent H200 (see bench/README.md)")
+    skip = pytest.mark.skip(reason="gpu: no CUDA device here; run on the lent H200 (see bench/results/README.md)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

@@ -78,11 +78,17 @@ class RankPlan:
         selected cache rows -> [T, h, v] for those heads (before o_proj).
 
         rows [n, r + rope] are the rows this rank holds, at key_positions (None: all positions),
-        selection [T, n] the mask from merge_topk. World 1: prefill expands keys through kv_b,
-        decode works in the latent space (absorbed)."""
+        selection [T, n] the mask from merge_topk. World 1: prefill over at most `gather_above`
+        (= index_topk) rows expands keys through kv_b; past that each query gathers its own top-k
+        rows and attends in the latent space, so a chunk's cost does not grow with the history.
+        The choice depends on the chunk's end (fixed by the grid), never on the prompt's length,
+        so a resumed prefill runs the same arithmetic as a cold one. Decode is absorbed."""
         from glm53.model.mla import attend_decode, attend_expanded
+        from glm53.model.sparse_attention import attend_sparse_prefill
 
         if mode == "prefill":
+            if rows.shape[0] > gather_above:
+                return attend_sparse_prefill(w, q_nope, q_rot, rows, selection, gather_above)[0]
             return attend_expanded(w, q_nope, q_rot, rows, selection)[0]
         return attend_decode(w, q_nope, q_rot, rows, selection, gather_above)[0]
 

@@ -3,7 +3,8 @@ norm and head; and the MTP layer (mtp.py) on top when the checkpoint has one.
 
 `Glm53Model.forward(state, tokens, start, mode)` runs tokens at absolute positions
 [start, start + T) on top of the cache rows [0, start), writes their rows and returns the hidden
-states. `mode` picks the attention formulation: "prefill" (expanded keys; the canonical grid chunks)
+states. `mode` picks the attention formulation: "prefill" (the canonical grid chunks: expanded keys up to
+index_topk rows, then each query gathers its top-k rows: glm53/model/sparse_attention.py)
 or "decode" (absorbed, latent space; decode and draft verification). The engine decides chunking.
 """
 from __future__ import annotations
