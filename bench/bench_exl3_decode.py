@@ -17,11 +17,6 @@ Exit 0 on success; 2 on bad arguments.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,24 +26,12 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.benchmeta import device_description, installed_version, result_header, summary, write_json  # noqa: E402
 from glm53.exl3.decode import decode_rotated, decode_weight  # noqa: E402
 from glm53.exl3.format import read_group  # noqa: E402
 
 SHAPES = {"gate_up": (6144, 2048), "down": (2048, 6144)}
 CASES = [("3inst", 2.0), ("3inst", 3.0), ("3inst", 4.0), ("mcg", 3.0), ("mul1", 3.0), ("mul1", 3.5)]
-
-
-def _git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def _device_name(device: str) -> str:
-    if device == "cuda":
-        return torch.cuda.get_device_name()
-    return f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores, torch threads {torch.get_num_threads()})"
 
 
 def _random_parts(codebook: str, bits: float, in_f: int, out_f: int, seed: int) -> dict[str, torch.Tensor]:
@@ -141,12 +124,13 @@ def bench_device(device: str, reps: int, exl) -> list[dict]:
                 for name, fn in fns.items():
                     samples[name] += timer(fn, groups, max(1, reps // rounds))
             for name, s in samples.items():
-                med = statistics.median(s)
+                stats = summary(s, unit="s")
                 rows.append({
                     "device": device, "shape": shape_name, "in_features": in_f, "out_features": out_f,
                     "codebook": codebook, "bits": bits, "variant": name, "weight_bytes": weight_bytes,
-                    "trellis_bytes": trellis_bytes, "samples_s": s, "median_s": med, "min_s": min(s), "max_s": max(s),
-                    "gbps_weights_median": weight_bytes / med / 1e9,
+                    "trellis_bytes": trellis_bytes, "samples_s": s, "median_s": stats["median_s"],
+                    "min_s": stats["min_s"], "max_s": stats["max_s"],
+                    "gbps_weights_median": weight_bytes / stats["median_s"] / 1e9,
                 })
             print(f"  {device} {shape_name} {codebook} K={bits:g} done", file=sys.stderr)
             del groups
@@ -157,7 +141,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="JSON results path")
     ap.add_argument("--device", choices=("cpu", "cuda", "all"), default="all")
-    ap.add_argument("--commit", default=None, help="kit commit to record where the copy has no .git (default: git rev-parse HEAD)")
+    ap.add_argument("--commit", default=None, help="kit commit to record where the copy has no .git (default: git rev-parse HEAD, else $GLM53_KIT_COMMIT)")
     ap.add_argument("--reps", type=int, default=30, help="timed calls per variant on CUDA (CPU uses a third)")
     args = ap.parse_args()
     devices = ["cpu", "cuda"] if args.device == "all" else [args.device]
@@ -172,36 +156,26 @@ def main() -> int:
     rows = []
     for device in devices:
         rows += bench_device(device, args.reps if device == "cuda" else max(3, args.reps // 10), exl)
+    settings = {"reps_cuda": args.reps, "reps_cpu": max(3, args.reps // 10), "tf32": False,
+                "timing": "CUDA events per call, inputs rotated over >500 MB; CPU wall clock"}
+    header = result_header("exl3_decode", settings, device=devices[-1],
+                           extra_versions=("exllamav3",) if exl is not None else ())
+    if args.commit:  # an explicit --commit wins over git / GLM53_KIT_COMMIT
+        header["git_commit"] = args.commit
     result = {
-        "bench": "exl3_decode",
-        "git_commit": args.commit or _git_commit(),
-        "devices": {d: _device_name(d) for d in devices},
+        **header,
+        "devices": {d: device_description(d) for d in devices},
         "torch": torch.__version__,
-        "triton": _version("triton"),
-        "exllamav3": _version("exllamav3") if exl is not None else None,
-        "settings": {"reps_cuda": args.reps, "reps_cpu": max(3, args.reps // 10), "tf32": False,
-                     "timing": "CUDA events per call, inputs rotated over >500 MB; CPU wall clock"},
+        "triton": installed_version("triton"),
+        "exllamav3": installed_version("exllamav3") if exl is not None else None,
         "results": rows,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    os.replace(tmp, out)
+    write_json(args.out, result)
     print(f"{'device':6} {'shape':8} {'cb':6} {'K':>4} {'variant':17} {'median ms':>10} {'GB/s':>8}")
     for r in rows:
         print(f"{r['device']:6} {r['shape']:8} {r['codebook']:6} {r['bits']:4g} {r['variant']:17} "
               f"{r['median_s'] * 1e3:10.3f} {r['gbps_weights_median']:8.2f}")
     return 0
-
-
-def _version(module: str) -> str | None:
-    try:
-        from importlib.metadata import version
-
-        return version(module)
-    except Exception:  # noqa: BLE001
-        return None
 
 
 if __name__ == "__main__":

@@ -19,12 +19,7 @@ Exit 0 when every allocation check holds, 1 when one does not.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -32,6 +27,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.benchmeta import result_header, write_json  # noqa: E402
 from glm53.config import Glm53Config  # noqa: E402
 from glm53.dist import dcp, tp  # noqa: E402
 from glm53.kv_state import KVState  # noqa: E402
@@ -92,13 +88,6 @@ def decode_messages(cfg: Glm53Config, ranks: int, dtype: torch.dtype = torch.bfl
     }
 
 
-def _git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--context", type=int, default=1 << 20)
@@ -123,21 +112,14 @@ def main() -> int:
                                "formula": formula, "allocated": alloc, "equal": equal})
     sends = {R: decode_messages(cfg, R) for R in RANKS}
 
-    result = {
-        "bench": "kv_bytes", "git_commit": _git_commit(),
-        "device": f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores)",
-        "torch": torch.__version__,
-        "settings": {"context": args.context, "check_tokens": args.check_tokens, "layers": cfg.num_hidden_layers,
-                     "latent_dim": cfg.latent_dim, "index_head_dim": cfg.index_head_dim,
-                     "full_indexer_layers": sum(1 for i in range(cfg.num_hidden_layers) if cfg.indexer_is_full(i)),
-                     "mtp_layers": cfg.num_mtp_layers, "activation_dtype": "bf16"},
-        "kv_per_rank": kv_rows, "allocation_checks": checks, "decode_bytes_sent_per_rank": sends,
-        "note": "computed (no timing): one sample per number",
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=args.out.parent, delete=False, suffix=".tmp") as f:
-        json.dump(result, f, indent=1)
-    os.replace(f.name, args.out)
+    settings = {"context": args.context, "check_tokens": args.check_tokens, "layers": cfg.num_hidden_layers,
+                "latent_dim": cfg.latent_dim, "index_head_dim": cfg.index_head_dim,
+                "full_indexer_layers": sum(1 for i in range(cfg.num_hidden_layers) if cfg.indexer_is_full(i)),
+                "mtp_layers": cfg.num_mtp_layers, "activation_dtype": "bf16"}
+    result = {**result_header("kv_bytes", settings, device="cpu"), "torch": torch.__version__,
+              "kv_per_rank": kv_rows, "allocation_checks": checks, "decode_bytes_sent_per_rank": sends,
+              "note": "computed (no timing): one sample per number"}
+    write_json(args.out, result)
 
     print(f"KV cache per rank at {args.context:,} tokens (GiB, the largest rank), {cfg.num_hidden_layers} layers:")
     print(f"{'kv dtype':<9}{'DCP':<5}" + "".join(f"{'R=' + str(R):>10}" for R in RANKS))
