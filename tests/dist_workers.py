@@ -294,7 +294,37 @@ def cache_draft_cases(reply_of: dict[str, list[int]]) -> list[tuple[str, list[in
                 cases.append(("after_draft", lambda: DRAFT_PROMPTS[0] + reply_of["drafted0_greedy"] + [5, 6],
                               CACHE_STEPS, {"draft": False}))
             cases.append((f"serial{i}_{mode}", lambda q=q: q, DRAFT_STEPS, dict(sampling, draft=False)))
+            cases.append((f"scripted{i}_{mode}", lambda q=q: q, DRAFT_STEPS, dict(sampling, draft=True)))
     return [(name, make, n, sampling) for name, make, n, sampling in cases]
+
+
+class ScriptedDrafts:
+    """A draft source for rank 0 that knows the serial replies: it proposes them, every second window
+    wrong halfway, so windows are accepted in full and in part (rows of rejected drafts truncated
+    on every rank). Followers never see it."""
+
+    name, taps, needs_hidden, max_depth = "scripted", (), False, 6
+
+    def __init__(self, replies: dict[tuple[int, ...], list[int]], vocab: int) -> None:
+        self.replies, self.vocab = replies, vocab
+
+    def new_source(self, target: object) -> "ScriptedDrafts":
+        self.calls = 0
+        return self
+
+    def commit(self, tokens, out=None, kept_rows: int = 0) -> None:
+        pass
+
+    def propose(self, tokens, depth: int, sample=None) -> list[int]:
+        for prompt, reply in self.replies.items():
+            if tuple(tokens[:len(prompt)]) == prompt:
+                m = len(tokens) - len(prompt)  # reply tokens committed; the next draft is reply[m]
+                drafts = list(reply[m:m + depth])
+                self.calls += 1
+                if len(drafts) > 1 and self.calls % 2 == 0:  # every second window: wrong halfway
+                    drafts[len(drafts) // 2] = (drafts[len(drafts) // 2] + 1) % self.vocab
+                return drafts
+        return []
 
 
 def cache_draft(spec_rank: int, world: int, port: int, out: Path) -> None:
@@ -319,7 +349,14 @@ def cache_draft(spec_rank: int, world: int, port: int, out: Path) -> None:
             stored_before = inner.prefix_cache.stats.stored_chunks
             started = time.monotonic()
             if eng.rank == 0:
-                got[name] = eng.generate(make(), max_tokens, sampling)
+                plan = inner.drafter
+                if name.startswith("scripted"):  # the serial reply of this prompt and sampling is known
+                    serial = got[name.replace("scripted", "serial")]
+                    inner.drafter = ScriptedDrafts({tuple(make()): serial}, inner.vocab_size)
+                try:
+                    got[name] = eng.generate(make(), max_tokens, sampling)
+                finally:
+                    inner.drafter = plan
                 if phase == "warm":
                     replies[name] = got[name]
             else:

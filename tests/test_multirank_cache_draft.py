@@ -8,7 +8,9 @@ TF_GLM53_PREFIX_CACHE=0 (nothing reused: the cold run at the same R). Proved, on
     conversation (host-tier chunks restored through DcpKVState.import_rows): the reused rows, all
     rows after the request and every later logit equal the cold run bit for bit; replies equal;
     cached_tokens is the grid-floored agreed length, the same on every rank;
-(b) drafted replies equal serial ones (greedy and seeded), copy drafts with drafts accepted, cache on;
+(b) drafted replies equal serial ones (greedy and seeded), cache on: copy drafts (drafts accepted),
+    and a scripted source on rank 0 that proposes the serial reply with planted errors (windows
+    accepted in full, in part, rejected: the followers replay every window and truncation);
 (c) after a drafted request, the next prompt reuses only the drafted prompt's canonical chunks
     (verification rows past the frontier are never offered), and only those chunks were stored.
 """
@@ -93,6 +95,17 @@ def test_prefix_cache_and_drafts_over_ranks(tmp_path: Path, tiny_dirs, R: int) -
                 assert x[f"warm/drafted{i}_{mode}"]["length"] == d["length"] == len(W.DRAFT_PROMPTS[i]) + len(d["reply"]) - 1
     assert accepted > 0, "copy drafts were never accepted: the drafted path was not exercised"
     assert lead["draft_totals"]["tf_glm53_draft_accepted_total"] >= accepted
+    # scripted drafts (rank 0 only) force long windows, partial acceptance and rejections
+    proposed = accepted = 0
+    for i in range(len(W.DRAFT_PROMPTS)):
+        for mode in ("greedy", "seeded"):
+            d = lead[f"warm/scripted{i}_{mode}"]
+            assert d["reply"] == lead[f"warm/serial{i}_{mode}"]["reply"], f"prompt {i} {mode}: scripted drafts"
+            proposed += d["stats"]["draft"]["tf_glm53_draft_proposed_total"]
+            accepted += d["stats"]["draft"]["tf_glm53_draft_accepted_total"]
+            for x in res:
+                assert x[f"warm/scripted{i}_{mode}"]["length"] == d["length"]
+    assert 0 < accepted < proposed, f"scripted drafts: {accepted} of {proposed} accepted (need both outcomes)"
     # (c) the drafted request stored only its prompt's whole chunks, on every rank
     for x in res:
         first_draft = x["warm/drafted0_greedy"]
