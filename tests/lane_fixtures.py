@@ -1,11 +1,15 @@
 """Helpers for the front/launcher tests: a real tokenizer built offline, a stand-in engine for the
-front's own HTTP behaviour, free ports."""
+front's own HTTP behaviour, free ports, and starting, waiting on and stopping serve.sh lanes."""
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import socket
+import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Callable
 
@@ -31,7 +35,8 @@ def write_tokenizer(model_dir: Path) -> None:
         {"eos_token": "<|endoftext|>", "chat_template": CHAT_TEMPLATE}))
 
 
-LANES_DIR = Path(__file__).resolve().parents[1] / ".work" / "lanes"
+ROOT = Path(__file__).resolve().parents[1]
+LANES_DIR = ROOT / ".work" / "lanes"
 _ports_used: list[int] = []
 
 
@@ -45,6 +50,47 @@ def track_port(port: int) -> int:
     """Remember a lane port so that cleanup_lanes removes its lane dir at the end."""
     _ports_used.append(port)
     return port
+
+
+def run_kit_script(*args: str, env: dict[str, str] | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
+    """`bash <args>` in the kit's root (serve.sh, verify.sh), env added to this process' environment."""
+    return subprocess.run(["bash", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def rank_pids(port: int, ranks: int) -> list[int]:
+    """The pids of ranks 0..ranks-1 of the lane on `port`, from their pid files."""
+    return [int((LANES_DIR / str(port) / f"rank{r}.pid").read_text()) for r in range(ranks)]
+
+
+def lane_state(port: int) -> dict[str, Any]:
+    """The lane's lane.json ({} before the supervisor wrote it)."""
+    from launcher.state import read_json
+
+    return read_json(LANES_DIR / str(port) / "lane.json") or {}
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@contextlib.contextmanager
+def running_lane(*serve_args: str, env: dict[str, str] | None = None,
+                 timeout: float = 180) -> Iterator[tuple[int, subprocess.CompletedProcess]]:
+    """`serve.sh <serve_args> --port <a free port>`, asserted to start; yields (port, the start's
+    result) and stops the lane on the way out, whatever happened."""
+    port = free_port()
+    up = run_kit_script("serve.sh", *serve_args, "--port", str(port), env=env, timeout=timeout)
+    try:
+        assert up.returncode == 0, up.stderr
+        yield port, up
+    finally:
+        run_kit_script("serve.sh", "stop", "--port", str(port), env=env, timeout=timeout)
 
 
 class StandInEngine:

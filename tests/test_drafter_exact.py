@@ -19,21 +19,12 @@ from drafter.policy import AdaptiveDepth, PolicyConfig
 from drafter.reference_lm import ReferenceLM
 from drafter.sources import CopySource, MtpSource
 from drafter.sources.dflash2 import Dflash2Model, Dflash2Source
-from drafter.tiny_dflash import write_tiny_dflash2
+from drafter_fixtures import one_thread, reference_dflash2  # noqa: F401  (one_thread: autouse fixture)
 
 MODEL = ReferenceLM()
 VOCAB = MODEL.config.vocab_size
 EOS = 7
 N_PROMPTS = 200
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny tensors: intra-op threads only add contention on the shared CI cores.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def keyed_sampler(seed: int, temperature: float, top_p: float = 1.0, top_k: int = 0):
@@ -79,8 +70,7 @@ def serial_refs():
 
 @pytest.fixture(scope="module")
 def dflash_model(tmp_path_factory):
-    path = write_tiny_dflash2(tmp_path_factory.mktemp("dflash2"), vocab_size=VOCAB,
-                              hidden_size=MODEL.config.dim, target_layer_ids=[0, 1], block_size=8)
+    path = reference_dflash2(tmp_path_factory.mktemp("dflash2"), MODEL, block_size=8)
     return Dflash2Model.load(path)
 
 

@@ -14,6 +14,7 @@ import torch
 from drafter.glm53_target import DraftPlan, Glm53MtpAdapter
 from drafter.sources import MtpSource
 from drafter.tiny_dflash import write_tiny_dflash2
+from drafter_fixtures import one_thread  # noqa: F401  (autouse fixture)
 from drafter.verify import verify_window
 from glm53.engine import Glm53Engine, Glm53Target
 from glm53.sampling import SamplingParams, sample
@@ -23,14 +24,6 @@ from kv_cache.keys import CacheKey
 
 CHUNK = 4
 PER_SOURCE = 50
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -20,19 +20,12 @@ from drafter.sources import CopySource, MtpSource
 from drafter.sources.dflash2 import Dflash2Model, Dflash2Source, grouped_dynamic_conv
 from drafter.target import Target, TargetContractError
 from drafter.tiny_dflash import write_tiny_dflash2
+from drafter_fixtures import one_thread, reference_dflash2  # noqa: F401  (one_thread: autouse fixture)
 from drafter.verify import verify_window
 
 MODEL = ReferenceLM()
 GREEDY = lambda row, position: int(torch.argmax(row))  # noqa: E731
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def serial_tokens(prompt, n):
@@ -248,8 +241,7 @@ def test_mtp_source_sees_target_hidden_and_committed_tokens():
 
 @pytest.fixture(scope="module")
 def tiny_dflash(tmp_path_factory):
-    path = write_tiny_dflash2(tmp_path_factory.mktemp("dfl"), vocab_size=MODEL.config.vocab_size,
-                              hidden_size=MODEL.config.dim, target_layer_ids=[0, 1], block_size=6)
+    path = reference_dflash2(tmp_path_factory.mktemp("dfl"), MODEL, block_size=6)
     return path, Dflash2Model.load(path)
 
 

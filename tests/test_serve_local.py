@@ -7,47 +7,21 @@ import os
 import signal
 import socket
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from lane_fixtures import cleanup_lanes, free_port, tiny_dirs, tiny_model, track_port  # noqa: F401  (fixtures)
-from launcher.state import pid_alive, read_json
-
-ROOT = Path(__file__).resolve().parents[1]
-LANES = ROOT / ".work" / "lanes"
-
-
-def sh(*args: str, env: dict[str, str] | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
-
-
-def rank_pid(port: int, rank: int) -> int:
-    return int((LANES / str(port) / f"rank{rank}.pid").read_text())
-
-
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
+from lane_fixtures import LANES_DIR as LANES, ROOT, lane_state, rank_pids, running_lane, wait_for
+from lane_fixtures import run_kit_script as sh
+from launcher.state import pid_alive
 
 
 @pytest.fixture(scope="module")
 def lane(tiny_model: Path):
-    port = free_port()
-    started = sh("serve.sh", "--local", "--model", str(tiny_model), "--port", str(port), "--context", "1024")
-    try:
-        assert started.returncode == 0, started.stderr
+    with running_lane("--local", "--model", str(tiny_model), "--context", "1024") as (port, started):
         yield port, started
-    finally:
-        sh("serve.sh", "stop", "--port", str(port))
 
 
 def test_local_lane_is_ready_and_passes_verify(lane) -> None:
@@ -116,7 +90,7 @@ def test_port_in_use_and_lane_already_running(lane, tiny_model: Path) -> None:
 
 def test_rank_killed_during_a_request_stops_the_lane_naming_it(lane) -> None:
     port, _ = lane  # last test of the module: it ends the lane
-    pid = rank_pid(port, 0)
+    pid = rank_pids(port, 1)[0]
     with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60,
                       json={"messages": [{"role": "user", "content": "go"}], "max_tokens": 900,
                             "ignore_eos": True, "stream": True}) as r:
@@ -129,7 +103,7 @@ def test_rank_killed_during_a_request_stops_the_lane_naming_it(lane) -> None:
         except httpx.HTTPError:
             pass
     assert "data: [DONE]" not in rest  # the stream broke off
-    wait_for(lambda: (read_json(LANES / str(port) / "lane.json") or {}).get("phase") == "failed", 30, "the lane to stop")
+    wait_for(lambda: lane_state(port).get("phase") == "failed", 30, "the lane to stop")
     status = sh("serve.sh", "status", "--port", str(port))
     assert status.returncode == 1
     state = json.loads(status.stdout)
@@ -144,14 +118,12 @@ def test_rank_killed_during_load_fails_the_start_with_its_log(tiny_model: Path) 
     proc = subprocess.Popen(["bash", "serve.sh", "--local", "--model", str(tiny_model), "--port", str(port)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        state_file = LANES / str(port) / "lane.json"
-
         def loading() -> bool:
-            ranks = (read_json(state_file) or {}).get("ranks") or []
+            ranks = lane_state(port).get("ranks") or []
             return bool(ranks) and ranks[0].get("state") == "loading"
 
         wait_for(loading, 60, "rank 0 to report loading")
-        os.kill(rank_pid(port, 0), signal.SIGKILL)
+        os.kill(rank_pids(port, 1)[0], signal.SIGKILL)
         out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:

@@ -5,40 +5,28 @@ engine start costs 15-60 s on this shared machine. The real engine's lanes: test
 (one rank), test_serve_ranks.py (two ranks), test_launcher_ssh.py (over ssh)."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import httpx
-import pytest
 
 from lane_fixtures import cleanup_lanes, free_port, tiny_dirs, tiny_model  # noqa: F401  (fixtures)
-from launcher.state import pid_alive, read_json
+from lane_fixtures import LANES_DIR as LANES, lane_state, run_kit_script, running_lane, wait_for
+from lane_fixtures import rank_pids as pids
+from launcher.state import pid_alive
 
-ROOT = Path(__file__).resolve().parents[1]
-LANES = ROOT / ".work" / "lanes"
 STANDIN = {"GLM53_RANK_MODULE": "tests.standin_rank"}
 
 
 def sh(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **STANDIN, **(env or {})})
+    return run_kit_script(*args, env={**STANDIN, **(env or {})}, timeout=timeout)
 
 
-def pids(port: int, ranks: int) -> list[int]:
-    return [int((LANES / str(port) / f"rank{r}.pid").read_text()) for r in range(ranks)]
-
-
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
+def standin_lane(*serve_args: str, env: dict[str, str] | None = None):
+    """A lane of stand-in ranks (running_lane with this module's environment and timeout)."""
+    return running_lane(*serve_args, env={**STANDIN, **(env or {})}, timeout=120)
 
 
 def meminfo(path: Path, available_gib: float) -> None:
@@ -47,25 +35,19 @@ def meminfo(path: Path, available_gib: float) -> None:
 
 
 def test_memory_guard_stops_the_lane_below_the_floor(tiny_model: Path, tmp_path: Path) -> None:
-    port = free_port()
     fake = tmp_path / "meminfo"
     meminfo(fake, 40)
     env = {"TF_GLM53_MEMINFO": str(fake)}
-    up = sh("serve.sh", "--local", "--ranks", "2", "--model", str(tiny_model), "--port", str(port), env=env)
-    try:
-        assert up.returncode == 0, up.stderr
+    with standin_lane("--local", "--ranks", "2", "--model", str(tiny_model), env=env) as (port, _):
         all_pids = pids(port, 2)
         meminfo(fake, 1.0)  # under the 2 GiB floor the local CPU lane passes to every rank
-        wait_for(lambda: (read_json(LANES / str(port) / "lane.json") or {}).get("phase") == "failed", 30,
-                 "the guard to stop the lane")
+        wait_for(lambda: lane_state(port).get("phase") == "failed", 30, "the guard to stop the lane")
         wait_for(lambda: not any(pid_alive(p) for p in all_pids), 30, "every rank to stop")
-        state = read_json(LANES / str(port) / "lane.json")
+        state = lane_state(port)
         assert "exited with code 75 (the memory guard stopped it)" in state["message"]
         dead = next(r for r in state["ranks"] if r["exit"] == 75)
         log = Path(dead["log"]).read_text()
         assert f"memory guard: rank {dead['rank']}" in log and "fell below the floor of 2048 MiB" in log
-    finally:
-        sh("serve.sh", "stop", "--port", str(port))
 
 
 def test_memory_plan_refuses_a_start_and_names_the_largest_context(tiny_model: Path, tmp_path: Path) -> None:
@@ -94,10 +76,7 @@ def test_dry_run_prints_plan_and_commands_and_changes_nothing(tiny_model: Path) 
 
 
 def test_restart_checks_new_settings_before_stopping_the_old_lane(tiny_model: Path, tmp_path: Path) -> None:
-    port = free_port()
-    up = sh("serve.sh", "--local", "--ranks", "2", "--model", str(tiny_model), "--port", str(port))
-    try:
-        assert up.returncode == 0, up.stderr
+    with standin_lane("--local", "--ranks", "2", "--model", str(tiny_model)) as (port, _):
         old = pids(port, 2)
         refused = sh("serve.sh", "restart", "--local", "--ranks", "2", "--model", str(tmp_path / "missing"),
                      "--port", str(port))
@@ -110,22 +89,15 @@ def test_restart_checks_new_settings_before_stopping_the_old_lane(tiny_model: Pa
         assert "stopped on request" in again.stderr and "READY" in again.stderr
         assert not any(pid_alive(p) for p in old)
         assert httpx.get(f"http://127.0.0.1:{port}/health").json()["ranks"] == 3
-    finally:
-        sh("serve.sh", "stop", "--port", str(port))
 
 
 def test_stop_after_the_supervisor_was_killed_still_stops_every_rank(tiny_model: Path) -> None:
-    port = free_port()
-    up = sh("serve.sh", "--local", "--ranks", "2", "--model", str(tiny_model), "--port", str(port))
-    try:
-        assert up.returncode == 0, up.stderr
+    with standin_lane("--local", "--ranks", "2", "--model", str(tiny_model)) as (port, _):
         ranks = pids(port, 2)
-        supervisor = read_json(LANES / str(port) / "lane.json")["pid"]
+        supervisor = lane_state(port)["pid"]
         os.kill(supervisor, signal.SIGKILL)
         wait_for(lambda: not pid_alive(supervisor), 10, "the supervisor to die")
         assert all(pid_alive(p) for p in ranks)  # orphaned ranks keep serving...
         stopped = sh("serve.sh", "stop", "--port", str(port))
         assert stopped.returncode == 0 and "no supervisor was running" in stopped.stderr
         wait_for(lambda: not any(pid_alive(p) for p in ranks), 15, "the ranks to stop")  # ...until stop
-    finally:
-        sh("serve.sh", "stop", "--port", str(port))

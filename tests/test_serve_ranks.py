@@ -6,34 +6,19 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from lane_fixtures import cleanup_lanes, free_port, tiny_dirs, tiny_model  # noqa: F401  (fixtures)
-from launcher.state import pid_alive, read_json
-
-ROOT = Path(__file__).resolve().parents[1]
-LANES = ROOT / ".work" / "lanes"
+from lane_fixtures import ROOT, lane_state, run_kit_script, running_lane, wait_for
+from lane_fixtures import rank_pids as pids
+from launcher.state import pid_alive
 
 
 def sh(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-
-
-def pids(port: int, ranks: int) -> list[int]:
-    return [int((LANES / str(port) / f"rank{r}.pid").read_text()) for r in range(ranks)]
-
-
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
+    return run_kit_script(*args, timeout=timeout)
 
 
 def started_at(pid: int) -> int:
@@ -42,14 +27,8 @@ def started_at(pid: int) -> int:
 
 @pytest.fixture(scope="module")
 def lane(tiny_model: Path):
-    port = free_port()
-    up = sh("serve.sh", "--local", "--ranks", "2", "--model", str(tiny_model), "--port", str(port),
-            "--context", "2048")
-    try:
-        assert up.returncode == 0, up.stderr
-        yield port, up
-    finally:
-        sh("serve.sh", "stop", "--port", str(port))
+    with running_lane("--local", "--ranks", "2", "--model", str(tiny_model), "--context", "2048", timeout=300) as lane:
+        yield lane
 
 
 def test_two_ranks_ready_and_verify_passes(lane) -> None:
@@ -90,9 +69,9 @@ def test_follower_killed_during_a_request_stops_the_lane_naming_it(lane) -> None
         except httpx.HTTPError:
             rest = []
     assert "data: [DONE]" not in rest
-    wait_for(lambda: (read_json(LANES / str(port) / "lane.json") or {}).get("phase") == "failed", 60, "the lane to stop")
+    wait_for(lambda: lane_state(port).get("phase") == "failed", 60, "the lane to stop")
     wait_for(lambda: not pid_alive(rank0), 30, "rank 0 to stop")
-    state = read_json(LANES / str(port) / "lane.json")
+    state = lane_state(port)
     assert state["message"].startswith("rank 1 on local exited with code -9"), state["message"]
 
 
@@ -102,7 +81,7 @@ def test_follower_killed_during_load_fails_the_start_naming_it(tiny_model: Path)
                              "--port", str(port)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         def loading() -> bool:
-            ranks = (read_json(LANES / str(port) / "lane.json") or {}).get("ranks") or []
+            ranks = lane_state(port).get("ranks") or []
             return any(r["rank"] == 1 and r.get("state") == "loading" for r in ranks)
 
         wait_for(loading, 60, "rank 1 to report loading")
