@@ -322,6 +322,11 @@ class RankEngine:
         return self.engine.drafter is not None and not self.engine.no_drafts
 
     @property
+    def chunk(self) -> int:
+        """The prefill grid (reuse happens in whole chunks of it): /health's prefill_chunk."""
+        return self.engine.chunk
+
+    @property
     def last_stats(self) -> dict:
         return self.engine.last_stats
 
