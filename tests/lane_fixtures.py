@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import threading
@@ -91,6 +92,27 @@ def running_lane(*serve_args: str, env: dict[str, str] | None = None,
         yield port, up
     finally:
         run_kit_script("serve.sh", "stop", "--port", str(port), env=env, timeout=timeout)
+
+
+def kill_rank_while_loading(*serve_args: str, rank: int, timeout: float) -> subprocess.CompletedProcess:
+    """Start `serve.sh <serve_args> --port <free port>`, SIGKILL `rank` as soon as lane.json says it is
+    loading, and return how the start ended (returncode, stdout, stderr); the lane is stopped after."""
+    port = free_port()
+    proc = subprocess.Popen(["bash", "serve.sh", *serve_args, "--port", str(port)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        def loading() -> bool:
+            ranks = lane_state(port).get("ranks") or []
+            return any(r["rank"] == rank and r.get("state") == "loading" for r in ranks)
+
+        wait_for(loading, 60, f"rank {rank} to report loading")
+        os.kill(rank_pids(port, rank + 1)[rank], signal.SIGKILL)
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        run_kit_script("serve.sh", "stop", "--port", str(port), timeout=timeout)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 class StandInEngine:

@@ -6,14 +6,13 @@ import json
 import os
 import signal
 import socket
-import subprocess
 from pathlib import Path
 
 import httpx
 import pytest
 
 from lane_fixtures import cleanup_lanes, free_port, tiny_dirs, tiny_model, track_port  # noqa: F401  (fixtures)
-from lane_fixtures import LANES_DIR as LANES, ROOT, lane_state, rank_pids, running_lane, wait_for
+from lane_fixtures import LANES_DIR as LANES, kill_rank_while_loading, lane_state, rank_pids, running_lane, wait_for
 from lane_fixtures import run_kit_script as sh
 from launcher.state import pid_alive
 
@@ -114,21 +113,8 @@ def test_rank_killed_during_a_request_stops_the_lane_naming_it(lane) -> None:
 
 
 def test_rank_killed_during_load_fails_the_start_with_its_log(tiny_model: Path) -> None:
-    port = free_port()
-    proc = subprocess.Popen(["bash", "serve.sh", "--local", "--model", str(tiny_model), "--port", str(port)],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        def loading() -> bool:
-            ranks = lane_state(port).get("ranks") or []
-            return bool(ranks) and ranks[0].get("state") == "loading"
-
-        wait_for(loading, 60, "rank 0 to report loading")
-        os.kill(rank_pids(port, 1)[0], signal.SIGKILL)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        sh("serve.sh", "stop", "--port", str(port))
+    proc = kill_rank_while_loading("--local", "--model", str(tiny_model), rank=0, timeout=60)
+    err = proc.stderr
     assert proc.returncode == 1, err
     assert "rank 0 on local exited with code -9" in err
     assert "last lines of rank 0's log" in err and "@state" in err

@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from lane_fixtures import cleanup_lanes, free_port, tiny_dirs, tiny_model  # noqa: F401  (fixtures)
-from lane_fixtures import ROOT, lane_state, run_kit_script, running_lane, wait_for
+from lane_fixtures import cleanup_lanes, tiny_dirs, tiny_model  # noqa: F401  (fixtures)
+from lane_fixtures import kill_rank_while_loading, lane_state, run_kit_script, running_lane, wait_for
 from lane_fixtures import rank_pids as pids
 from launcher.state import pid_alive
 
@@ -76,20 +76,7 @@ def test_follower_killed_during_a_request_stops_the_lane_naming_it(lane) -> None
 
 
 def test_follower_killed_during_load_fails_the_start_naming_it(tiny_model: Path) -> None:
-    port = free_port()
-    proc = subprocess.Popen(["bash", "serve.sh", "--local", "--ranks", "2", "--model", str(tiny_model),
-                             "--port", str(port)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        def loading() -> bool:
-            ranks = lane_state(port).get("ranks") or []
-            return any(r["rank"] == 1 and r.get("state") == "loading" for r in ranks)
-
-        wait_for(loading, 60, "rank 1 to report loading")
-        os.kill(pids(port, 2)[1], signal.SIGKILL)
-        _, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        sh("serve.sh", "stop", "--port", str(port))
+    proc = kill_rank_while_loading("--local", "--ranks", "2", "--model", str(tiny_model), rank=1, timeout=120)
+    err = proc.stderr
     assert proc.returncode == 1, err
     assert "rank 1 on local exited with code -9" in err and "last lines of rank 1's log" in err
