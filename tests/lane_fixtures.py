@@ -115,6 +115,23 @@ def kill_rank_while_loading(*serve_args: str, rank: int, timeout: float) -> subp
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+def kill_mid_stream(port: int, pid: int, max_tokens: int) -> list[str]:
+    """Start a streamed chat completion on the lane, SIGKILL `pid` once the first line arrived, and
+    return the lines that still came (none when the connection broke with an error)."""
+    import httpx
+
+    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60,
+                      json={"messages": [{"role": "user", "content": "go"}], "max_tokens": max_tokens,
+                            "ignore_eos": True, "stream": True}) as r:
+        lines = r.iter_lines()
+        next(lines)
+        os.kill(pid, signal.SIGKILL)
+        try:
+            return list(lines)
+        except httpx.HTTPError:
+            return []
+
+
 class StandInEngine:
     """Only for the front's HTTP behaviour (queueing, SSE, disconnects, errors): deterministic tokens
     from the prompt, the seed and the position; hands them over in bursts like a drafting engine."""

@@ -3,8 +3,6 @@ checkpoint under the kit's front; verify.sh checks it; the bad cases stop the la
 from __future__ import annotations
 
 import json
-import os
-import signal
 import socket
 from pathlib import Path
 
@@ -12,7 +10,8 @@ import httpx
 import pytest
 
 from lane_fixtures import cleanup_lanes, free_port, tiny_dirs, tiny_model, track_port  # noqa: F401  (fixtures)
-from lane_fixtures import LANES_DIR as LANES, kill_rank_while_loading, lane_state, rank_pids, running_lane, wait_for
+from lane_fixtures import LANES_DIR as LANES, lane_state, rank_pids, running_lane, wait_for
+from lane_fixtures import kill_mid_stream, kill_rank_while_loading
 from lane_fixtures import run_kit_script as sh
 from launcher.state import pid_alive
 
@@ -90,17 +89,7 @@ def test_port_in_use_and_lane_already_running(lane, tiny_model: Path) -> None:
 def test_rank_killed_during_a_request_stops_the_lane_naming_it(lane) -> None:
     port, _ = lane  # last test of the module: it ends the lane
     pid = rank_pids(port, 1)[0]
-    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60,
-                      json={"messages": [{"role": "user", "content": "go"}], "max_tokens": 900,
-                            "ignore_eos": True, "stream": True}) as r:
-        lines = r.iter_lines()
-        next(lines)
-        os.kill(pid, signal.SIGKILL)
-        rest = []
-        try:
-            rest = list(lines)
-        except httpx.HTTPError:
-            pass
+    rest = kill_mid_stream(port, pid, max_tokens=900)
     assert "data: [DONE]" not in rest  # the stream broke off
     wait_for(lambda: lane_state(port).get("phase") == "failed", 30, "the lane to stop")
     status = sh("serve.sh", "status", "--port", str(port))

@@ -3,8 +3,6 @@ kit's front, rank 1 following; verify.sh through both ranks; a follower killed d
 during the load stops the lane and is named."""
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 from pathlib import Path
 
@@ -12,7 +10,7 @@ import httpx
 import pytest
 
 from lane_fixtures import cleanup_lanes, tiny_dirs, tiny_model  # noqa: F401  (fixtures)
-from lane_fixtures import kill_rank_while_loading, lane_state, run_kit_script, running_lane, wait_for
+from lane_fixtures import kill_mid_stream, kill_rank_while_loading, lane_state, run_kit_script, running_lane, wait_for
 from lane_fixtures import rank_pids as pids
 from launcher.state import pid_alive
 
@@ -58,16 +56,7 @@ def test_restart_with_bad_settings_leaves_the_lane_serving(lane, tmp_path: Path)
 def test_follower_killed_during_a_request_stops_the_lane_naming_it(lane) -> None:
     port, _ = lane  # ends the module's lane
     rank0, rank1 = pids(port, 2)
-    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60,
-                      json={"messages": [{"role": "user", "content": "go"}], "max_tokens": 1500,
-                            "ignore_eos": True, "stream": True}) as r:
-        lines = r.iter_lines()
-        next(lines)
-        os.kill(rank1, signal.SIGKILL)
-        try:
-            rest = list(lines)
-        except httpx.HTTPError:
-            rest = []
+    rest = kill_mid_stream(port, rank1, max_tokens=1500)
     assert "data: [DONE]" not in rest
     wait_for(lambda: lane_state(port).get("phase") == "failed", 60, "the lane to stop")
     wait_for(lambda: not pid_alive(rank0), 30, "rank 0 to stop")
