@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import os
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import click
 
-from launcher import commands, serve as lane
+from launcher import serve as lane
 from launcher.config import KIT_DIR, ConfigError, LaneConfig, from_dict, load_cluster, local_lane, with_environment, \
     with_flags
-from launcher.nodes import run, ssh_failure
 from launcher.state import read_json
 
 
@@ -121,31 +119,18 @@ def check_cmd(ready_timeout: float, **opts: Any) -> None:
     sys.exit(lane.EXIT_PREFLIGHT if problems else 0)
 
 
-@main.command("prepare")
+@main.command("prepare", epilog="Exit codes: 0 every node carries the runtime key; 2 bad settings; 3 a node failed "
+                                "(named, with the fix).")
 @click.option("--cluster", type=click.Path(dir_okay=False), required=True)
 def prepare_cmd(cluster: str) -> None:
     """Install the patched TensorFold checkout and the kit into the runtime on every node (idempotent,
-    keyed by the series pin, the patches and the kit version), then check every node has the same key."""
+    keyed by the series pin, the patches and the kit version), then check every node has the same key.
+    A venv is filled on each node; an image is built on rank 0 and sent to the others
+    (DRY_RUN=1: print every command, change nothing)."""
+    from launcher.prepare import prepare
+
     config = resolve(cluster, local=False, ranks=None)
-    key = commands.runtime_key()
-    command = commands.prepare_command(config, key)
-    if os.environ.get("DRY_RUN", "0") not in ("", "0"):
-        for node in config.nodes:
-            click.echo(f"{node.label}: {command}")
-        return
-    with ThreadPoolExecutor(max_workers=config.ranks) as pool:
-        results = list(pool.map(lambda n: run(n, config, command, timeout=1800), config.nodes))
-    failed = False
-    for r in results:
-        problem = ssh_failure(r)
-        if problem or r.returncode != 0:
-            failed = True
-            click.echo(problem or f"{r.node.label}: prepare failed (exit {r.returncode}): "
-                       f"{' | '.join(r.stderr.strip().splitlines()[-5:])}", err=True)
-        else:
-            click.echo(f"{r.node.label}: {r.stdout.strip().splitlines()[-1] if r.stdout.strip() else 'done'} (key {key})",
-                       err=True)
-    sys.exit(lane.EXIT_PREFLIGHT if failed else 0)
+    sys.exit(prepare(config, dry_run=os.environ.get("DRY_RUN", "0") not in ("", "0")))
 
 
 @main.command("supervise", hidden=True)

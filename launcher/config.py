@@ -60,6 +60,7 @@ class Node:
 class Runtime:
     venv: str | None = None  # a virtual environment path on every node
     image: str | None = None  # or a container image (CUDA PyTorch base + the kit)
+    base: str | None = None  # the CUDA PyTorch base image `prepare` builds `image` from
 
     def python(self) -> str:
         return f"{self.venv}/bin/python" if self.venv else "python"
@@ -175,6 +176,12 @@ def load_cluster(path: str | Path) -> LaneConfig:
     runtime_raw = raw.get("runtime") or {}
     if not isinstance(runtime_raw, dict) or bool(runtime_raw.get("venv")) == bool(runtime_raw.get("image")):
         raise ConfigError(f"{src}: runtime must name exactly one of venv (a path) or image (a container image)")
+    unknown_runtime = sorted(set(runtime_raw) - {"venv", "image", "base"})
+    if unknown_runtime:
+        raise ConfigError(f"{src}: runtime.{unknown_runtime[0]} is not a runtime field (venv, image, base)")
+    if runtime_raw.get("base") is not None and not (runtime_raw.get("image") and isinstance(runtime_raw["base"], str)):
+        raise ConfigError(f"{src}: runtime.base (the CUDA PyTorch base image, e.g. nvcr.io/nvidia/pytorch:TAG) "
+                          f"is a string and goes with runtime.image")
     memory_raw = raw.get("memory") or {}
     if not isinstance(memory_raw, dict):
         raise ConfigError(f"{src}: memory must be a mapping")
@@ -192,7 +199,7 @@ def load_cluster(path: str | Path) -> LaneConfig:
     config = LaneConfig(
         nodes=tuple(sorted(nodes, key=lambda n: n.rank)),
         model=_field(raw, "model", str, src), drafter=_field(raw, "drafter", str, src),
-        runtime=Runtime(venv=runtime_raw.get("venv"), image=runtime_raw.get("image")),
+        runtime=Runtime(venv=runtime_raw.get("venv"), image=runtime_raw.get("image"), base=runtime_raw.get("base")),
         kit_dir=_field(raw, "kit_dir", str, src) or str(KIT_DIR), workdir=_field(raw, "workdir", str, src),
         port=_field(raw, "port", int, src) or DEFAULT_PORT, listen=_field(raw, "listen", str, src) or "127.0.0.1",
         served_model=_field(raw, "served_model", str, src) or DEFAULT_MODEL_ID,
