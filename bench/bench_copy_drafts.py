@@ -50,9 +50,11 @@ from drafter.target import WindowOutput  # noqa: E402
 def tracked_python_files() -> list[Path]:
     try:
         out = subprocess.run(["git", "ls-files", "*.py"], cwd=REPO, capture_output=True, text=True, check=True).stdout
-        return [REPO / line for line in out.splitlines() if line]
+        files = [REPO / line for line in out.splitlines() if line]
     except (OSError, subprocess.CalledProcessError):
-        return sorted((REPO / "drafter").rglob("*.py"))
+        files = []
+    # a copy without its own .git (the GPU machine) may sit inside another repository: walk the tree
+    return files or sorted(p for p in REPO.rglob("*.py") if ".venv" not in p.parts)
 
 
 def texts(limit_chars: int = 200_000) -> dict[str, str]:
@@ -62,8 +64,7 @@ def texts(limit_chars: int = 200_000) -> dict[str, str]:
         if p.is_file():
             records.append(json.dumps({"id": i, "path": p.relative_to(REPO).as_posix(), "kind": "python",
                                        "lines": len(p.read_text(errors="replace").splitlines()), "status": "ok"}))
-    prose = (REPO / "../shared/DESIGN.md").resolve()
-    prose_text = prose.read_text() if prose.is_file() else (REPO / "README.md").read_text()
+    prose_text = (REPO / "DESIGN.md").read_text()
     return {"code": code[:limit_chars], "structured": "\n".join(records)[:limit_chars], "prose": prose_text[:limit_chars]}
 
 
