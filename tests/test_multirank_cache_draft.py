@@ -114,3 +114,53 @@ def test_prefix_cache_and_drafts_over_ranks(tmp_path: Path, tiny_dirs, R: int) -
     print(f"R={R}: {len(names)} cases warm + cold, wall {time.monotonic() - started:.1f} s; "
           f"per-request seconds (rank 0, warm): " +
           ", ".join(f"{n}={lead[f'warm/{n}']['seconds']:.2f}" for n in names[:6]))
+
+
+# ---- the pieces, in one process --------------------------------------------------------------------
+def _dcp_state(rank: int, ranks: int):
+    from glm53.dist.dcp import Ownership
+    from glm53.dist.parallel_engine import DcpKVState
+
+    return DcpKVState(n_layers=2, latent_dim=6, index_dim=3, indexed_layers=frozenset({1}), kv_dtype="fp32",
+                      own=Ownership(rank, ranks))
+
+
+def test_dcp_state_moves_its_own_slots_of_a_grid_chunk() -> None:
+    """export_rows / import_rows of positions [kC, (k+1)C) move local slots [own.count(kC),
+    own.count((k+1)C)); a mismatched chunk is refused before anything is written."""
+    src = _dcp_state(rank=1, ranks=4)
+    n = 41
+    rows = torch.arange(n * 6, dtype=torch.float32).view(n, 6)
+    keys = -torch.arange(n * 3, dtype=torch.float32).view(n, 3)
+    src.reserve(n)
+    for layer in range(2):
+        src.write_latent(layer, 0, rows + layer)
+    src.write_index(1, 0, keys)
+    src.tokens.extend(range(n))
+    chunk = src.export_rows(16, 32)  # positions 17, 21, 25, 29 live on rank 1, at slots 4..7
+    assert src.slots(16, 32) == (4, 8)
+    assert torch.equal(chunk["latent.0"], rows[[17, 21, 25, 29]])
+    assert torch.equal(chunk["index.1"], keys[[17, 21, 25, 29]])
+
+    dst = _dcp_state(rank=1, ranks=4)
+    dst.import_rows(0, src.export_rows(0, 16), list(range(16)))
+    dst.import_rows(16, {k: v.clone() for k, v in chunk.items()}, list(range(16, 32)))
+    assert dst.length == dst.frontier == 32
+    assert torch.equal(dst.read_latent(1, 32, torch.float32), (rows + 1)[1:32:4])
+    bad = {k: v[:1] for k, v in src.export_rows(32, 41).items()}  # 32..40 holds 33, 37 on rank 1: 2 rows
+    bad["index.1"] = src.export_rows(32, 41)["index.1"]
+    before = dst.latent[0].clone()
+    with pytest.raises(ValueError, match="restored latent"):
+        dst.import_rows(32, bad, list(range(32, 41)))
+    assert dst.length == 32 and torch.equal(dst.latent[0], before)  # nothing half-written
+
+
+def test_draft_plan_over_ranks_is_copy_and_refuses_mtp_and_dflash2() -> None:
+    from drafter.glm53_target import DraftPlan
+
+    engine = object()  # over several ranks the choice never needs the model
+    assert DraftPlan.from_contract(engine, world=2, env={}).kind == "copy"
+    assert DraftPlan.from_contract(engine, world=2, env={"TF_GLM53_DRAFT_SOURCE": "off"}) is None
+    for env, drafter in (({"TF_GLM53_DRAFT_SOURCE": "mtp"}, None), ({}, "/some/dflash2")):
+        with pytest.raises(ValueError, match="not wired over 2 ranks.*TF_GLM53_DRAFT_SOURCE=copy"):
+            DraftPlan.from_contract(engine, world=2, env=env, drafter=drafter)
