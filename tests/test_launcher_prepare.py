@@ -151,6 +151,10 @@ def image_cluster(tmp: Path, sshd: Sshd, nodes: list[DockerNode]) -> Path:
     (kit / ".venv" / "bin" / "python").write_text("not for the image")
     (workdir / "pyproject.toml").write_text('[project]\nname = "tensorfold"\n')
     (workdir / "tensorfold" / "__init__.py").write_text("PATCHED = True\n")
+    (workdir / "tensorfold" / "build").mkdir()  # a package named build deeper down is kept
+    (workdir / "tensorfold" / "build" / "__init__.py").write_text("")
+    (kit / "build").mkdir()  # the kit's own build/ (apply.py's output) is not
+    (kit / "build" / "big.bin").write_text("x")
     body = {"nodes": [{"host": "127.0.0.1", "rank": r, "user": sshd.user, "ssh_port": n.port,
                        "identity": str(sshd.key)} for r, n in enumerate(nodes)],
             "model": "/data/models/unused", "runtime": {"image": IMAGE, "base": BASE}, "kit_dir": str(kit),
@@ -202,7 +206,7 @@ def test_image_dry_run_prints_every_command_and_changes_nothing(sshd: Sshd, dock
     build = next(line for line in r.stderr.splitlines() if line.startswith("rank 0 (127.0.0.1): build"))
     assert f"docker build -t {IMAGE}" in build and f"FROM {BASE}" in build and key in build
     send = next(line for line in r.stderr.splitlines() if line.startswith("rank 1 (127.0.0.1): send"))
-    assert f"-p {docker_nodes[0].port}" in send and f"docker save {IMAGE} | " in send
+    assert f"-p {docker_nodes[0].port}" in send and f"-- 'docker save {IMAGE}' | ssh " in send
     assert f"-p {docker_nodes[1].port}" in send and send.endswith("-- 'docker load'")
     assert [n.images() for n in docker_nodes] == before and all(n.calls() == [] for n in docker_nodes)
     assert not (tmp_path / "kit" / ".work" / "image-build").exists()
@@ -224,9 +228,9 @@ def test_image_prepare_builds_on_rank0_sends_it_and_then_does_nothing(sshd: Sshd
     assert built["dockerfile"] == image.dockerfile(BASE, key)
     context = built["context"]
     assert {"Dockerfile", "kit/pyproject.toml", "kit/launcher/__init__.py", "tensorfold/tensorfold/__init__.py",
-            "tensorfold/pyproject.toml"} <= set(context)
-    assert not [f for f in context if f.split("/")[1] in (".git", ".venv", ".work")], context
-    assert not (tmp_path / "kit" / ".work" / "image-build").exists()  # the staged context is removed
+            "tensorfold/pyproject.toml", "tensorfold/tensorfold/build/__init__.py"} <= set(context)
+    assert not [f for f in context if "/" in f and f.split("/")[1] in (".git", ".venv", ".work", "build")], context
+    assert not (tmp_path / "kit" / ".work" / "image-build" / key).exists()  # the staged context is removed
     assert node1.images()[IMAGE] == built  # rank 0's image, through save | load
     calls = [[c[0] for c in n.calls()[s:]] for n, s in zip(docker_nodes, seen)]
     assert calls == [["image", "build", "image", "save", "image"], ["image", "image", "load", "image"]]
@@ -278,9 +282,10 @@ def test_venv_prepare_installs_for_real_over_ssh_and_is_idempotent(sshd: Sshd, t
     assert (venv / RUNTIME_STAMP).read_text().strip() == key
     assert "include-system-site-packages = true" in (venv / "pyvenv.cfg").read_text()
     where = subprocess.run([str(venv / "bin" / "python"), "-c",
-                            "import tensorfold, launcher.image; print(tensorfold.PATCHED); "
-                            "print(tensorfold.__file__); print(launcher.image.__file__)"],
-                           capture_output=True, text=True, cwd=tmp_path, check=True).stdout.splitlines()
+                            "import importlib.util, tensorfold; print(tensorfold.PATCHED); print(tensorfold.__file__); "
+                            # found, not imported: --no-deps leaves the kit's dependencies to the node
+                            "print(importlib.util.find_spec('launcher.image').origin)"],
+                           capture_output=True, text=True, cwd="/", check=True).stdout.splitlines()
     assert where == ["glm53 series", str(workdir / "tensorfold" / "__init__.py"),
                      str(kit / "launcher" / "image.py")]
     shown = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "list", "--format=json", "--local"],
