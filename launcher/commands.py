@@ -130,12 +130,12 @@ def probe_command(config: LaneConfig, model: str) -> str:
 
 def prepare_command(config: LaneConfig, key: str) -> str:
     """Idempotent: a runtime whose stamp matches `key` is left alone; otherwise (re)install the kit
-    and the patched TensorFold checkout into it, then write the stamp (temp file + rename)."""
+    and the patched TensorFold checkout into it, then write the stamp (temp file + rename).
+    For an image this only checks the key on one node: launcher/prepare.py builds and sends images."""
     if config.runtime.image:
         image = q(config.runtime.image)
         return (f"docker image inspect {image} --format '{{{{index .Config.Labels \"glm53.runtime-key\"}}}}' "
-                f"| grep -qx {q(key)} || {{ echo 'image {config.runtime.image} lacks runtime key {key}: build it "
-                f"from a CUDA PyTorch base with the kit installed and LABEL glm53.runtime-key={key}' >&2; exit 3; }}")
+                f"| grep -qx {q(key)} || {{ echo {q(f'image {config.runtime.image} lacks runtime key {key}: run python -m launcher prepare --cluster {config.source} (builds it on rank 0 and sends it to the other nodes)')} >&2; exit 3; }}")
     venv = config.runtime.venv
     stamp = f"{venv}/{RUNTIME_STAMP}"
     pip = f"{q(venv + '/bin/python')} -m pip install -q --disable-pip-version-check"
