@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from typing import TextIO
 
@@ -90,21 +91,25 @@ def _describe(config: LaneConfig, node: Node, have: str | None, key: str) -> str
 
 
 def _transfer(config: LaneConfig, source: Node, target: Node) -> str | None:
-    """`docker save` on source piped into `docker load` on target through this machine."""
-    save = subprocess.Popen(node_argv(source, config, image.save_command(config)), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
-    try:
-        load = subprocess.run(node_argv(target, config, image.load_command(config)), stdin=save.stdout,
-                              capture_output=True, text=True, timeout=TRANSFER_TIMEOUT_S)
-    finally:
-        save.stdout.close()
-        save_err = save.stderr.read().decode(errors="replace")
-        save.wait()
-    if save.returncode != 0:
-        return _failure(Result(source, save.returncode, "", save_err), f"docker save {config.runtime.image}")
+    """`docker save` on source piped into `docker load` on target through this machine. Both sides
+    are reported when both fail (a failed load breaks the pipe of the save)."""
+    with tempfile.TemporaryFile() as save_err:
+        save = subprocess.Popen(node_argv(source, config, image.save_command(config)), stdout=subprocess.PIPE,
+                                stderr=save_err, stdin=subprocess.DEVNULL)
+        try:
+            load = subprocess.run(node_argv(target, config, image.load_command(config)), stdin=save.stdout,
+                                  capture_output=True, text=True, timeout=TRANSFER_TIMEOUT_S)
+        finally:
+            save.stdout.close()
+            save.wait()
+        save_err.seek(0)
+        save_stderr = save_err.read().decode(errors="replace")
+    problems = []
     if load.returncode != 0:
-        return _failure(Result(target, load.returncode, load.stdout, load.stderr), "docker load")
-    return None
+        problems.append(_failure(Result(target, load.returncode, load.stdout, load.stderr), "docker load"))
+    if save.returncode != 0:
+        problems.append(_failure(Result(source, save.returncode, "", save_stderr), f"docker save {config.runtime.image}"))
+    return "; ".join(problems) or None
 
 
 def _prepare_image(config: LaneConfig, key: str, dry_run: bool, out: TextIO) -> int:

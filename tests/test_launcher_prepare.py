@@ -65,6 +65,9 @@ elif args[0] == "save":
     sys.stdout.write(json.dumps({args[1]: state[args[1]]}))
 elif args[0] == "load":
     images = json.loads(sys.stdin.read())
+    if os.path.exists(str(state_path) + ".full"):
+        sys.exit(print("Error processing tar file(exit status 1): write /var/lib/docker/tmp: no space left on device",
+                       file=sys.stderr) or 1)
     state.update(images)
     save()
     print("".join(f"Loaded image: {n}\n" for n in images), end="")
@@ -255,6 +258,25 @@ def test_image_prepare_names_a_node_where_docker_fails(sshd: Sshd, docker_nodes,
     assert "building" not in r.stderr  # nothing is built while a node's answer is unknown
 
 
+def test_image_prepare_names_the_node_a_transfer_fails_on(sshd: Sshd, docker_nodes, tmp_path: Path) -> None:
+    node0, node1 = docker_nodes
+    key = runtime_key()
+    node0.state.write_text(json.dumps({IMAGE: {"labels": {image.KEY_LABEL: key}}}))
+    node1.state.write_text("{}")
+    full = Path(str(node1.state) + ".full")
+    full.touch()
+    seen = len(node0.calls())
+    try:
+        r = prepare(image_cluster(tmp_path, sshd, docker_nodes))
+    finally:
+        full.unlink()
+    assert r.returncode == 3, r.stderr
+    assert (f"rank 1 (127.0.0.1): docker load failed (exit 1): Error processing tar file(exit status 1): "
+            f"write /var/lib/docker/tmp: no space left on device") in r.stderr
+    assert [c[0] for c in node0.calls()[seen:]] == ["image", "save"]  # rank 0 had the key: no build
+    assert node1.images() == {}
+
+
 def test_venv_prepare_installs_for_real_over_ssh_and_is_idempotent(sshd: Sshd, tmp_path: Path) -> None:
     kit, workdir, venv = tmp_path / "kit", tmp_path / "tensorfold", tmp_path / "runtime"
     kit.mkdir()
@@ -274,6 +296,11 @@ def test_venv_prepare_installs_for_real_over_ssh_and_is_idempotent(sshd: Sshd, t
                    "identity": str(sshd.key)}],
         "model": "/data/models/unused", "runtime": {"venv": str(venv)}, "kit_dir": str(kit),
         "workdir": str(workdir), "device": "cpu", "ssh_options": ["-F", str(sshd.client_config)]}))
+
+    dry = prepare(path, DRY_RUN="1")
+    assert dry.returncode == 0, dry.stderr
+    assert f"-p {sshd.port}" in dry.stderr and "--system-site-packages" in dry.stderr and str(workdir) in dry.stderr
+    assert not venv.exists()
 
     r = prepare(path)
     assert r.returncode == 0, r.stderr
