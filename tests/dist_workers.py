@@ -263,9 +263,9 @@ def engine_requests(spec_rank: int, world: int, port: int, out: Path) -> None:
 CACHE_PROMPT = PROMPT  # 45 tokens over a 16-token grid: chunks 0, 1 whole, chunk 2 partial
 CACHE_STEPS = 6
 DRAFT_PROMPTS = [  # repeated spans, so copy drafts find continuations to propose
+    [300, 301, 302, 303, 304, 305, 306, 307] * 3 + [300, 301, 302, 303],  # the tiny model's reply loops
     [11, 12, 13, 14, 15, 16] * 5 + [11, 12],
     [(5 * i) % 37 + 40 for i in range(20)] * 2,
-    [300, 301, 302, 303, 304, 305, 306, 307] * 3 + [300, 301, 302, 303],
 ]
 DRAFT_STEPS = 20
 SEEDED = {"temperature": 0.8, "top_p": 0.9, "seed": 1234}
@@ -295,7 +295,7 @@ def cache_draft_cases(reply_of: dict[str, list[int]]) -> list[tuple[str, list[in
                               CACHE_STEPS, {"draft": False}))
             cases.append((f"serial{i}_{mode}", lambda q=q: q, DRAFT_STEPS, dict(sampling, draft=False)))
             cases.append((f"scripted{i}_{mode}", lambda q=q: q, DRAFT_STEPS, dict(sampling, draft=True)))
-    return [(name, make, n, sampling) for name, make, n, sampling in cases]
+    return cases
 
 
 class ScriptedDrafts:
