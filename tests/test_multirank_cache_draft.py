@@ -53,7 +53,9 @@ def expected_cached(prompt_len: int, reply_len: int) -> dict[str, int]:
 @pytest.mark.parametrize("R", [2, 4])
 def test_prefix_cache_and_drafts_over_ranks(tmp_path: Path, tiny_dirs, R: int) -> None:  # noqa: F811
     started = time.monotonic()
-    ranks = Ranks(tmp_path, "cache_draft", R, timeout=60, extra_env={"GLM53_TEST_MODEL": str(tiny_dirs.model)})
+    env = {"GLM53_TEST_MODEL": str(tiny_dirs.model), "TF_GLM53_PREFIX_CACHE": "1", "TF_GLM53_DRAFT_SOURCE": "auto",
+           "TF_GLM53_DCP": "1", "TF_GLM53_DISK_CACHE": ""}  # the settings under test, whatever the caller's
+    ranks = Ranks(tmp_path, "cache_draft", R, timeout=60, extra_env=env)
     codes = ranks.wait(within=240)
     assert codes == {r: 0 for r in range(R)}, "\n".join(ranks.stderr(r)[-3000:] for r in range(R))
     res = [torch.load(tmp_path / f"rank{r}.pt") for r in range(R)]
