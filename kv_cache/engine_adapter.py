@@ -38,7 +38,9 @@ def device_kind(device: torch.device | str) -> str:
 def cache_key_for(engine: Any, revision: str | None = None) -> CacheKey:
     """The key of everything in `engine` that changes its KV bits besides the tokens."""
     plan = engine.plan
-    extra = (("torch", torch.__version__),
+    # "prefill": the arithmetic of a prefill chunk (sparse past index_topk since 0f1d64c): bump it
+    # whenever a change alters the bits a chunk writes, so older stored rows never match.
+    extra = (("prefill", "sparse-gt-topk-1"), ("torch", torch.__version__),
              ("mkldnn", str(bool(torch.backends.mkldnn.enabled))))
     return CacheKey(
         model_revision=revision or model_revision(engine.model_dir),
