@@ -16,10 +16,13 @@ Choice (first that applies):
     otherwise                                                       -> copy drafts (prompt lookup)
 `drafter` may also be a DraftSource or factory object already (tests, embedders): used as is.
 
-Over several ranks (`world` > 1, glm53.dist's RankEngine) only copy drafts are wired: rank 0 drafts
-from its token history and the other ranks replay its verification windows. The MTP layer's forward
-and DFlash2's target taps would have to run on every rank too, so `auto` picks copy drafts there and
-asking for mtp / dflash2 by name (or a --drafter directory) is an error that says so.
+Over several ranks (`world` > 1, glm53.dist's RankEngine) the choice is the same as at one rank.
+Rank 0 drafts, verifies and samples; the followers replay every call that meets in collectives,
+through glm53.dist.parallel_engine.WindowChannel: the target's windows and truncations, each MTP
+layer call on every rank's own (TP-sharded) MTP cache (new_source wraps the adapter with the
+target's `lead_mtp`), and the embedding / LM head lookups DFlash2 borrows. DFlash2's own small model
+runs on rank 0 alone, on the tap layers' outputs of rank 0's forwards (replicated after TP's
+reductions). `world` is accepted for the callers' sake; it changes nothing.
 """
 from __future__ import annotations
 
@@ -95,7 +98,9 @@ class DraftPlan:
         if self.kind == "copy":
             return CopySource(max_depth=self.max_depth)
         if self.kind == "mtp":
-            return MtpSource(Glm53MtpAdapter(self.model, self.kv_dtype), max_depth=self.max_depth)
+            adapter = Glm53MtpAdapter(self.model, self.kv_dtype)
+            lead = getattr(target, "lead_mtp", None)          # over R ranks: replayed on every rank
+            return MtpSource(lead(adapter) if lead is not None else adapter, max_depth=self.max_depth)
         return Dflash2Source(self.dflash, target)        # the target shares its embedding and head
 
     def finish(self, stats: AcceptanceStats) -> None:
@@ -115,14 +120,6 @@ class DraftPlan:
             return drafter                                  # a ready source or factory
         if mtp_drafts is not None and (isinstance(mtp_drafts, bool) or not isinstance(mtp_drafts, int) or mtp_drafts < 0):
             raise ValueError(f"mtp_drafts must be a non-negative integer, got {mtp_drafts!r}")
-        if world > 1:
-            asked = choice if choice in ("mtp", "dflash2") else ("dflash2" if drafter is not None else None)
-            if asked is not None:
-                raise ValueError(f"{asked} drafts are not wired over {world} ranks yet (the {asked} forward would "
-                                 "have to run on every rank); over several ranks use copy drafts "
-                                 "(TF_GLM53_DRAFT_SOURCE=copy, the default there) or TF_GLM53_DRAFT_SOURCE=off")
-            depth = MAX_DEPTH if not mtp_drafts else min(mtp_drafts, MAX_DEPTH)
-            return cls("copy", max_depth=depth)
         model = engine.model
         has_mtp = getattr(model.w, "mtp", None) is not None
         kv_dtype = getattr(engine, "kv_dtype", "bf16")

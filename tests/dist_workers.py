@@ -9,6 +9,7 @@ generated from fixed seeds, identically on every rank, so the test can recompute
 from __future__ import annotations
 
 import argparse
+import random
 import os
 import sys
 import time
@@ -377,8 +378,67 @@ def cache_draft(spec_rank: int, world: int, port: int, out: Path) -> None:
     torch.save(results, out / f"rank{eng.rank}.pt")
 
 
+# ---- each draft source over R ranks (tests/test_multirank_cache_draft.py) ----------------------------
+DRAFT_SOURCES = ("copy", "mtp", "dflash2")
+LOOPING_PROMPT = [300, 301, 302, 303, 304, 305, 306, 307, 300, 301, 706, 950]
+SOURCE_OPTIONS = dict(ENGINE_OPTIONS, prefill_chunk=4)  # a fine grid: short prompts reuse whole chunks
+
+
+def source_prompts(source: str, n: int, vocab: int) -> list[tuple[list[int] | None, int, dict]]:
+    """(fresh prompt, or None to extend the previous request's prompt + reply; max_tokens; sampling)."""
+    rng = random.Random(f"{source}/{n}")
+    cases = []
+    for i in range(n):
+        fresh = None if i % 3 == 2 else [rng.randrange(vocab) for _ in range(rng.randint(2, 12))]
+        max_tokens = rng.randint(2, 6)
+        if fresh is not None and i % 4 == 0:  # greedy; the tiny model's greedy reply loops (1956 1785 1762) after
+            fresh, max_tokens = LOOPING_PROMPT, 10  # 3 tokens: copy drafts land from the 5th on
+        sampling = {} if i % 2 == 0 else {"temperature": 0.8, "top_p": 0.9, "seed": 100 + i}
+        cases.append((fresh, max_tokens, sampling))
+    return cases
+
+
+def draft_sources(spec_rank: int, world: int, port: int, out: Path) -> None:
+    """RankEngine (prefix cache on, grid 4) switched through copy, MTP and DFlash2 drafts (the plan
+    built on every rank): per source, rank 0 serves GLM53_TEST_PER_SOURCE requests twice, serial then
+    drafted, and saves both replies, the drafting and reuse stats; every rank saves its row count."""
+    from drafter.glm53_target import DraftPlan
+    from glm53.dist.parallel_engine import RankEngine
+
+    per_source = int(os.environ["GLM53_TEST_PER_SOURCE"])
+    eng = RankEngine(os.environ["GLM53_TEST_MODEL"], tp=world, rank=spec_rank, master="127.0.0.1",
+                     master_port=port, rendezvous_timeout_s=60, serve_features=True, **SOURCE_OPTIONS)
+    inner = eng.engine
+    results: dict[str, object] = {"rank": eng.rank}
+    for source in DRAFT_SOURCES:
+        started = time.monotonic()
+        inner.drafter = DraftPlan.from_contract(inner, drafter=os.environ["GLM53_TEST_DFLASH"] if source == "dflash2"
+                                                else None, env={"TF_GLM53_DRAFT_SOURCE": source}, world=world)
+        rows, history = [], []
+        for fresh, max_tokens, sampling in source_prompts(source, per_source, inner.vocab_size):
+            prompt = fresh if fresh is not None else history[:24]
+            pair = {}
+            for mode in ("serial", "drafted"):
+                if eng.rank == 0:
+                    pair[mode] = eng.generate(prompt, max_tokens, dict(sampling, draft=mode == "drafted"))
+                    pair[f"{mode}_stats"] = dict(inner.last_stats)
+                else:
+                    assert eng.follow_one()
+                pair[f"{mode}_length"] = inner.state.length
+            rows.append(pair)
+            if eng.rank == 0:
+                history = prompt + pair["drafted"] + [7, 8]
+        results[source] = {"kind": inner.drafter.kind, "requests": rows, "seconds": time.monotonic() - started,
+                           "totals": inner.drafter.stats.metrics() if eng.rank == 0 else None}
+    if eng.rank == 0:
+        eng.close()
+    else:
+        assert not eng.follow_one()
+    torch.save(results, out / f"rank{eng.rank}.pt")
+
+
 SCENARIOS = {"suite": suite, "spin": spin, "stuck": stuck, "model": model, "nccl": nccl, "spin_cuda": spin_cuda}
-ENGINE_SCENARIOS = {"engine": engine_requests, "cache_draft": cache_draft}  # these build their own group
+ENGINE_SCENARIOS = {"engine": engine_requests, "cache_draft": cache_draft, "draft_sources": draft_sources}  # these build their own group
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ TF_GLM53_PREFIX_CACHE=0 (nothing reused: the cold run at the same R). Proved, on
     conversation (host-tier chunks restored through DcpKVState.import_rows): the reused rows, all
     rows after the request and every later logit equal the cold run bit for bit; replies equal;
     cached_tokens is the grid-floored agreed length, the same on every rank;
-(b) drafted replies equal serial ones (3 prompts, greedy and seeded), cache on: copy drafts (drafts accepted),
+(b) drafted replies equal serial ones (3 prompts, greedy and seeded), cache on: copy drafts (by name) (drafts accepted),
     and a scripted source on rank 0 that proposes the serial reply with planted errors (windows
     accepted in full, in part, rejected: the followers replay every window and truncation);
 (c) after a drafted request, the next prompt reuses only the drafted prompt's canonical chunks
@@ -53,7 +53,7 @@ def expected_cached(prompt_len: int, reply_len: int) -> dict[str, int]:
 @pytest.mark.parametrize("R", [2, 4])
 def test_prefix_cache_and_drafts_over_ranks(tmp_path: Path, tiny_dirs, R: int) -> None:  # noqa: F811
     started = time.monotonic()
-    env = {"GLM53_TEST_MODEL": str(tiny_dirs.model), "TF_GLM53_PREFIX_CACHE": "1", "TF_GLM53_DRAFT_SOURCE": "auto",
+    env = {"GLM53_TEST_MODEL": str(tiny_dirs.model), "TF_GLM53_PREFIX_CACHE": "1", "TF_GLM53_DRAFT_SOURCE": "copy",
            "TF_GLM53_DCP": "1", "TF_GLM53_DISK_CACHE": ""}  # the settings under test, whatever the caller's
     ranks = Ranks(tmp_path, "cache_draft", R, timeout=60, extra_env=env)
     codes = ranks.wait(within=240)
@@ -119,6 +119,53 @@ def test_prefix_cache_and_drafts_over_ranks(tmp_path: Path, tiny_dirs, R: int) -
           ", ".join(f"{n}={lead[f'warm/{n}']['seconds']:.2f}" for n in names[:6]))
 
 
+PER_SOURCE = 25  # requests per source, each served serial and drafted: 3 x 25 = 75 prompts at R = 4 (~90 s here)
+
+
+@pytest.mark.parametrize("R", [4])
+def test_each_draft_source_over_ranks_equals_serial(tmp_path: Path, tiny_dirs, R: int) -> None:  # noqa: F811
+    """Copy, MTP (replayed on every rank's MTP cache) and DFlash2 (rank 0's tiny drafter on its taps)
+    drafts over R gloo ranks, prefix cache on (grid 4, so short prompts reuse chunks): every drafted
+    reply equals the serial one, greedy and seeded; each source proposed; every rank ends each
+    request holding the rows rank 0 holds; reuse happened."""
+    from drafter.tiny_dflash import write_tiny_dflash2
+    from glm53.config import Glm53Config
+
+    started = time.monotonic()
+    cfg = Glm53Config.from_dir(tiny_dirs.model)
+    dflash = write_tiny_dflash2(tmp_path / "dflash2", vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                                target_layer_ids=[1, 2], block_size=6)
+    env = {"GLM53_TEST_MODEL": str(tiny_dirs.model), "GLM53_TEST_DFLASH": str(dflash),
+           "GLM53_TEST_PER_SOURCE": str(PER_SOURCE), "TF_GLM53_PREFIX_CACHE": "1", "TF_GLM53_DCP": "1",
+           "TF_GLM53_DISK_CACHE": ""}
+    ranks = Ranks(tmp_path, "draft_sources", R, timeout=60, extra_env=env)
+    codes = ranks.wait(within=300)
+    assert codes == {r: 0 for r in range(R)}, "\n".join(ranks.stderr(r)[-3000:] for r in range(R))
+    res = [torch.load(tmp_path / f"rank{r}.pt") for r in range(R)]
+    lead = res[0]
+    prompts = 0
+    for source in W.DRAFT_SOURCES:
+        got = lead[source]
+        assert got["kind"] == source
+        reused = 0
+        for i, req in enumerate(got["requests"]):
+            assert req["serial"] == req["drafted"], f"{source} request {i}: drafted {req['drafted']} != serial {req['serial']}"
+            assert req["drafted_stats"]["drafted"] and not req["serial_stats"]["drafted"]
+            reused += req["drafted_stats"]["cached_tokens"]
+            for x in res:
+                mine = x[source]["requests"][i]
+                assert (mine["serial_length"], mine["drafted_length"]) == (req["serial_length"], req["drafted_length"]), \
+                    f"{source} request {i}: rank {x['rank']} holds other rows than rank 0"
+        prompts += len(got["requests"])
+        print(f"R={R} {source}: {len(got['requests'])} prompts serial + drafted, "
+              f"{got['totals']['tf_glm53_draft_accepted_total']}/{got['totals']['tf_glm53_draft_proposed_total']} "
+              f"drafts accepted, reused {reused} rows, {got['seconds']:.1f} s")
+        assert reused > 0, f"{source}: no prefix was reused"
+        assert got["totals"]["tf_glm53_draft_proposed_total"] > 0, f"{source}: never proposed"
+    assert prompts == 3 * PER_SOURCE
+    print(f"R={R}: {prompts} prompts, wall {time.monotonic() - started:.1f} s")
+
+
 # ---- the pieces, in one process --------------------------------------------------------------------
 def _dcp_state(rank: int, ranks: int):
     from glm53.dist.dcp import Ownership
@@ -158,12 +205,9 @@ def test_dcp_state_moves_its_own_slots_of_a_grid_chunk() -> None:
     assert dst.length == 32 and torch.equal(dst.latent[0], before)  # nothing half-written
 
 
-def test_draft_plan_over_ranks_is_copy_and_refuses_mtp_and_dflash2() -> None:
+def test_draft_plan_over_ranks_follows_the_choice() -> None:
     from drafter.glm53_target import DraftPlan
 
-    engine = object()  # over several ranks the choice never needs the model
-    assert DraftPlan.from_contract(engine, world=2, env={}).kind == "copy"
+    engine = object()  # copy / off never need the model; mtp / dflash2 over ranks run in the spawned job
+    assert DraftPlan.from_contract(engine, world=2, env={"TF_GLM53_DRAFT_SOURCE": "copy"}).kind == "copy"
     assert DraftPlan.from_contract(engine, world=2, env={"TF_GLM53_DRAFT_SOURCE": "off"}) is None
-    for env, drafter in (({"TF_GLM53_DRAFT_SOURCE": "mtp"}, None), ({}, "/some/dflash2")):
-        with pytest.raises(ValueError, match="not wired over 2 ranks.*TF_GLM53_DRAFT_SOURCE=copy"):
-            DraftPlan.from_contract(engine, world=2, env=env, drafter=drafter)

@@ -25,7 +25,7 @@ What each plug point does here:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -169,17 +169,28 @@ class DcpKVState(KVState):
 
 
 # ---- drafted decoding over R ranks: rank 0 decides, the others replay its windows ----------------
+_DTYPES = {1: torch.float32, 2: torch.bfloat16, 3: torch.float16}
+_DTYPE_CODES = {v: k for k, v in _DTYPES.items()}
+
+
 class WindowChannel:
     """Rank 0's drafted-decoding decisions, replayed by ranks 1..R-1.
 
-    Drafting, acceptance and sampling happen on rank 0 only (copy drafts need only its token
-    history). Every forward of the model is a sequence of collectives, so each verification window
-    rank 0 runs is broadcast first (FORWARD start tokens) and every follower runs the same window;
-    truncations of rejected rows are broadcast too (TRUNCATE length), and the request ends with
-    END length (the length every rank keeps: rows of the last, pending token are dropped, exactly
-    as on rank 0). Since all ranks compute the same logits bit for bit, nothing else need agree."""
+    Drafting, acceptance and sampling happen on rank 0 only. Every forward of the model (target
+    window, MTP layer step, and the embedding / LM head lookups DFlash2 borrows) is a sequence of
+    collectives, so rank 0 broadcasts each such call first and every follower runs the same call:
+      FORWARD start tokens        a verification window of the target;
+      TRUNCATE length             rows of rejected drafts dropped;
+      MTP_FORWARD start tokens X  one MTP layer call (X: the hidden rows it conditions on), on every
+                                  rank's own MTP cache (the MTP layer is TP-sharded like the others);
+      MTP_TRUNCATE length         the MTP cache follows rank 0's (rejected chained rows dropped);
+      EMBED tokens / HEAD X       the target's embedding of tokens / logits of hidden rows X (DFlash2);
+      END length                  the request is over: keep `length` rows (the pending token's row
+                                  is dropped, exactly as on rank 0).
+    Since all ranks compute the same values bit for bit, nothing else need agree. X travels as fp32
+    (exact for fp32 / bf16 / fp16) and is restored to its dtype."""
 
-    FORWARD, TRUNCATE, END = 1, 2, 3
+    FORWARD, TRUNCATE, END, MTP_FORWARD, MTP_TRUNCATE, EMBED, HEAD = 1, 2, 3, 4, 5, 6, 7
 
     def __init__(self, comm: Comm) -> None:
         self.comm = comm
@@ -188,35 +199,58 @@ class WindowChannel:
     def leader(self) -> bool:
         return self.comm.rank == 0
 
-    def send(self, op: int, value: int, tokens: list[int] = ()) -> None:
-        header = torch.tensor([op, value, len(tokens)], dtype=torch.int64, device=self.comm.device)
+    def send(self, op: int, value: int, tokens: Sequence[int] = (), rows: torch.Tensor | None = None) -> None:
+        shape = (0, 0, 0) if rows is None else (int(rows.shape[0]), int(rows.shape[1]), _DTYPE_CODES[rows.dtype])
+        header = torch.tensor([op, value, len(tokens), *shape], dtype=torch.int64, device=self.comm.device)
         self.comm.broadcast(header, name="draft_window")
-        if tokens:
-            self.comm.broadcast(torch.tensor(list(tokens), dtype=torch.int64, device=self.comm.device),
+        if len(tokens):
+            self.comm.broadcast(torch.tensor([int(t) for t in tokens], dtype=torch.int64, device=self.comm.device),
                                 name="draft_window_tokens")
+        if rows is not None:
+            self.comm.broadcast(rows.detach().to(device=self.comm.device, dtype=torch.float32).contiguous(),
+                                name="draft_window_rows")
 
-    def receive(self) -> tuple[int, int, list[int]]:
-        header = self.comm.broadcast(torch.zeros(3, dtype=torch.int64, device=self.comm.device), name="draft_window")
-        op, value, n = (int(x) for x in header.tolist())
+    def receive(self) -> tuple[int, int, list[int], torch.Tensor | None]:
+        header = self.comm.broadcast(torch.zeros(6, dtype=torch.int64, device=self.comm.device), name="draft_window")
+        op, value, n, r, c, code = (int(x) for x in header.tolist())
         tokens: list[int] = []
         if n:
             t = self.comm.broadcast(torch.zeros(n, dtype=torch.int64, device=self.comm.device),
                                     name="draft_window_tokens")
             tokens = [int(x) for x in t.tolist()]
-        return op, value, tokens
+        rows = None
+        if code:
+            rows = self.comm.broadcast(torch.zeros(r, c, dtype=torch.float32, device=self.comm.device),
+                                       name="draft_window_rows").to(_DTYPES[code])
+        return op, value, tokens, rows
 
     def lead(self, target: object) -> "LeadingTarget":
         return LeadingTarget(target, self)
 
     def follow_windows(self, target: object) -> None:
-        """Run rank 0's windows and truncations on this rank's `target` (a glm53.engine.Glm53Target)
-        until END."""
+        """Run rank 0's calls on this rank's `target` (a glm53.engine.Glm53Target) until END. The MTP
+        layer's cache of this request is created at its first call (a fresh one per request, as on
+        rank 0)."""
+        from drafter.glm53_target import Glm53MtpAdapter
+
+        mtp: Glm53MtpAdapter | None = None
         while True:
-            op, value, tokens = self.receive()
+            op, value, tokens, rows = self.receive()
             if op == self.FORWARD:
-                target.forward(tokens, value)
+                target.forward(tokens, value)   # taps need no collective: rank 0 alone keeps them
             elif op == self.TRUNCATE:
                 target.truncate(value)
+            elif op in (self.MTP_FORWARD, self.MTP_TRUNCATE):
+                if mtp is None:
+                    mtp = Glm53MtpAdapter(target.engine.model, getattr(target.engine, "kv_dtype", "bf16"))
+                if op == self.MTP_FORWARD:
+                    mtp.forward(rows, tokens, value)
+                else:
+                    mtp.truncate(value)
+            elif op == self.EMBED:
+                target.embed(torch.tensor(tokens, dtype=torch.long))
+            elif op == self.HEAD:
+                target.lm_head(rows)
             elif op == self.END:
                 target.truncate(min(value, target.length()))
                 return
@@ -225,7 +259,9 @@ class WindowChannel:
 
 
 class LeadingTarget:
-    """Rank 0's Target: each forward and truncation is announced to the followers first."""
+    """Rank 0's Target: each forward, truncation and borrowed embedding / head call is announced to
+    the followers first. DFlash2 (drafter.sources.dflash2) runs its own small model on rank 0 alone,
+    on the taps of rank 0's forwards (layer outputs after TP's reductions: the same on every rank)."""
 
     def __init__(self, target: object, channel: WindowChannel) -> None:
         self.target, self.channel = target, channel
@@ -238,19 +274,47 @@ class LeadingTarget:
         return self.target.canonical_frontier()
 
     def forward(self, tokens, start: int, *, taps=()):
-        if taps:
-            raise NotImplementedError("draft sources that read target layers (DFlash2) are not wired over "
-                                      "several ranks; use copy drafts (TF_GLM53_DRAFT_SOURCE=copy)")
         self.channel.send(WindowChannel.FORWARD, start, list(tokens))
-        return self.target.forward(tokens, start)
+        return self.target.forward(tokens, start, taps=taps)
 
     def truncate(self, length: int) -> None:
         self.channel.send(WindowChannel.TRUNCATE, length)
         self.target.truncate(length)
 
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        self.channel.send(WindowChannel.EMBED, 0, [int(t) for t in token_ids.reshape(-1).tolist()])
+        return self.target.embed(token_ids)
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.channel.send(WindowChannel.HEAD, 0, rows=hidden)
+        return self.target.lm_head(hidden)
+
+    def lead_mtp(self, adapter: object) -> "LeadingMtpAdapter":
+        """Rank 0's MTP adapter: each call is replayed on every rank's own MTP cache."""
+        return LeadingMtpAdapter(adapter, self.channel)
+
     def end(self) -> None:
         """The request is over on rank 0: the followers keep the same rows."""
         self.channel.send(WindowChannel.END, self.target.length())
+
+
+class LeadingMtpAdapter:
+    """drafter.sources.mtp.MtpAdapter on rank 0 over R ranks: MTP_FORWARD / MTP_TRUNCATE first."""
+
+    def __init__(self, adapter: object, channel: WindowChannel) -> None:
+        self.adapter, self.channel = adapter, channel
+
+    @property
+    def state(self) -> object:
+        return self.adapter.state
+
+    def forward(self, hidden: torch.Tensor, tokens: Sequence[int], start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.channel.send(WindowChannel.MTP_FORWARD, start, list(tokens), rows=hidden)
+        return self.adapter.forward(hidden, tokens, start)
+
+    def truncate(self, length: int) -> None:
+        self.channel.send(WindowChannel.MTP_TRUNCATE, length)
+        self.adapter.truncate(length)
 
 
 # ---- the family contract over R ranks ------------------------------------------------------------
@@ -272,8 +336,8 @@ class RankEngine:
     - the prefix cache on every rank (kv_cache.engine_adapter.attach_prefix_cache with this rank's
       comm: each rank stores its own rows under its own key, a hit is the minimum every rank holds);
       every rank looks up, restores and stores for every request, in the same order;
-    - drafted decoding (drafter.glm53_target.DraftPlan, copy drafts over several ranks): rank 0
-      drafts and verifies, the followers replay its windows (WindowChannel)."""
+    - drafted decoding (drafter.glm53_target.DraftPlan: copy, MTP or DFlash2 drafts, as at one
+      rank): rank 0 drafts and verifies, the followers replay its calls (WindowChannel)."""
 
     def __init__(self, model_dir: str, *, tp: int, rank: int, master: str = "127.0.0.1", master_port: int = 29551,
                  device: str | None = None, dcp_on: bool | None = None, rendezvous_timeout_s: float = 120.0,
