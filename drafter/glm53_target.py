@@ -120,10 +120,12 @@ class DraftPlan:
             return drafter                                  # a ready source or factory
         if mtp_drafts is not None and (isinstance(mtp_drafts, bool) or not isinstance(mtp_drafts, int) or mtp_drafts < 0):
             raise ValueError(f"mtp_drafts must be a non-negative integer, got {mtp_drafts!r}")
+        depth = MAX_DEPTH if not mtp_drafts else min(mtp_drafts, MAX_DEPTH)
+        if choice == "copy":
+            return cls("copy", max_depth=depth)             # needs no model
         model = engine.model
         has_mtp = getattr(model.w, "mtp", None) is not None
         kv_dtype = getattr(engine, "kv_dtype", "bf16")
-        depth = MAX_DEPTH if not mtp_drafts else min(mtp_drafts, MAX_DEPTH)
 
         def dflash_plan(path: Any) -> "DraftPlan":
             if path is None:
@@ -145,8 +147,6 @@ class DraftPlan:
                                  "(num_nextn_predict_layers = 0); use copy drafts or the DFlash2 drafter")
             return cls("mtp", model=model, kv_dtype=kv_dtype, max_depth=depth)
 
-        if choice == "copy":
-            return cls("copy", max_depth=depth)
         if choice == "mtp":
             return mtp_plan()
         if choice == "dflash2" or drafter is not None:
