@@ -121,12 +121,12 @@ def test_prefix_cache_and_drafts_over_ranks(tmp_path: Path, tiny_dirs, R: int) -
           ", ".join(f"{n}={lead[f'warm/{n}']['seconds']:.2f}" for n in names[:6]))
 
 
-# requests per source, each served serial and drafted: 3 x 25 = 75 prompts at R = 4 (~85 s on this
-# 2-core machine), 3 x 20 = 60 at R = 2 (~20 s)
-PER_SOURCE = {4: 25, 2: 20}
+# requests per source, each served serial and drafted: 3 x 67 = 201 prompts at R = 4 (issue 10 asks
+# for at least 200 at four ranks; R = 2 is covered by the prefix-cache test above)
+PER_SOURCE = {4: 67}
 
 
-@pytest.mark.parametrize("R", [4, 2])
+@pytest.mark.parametrize("R", [4])
 def test_each_draft_source_over_ranks_equals_serial(tmp_path: Path, tiny_dirs, R: int) -> None:  # noqa: F811
     """Copy, MTP (replayed on every rank's MTP cache) and DFlash2 (rank 0's tiny drafter on its taps)
     drafts over R gloo ranks, prefix cache on (grid 4, so short prompts reuse chunks): every drafted
@@ -143,7 +143,7 @@ def test_each_draft_source_over_ranks_equals_serial(tmp_path: Path, tiny_dirs, R
            "GLM53_TEST_PER_SOURCE": str(PER_SOURCE[R]), "TF_GLM53_PREFIX_CACHE": "1", "TF_GLM53_DCP": "1",
            "TF_GLM53_DISK_CACHE": ""}
     ranks = Ranks(tmp_path, "draft_sources", R, timeout=60, extra_env=env)
-    codes = ranks.wait(within=300)
+    codes = ranks.wait(within=600)
     assert codes == {r: 0 for r in range(R)}, "\n".join(ranks.stderr(r)[-3000:] for r in range(R))
     res = [torch.load(tmp_path / f"rank{r}.pt") for r in range(R)]
     lead = res[0]
