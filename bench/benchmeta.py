@@ -10,17 +10,17 @@ GLM53_KIT_COMMIT=<the commit the copy was made from> so the result still names i
 """
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterable, Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from glm53.atomic_json import write_json_atomic
 
 KIT_ROOT = Path(__file__).resolve().parents[1]
 COMMIT_ENV = "GLM53_KIT_COMMIT"
@@ -92,22 +92,10 @@ def summary(samples: Sequence[float], unit: str = "") -> dict[str, float]:
 
 
 def write_json(path: Path | str, obj: Any, indent: int = 1) -> Path:
-    """Write obj as JSON to path via a temp file in the same folder and a rename: a reader sees the old
-    file or the whole new one, never half of it; on any error the temp file is removed."""
+    """Write obj as JSON atomically (glm53.atomic_json): a reader sees the old file or the whole new one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=indent)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return write_json_atomic(path, obj, indent=indent)
 
 
 def result_header(bench_name: str, settings: dict[str, Any], device: Any = "cpu",

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from glm53.atomic_json import write_json_atomic
 
 MANIFEST_PATH = Path(__file__).with_name("MANIFEST.json")
 LOCK_NAME = "drafter.lock.json"
@@ -123,9 +124,7 @@ def sha256_of(path: Path, chunk: int = 1 << 24) -> str:
 
 
 def _atomic_json(path: Path, obj: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    write_json_atomic(path, obj, indent=2, sort_keys=True)
 
 
 def _fetched_files(directory: Path, manifest: DrafterManifest) -> list[str]:

@@ -6,12 +6,12 @@ import os
 from pathlib import Path
 from typing import Any
 
+from glm53.atomic_json import write_json_atomic
+
 
 def write_json(path: Path, data: Any) -> None:
-    """Temp file + rename: a reader never sees half a file."""
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
+    """A reader (serve/stop/status) never sees half a file."""
+    write_json_atomic(path, data, indent=1)
 
 
 def read_json(path: Path) -> Any:

@@ -7,15 +7,24 @@ from __future__ import annotations
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import click
 
+from glm53.atomic_json import write_json_atomic
+
 from .fetch import DEFAULT_REPO, DrafterFetched, FetchError, fetch, fetch_drafter
-from .manifest import ManifestError, write_json_atomic
-from .report import (EXIT_FILES, EXIT_INTERRUPTED, EXIT_NO_CHECKPOINT, EXIT_OK, EXIT_USAGE, build_report,
-                     render_errors, render_text)
+from .manifest import ManifestError
+from .report import (
+    EXIT_FILES,
+    EXIT_INTERRUPTED,
+    EXIT_NO_CHECKPOINT,
+    EXIT_OK,
+    EXIT_USAGE,
+    build_report,
+    render_errors,
+    render_text,
+)
 from .verify import verify_checkpoint
 
 EXIT_LICENCE = 5  # --drafter: the drafter's licence was not accepted; nothing was downloaded
@@ -160,7 +169,9 @@ def _drafter_report(got: DrafterFetched | None, manifest: Any, code: int, status
 
 def _run_drafter(revision: str | None, local_dir: str | None, offline: bool, json_path: str | None,
                  accept_flag: bool) -> int:
-    from drafter.manifest import LOCK_NAME, ManifestError as DrafterManifestError, load_manifest as load_drafter_manifest
+    from drafter.manifest import LOCK_NAME
+    from drafter.manifest import ManifestError as DrafterManifestError
+    from drafter.manifest import load_manifest as load_drafter_manifest
 
     def finish(report: dict[str, Any]) -> int:
         if json_path:

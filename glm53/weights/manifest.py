@@ -7,12 +7,12 @@ hub's file metadata: size, git blob id, and for LFS files the SHA-256 the hub re
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from glm53.atomic_json import write_json_atomic
 
 MANIFEST_NAME = "glm53-manifest.json"
 MANIFEST_FORMAT = 1
@@ -52,25 +52,6 @@ class Manifest:
             return cls(str(doc["repo"]), str(doc["revision"]), doc.get("commit"), str(doc.get("endpoint", "")), files, str(doc.get("created", "")))
         except (KeyError, AttributeError, TypeError) as exc:
             raise ManifestError(f"{source}: malformed manifest ({exc}); delete it and run bash fetch_weights.sh online") from None
-
-
-def write_json_atomic(path: str | Path, doc: Any) -> None:
-    """Write JSON to a temp file in the same folder, fsync, then rename: readers see all or nothing."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=2, sort_keys=False)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
 
 
 def load_manifest(model_dir: str | Path) -> Manifest | None:
