@@ -55,7 +55,7 @@ class Glm53MtpAdapter:
         if start > self.state.length:
             self._pad_to(start)
         with torch.inference_mode():
-            return self.model.mtp_forward(self.state, hidden, list(tokens), start, "decode")
+            return self.model.mtp_forward(self.state, hidden, list(tokens), start)
 
     def truncate(self, length: int) -> None:
         self.state.truncate(min(length, self.state.length))

@@ -2,14 +2,18 @@
 
 One engine serves one stream: requests run one at a time. It keeps the KV rows of the last
 conversation (`self.state`) so the next request that extends it prefills only the new tokens
-(reuse ends at the canonical prefill frontier, floored to the prefill grid), and it hands its rows
-to an optional prefix cache (kv_cache.PrefixCache) for longer-lived reuse. See glm53/ENGINE.md.
+(reuse ends at the canonical prefill frontier: any token, since the forward is row-invariant), and
+it hands its rows to an optional prefix cache (kv_cache.PrefixCache) for longer-lived reuse.
+See glm53/ENGINE.md.
 
 Knobs (options override the environment):
     TF_GLM53_DEVICE         cuda | cpu (default: cuda when available)
     TF_GLM53_DTYPE          bf16 | fp32 compute dtype (default: bf16 on cuda, fp32 on cpu)
     TF_GLM53_KV_DTYPE       bf16 | fp8 | fp32 latent-cache dtype (default bf16)
-    TF_GLM53_PREFILL_CHUNK  prefill grid size C (default 2048 on cuda, 256 on cpu)
+    TF_GLM53_PREFILL_CHUNK  prefill grid size C (default 2048 on cuda, 256 on cpu): bounds a piece's memory
+    TF_GLM53_CACHE_BLOCK    prefix-cache block size B (default 256): the hash chain's granularity
+    TF_GLM53_PREFIX_REUSE_BOUNDARY  auto | 1 | 0: 1 floors reuse to the prefill grid (only needed where
+                            the ops are not row-invariant: auto does it then), 0 reuses at any token
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from typing import Any
 
 import torch
 
+from glm53 import ops
 from glm53.config import Glm53Config
 from glm53.kv_state import KVState, kv_dtype_from_env
 from glm53.model.parallel import RankPlan
@@ -76,8 +81,8 @@ class _Cancelled(Exception):
 
 class Glm53Target:
     """The drafter's Target protocol (drafter/target.py) over this engine's model and one state.
-    Positions below `prompt_length` are canonical prefill (grid pieces, mode "prefill", they move
-    the frontier); later positions are decode / draft verification (mode "decode")."""
+    Positions below `prompt_length` are canonical prefill (grid pieces, they move the frontier);
+    later positions are decode / draft verification (same arithmetic, never reused)."""
 
     def __init__(self, engine: "Glm53Engine", state: KVState, prompt_length: int) -> None:
         self.engine, self.state, self.prompt_length = engine, state, prompt_length
@@ -113,7 +118,8 @@ class Glm53Engine:
     def __init__(self, model_dir: str | Path, *, drafter: Any = None, tp: int = 1, rank: int = 0,
                  master: str = "127.0.0.1", master_port: int = 29551, no_drafts: bool = False,
                  mtp_drafts: int | None = None, device: str | None = None, dtype: str | None = None,
-                 kv_dtype: str | None = None, prefill_chunk: int | None = None, prefix_cache: Any = None,
+                 kv_dtype: str | None = None, prefill_chunk: int | None = None, cache_block: int | None = None,
+                 prefix_reuse_boundary: str | None = None, prefix_cache: Any = None,
                  plan: RankPlan | None = None, reuse_live: bool = True,
                  progress: Callable[[str], None] | None = None, **unknown: Any) -> None:
         if unknown:
@@ -128,6 +134,12 @@ class Glm53Engine:
         self.dtype_name = _env_choice("TF_GLM53_DTYPE", dtype, tuple(DTYPES), "bf16" if on_gpu else "fp32")
         self.kv_dtype = kv_dtype_from_env() if kv_dtype is None else _env_choice("kv_dtype", kv_dtype, ("bf16", "fp8", "fp32"), "bf16")
         self.chunk = _env_int("TF_GLM53_PREFILL_CHUNK", prefill_chunk, 2048 if on_gpu else 256)
+        self.cache_block = _env_int("TF_GLM53_CACHE_BLOCK", cache_block, 256)
+        boundary = _env_choice("TF_GLM53_PREFIX_REUSE_BOUNDARY", prefix_reuse_boundary, ("auto", "1", "0"), "auto")
+        if boundary == "auto":
+            boundary = "0" if ops.row_invariant(self.device) else "1"
+        # None: reuse resumes at any token (row-invariant ops); else at a multiple of the prefill grid
+        self.reuse_boundary: int | None = self.chunk if boundary == "1" else None
         self.plan = plan or RankPlan(world=tp, rank=rank)
         self.master, self.master_port = master, master_port
         self.drafter, self.no_drafts, self.mtp_drafts = drafter, no_drafts, mtp_drafts
@@ -149,17 +161,18 @@ class Glm53Engine:
     @torch.inference_mode()
     def run(self, state: KVState, tokens: list[int], start: int, prompt_length: int, *,
             taps: tuple[int, ...] = (), all_logits: bool = False) -> list[ForwardOutput]:
-        """Forward `tokens` at [start, start + n): rows below prompt_length in grid pieces (prefill,
-        advancing the frontier when contiguous with it), the rest in one decode window."""
+        """Forward `tokens` at [start, start + n): rows below prompt_length in grid pieces (canonical
+        prefill, advancing the frontier when contiguous with it), the rest in one window (decode or
+        draft verification: the same arithmetic, but never offered for reuse)."""
         outs: list[ForwardOutput] = []
         stop = start + len(tokens)
         split = max(start, min(stop, prompt_length))
         for a, b in prefill_pieces(start, split, self.chunk):
-            outs.append(self.model.forward(state, tokens[a - start:b - start], a, "prefill", taps))
+            outs.append(self.model.forward(state, tokens[a - start:b - start], a, taps))
             if state.frontier == a:
                 state.frontier = b
         if split < stop:
-            outs.append(self.model.forward(state, tokens[split - start:], split, "decode", taps))
+            outs.append(self.model.forward(state, tokens[split - start:], split, taps))
         return outs
 
     # ---- reuse ------------------------------------------------------------------------------
@@ -168,10 +181,8 @@ class Glm53Engine:
         state = self.state if self.state is not None else self.model.new_state(self.kv_dtype)
         if self.prefix_cache is not None:
             hit = self.prefix_cache.lookup(prompt, live_tokens=list(state.tokens), live_frontier=state.frontier)
-            if hit.chunks:
-                state.truncate(min(hit.live_tokens, hit.first_chunk * self.chunk))
-                hit.restore(lambda k, rows: state.import_rows(
-                    k * self.chunk, rows, prompt[k * self.chunk:(k + 1) * self.chunk]))
+            state.truncate(hit.live_tokens)
+            hit.restore(lambda start, n, rows: state.import_rows(start, rows, prompt[start:start + n]))
             state.truncate(hit.reused_tokens)
             return state, hit.reused_tokens
         if not self.reuse_live:
@@ -182,16 +193,16 @@ class Glm53Engine:
             if a != b:
                 break
             common += 1
-        # within the canonical extent, leave the last prompt token to compute, floor to the grid
+        # within the canonical extent, leaving the last prompt token to compute
         n = max(0, min(common, state.frontier, len(prompt) - 1))
-        n = (n // self.chunk) * self.chunk
+        if self.reuse_boundary is not None:
+            n = (n // self.reuse_boundary) * self.reuse_boundary
         state.truncate(n)
         return state, n
 
     def store_prefix(self, prompt: list[int], state: KVState) -> None:
         if self.prefix_cache is not None:
-            self.prefix_cache.store(prompt, min(state.frontier, len(prompt)),
-                                    lambda k: state.export_rows(k * self.chunk, (k + 1) * self.chunk))
+            self.prefix_cache.store(prompt, min(state.frontier, len(prompt)), state.export_rows)
 
     # ---- the contract -------------------------------------------------------------------------
     def _params(self, sampling: Any) -> SamplingParams:
@@ -274,7 +285,7 @@ class Glm53Engine:
                 return reply
             if len(reply) >= max_tokens:
                 return reply
-            out = self.model.forward(state, [token], pos, "decode")
+            out = self.model.forward(state, [token], pos)
             logits = self.model.logits(out.hidden[-1:])[0]
             pos += 1
 

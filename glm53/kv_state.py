@@ -8,8 +8,8 @@ dtype: bf16 (default), fp32 (reference tests) or fp8 e4m3 with one fp32 scale pe
     latent[layer]      [capacity, latent_dim]      index_keys[layer]  [capacity, index_head_dim]
     latent_scale[layer][capacity] (fp8 only)       index_scale[layer] [capacity] (fp8 only)
 
-`frontier` is how far rows were written by canonical (grid-aligned chunked) prefill; rows written
-by decode or draft verification lie beyond it and are never offered for reuse.
+`frontier` is how far rows were written by canonical prefill; rows written by decode or draft
+verification lie beyond it and are never offered for reuse.
 """
 from __future__ import annotations
 
@@ -169,7 +169,9 @@ class KVState:
 
     def import_rows(self, start: int, rows: dict[str, torch.Tensor], tokens: list[int]) -> None:
         """Place restored rows for positions [start, start + len(tokens)); start must equal length.
-        Restored rows count as canonical prefill (they came from one): frontier moves with them."""
+        `rows` holds at least the local slots of those positions, leading (a stored block may be
+        longer than the part reused: only its first slots are taken). Restored rows count as
+        canonical prefill (they came from one): the frontier moves with them."""
         if start != self.length:
             raise ValueError(f"import at {start} but the state holds {self.length} rows; rows must continue it")
         n = len(tokens)
@@ -179,17 +181,16 @@ class KVState:
         if set(rows) != expected:
             missing, extra = expected - set(rows), set(rows) - expected
             raise ValueError(f"restored rows do not match this cache: missing {sorted(missing)[:4]}, extra {sorted(extra)[:4]}")
+        targets = {}
         for name, t in rows.items():
             kind, layer = name.rsplit(".", 1)
             target = {"latent": self.latent, "latent_scale": self.latent_scale,
                       "index": self.index_keys, "index_scale": self.index_scale}[kind][int(layer)]
-            if t.shape[0] != b - a or t.dtype != target.dtype or tuple(t.shape[1:]) != tuple(target.shape[1:]):
-                raise ValueError(f"restored {name}: {tuple(t.shape)} {t.dtype}, expected [{b - a}, ...] {target.dtype}")
+            if t.shape[0] < b - a or t.dtype != target.dtype or tuple(t.shape[1:]) != tuple(target.shape[1:]):
+                raise ValueError(f"restored {name}: {tuple(t.shape)} {t.dtype}, expected at least [{b - a}, ...] {target.dtype}")
+            targets[name] = target
         for name, t in rows.items():
-            kind, layer = name.rsplit(".", 1)
-            target = {"latent": self.latent, "latent_scale": self.latent_scale,
-                      "index": self.index_keys, "index_scale": self.index_scale}[kind][int(layer)]
-            target[a:b] = t.to(target.device)  # every tensor checked first: nothing half-written
+            targets[name][a:b] = t[: b - a].to(self.device)  # every tensor checked first: nothing half-written
         self.tokens.extend(tokens)
         if self.frontier == start:
             self.frontier = start + n

@@ -94,9 +94,12 @@ def suite(comm: Comm, out: Path) -> None:
         a, b = tp.head_ranges(n_heads, R)[r]
         per_head = kv_b.view(n_heads, MLA_NOPE + MLA_V, MLA_R)
         pos = own.owned_positions(0, MLA_N)
+        from glm53.model.indexer import Selection
+
         results[f"mla{n_heads}"] = dcp.tp_dcp_attention(
-            comm, q_nope[:, a:b], q_rot[:, a:b], per_head[a:b, :MLA_NOPE], per_head[a:b, MLA_NOPE:],
-            rows[pos], mask[:, pos], tp.head_ranges(n_heads, R), MLA_SCALE)
+            comm, q_nope[:, a:b], q_rot[:, a:b], per_head[a:b, :MLA_NOPE].transpose(1, 2).contiguous(),
+            per_head[a:b, MLA_NOPE:].contiguous(), rows[pos], Selection.from_mask(mask[:, pos], MLA_N),
+            tp.head_ranges(n_heads, R), MLA_SCALE)
     torch.save(results, out / f"rank{r}.pt")
 
 
@@ -145,12 +148,12 @@ PREFILL_PIECE = 13  # chunk starts that are not multiples of R
 def greedy(model, state, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
     """Prefill in pieces, then greedy decode: (tokens, fp32 logits [steps + 1, vocab])."""
     for a in range(0, len(prompt), PREFILL_PIECE):
-        out = model.forward(state, prompt[a:a + PREFILL_PIECE], a, "prefill")
+        out = model.forward(state, prompt[a:a + PREFILL_PIECE], a)
     rows = [model.logits(out.hidden[-1:])[0]]
     tokens: list[int] = []
     for _ in range(steps):
         tokens.append(int(rows[-1].argmax()))
-        out = model.forward(state, [tokens[-1]], state.length, "decode")
+        out = model.forward(state, [tokens[-1]], state.length)
         rows.append(model.logits(out.hidden)[0])
     return tokens, torch.stack(rows)
 

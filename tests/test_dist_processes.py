@@ -163,14 +163,15 @@ def test_suite_at_four_ranks_from_torchrun_environment(tmp_path: Path) -> None:
 
 
 def world_one_mla(n_heads: int) -> torch.Tensor:
-    from glm53.model.mla import AttentionWeights, attend_absorbed
+    from glm53.model.indexer import Selection
+    from glm53.model.mla import AttentionWeights, attend
 
     q_nope, q_rot, kv_b, rows, mask = W.mla_inputs(n_heads)
     empty = torch.empty(0)
     w = AttentionWeights(q_a=empty, q_a_norm=empty, q_b=empty, kv_a=empty, kv_a_norm=empty, kv_b=kv_b, o=empty,
                          n_heads=n_heads, nope=W.MLA_NOPE, rope=W.MLA_ROPE, v_dim=W.MLA_V, kv_rank=W.MLA_R,
                          scale=W.MLA_SCALE)
-    out, _ = attend_absorbed(w, q_nope, q_rot, rows, mask)
+    out, _ = attend(w, q_nope, q_rot, rows, Selection.from_mask(mask, W.MLA_N))
     return out
 
 

@@ -151,7 +151,12 @@ def test_settings_and_specs_reject_bad_input_naming_it() -> None:
 
 # ---- attention over the selected rows only ----------------------------------------------------
 @pytest.mark.parametrize("n", [0, 1, 37])
-def test_attend_selected_equals_masked_attention_and_empty_selections_give_minus_inf(n: int) -> None:
+def test_selected_attention_equals_masked_attention_and_empty_selections_give_minus_inf(n: int) -> None:
+    """What a DCP rank computes over its own selected rows (glm53.ops.latent_attention on a fixed-width
+    Selection) against plain masked attention over all its rows."""
+    from glm53 import ops
+    from glm53.model.indexer import Selection
+
     g = torch.Generator().manual_seed(n)
     T, H, r, rope = 70, 3, 12, 4  # more queries than one block (64)
     q_lat, q_rot = torch.randn(T, H, r, generator=g), torch.randn(T, H, rope, generator=g)
@@ -159,7 +164,8 @@ def test_attend_selected_equals_masked_attention_and_empty_selections_give_minus
     mask = torch.rand(T, n, generator=g) < 0.3
     mask[5] = False  # a query that selected nothing on this rank
     want_out, want_lse = dcp.attend_latent(q_lat, q_rot, rows, 0.3, mask)
-    got_out, got_lse = dcp.attend_selected(q_lat, q_rot, rows, mask, 0.3)
+    sel = Selection.from_mask(mask, max(n, 1))
+    got_out, got_lse = ops.latent_attention(torch.cat([q_lat, q_rot], -1), rows, sel.indices, sel.valid, 0.3, r)
     torch.testing.assert_close(got_out, want_out, atol=2e-6, rtol=0)
     torch.testing.assert_close(got_lse, want_lse, atol=2e-6, rtol=0)
     assert torch.isneginf(got_lse[5]).all() and (got_out[5] == 0).all()

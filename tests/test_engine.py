@@ -1,4 +1,8 @@
-"""The engine's exactness properties on the tiny checkpoint (CPU, fp32, grid C = 32)."""
+"""The engine's exactness properties on the tiny checkpoint (CPU, fp32, grid C = 32).
+
+The forward is row-invariant (glm53.ops), so reuse resumes at any token: rows and logits after a
+resume equal a cold prefill bit for bit wherever the resume starts, and a decode step writes the
+same row a prefill writes."""
 from __future__ import annotations
 
 import torch
@@ -36,9 +40,9 @@ def test_same_request_twice_gives_bitwise_same_logits_and_tokens(tiny_engine) ->
 
 
 def test_resume_from_rows_of_a_shorter_request_is_bitwise_a_cold_prefill(tiny_engine) -> None:  # noqa: F811
-    """Rows [0, s) restored from an earlier request that ended at an arbitrary s (45: inside chunk 1)
-    plus the resumed prefill equal, bit for bit, a cold prefill of the whole prompt: every row and the
-    first logits. The engine resumes at the grid boundary below s (32), recomputing chunk 1 whole."""
+    """Rows [0, s) kept from an earlier request that ended at an arbitrary s (45: inside chunk 1; 1;
+    63: one short of a boundary) plus the resumed prefill equal, bit for bit, a cold prefill of the
+    whole prompt: every row and the first logits. The engine resumes at s itself."""
     prompt = _prompt(100, 2)
     with fresh_engine_state(tiny_engine):
         tiny_engine.trace = []
@@ -46,13 +50,13 @@ def test_resume_from_rows_of_a_shorter_request_is_bitwise_a_cold_prefill(tiny_en
         cold_rows = {k: v.clone() for k, v in tiny_engine.state.export_rows(0, 100).items()}
         cold_logits = tiny_engine.trace[0][1]
         assert tiny_engine.state.frontier == 100
-    for s in (45, 64):
+    for s in (1, 45, 63, 64, 99):
         with fresh_engine_state(tiny_engine):
             tiny_engine.generate(prompt[:s], 1, {"ignore_eos": True})  # leaves rows [0, s), frontier s
             assert tiny_engine.state.frontier == s
             tiny_engine.trace = []
             tiny_engine.generate(prompt, 1, {"ignore_eos": True})
-            assert tiny_engine.last_stats["cached_tokens"] == (s // TINY_CHUNK) * TINY_CHUNK
+            assert tiny_engine.last_stats["cached_tokens"] == s
             assert _rows_equal(tiny_engine.state.export_rows(0, 100), cold_rows), f"resume after {s} rows"
             assert torch.equal(tiny_engine.trace[0][1], cold_logits)
 
@@ -80,7 +84,36 @@ def test_decode_rows_are_beyond_the_frontier_and_not_reused(tiny_engine) -> None
         assert tiny_engine.state.frontier == 40 and tiny_engine.state.length == 40 + 29
         follow_up = prompt + reply + _prompt(5, 5)
         tiny_engine.generate(follow_up, 1, {"ignore_eos": True})
-        assert tiny_engine.last_stats["cached_tokens"] == 32  # floor(frontier 40) on the grid, not 69
+        assert tiny_engine.last_stats["cached_tokens"] == 40  # the frontier, not 69
+
+
+def test_a_decode_step_writes_the_row_a_prefill_writes(tiny_engine) -> None:  # noqa: F811
+    """Row invariance end to end: the rows decode writes for the reply equal, bit for bit, the rows a
+    cold prefill of prompt + reply writes (they are still never reused: the frontier rule stands)."""
+    prompt = _prompt(40, 14)
+    with fresh_engine_state(tiny_engine, reuse_live=False):
+        reply = tiny_engine.generate(prompt, 12, {"ignore_eos": True})
+        decoded = {k: v.clone() for k, v in tiny_engine.state.export_rows(0, 51).items()}
+        tiny_engine.generate(prompt + reply[:11], 1, {"ignore_eos": True})
+        assert _rows_equal(tiny_engine.state.export_rows(0, 51), decoded)
+
+
+def test_grid_boundary_mode_floors_reuse_to_the_grid(tiny_dirs) -> None:  # noqa: F811
+    """TF_GLM53_PREFIX_REUSE_BOUNDARY=1 (for ops that are not row-invariant) keeps the old rule:
+    reuse floored to a multiple of the prefill grid; results are the same bits either way."""
+    from glm53.engine import Glm53Engine
+
+    prompt = _prompt(80, 15)
+    got = {}
+    for mode in ("1", "0"):
+        engine = Glm53Engine(tiny_dirs.model, device="cpu", dtype="fp32", kv_dtype="fp32", prefill_chunk=TINY_CHUNK,
+                             prefix_reuse_boundary=mode)
+        engine.generate(prompt[:45], 1, {"ignore_eos": True})
+        engine.trace = []
+        engine.generate(prompt, 1, {"ignore_eos": True})
+        got[mode] = (engine.last_stats["cached_tokens"], engine.trace[0][1])
+    assert got["1"][0] == 32 and got["0"][0] == 45
+    assert torch.equal(got["1"][1], got["0"][1])
 
 
 def test_seeded_sampling_is_keyed_by_seed_and_position(tiny_engine) -> None:  # noqa: F811
@@ -120,19 +153,19 @@ def test_fp8_latent_cache_runs_deterministically_close_to_fp32(tiny_dirs) -> Non
 
 def test_mtp_layer_runs_window_or_row_by_row_alike(tiny_engine) -> None:  # noqa: F811
     """The MTP layer (stored as layer num_hidden_layers) over its own cache: a window of rows equals
-    the same rows fed one at a time (fp32, tolerance 1e-4 on logits: summation order only)."""
+    the same rows fed one at a time, bit for bit (row-invariant ops)."""
     model = tiny_engine.model
     assert model.w.mtp is not None, "the tiny checkpoint has one MTP layer"
     prompt = _prompt(40, 8)
     with torch.inference_mode():
         state = model.new_state("fp32")
-        hidden = model.forward(state, prompt, 0, "prefill").hidden
+        hidden = model.forward(state, prompt, 0).hidden
         window_state = model.new_mtp_state("fp32")
         logits, mtp_hidden = model.mtp_forward(window_state, hidden[:-1], prompt[1:], 0)
         assert logits.shape == (39, tiny_engine.cfg.vocab_size) and mtp_hidden.shape == hidden[:-1].shape
         row_state = model.new_mtp_state("fp32")
         rows = [model.mtp_forward(row_state, hidden[i:i + 1], prompt[i + 1:i + 2], i)[0] for i in range(39)]
-    assert (torch.cat(rows) - logits).abs().max() < 1e-4
+    assert torch.equal(torch.cat(rows), logits)
     assert window_state.length == row_state.length == 39
 
 

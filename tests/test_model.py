@@ -5,8 +5,8 @@ import torch
 
 from glm53.config import Glm53Config
 from glm53.kv_state import KVState, quantize_rows
-from glm53.model.indexer import select_topk
-from glm53.model.mla import AttentionWeights, attend_absorbed, attend_expanded
+from glm53.model.indexer import Selection, select_topk
+from glm53.model.mla import AttentionWeights, attend, attend_expanded
 from glm53.model.moe import RouterWeights, route
 from glm53.model.rope import apply_rope, inverse_frequencies, rope_angles
 
@@ -32,7 +32,7 @@ def test_topk_selection_breaks_ties_toward_lower_positions() -> None:
         [0.1, 0.2, -inf, -inf, -inf, -inf],  # fewer finite than k: all finite ones, no future ones
         [1.0, 1.0, 1.0, 1.0, 1.0, 1.0],  # all tied: the three lowest positions
     ])
-    got = select_topk(scores, 3)
+    got = select_topk(scores, 3).mask(6)
     assert got.tolist() == [
         [True, True, False, False, True, False],
         [True, True, False, False, False, False],
@@ -50,7 +50,7 @@ def _attention_weights(seed: int) -> AttentionWeights:
                             scale=(nope + rope) ** -0.5)
 
 
-def test_absorbed_decode_equals_expanded_attention() -> None:
+def test_absorbed_attention_equals_expanded_attention() -> None:
     w = _attention_weights(1)
     g = torch.Generator().manual_seed(2)
     q_nope = torch.randn(3, 4, 8, generator=g, dtype=torch.float64)
@@ -59,7 +59,7 @@ def test_absorbed_decode_equals_expanded_attention() -> None:
     mask = torch.rand(3, 9, generator=g) > 0.4
     mask[2] = False  # a query with nothing to attend (a context-parallel rank without positions)
     out_e, lse_e = attend_expanded(w, q_nope, q_rot, cached, mask)
-    out_a, lse_a = attend_absorbed(w, q_nope, q_rot, cached, mask)
+    out_a, lse_a = attend(w, q_nope, q_rot, cached, Selection.from_mask(mask, 9))
     assert torch.allclose(out_e, out_a, atol=1e-10) and torch.allclose(lse_e[:2], lse_a[:2], atol=1e-10)
     assert torch.equal(out_e[2], torch.zeros_like(out_e[2])) and torch.isneginf(lse_a[2]).all()
     assert not torch.isnan(out_a).any()

@@ -96,7 +96,7 @@ def test_reference_ties_are_real(tiny_engine, reference) -> None:  # noqa: F811
     tie_rows: list[int] = []
     select = indexer.select_topk
 
-    def spy(scores: torch.Tensor, k: int) -> torch.Tensor:
+    def spy(scores: torch.Tensor, k: int) -> indexer.Selection:
         if len(tie_rows) == 0:
             finite = torch.isfinite(scores)
             threshold = scores.topk(min(k, scores.shape[-1]), dim=-1).values[:, -1:]
@@ -109,7 +109,7 @@ def test_reference_ties_are_real(tiny_engine, reference) -> None:  # noqa: F811
     try:
         indexer.select_topk = spy
         with torch.inference_mode():
-            hidden = tiny_engine.model.forward(state, prompt, 0, "prefill").hidden
+            hidden = tiny_engine.model.forward(state, prompt, 0).hidden
     finally:
         indexer.select_topk = select
     assert tie_rows, "expected exact index-score ties at the top-k boundary on this prompt"

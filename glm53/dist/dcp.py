@@ -21,10 +21,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from glm53 import ops
 from glm53.dist.collectives import Comm
+
+if TYPE_CHECKING:
+    from glm53.model.indexer import Selection
 
 POSITION_BITS = 31  # positions < 2**31 (the model's context is 2**20)
 _POS_MASK = (1 << POSITION_BITS) - 1
@@ -140,60 +145,46 @@ def attend_latent(q_lat: torch.Tensor, q_rot: torch.Tensor, rows: torch.Tensor, 
     return torch.einsum("thk,kr->thr", probs, c), lse
 
 
-SELECTED_QUERY_BLOCK = 64  # queries per block in attend_selected (bounds the gathered rows and scores)
-
-
-def attend_selected(q_lat: torch.Tensor, q_rot: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor, scale: float,
-                    block: int = SELECTED_QUERY_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """attend_latent restricted to the selected rows: per block of queries, each query's selected
-    rows (ascending, padded to the block's largest count) are gathered and attended, so memory and
-    work follow the top-k (index_topk rows a query), not the context. Same contract: a query with
-    no selected row gets out 0, lse = -inf."""
-    r = q_lat.shape[-1]
-    out = q_lat.new_zeros(q_lat.shape)
-    lse = torch.full(q_lat.shape[:-1], float("-inf"), dtype=torch.float32, device=q_lat.device)
-    for b in range(0, q_lat.shape[0], block):
-        m = mask[b:b + block]
-        counts = m.sum(dim=1)
-        k = int(counts.max()) if m.numel() else 0
-        if k == 0:
-            continue
-        # selected columns first, in ascending order (stable sort of "not selected")
-        idx = torch.argsort((~m).to(torch.int8), dim=1, stable=True)[:, :k]
-        valid = torch.arange(k, device=m.device)[None, :] < counts[:, None]
-        picked = rows[idx].to(q_lat.dtype)  # [B, k, r + rope]
-        c, k_rot = picked[..., :r], picked[..., r:]
-        scores = (torch.einsum("thr,tkr->thk", q_lat[b:b + block], c)
-                  + torch.einsum("thp,tkp->thk", q_rot[b:b + block], k_rot)).float() * scale
-        scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
-        block_lse = torch.logsumexp(scores, dim=-1)
-        safe = torch.where(torch.isneginf(block_lse), torch.zeros_like(block_lse), block_lse)
-        probs = torch.exp(scores - safe[..., None]).to(q_lat.dtype)
-        out[b:b + block] = torch.einsum("thk,tkr->thr", probs, c)
-        lse[b:b + block] = block_lse
-    return out, lse
-
-
-def tp_dcp_attention(comm: Comm, q_nope: torch.Tensor, q_rot: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor,
-                     rows: torch.Tensor, mask: torch.Tensor, head_ranges: list[tuple[int, int]], scale: float
+def tp_dcp_attention(comm: Comm, q_nope: torch.Tensor, q_rot: torch.Tensor, w_uk_t: torch.Tensor, w_uv: torch.Tensor,
+                     rows: torch.Tensor, selection: "Selection", head_ranges: list[tuple[int, int]], scale: float
                      ) -> torch.Tensor:
     """MLA with heads split by TP and positions by DCP on the same ranks (absorbed form).
 
     This rank holds its heads' queries q_nope [T, h, nope], q_rot [T, h, rope] and weights
-    w_uk [h, nope, r], w_uv [h, v, r], and the latent rows it owns [n, r + rope] with mask [T, n]
-    (the selected positions it owns). One all-gather of the absorbed queries (every rank attends
-    with every head over its own rows), one all-to-all merge to the heads' owners (rank order),
-    then W_uv on this rank's heads: out [T, h, v], as one rank attending over all positions."""
-    q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
+    w_uk_t [h, r, nope], w_uv [h, v, r], and the latent rows it owns [n, r + rope] with the selection
+    (indices into those rows, fixed width). One all-gather of the absorbed queries (every rank attends
+    with every head over its own rows), one all-to-all merge to the heads' owners (rank order), then
+    W_uv on this rank's heads: out [T, h, v], as one rank attending over all positions. Each query
+    attends over its own fixed-width selection (glm53.ops.latent_attention), so a row's bits do not
+    depend on the other queries of the forward."""
+    q_lat = ops.head_linear(q_nope, w_uk_t)
     width = max(b - a for a, b in head_ranges)
     packed = torch.cat([q_lat, q_rot.to(q_lat.dtype)], dim=-1)
     packed = torch.nn.functional.pad(packed, (0, 0, 0, width - packed.shape[1]))
     every = comm.all_gather(packed, name="tp_dcp_queries")  # [R, T, width, r + rope]
     q_all = torch.cat([every[j][:, : b - a] for j, (a, b) in enumerate(head_ranges)], dim=1)  # [T, H, r + rope]
     r = q_lat.shape[-1]
-    latent_out, lse = attend_selected(q_all[..., :r], q_all[..., r:], rows, mask, scale)
+    latent_out, lse = ops.latent_attention(q_all, rows, selection.indices, selection.valid, scale, r)
     merged, _ = dcp_merge_to_owners(comm, latent_out.transpose(0, 1), lse.transpose(0, 1), head_ranges)
-    return torch.einsum("htr,hvr->thv", merged.to(q_lat.dtype), w_uv)
+    return ops.head_linear(merged.to(q_lat.dtype).transpose(0, 1).contiguous(), w_uv)
+
+
+def owned_selection(top_scores: torch.Tensor, top_positions: torch.Tensor, own: Ownership, k: int) -> "Selection":
+    """The global top-k (scores, positions [T, m], from dcp_topk) as this rank's Selection: its owned
+    finite entries as local slots p // R, ascending, in a fixed width k (padding: index 0, invalid)."""
+    from glm53.model.indexer import Selection
+
+    t = top_positions.shape[0]
+    keep = torch.isfinite(top_scores) & ((top_positions % own.ranks) == own.index)
+    sentinel = torch.iinfo(torch.long).max
+    slots = torch.where(keep, torch.div(top_positions, own.ranks, rounding_mode="floor"),
+                        torch.full_like(top_positions, sentinel)).sort(dim=1).values
+    indices = torch.zeros(t, k, dtype=torch.long, device=top_positions.device)
+    valid = torch.zeros(t, k, dtype=torch.bool, device=top_positions.device)
+    m = min(k, slots.shape[1])
+    valid[:, :m] = slots[:, :m] != sentinel
+    indices[:, :m] = torch.where(valid[:, :m], slots[:, :m], torch.zeros_like(slots[:, :m]))
+    return Selection(indices, valid)
 
 
 def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

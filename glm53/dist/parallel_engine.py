@@ -15,7 +15,8 @@ What each plug point does here:
 - new_state: DcpKVState, holding (and reading back) only this rank's positions under DCP;
 - merge_topk: DCP on: index scores of the owned positions (with their global positions) ->
   glm53.dist.dcp.dcp_topk (global top-k, ties to the lower position, the model's own rule) -> a
-  mask over this rank's rows; DCP off: local (every rank holds every position and every score);
+  Selection of this rank's rows (local slots, fixed width); DCP off: local (every rank holds every
+  position and every score);
 - attend: DCP on: glm53.dist.dcp.tp_dcp_attention: each rank absorbs its heads' queries through
   its W_UK slice, one all-gather shares them, each rank attends with every head over the selected
   rows it owns (a rank with none: lse = -inf), one all-to-all returns (out, lse) to the heads'
@@ -32,7 +33,7 @@ import torch
 from glm53.dist import dcp, tp
 from glm53.dist.collectives import Comm
 from glm53.kv_state import KVState
-from glm53.model.indexer import select_topk
+from glm53.model.indexer import Selection, select_topk
 from glm53.model.mla import AttentionWeights
 from glm53.model.parallel import RankPlan
 
@@ -89,26 +90,20 @@ class DistRankPlan(RankPlan):
         return torch.cat([parts[r][..., : sizes[r]] for r in range(self.world)], dim=-1)
 
     # ---- attention: heads by TP, positions by DCP -------------------------------------------
-    def merge_topk(self, scores: torch.Tensor, key_positions: torch.Tensor | None, k: int) -> torch.Tensor:
-        """scores [Tq, n] of the keys this rank holds at key_positions -> mask [Tq, n] of those among
-        the global top-k. key_positions None (DCP off, or a cache that holds every position): local."""
+    def merge_topk(self, scores: torch.Tensor, key_positions: torch.Tensor | None, k: int) -> Selection:
+        """scores [Tq, n] of the keys this rank holds at key_positions -> the Selection of those among
+        the global top-k, as indices into this rank's rows. key_positions None (DCP off, or a cache
+        that holds every position): local."""
         if key_positions is None:
             return select_topk(scores, k)
         top_scores, top_positions = dcp.dcp_topk(self._comm, scores, key_positions, k)
-        own = self.ownership
-        keep = torch.isfinite(top_scores) & ((top_positions % own.ranks) == own.index)
-        rows = torch.arange(scores.shape[0], device=scores.device)[:, None].expand_as(top_positions)
-        mask = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
-        # this rank's rows are its positions in ascending order: row of position p is p // R
-        mask[rows[keep], torch.div(top_positions[keep], own.ranks, rounding_mode="floor")] = True
-        return mask
+        return dcp.owned_selection(top_scores, top_positions, self.ownership, k)
 
     def attend(self, w: AttentionWeights, q_nope: torch.Tensor, q_rot: torch.Tensor, rows: torch.Tensor,
-               key_positions: torch.Tensor | None, selection: torch.Tensor, mode: str, gather_above: int,
-               total_heads: int) -> torch.Tensor:
+               key_positions: torch.Tensor | None, selection: Selection, total_heads: int) -> torch.Tensor:
         if key_positions is None:  # every rank holds every position: attend locally with our heads
-            return super().attend(w, q_nope, q_rot, rows, key_positions, selection, mode, gather_above, total_heads)
-        return dcp.tp_dcp_attention(self._comm, q_nope, q_rot, w.w_uk, w.w_uv, rows, selection,
+            return super().attend(w, q_nope, q_rot, rows, key_positions, selection, total_heads)
+        return dcp.tp_dcp_attention(self._comm, q_nope, q_rot, w.w_uk_t, w.w_uv, rows, selection,
                                     tp.head_ranges(total_heads, self.world), w.scale)
 
     # ---- state ---------------------------------------------------------------------------

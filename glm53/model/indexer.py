@@ -3,12 +3,13 @@
 As the reference computes it: a query per indexer head from the q LoRA residual (wq_b), one key per
 position (LayerNorm(wk x)), interleaved RoPE on the first qk_rope_head_dim dims of both; the score of
 key t for query s is sum_h w_h(s) * relu(q_h(s) . k(t) / sqrt(d)), w = weights_proj(x) / sqrt(H),
-all in fp32. Future positions are excluded; each query keeps its top `index_topk` positions (all of
-its causal positions when it has fewer). 'shared' layers reuse the previous 'full' layer's selection.
+in fp32. Future positions are excluded; each query keeps its top `index_topk` positions (all of its
+causal positions when it has fewer). 'shared' layers reuse the previous 'full' layer's selection.
 
 Ties are broken toward the lower position, so the selection is a function of the scores alone
-(the reference's torch.topk leaves tie order unspecified; exact ties have measure zero in fp32
-unless every head's relu is zero for several keys).
+(the reference's torch.topk leaves tie order unspecified; exact ties are real: a key whose every
+head's relu is zero scores exactly 0). With glm53.ops the scores are row-invariant, so a query's
+selection does not depend on the chunk it was computed in.
 """
 from __future__ import annotations
 
@@ -16,10 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from glm53.model.norm import INDEXER_KEY_NORM_EPS, layer_norm
+from glm53 import ops
+from glm53.model.norm import INDEXER_KEY_NORM_EPS
 from glm53.model.rope import apply_rope
-
-QUERY_BLOCK = 256  # queries scored per block (bounds the [block, heads, keys] fp32 buffer)
 
 
 @dataclass
@@ -34,14 +34,44 @@ class IndexerWeights:
     rope_dim: int
 
 
+@dataclass
+class Selection:
+    """Per query, the cache rows it attends to: indices [T, k] (rows of the cache this rank reads,
+    ascending, padded with 0) and valid [T, k]. A fixed width k (index_topk) for every query, so a
+    query's attention has the same shape whatever else is in its forward."""
+
+    indices: torch.Tensor
+    valid: torch.Tensor
+
+    @classmethod
+    def from_mask(cls, mask: torch.Tensor, width: int) -> "Selection":
+        """A bool mask [T, n] with at most `width` True a row, as ascending indices of fixed width."""
+        t, n = mask.shape
+        counts = mask.sum(dim=1)
+        if t and n and int(counts.max()) > width:
+            raise ValueError(f"a row selects {int(counts.max())} rows, more than the width {width}")
+        order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)[:, :width]  # selected first, ascending
+        valid = torch.arange(width, device=mask.device)[None, :] < counts[:, None]
+        indices = torch.zeros(t, width, dtype=torch.long, device=mask.device)
+        indices[:, :order.shape[1]] = order
+        return cls(torch.where(valid, indices, torch.zeros_like(indices)), valid)
+
+    def mask(self, n_rows: int) -> torch.Tensor:
+        """The same selection as a bool mask [T, n_rows] (tests, and the reference formulation)."""
+        out = torch.zeros(self.indices.shape[0], n_rows, dtype=torch.bool, device=self.indices.device)
+        rows = torch.arange(self.indices.shape[0], device=self.indices.device)[:, None].expand_as(self.indices)
+        out[rows[self.valid], self.indices[self.valid]] = True
+        return out
+
+
 def indexer_keys(w: IndexerWeights, x_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """[T, head_dim] keys to cache, rope on the leading rope_dim values."""
-    k = layer_norm(x_norm @ w.wk.T, w.k_norm_weight, w.k_norm_bias, INDEXER_KEY_NORM_EPS)
+    k = ops.layer_norm(ops.linear(x_norm, w.wk), w.k_norm_weight, w.k_norm_bias, INDEXER_KEY_NORM_EPS)
     return torch.cat([apply_rope(k[:, : w.rope_dim], cos, sin), k[:, w.rope_dim:]], dim=-1)
 
 
 def indexer_queries(w: IndexerWeights, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    q = (q_resid @ w.wq_b.T).view(q_resid.shape[0], w.n_heads, w.head_dim)
+    q = ops.linear(q_resid, w.wq_b).view(q_resid.shape[0], w.n_heads, w.head_dim)
     return torch.cat([apply_rope(q[..., : w.rope_dim], cos, sin), q[..., w.rope_dim:]], dim=-1)
 
 
@@ -49,26 +79,40 @@ def index_scores(w: IndexerWeights, q: torch.Tensor, x_norm: torch.Tensor, keys:
                  q_positions: torch.Tensor, key_positions: torch.Tensor | None = None) -> torch.Tensor:
     """[Tq, Tk] fp32 scores of keys at key_positions (default [0, Tk); a DCP rank passes the
     positions it owns) for queries at q_positions; -inf where the key lies in the query's future."""
-    head_weights = (x_norm.to(torch.float32) @ w.weights_proj.to(torch.float32).T) * (w.n_heads ** -0.5)
-    keys32 = keys.to(torch.float32).T  # [D, Tk]
-    scale = w.head_dim ** -0.5
-    out = torch.empty(q.shape[0], keys.shape[0], dtype=torch.float32, device=q.device)
-    for b in range(0, q.shape[0], QUERY_BLOCK):
-        qb = q[b:b + QUERY_BLOCK].to(torch.float32)  # [B, H, D]
-        per_head = torch.relu(torch.matmul(qb, keys32) * scale)  # [B, H, Tk]
-        out[b:b + QUERY_BLOCK] = torch.matmul(head_weights[b:b + QUERY_BLOCK, None, :], per_head)[:, 0]
+    head_weights = ops.linear(x_norm.to(torch.float32), w.weights_proj.to(torch.float32)) * (w.n_heads ** -0.5)
+    out = ops.index_scores(q, head_weights, keys, w.head_dim ** -0.5)
     if key_positions is None:
         key_positions = torch.arange(keys.shape[0], device=q.device)
     future = key_positions[None, :] > q_positions[:, None]
     return out.masked_fill(future, float("-inf"))
 
 
-def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Bool mask [Tq, Tk]: each row's k best finite scores, ties toward the lower position."""
-    k_eff = min(k, scores.shape[-1])
-    threshold = scores.topk(k_eff, dim=-1).values[:, -1:]
-    above = scores > threshold
-    room = k_eff - above.sum(dim=-1, keepdim=True)
-    at = scores == threshold
-    chosen = above | (at & (at.cumsum(dim=-1) <= room))
-    return chosen & torch.isfinite(scores)
+def orderable_keys(scores: torch.Tensor) -> torch.Tensor:
+    """fp32 scores -> int64 with the same order, -0.0 equal to +0.0 (one of the two packed halves
+    of a top-k key; glm53.dist.dcp packs the same way for the merge across ranks)."""
+    bits = (scores + 0.0).view(torch.int32)  # + 0.0 turns -0.0 into +0.0
+    return torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(torch.long)
+
+
+def select_topk(scores: torch.Tensor, k: int) -> Selection:
+    """Each row's k best finite scores, ties toward the lower position, as ascending indices.
+    Ties are impossible in the packed (score, -position) int64 keys, so the set is unique."""
+    if scores.dim() != 2 or scores.dtype != torch.float32:
+        raise ValueError(f"scores must be fp32 [Tq, Tk] (index_scores), got {scores.dtype} {tuple(scores.shape)}")
+    if k < 1:
+        raise ValueError(f"k (index_topk) must be >= 1, got {k}")
+    tq, tk = scores.shape
+    indices = torch.zeros(tq, k, dtype=torch.long, device=scores.device)
+    valid = torch.zeros(tq, k, dtype=torch.bool, device=scores.device)
+    if tq == 0 or tk == 0:
+        return Selection(indices, valid)
+    if torch.isnan(scores).any():
+        raise ValueError("indexer scores contain NaN; the selection is undefined")
+    width = min(k, tk)
+    tie_break = torch.arange(tk - 1, -1, -1, device=scores.device, dtype=torch.long)  # lower position wins
+    chosen = (orderable_keys(scores) * (1 << 32) + tie_break[None, :]).topk(width, dim=1, sorted=False).indices
+    finite = torch.isfinite(scores.gather(1, chosen))
+    chosen = torch.where(finite, chosen, torch.full_like(chosen, tk)).sort(dim=1).values  # not finite: last
+    valid[:, :width] = chosen < tk
+    indices[:, :width] = torch.where(valid[:, :width], chosen, torch.zeros_like(chosen))
+    return Selection(indices, valid)

@@ -14,6 +14,9 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from glm53 import ops
+from glm53.model.indexer import orderable_keys
+
 
 @dataclass
 class MLPWeights:
@@ -22,7 +25,7 @@ class MLPWeights:
     down: torch.Tensor  # [hidden, width]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return (F.silu(x @ self.gate.T) * (x @ self.up.T)) @ self.down.T
+        return ops.linear(F.silu(ops.linear(x, self.gate)) * ops.linear(x, self.up), self.down)
 
 
 @dataclass
@@ -38,7 +41,7 @@ class RouterWeights:
 
 def route(r: RouterWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, hidden] -> (expert ids [T, k] int64, gate weights [T, k] fp32)."""
-    scores = torch.sigmoid(x.to(torch.float32) @ r.weight.T)
+    scores = torch.sigmoid(ops.linear(x.to(torch.float32), r.weight))
     biased = scores + r.bias
     n_exp = biased.shape[-1]
     if r.n_group > 1:
@@ -47,11 +50,23 @@ def route(r: RouterWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
         keep = torch.zeros_like(group_rank, dtype=torch.bool)
         keep.scatter_(1, group_rank.topk(r.topk_group, dim=-1).indices, True)
         biased = biased.masked_fill(~keep.repeat_interleave(n_exp // r.n_group, dim=1), float("-inf"))
-    ids = biased.topk(r.top_k, dim=-1).indices
+    ids = topk_ids(biased, r.top_k)
     weights = scores.gather(1, ids)
     if r.norm_topk_prob:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        total = weights[:, 0]
+        for j in range(1, weights.shape[1]):  # in order, not a reduction whose tree follows the row count
+            total = total + weights[:, j]
+        weights = weights / (total[:, None] + 1e-20)
     return ids, weights * r.scaling
+
+
+def topk_ids(values: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of each row's k largest fp32 values, largest first, ties toward the lower index (a
+    saturated sigmoid ties at exactly 1.0): one order whatever kernel torch.topk runs."""
+    n = values.shape[-1]
+    lower_first = torch.arange(n - 1, -1, -1, device=values.device, dtype=torch.long)
+    keys = orderable_keys(values) * (1 << 32) + lower_first
+    return (n - 1) - keys.topk(k, dim=-1).values.remainder(1 << 32)
 
 
 class ExpertBank(Protocol):
@@ -84,8 +99,8 @@ class DecodedExperts:
             if n == 0:
                 continue
             rows = tokens[begin:begin + n]
-            gate, up = (x[rows] @ self.gate_up[expert].T).chunk(2, dim=-1)
-            y = (F.silu(gate) * up) @ self.down[expert].T
+            gate, up = ops.linear(x[rows], self.gate_up[expert]).chunk(2, dim=-1)
+            y = ops.linear(F.silu(gate) * up, self.down[expert])
             # weight in fp32, then back to the compute dtype (the reference's rounding point)
             out.index_add_(0, rows, (y * slot_weights[begin:begin + n, None]).to(out.dtype))
             begin += n

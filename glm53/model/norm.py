@@ -1,8 +1,8 @@
-"""Normalizations with the reference's rounding points (statistics in fp32, scale in the weight's dtype)."""
+"""Normalizations with the reference's rounding points (statistics in fp32, scale in the weight's
+dtype), computed row-invariantly by glm53.ops."""
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+from glm53.ops import layer_norm, rms_norm
 
 # transformers 5.23 builds q_a_layernorm / kv_a_layernorm with the RMSNorm default eps (1e-6), not
 # config.rms_norm_eps (1e-5 for GLM-5.3); vLLM/SGLang's DeepSeek-style MLA use config.rms_norm_eps.
@@ -10,12 +10,4 @@ import torch.nn.functional as F
 LORA_NORM_EPS = 1e-6
 INDEXER_KEY_NORM_EPS = 1e-6
 
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x32 = x.to(torch.float32)
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
-
-
-def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
-    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+__all__ = ["INDEXER_KEY_NORM_EPS", "LORA_NORM_EPS", "layer_norm", "rms_norm"]

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from glm53.model.indexer import Selection
     from glm53.model.mla import AttentionWeights
 
 
@@ -62,35 +63,26 @@ class RankPlan:
         return local_logits
 
     # ---- attention (heads by TP, positions by DCP) ------------------------------------------
-    def merge_topk(self, scores: torch.Tensor, key_positions: torch.Tensor | None, k: int) -> torch.Tensor:
-        """The indexer's selection as a mask [Tq, n] over the rows this rank holds.
+    def merge_topk(self, scores: torch.Tensor, key_positions: torch.Tensor | None, k: int) -> "Selection":
+        """The indexer's selection over the rows this rank holds (indices into them, fixed width k).
 
         scores [Tq, n] are for the keys at key_positions (None: the cache holds every position
         0..n-1, the world-1 case); the top-k is global, ties toward the lower position."""
-        from glm53.model.indexer import select_topk
+        from glm53.model import indexer
 
-        return select_topk(scores, k)
+        return indexer.select_topk(scores, k)
 
     def attend(self, w: "AttentionWeights", q_nope: torch.Tensor, q_rot: torch.Tensor, rows: torch.Tensor,
-               key_positions: torch.Tensor | None, selection: torch.Tensor, mode: str, gather_above: int,
-               total_heads: int) -> torch.Tensor:
+               key_positions: torch.Tensor | None, selection: "Selection", total_heads: int) -> torch.Tensor:
         """Attention of this rank's heads' queries (q_nope [T, h, nope], q_rot [T, h, rope]) over the
         selected cache rows -> [T, h, v] for those heads (before o_proj).
 
         rows [n, r + rope] are the rows this rank holds, at key_positions (None: all positions),
-        selection [T, n] the mask from merge_topk. World 1: prefill over at most `gather_above`
-        (= index_topk) rows expands keys through kv_b; past that each query gathers its own top-k
-        rows and attends in the latent space, so a chunk's cost does not grow with the history.
-        The choice depends on the chunk's end (fixed by the grid), never on the prompt's length,
-        so a resumed prefill runs the same arithmetic as a cold one. Decode is absorbed."""
-        from glm53.model.mla import attend_decode, attend_expanded
-        from glm53.model.sparse_attention import attend_sparse_prefill
+        selection from merge_topk. World 1: the absorbed attention of glm53.model.mla.attend, each
+        query over its own selected rows, so the cost per query is bounded by index_topk."""
+        from glm53.model.mla import attend
 
-        if mode == "prefill":
-            if rows.shape[0] > gather_above:
-                return attend_sparse_prefill(w, q_nope, q_rot, rows, selection, gather_above)[0]
-            return attend_expanded(w, q_nope, q_rot, rows, selection)[0]
-        return attend_decode(w, q_nope, q_rot, rows, selection, gather_above)[0]
+        return attend(w, q_nope, q_rot, rows, selection)[0]
 
     # ---- the cache ------------------------------------------------------------------------
     def new_state(self, model, kv_dtype: str = "bf16"):  # noqa: ANN001, ANN201 - (Glm53Model) -> KVState

@@ -1,11 +1,11 @@
 """The GLM-5.3 decoder stack: embedding, decoder layers (MLA + DSA indexer, dense MLP or MoE), final
 norm and head; and the MTP layer (mtp.py) on top when the checkpoint has one.
 
-`Glm53Model.forward(state, tokens, start, mode)` runs tokens at absolute positions
-[start, start + T) on top of the cache rows [0, start), writes their rows and returns the hidden
-states. `mode` picks the attention formulation: "prefill" (the canonical grid chunks: expanded keys up to
-index_topk rows, then each query gathers its top-k rows: glm53/model/sparse_attention.py)
-or "decode" (absorbed, latent space; decode and draft verification). The engine decides chunking.
+`Glm53Model.forward(state, tokens, start)` runs tokens at absolute positions [start, start + T) on
+top of the cache rows [0, start), writes their rows and returns the hidden states. The arithmetic is
+the same for a prefill piece, a decode step and a verification window: every op is row-invariant
+(glm53.ops), so a row's bits do not depend on T or on where the forward starts. The engine decides
+chunking (memory) and which rows count as canonical prefill (the prefix cache's frontier).
 """
 from __future__ import annotations
 
@@ -15,15 +15,13 @@ import torch
 
 from glm53.config import Glm53Config
 from glm53.kv_state import KVState
-from glm53.model.indexer import IndexerWeights, index_scores, indexer_keys, indexer_queries
+from glm53 import ops
+from glm53.model.indexer import IndexerWeights, Selection, index_scores, indexer_keys, indexer_queries
 from glm53.model.mla import AttentionWeights, latent_rows, output_projection, project_queries
 from glm53.model.moe import MLPWeights, MoEWeights
 from glm53.model.norm import rms_norm
 from glm53.model.parallel import RankPlan
 from glm53.model.rope import inverse_frequencies, rope_angles
-
-MODES = ("prefill", "decode")
-
 
 @dataclass
 class LayerWeights:
@@ -86,20 +84,20 @@ class Glm53Model:
                        indexed_layers=indexed, kv_dtype=kv_dtype, device=self.device)
 
     # ---- forward --------------------------------------------------------------------------
-    def forward(self, state: KVState, tokens: list[int] | torch.Tensor, start: int, mode: str = "prefill",
+    def forward(self, state: KVState, tokens: list[int] | torch.Tensor, start: int,
                 taps: tuple[int, ...] = ()) -> ForwardOutput:
         ids = self._ids(tokens)
         x = self.plan.embed(self.w.embed, ids).to(self.dtype)
-        last, taken = self._run_layers(state, self.w.layers, x, ids, start, mode, taps)
+        last, taken = self._run_layers(state, self.w.layers, x, ids, start, taps)
         return ForwardOutput(hidden=rms_norm(last, self.w.final_norm, self.cfg.rms_norm_eps),
                              last_layer=last, taps=taken)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [T, vocab] from final-normed hidden states."""
-        return self.plan.gather_logits(hidden @ self.w.head.T).to(torch.float32)
+        return self.plan.gather_logits(ops.linear(hidden, self.w.head)).to(torch.float32)
 
     def mtp_forward(self, state: KVState, prev_hidden: torch.Tensor, next_tokens: list[int] | torch.Tensor,
-                    start: int, mode: str = "decode") -> tuple[torch.Tensor, torch.Tensor]:
+                    start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The MTP layer (DeepSeek-V3 style) at positions [start, start + T): row i combines the main
         model's hidden state at position start + i with the token at start + i + 1 and predicts the
         token at start + i + 2. Returns (fp32 logits [T, vocab], hidden [T, hidden] before the head's
@@ -109,12 +107,13 @@ class Glm53Model:
             raise RuntimeError("this checkpoint has no MTP layer")
         ids = self._ids(next_tokens)
         e = self.plan.embed(m.embed if m.embed is not None else self.w.embed, ids).to(self.dtype)
-        x = torch.cat([rms_norm(e, m.enorm, self.cfg.rms_norm_eps),
-                       rms_norm(prev_hidden.to(self.dtype), m.hnorm, self.cfg.rms_norm_eps)], dim=-1) @ m.eh_proj.T
-        out, _ = self._run_layers(state, [m.layer], x, ids, start, mode, ())
+        x = ops.linear(torch.cat([rms_norm(e, m.enorm, self.cfg.rms_norm_eps),
+                                  rms_norm(prev_hidden.to(self.dtype), m.hnorm, self.cfg.rms_norm_eps)], dim=-1),
+                       m.eh_proj)
+        out, _ = self._run_layers(state, [m.layer], x, ids, start, ())
         normed = rms_norm(out, m.head_norm, self.cfg.rms_norm_eps)
         head = m.head if m.head is not None else self.w.head
-        return self.plan.gather_logits(normed @ head.T).to(torch.float32), out
+        return self.plan.gather_logits(ops.linear(normed, head)).to(torch.float32), out
 
     # ---- internals ------------------------------------------------------------------------
     def _ids(self, tokens: list[int] | torch.Tensor) -> torch.Tensor:
@@ -124,27 +123,25 @@ class Glm53Model:
         return ids
 
     def _run_layers(self, state: KVState, layers: list[LayerWeights], x: torch.Tensor, ids: torch.Tensor,
-                    start: int, mode: str, taps: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        if mode not in MODES:
-            raise ValueError(f"mode {mode!r}: one of {MODES}")
+                    start: int, taps: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         if start != state.length:
             raise ValueError(f"forward at position {start} but the cache holds {state.length} rows; windows must continue it")
         n = ids.shape[0]
         state.reserve(start + n)
         positions = torch.arange(start, start + n, device=self.device)
         cos, sin = rope_angles(self.inv_freq, positions, self.dtype)
-        selection: torch.Tensor | None = None
+        selection: Selection | None = None
         taken: dict[int, torch.Tensor] = {}
         for layer in layers:
-            x, selection = self._layer(state, layer, x, positions, start, cos, sin, selection, mode)
+            x, selection = self._layer(state, layer, x, positions, start, cos, sin, selection)
             if layer.index in taps:
                 taken[layer.index] = x
         state.tokens.extend(ids.tolist())
         return x, taken
 
     def _layer(self, state: KVState, layer: LayerWeights, x: torch.Tensor, positions: torch.Tensor, start: int,
-               cos: torch.Tensor, sin: torch.Tensor, selection: torch.Tensor | None, mode: str
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+               cos: torch.Tensor, sin: torch.Tensor, selection: Selection | None
+               ) -> tuple[torch.Tensor, Selection]:
         cfg, a, plan = self.cfg, layer.attn, self.plan
         h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
         q_resid, q_nope, q_rot = project_queries(a, h, cos, sin)
@@ -161,8 +158,7 @@ class Glm53Model:
             selection = plan.merge_topk(scores, key_positions, cfg.index_topk)
         elif selection is None:
             raise ValueError(f"layer {layer.index} shares the indexer selection but no earlier full layer ran")
-        out = plan.attend(a, q_nope, q_rot, cached, key_positions, selection, mode, cfg.index_topk,
-                          cfg.num_attention_heads)
+        out = plan.attend(a, q_nope, q_rot, cached, key_positions, selection, cfg.num_attention_heads)
         x = x + plan.sum_partials(output_projection(a, out))
         h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
         return x + plan.sum_partials(layer.ffn(h)), selection

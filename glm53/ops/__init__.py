@@ -1,0 +1,111 @@
+"""Row-invariant operations: every output row depends on its own input row only.
+
+Why: the prefix cache reuses KV rows computed in one prefill and continues in another whose pieces
+start elsewhere, hold other rows and end elsewhere; speculative decoding verifies k tokens in one
+forward where serial decoding runs one. Both are exact (contracts 1 and 3, DESIGN.md) exactly when a
+row's bits do not depend on how many rows share its forward, where it sits among them, or how many
+keys lie past it. Library kernels do not promise that: a GEMM picks its tiling and split-K by shape
+(measured: MKL fp32 rows change with M below 16 and with the thread count; cuBLAS on the H200 too),
+a CUDA reduction spreads a few rows over more threads than many rows.
+
+So every op of the forward with a reduction goes through here:
+
+    linear(x, w)              x [..., K] @ w[N, K]^T, fp32 accumulation, out in x's dtype
+    head_linear(x, w)         per-head projection: x [T, H, K], w [H, N, K] -> [T, H, N]
+    rms_norm / layer_norm     over the last dim
+    index_scores(...)         the DSA indexer's score of every key for every query
+    latent_attention(...)     absorbed MLA of each query over its own selected latent rows
+
+On CUDA the Triton kernels (glm53/ops/triton_*.py) are row-invariant by construction: a fixed tile
+configuration per op and shape, a sequential reduction over K in fixed blocks, no split-K, no
+atomics, each (row, column) computed by the same instructions whatever M. On the CPU the torch path
+(glm53/ops/torch_ops.py) pads M to a multiple of ROW_PAD rows, measured row-invariant on MKL (AVX2
+and AVX-512, 1 or 2 threads: tests/test_row_invariance.py); torch's last-dim reductions on the CPU
+are sequential per row. TF_GLM53_KERNELS=torch forces the torch path on CUDA (debugging); it is not
+row-invariant there, so the engine then reuses only at prefill-grid boundaries.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from glm53.ops import torch_ops
+
+KERNEL_CHOICES = ("auto", "triton", "torch")
+
+
+def kernel_choice() -> str:
+    name = os.environ.get("TF_GLM53_KERNELS", "auto").strip().lower()
+    if name not in KERNEL_CHOICES:
+        raise ValueError(f"TF_GLM53_KERNELS={name!r}: choose one of {', '.join(KERNEL_CHOICES)}")
+    return name
+
+
+def _triton_for(t: torch.Tensor) -> bool:
+    return t.is_cuda and kernel_choice() != "torch"
+
+
+def row_invariant(device: torch.device | str) -> bool:
+    """Whether this module's ops are row-invariant on `device` (so reuse may resume at any token)."""
+    device = torch.device(device)
+    return device.type == "cpu" or kernel_choice() != "torch"
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ w[N, K]^T -> [..., N] in x's dtype (fp32 accumulation); row-invariant."""
+    if _triton_for(x):
+        from glm53.ops import triton_linear
+
+        return triton_linear.linear(x, w)
+    return torch_ops.linear(x, w)
+
+
+def head_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """out[t, h] = w[h] @ x[t, h]: x [T, H, K], w [H, N, K] -> [T, H, N] in x's dtype; row-invariant."""
+    if _triton_for(x):
+        from glm53.ops import triton_linear
+
+        return triton_linear.head_linear(x, w)
+    return torch_ops.head_linear(x, w)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype), statistics in fp32 (the reference's rounding)."""
+    if _triton_for(x):
+        from glm53.ops import triton_norm
+
+        return triton_norm.rms_norm(x, weight, eps)
+    return torch_ops.rms_norm(x, weight, eps)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """LayerNorm over the last dim with weight and bias (statistics in fp32)."""
+    if _triton_for(x):
+        from glm53.ops import triton_norm
+
+        return triton_norm.layer_norm(x, weight, bias, eps)
+    return torch_ops.layer_norm(x, weight, bias, eps)
+
+
+def index_scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """fp32 [T, N]: sum over heads h = 0..H-1, in that order, of head_weights[t, h] * relu(scale * q[t, h] . keys[n]).
+    q [T, H, D], head_weights [T, H] fp32, keys [N, D]. No causal mask (the caller applies it)."""
+    if _triton_for(q):
+        from glm53.ops import triton_indexer
+
+        return triton_indexer.index_scores(q, head_weights, keys, scale)
+    return torch_ops.index_scores(q, head_weights, keys, scale)
+
+
+def latent_attention(q: torch.Tensor, rows: torch.Tensor, indices: torch.Tensor, valid: torch.Tensor,
+                     scale: float, value_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query over its own selected rows: q [T, H, D], rows [N, D], indices [T, k] (int64 into rows),
+    valid [T, k] bool. s_j = scale * q[t, h] . rows[indices[t, j]] over valid j; returns
+    (sum_j softmax(s)_j * rows[indices[t, j], :value_dim] as [T, H, value_dim] in q's dtype,
+    lse [T, H] fp32 natural-log); a query with no valid slot gets out 0 and lse -inf (never NaN)."""
+    if _triton_for(q):
+        from glm53.ops import triton_attention
+
+        return triton_attention.latent_attention(q, rows, indices, valid, scale, value_dim)
+    return torch_ops.latent_attention(q, rows, indices, valid, scale, value_dim)
