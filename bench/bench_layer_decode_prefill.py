@@ -226,7 +226,7 @@ def bench_decode(model: Glm53Model, layer: LayerWeights, context: int, kv_dtype:
     cos, sin = rope_angles(model.inv_freq, pos, model.dtype)
     xs = [r(1, model.cfg.hidden_size, std=1.0) for _ in range(4)]  # rotated inputs
     timed = timer(model.device)
-    run = lambda i: model._layer(state, layer, xs[i % len(xs)], pos, context, cos, sin, None, "decode")  # noqa: E731
+    run = lambda i: model._layer(state, layer, xs[i % len(xs)], pos, context, cos, sin, None)  # noqa: E731
     for i in range(warmup):
         run(i)
     return [timed(lambda i=i: run(i)) for i in range(reps)]
@@ -243,7 +243,7 @@ def bench_prefill(model: Glm53Model, layer: LayerWeights, tokens: int, chunk: in
     def run() -> None:
         for a, b in pieces:
             cos, sin = angles[a]
-            model._layer(state, layer, x[a:b], torch.arange(a, b, device=model.device), a, cos, sin, None, "prefill")
+            model._layer(state, layer, x[a:b], torch.arange(a, b, device=model.device), a, cos, sin, None)
 
     timed = timer(model.device)
     for _ in range(warmup):

@@ -3,7 +3,7 @@
     python bench/bench_verify_window.py --out bench/results/verify_window.json          # CUDA, real dims
     python bench/bench_verify_window.py --small --out /tmp/verify_window_small.json     # CPU, tiny dims
 
-What runs: the kit's own model code (glm53.model.transformer.Glm53Model, mode "decode", the path
+What runs: the kit's own model code (glm53.model.transformer.Glm53Model, the path
 draft verification uses) over ONE decoder layer with random bf16 weights at GLM-5.3's real
 dimensions (hidden 6144, MLA 64 heads, q/kv LoRA 2048/512, DSA indexer 32x128 top-2048, and
 either a dense MLP of 12288 or an MoE of 256 experts x 2048, top 8 + 1 shared), on top of a
@@ -132,7 +132,7 @@ def bench_case(cfg, kind, routing, context, ks, reps, warmup, device, dtype, see
     for rep in range(warmup + reps):
         for k in ks:                                      # interleaved: every k sees the same conditions
             toks = torch.randint(0, 1024, (k,), generator=tok_g).tolist()
-            us = timed(lambda: model.forward(state, toks, context, mode="decode"))
+            us = timed(lambda: model.forward(state, toks, context))
             state.truncate(context)
             if rep >= warmup:
                 samples[k].append(us)

@@ -1,0 +1,107 @@
+"""Row invariance on the CPU: the measurement behind glm53.ops' torch path, and the forward it gives.
+
+Bitwise throughout (torch.equal). If one of these fails on a new machine, that machine's BLAS
+breaks the padding rule (glm53/ops/torch_ops.py): run the engine with
+TF_GLM53_PREFIX_REUSE_BOUNDARY=1 there, and report the shapes that failed.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from glm53.ops import torch_ops
+from tests.fixtures_tiny import tiny_dirs, tiny_engine  # noqa: F401
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+@pytest.fixture
+def threads():
+    saved = torch.get_num_threads()
+    yield lambda n: torch.set_num_threads(max(1, min(n, saved)))
+    torch.set_num_threads(saved)
+
+
+def test_plain_matmul_is_not_row_invariant() -> None:
+    """The reason the padding exists: MKL's fp32 rows change with the row count (small counts)."""
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(576, 256, generator=g), torch.randn(64, 256, generator=g)
+    full = x @ w.T
+    assert any(not torch.equal((x[:m] @ w.T), full[:m]) for m in (1, 2, 3, 5, 6, 7))
+
+
+def test_linear_rows_do_not_depend_on_row_count_offset_or_threads(threads) -> None:
+    rng, g = random.Random(0), torch.Generator().manual_seed(1)
+    for trial in range(40):
+        k = rng.choice([16, 48, 64, 80, 128, 256, 576, 1024])
+        n = rng.choice([1, 4, 18, 32, 80, 256, 576, 1900])
+        dtype = rng.choice(DTYPES)
+        w = torch.randn(n, k, generator=g).to(dtype)
+        x = torch.randn(700, k, generator=g).to(dtype)
+        threads(rng.choice([1, 2]))
+        full = torch_ops.linear(x, w)
+        for m in (1, 3, 16, 17, rng.randrange(1, 600)):
+            off = rng.randrange(0, 700 - m)
+            threads(rng.choice([1, 2]))
+            assert torch.equal(torch_ops.linear(x[off:off + m], w), full[off:off + m]), (trial, k, n, dtype, m, off)
+
+
+def test_linear_columns_do_not_depend_on_the_column_count() -> None:
+    """The indexer's keys are the 'weight' of its products: a key's score must not change with how
+    many keys follow it (the cache grows)."""
+    g = torch.Generator().manual_seed(2)
+    keys, q = torch.randn(3000, 32, generator=g), torch.randn(40, 32, generator=g)
+    full = torch_ops.linear(q, keys)
+    for n in (1, 2, 15, 17, 255, 1000, 2999):
+        assert torch.equal(torch_ops.linear(q, keys[:n]), full[:, :n]), n
+
+
+def test_head_linear_index_scores_and_attention_rows_are_invariant() -> None:
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(300, 8, 32, generator=g), torch.randn(8, 64, 32, generator=g)
+    q, hw, keys = torch.randn(300, 4, 32, generator=g), torch.randn(300, 4, generator=g), torch.randn(900, 32, generator=g)
+    rows, qa = torch.randn(500, 80, generator=g), torch.randn(300, 8, 80, generator=g)
+    idx, valid = torch.randint(0, 500, (300, 32), generator=g), torch.rand(300, 32, generator=g) < 0.8
+    valid[7] = False  # a query with nothing selected
+    full_h = torch_ops.head_linear(x, w)
+    full_s = torch_ops.index_scores(q, hw, keys, 0.17)
+    full_o, full_l = torch_ops.latent_attention(qa, rows, idx, valid, 0.1, 64)
+    for a, b in ((0, 1), (7, 8), (5, 22), (100, 299), (0, 300)):
+        assert torch.equal(torch_ops.head_linear(x[a:b], w), full_h[a:b])
+        for n in (1, 3, 16, 400, 900):
+            assert torch.equal(torch_ops.index_scores(q[a:b], hw[a:b], keys[:n], 0.17), full_s[a:b, :n])
+        o, lse = torch_ops.latent_attention(qa[a:b], rows, idx[a:b], valid[a:b], 0.1, 64)
+        assert torch.equal(o, full_o[a:b]) and torch.equal(lse, full_l[a:b])
+    assert torch.equal(full_o[7], torch.zeros_like(full_o[7])) and torch.isneginf(full_l[7]).all()
+
+
+def _pieces(rng: random.Random, n: int) -> list[tuple[int, int]]:
+    cuts = sorted(rng.sample(range(1, n), rng.randrange(1, 6)))
+    bounds = [0, *cuts, n]
+    return list(zip(bounds, bounds[1:]))
+
+
+@pytest.mark.parametrize("compute,kv", [("fp32", "fp32"), ("fp32", "fp8"), ("bf16", "bf16")])
+def test_forward_in_any_pieces_equals_one_prefill(tiny_dirs, compute: str, kv: str) -> None:  # noqa: F811
+    """The tiny GLM-5.3 (MLA, indexer past its top-k, MoE, fp8 cache) run over random cuts, and one
+    token at a time, writes the same cache rows and hidden states as one forward of the whole prompt."""
+    from glm53.engine import Glm53Engine
+
+    engine = Glm53Engine(tiny_dirs.model, device="cpu", dtype=compute, kv_dtype=kv, prefill_chunk=1 << 20)
+    model, rng = engine.model, random.Random(4)
+    prompt = [rng.randrange(3, engine.vocab_size) for _ in range(90)]  # past index_topk (32)
+
+    def run(pieces):
+        state = model.new_state(kv)
+        with torch.inference_mode():
+            hidden = torch.cat([model.forward(state, prompt[a:b], a).hidden for a, b in pieces])
+        return hidden, state.export_rows(0, len(prompt))
+
+    ref_hidden, ref_rows = run([(0, 90)])
+    for pieces in (_pieces(rng, 90), _pieces(rng, 90), [(i, i + 1) for i in range(90)]):
+        hidden, rows = run(pieces)
+        assert torch.equal(hidden, ref_hidden), pieces
+        for name in ref_rows:
+            assert torch.equal(rows[name].view(torch.uint8), ref_rows[name].view(torch.uint8)), (name, pieces)
