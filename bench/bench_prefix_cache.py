@@ -15,6 +15,8 @@ Three scenarios, cache on and cache off interleaved sample by sample in one proc
             dropped from the OS page cache with posix_fadvise) and the prompt + one word: disk
             resume against cold; goal >= 50x
 Every on/off pair also checks that the replies and the prompt's last logits are bitwise identical.
+  profile   (--profile) one cold prefill of the one-word prompt and one reused one-word extension under
+            torch.profiler: the top ops by device and by host time, written next to --out (.profile.txt)
 
 --real-dims writes (to a temp folder, once) a checkpoint with GLM-5.3's layer dimensions (hidden
 6144, 64 heads, q/kv LoRA 2048/512, qk 192+64, v 256, indexer 32x128 top-k 2048, dense MLP 12288),
@@ -240,6 +242,31 @@ def scenario_disk(engine, args, rng, mismatches: list[str], disk_dir: Path) -> d
             "speedup": statistics.median(cw) / statistics.median(ww)}
 
 
+def scenario_profile(engine, args, rng, out: Path) -> dict[str, Any]:
+    """Where the time of a cold prefill and of a reused one-word extension goes (not timed samples)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    on, off = Side(engine, "on", args.on_env), Side(engine, "off", {"TF_GLM53_PREFIX_CACHE": "0"})
+    base = rand_tokens(rng, args.long, engine.vocab_size)
+    on.generate(base, args.reply)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    sections, walls = [], {}
+    for name, side in (("cold prefill", off), ("reused one-word", on)):
+        prompt = base + rand_tokens(rng, 1, engine.vocab_size)
+        with profile(activities=activities) as prof:
+            walls[name] = side.generate(prompt, args.reply)["wall_s"]
+        table = prof.key_averages()
+        sections.append(f"== {name}: {len(prompt)} prompt tokens, wall {walls[name]:.4f} s, by {sort} ==\n"
+                        + table.table(sort_by=sort, row_limit=25)
+                        + f"\n== {name}: by self_cpu_time_total ==\n" + table.table(sort_by="self_cpu_time_total", row_limit=25))
+    path = out.with_suffix(".profile.txt")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n\n".join(sections))
+    log(f"profile tables: {path}")
+    return {"profile_file": str(path), "wall_s": walls}
+
+
 # ---- report ------------------------------------------------------------------------------------
 def table(result: dict[str, Any]) -> str:
     lines = []
@@ -283,12 +310,14 @@ def main() -> int:
     p.add_argument("--disk-bytes", default="64G")
     p.add_argument("--reply", type=int, default=1, help="tokens generated per request (default 1: prefill cost)")
     p.add_argument("--repeats", type=int, default=None, help="samples per one-word/disk arm (default 3)")
-    p.add_argument("--boundary", type=int, choices=(0, 1), default=1,
-                   help="TF_GLM53_PREFIX_REUSE_BOUNDARY for cache on (0 measures off-grid reuse; the "
-                        "bitwise check then says whether it is exact on this device)")
+    p.add_argument("--boundary", choices=("auto", "1", "0"), default="auto",
+                   help="TF_GLM53_PREFIX_REUSE_BOUNDARY (auto: at any token where the ops are row-invariant; "
+                        "1: floored to the prefill grid; the bitwise check says whether reuse was exact)")
+    p.add_argument("--block", type=int, default=None, help="prefix-cache block size (engine default: 256)")
     p.add_argument("--scenarios", nargs="*", default=["turns", "one-word", "disk"],
                    choices=["turns", "one-word", "disk"])
     p.add_argument("--small", action="store_true", help="CPU smoke defaults: 300-token turns, 2k prompts, 2 repeats")
+    p.add_argument("--profile", action="store_true", help="also profile a cold prefill and a reused one-word extension")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "prefix_cache.json")
     args = p.parse_args()
     small = {"turn_tokens": 300, "long": 2048, "repeats": 2, "disk_long": 2048}
@@ -315,18 +344,20 @@ def main() -> int:
         else:
             model_dir = tiny_checkpoint(work)
         log(f"loading the engine on {model_dir} ...")
-        engine = Glm53Engine(model_dir, device=args.device, prefill_chunk=args.chunk)
+        engine = Glm53Engine(model_dir, device=args.device, prefill_chunk=args.chunk, cache_block=args.block,
+                             prefix_reuse_boundary=args.boundary)
         rng = random.Random(1129)
         mismatches: list[str] = []
         warm = Side(engine, "warmup", {"TF_GLM53_PREFIX_CACHE": "0"})
         warm.generate(rand_tokens(rng, min(2 * engine.chunk + 3, 4096), engine.vocab_size), 2)  # discarded
-        args.on_env = {"TF_GLM53_PREFIX_REUSE_BOUNDARY": "1" if args.boundary else "0"}
+        args.on_env = {}
         settings = {"model_dir": str(model_dir), "real_dims": args.real_dims, "layers": len(engine.model.w.layers),
                     "hidden": engine.cfg.hidden_size, "compute_dtype": engine.dtype_name,
                     "kv_dtype": engine.kv_dtype, "chunk": engine.chunk, "ranks": 1, "dcp": False,
                     "drafting": False, "reply_tokens": args.reply, "turns": args.turns,
                     "turn_tokens": args.turn_tokens, "long": args.long, "disk_long": args.disk_long,
-                    "repeats": args.repeats, "reuse_boundary": bool(args.boundary),
+                    "repeats": args.repeats, "reuse_boundary": engine.reuse_boundary,
+                    "cache_block": engine.cache_block,
                     "timing": "wall clock of generate(), interleaved on/off"}
         result: dict[str, Any] = {**result_header("prefix_cache", settings, device=engine.device),
                                   "mismatches": mismatches}
@@ -336,6 +367,8 @@ def main() -> int:
             result["one_word"] = scenario_one_word(engine, args, rng, mismatches)
         if "disk" in args.scenarios:
             result["disk"] = scenario_disk(engine, args, rng, mismatches, work / "disk_cache")
+        if args.profile:
+            result["profile"] = scenario_profile(engine, args, rng, args.out)
         write_json(args.out, result)
         print(table(result))
         print(f"full results: {args.out}")

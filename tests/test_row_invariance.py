@@ -83,13 +83,17 @@ def _pieces(rng: random.Random, n: int) -> list[tuple[int, int]]:
     return list(zip(bounds, bounds[1:]))
 
 
-@pytest.mark.parametrize("compute,kv", [("fp32", "fp32"), ("fp32", "fp8"), ("bf16", "bf16")])
-def test_forward_in_any_pieces_equals_one_prefill(tiny_dirs, compute: str, kv: str) -> None:  # noqa: F811
+@pytest.mark.parametrize("device,compute,kv", [
+    ("cpu", "fp32", "fp32"), ("cpu", "fp32", "fp8"), ("cpu", "bf16", "bf16"),
+    pytest.param("cuda", "bf16", "bf16", marks=pytest.mark.gpu),  # the Triton kernels (glm53/ops/triton_*)
+    pytest.param("cuda", "bf16", "fp8", marks=pytest.mark.gpu),
+    pytest.param("cuda", "fp32", "fp32", marks=pytest.mark.gpu)])
+def test_forward_in_any_pieces_equals_one_prefill(tiny_dirs, device: str, compute: str, kv: str) -> None:  # noqa: F811
     """The tiny GLM-5.3 (MLA, indexer past its top-k, MoE, fp8 cache) run over random cuts, and one
     token at a time, writes the same cache rows and hidden states as one forward of the whole prompt."""
     from glm53.engine import Glm53Engine
 
-    engine = Glm53Engine(tiny_dirs.model, device="cpu", dtype=compute, kv_dtype=kv, prefill_chunk=1 << 20)
+    engine = Glm53Engine(tiny_dirs.model, device=device, dtype=compute, kv_dtype=kv, prefill_chunk=1 << 20)
     model, rng = engine.model, random.Random(4)
     prompt = [rng.randrange(3, engine.vocab_size) for _ in range(90)]  # past index_topk (32)
 
