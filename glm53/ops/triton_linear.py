@@ -1,0 +1,160 @@
+"""Row-invariant matrix products on CUDA (Triton): `linear` (x @ w^T) and `head_linear` (per-head x @ w[h]^T).
+
+One kernel serves both: out[m, h, :] = x[m, h, :] @ w[h]^T, a grid of (row tile x column tile, head)
+programs. Each output element is the fp32 sum over K in ceil(K / BLOCK_K) blocks, in ascending order,
+of the tile's tl.dot (bf16/fp16 on the tensor cores, fp32 with input_precision="ieee": never tf32).
+There is no split-K, no atomics, no reduction across programs, and the tile configuration comes
+from the fixed dims (N, K, dtype) only, never from the row count M (passed do_not_specialize), so a
+row gets the same instructions, and the same bits, whatever M is and wherever the row sits.
+
+CONFIG_BY_ROWS: decode (M = 1) and prefill (M = 2048) want different tiles. False (the default):
+one config per (N, K, dtype) for all M, row-invariant by construction. True: BLOCK_M (and BLOCK_N,
+num_warps) chosen by M with the same BLOCK_K; that is row-invariant only if the tensor-core paths
+for different BLOCK_M (mma.sync at 16, wgmma at >= 64 on Hopper) give bitwise-equal per-element
+sums, which bench/bench_kernels.py's probe measures. Flip it only on the probe's say-so. First
+reading (H200, triton 3.6, torch 2.11): all seven probe configs (BLOCK_M 16/64/128) gave identical
+bits at M = 1, 7, 64, 2048 and two offsets, for (N, K) = (2048, 2048), (6144, 2048), (2048, 6144).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+CONFIG_BY_ROWS = False
+
+
+@dataclass(frozen=True)
+class LinearConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    group_m: int = 8  # row tiles per group in the launch order (L2 reuse of w); no effect on the values
+
+
+def linear_config(m: int, n: int, k: int, dtype: torch.dtype) -> LinearConfig:
+    """The tile config of x[m, k] @ w[n, k]^T. Depends on m only when CONFIG_BY_ROWS is True."""
+    if dtype == torch.float32:
+        # router / indexer head weights: small fp32 products, FMA dots (ieee); correctness first
+        return LinearConfig(32, 32, 32, 4, 2)
+    if CONFIG_BY_ROWS:
+        if m <= 16:  # decode / short verify windows: narrow column tiles, so many programs stream w
+            return LinearConfig(16, 32, 64, 4, 5)  # H200 M=1: 27 us at N=2048 K=6144 (vs 38-48 below)
+        if m <= 256:
+            return LinearConfig(64, 64, 64, 4, 4)
+    # prefill tiles, for every M when CONFIG_BY_ROWS is False. H200, M=2048: 67-72% of cuBLAS;
+    # M=1: 1.4-2.5 TB/s of weights where N >= 6144, less at N=2048 (16-32 programs)
+    return LinearConfig(128, 128 if n >= 4096 else 64, 64, 8 if n >= 4096 else 4, 4)
+
+
+def head_linear_config(n: int, k: int, dtype: torch.dtype) -> LinearConfig:
+    """Tile config of the per-head product (N, K small: 512 x 192, 256 x 512 in GLM-5.3); never by T."""
+    if dtype == torch.float32:
+        return LinearConfig(32, 32, 32, 4, 2)
+    return LinearConfig(128, 128, 64, 8, 3)  # H200: 91-102 us at T=2048 (64x64 tiles: 117-128), 10-13 us at T=1
+
+
+@triton.jit(do_not_specialize=["M"])
+def _matmul_kernel(x_ptr, w_ptr, out_ptr, M, N, K,
+                   stride_xm, stride_xh, stride_wh, stride_wn, stride_om, stride_oh,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   GROUP_M: tl.constexpr, IEEE: tl.constexpr):
+    # launch order only (grouped row tiles for L2 reuse of w): which program computes a tile
+    # changes with M, how the tile is computed does not
+    pid = tl.program_id(0)
+    head = tl.program_id(1).to(tl.int64)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    x_rows = x_ptr + head * stride_xh + offs_m.to(tl.int64)[:, None] * stride_xm
+    w_rows = w_ptr + head * stride_wh + offs_n.to(tl.int64)[:, None] * stride_wn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):  # fixed blocks, ascending: the only reduction order
+        kk = kb * BLOCK_K + offs_k
+        k_mask = kk < K
+        a = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(b), acc)
+
+    out = out_ptr + head * stride_oh + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, m: int, n: int, k: int, heads: int,
+            stride_xm: int, stride_xh: int, stride_wh: int, stride_om: int, stride_oh: int,
+            cfg: LinearConfig) -> None:
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), heads)
+    _matmul_kernel[grid](x, w, out, m, n, k, stride_xm, stride_xh, stride_wh, w.stride(-2), stride_om, stride_oh,
+                         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                         IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _check_dtypes(x: torch.Tensor, w: torch.Tensor, what: str) -> None:
+    if x.dtype != w.dtype:
+        raise ValueError(f"{what}: x is {x.dtype} but w is {w.dtype} (same dtype required, as in torch)")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"{what}: dtype {x.dtype} not supported (bf16, fp16, fp32)")
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, config: LinearConfig | None = None) -> torch.Tensor:
+    """x [..., K] @ w[N, K]^T -> [..., N] in x's dtype, fp32 accumulation. `config` overrides the
+    tile choice (the benchmark's probe); leave it None in the model."""
+    _check_dtypes(x, w, "linear")
+    lead, k = x.shape[:-1], x.shape[-1]
+    n = w.shape[0]
+    if w.dim() != 2 or w.shape[1] != k:
+        raise ValueError(f"linear: w {tuple(w.shape)} does not match x [..., {k}]")
+    m = math.prod(lead)
+    flat = x.reshape(m, k)
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    w = w.contiguous()
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m and n:
+        if k == 0:
+            out.zero_()
+        else:
+            cfg = config or linear_config(m, n, k, x.dtype)
+            _launch(flat, w, out, m, n, k, 1, flat.stride(0), 0, 0, out.stride(0), 0, cfg)
+    return out.reshape(*lead, n)
+
+
+def head_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """out[t, h] = w[h] @ x[t, h]: x [T, H, K] (any strides but a contiguous last dim; e.g. a
+    q[..., :nope] slice), w [H, N, K] -> [T, H, N] contiguous in x's dtype."""
+    _check_dtypes(x, w, "head_linear")
+    if x.dim() != 3 or w.dim() != 3 or x.shape[1] != w.shape[0] or x.shape[2] != w.shape[2]:
+        raise ValueError(f"head_linear: x {tuple(x.shape)} must be [T, H, K] and w {tuple(w.shape)} [H, N, K]")
+    t, heads, k = x.shape
+    n = w.shape[1]
+    if x.stride(2) != 1:
+        x = x.contiguous()
+    w = w.contiguous()
+    out = torch.empty(t, heads, n, dtype=x.dtype, device=x.device)
+    if t and heads and n:
+        if k == 0:
+            out.zero_()
+        else:
+            cfg = head_linear_config(n, k, x.dtype)
+            _launch(x, w, out, t, n, k, heads, x.stride(0), x.stride(1), w.stride(0), out.stride(0), out.stride(1),
+                    cfg)
+    return out

@@ -1,0 +1,245 @@
+"""The Triton kernels (glm53/ops/triton_*.py) on CUDA: agreement with glm53.ops.torch_ops, bitwise row
+invariance, determinism.
+
+Agreement is checked against the torch reference evaluated in fp32 on the same (bf16-rounded) inputs:
+fp32 kernels within FP32_TOL of it, bf16 kernels within BF16_TOL (their outputs are rounded to bf16;
+latent_attention's probabilities too). Invariance is bitwise: rows (queries, (t, n) scores) of a
+big call equal the same rows computed alone or in other-sized calls at other offsets, including
+M = 1 and odd M; index_scores also over a key prefix; latent_attention also with invalid slots
+appended. Determinism: the same call twice is bitwise equal.
+
+    pytest -m gpu tests/gpu/test_triton_cuda.py
+"""
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from glm53.ops import torch_ops  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+FP32_TOL = dict(atol=2e-4, rtol=2e-4)
+BF16_TOL = dict(atol=2e-2, rtol=2e-2)
+DTYPES = [torch.bfloat16, torch.float32]
+# (start, count) row slices compared against the big call: single rows at both ends, odd counts, offsets
+SLICES = [(0, 1), (1, 1), (150, 1), (299, 1), (0, 7), (3, 7), (11, 13), (64, 64), (37, 131), (0, 299)]
+
+
+@pytest.fixture(scope="module")
+def k():
+    if not torch.cuda.is_available():
+        pytest.skip("gpu: no CUDA device")
+    pytest.importorskip("triton")
+    from glm53.ops import triton_attention, triton_indexer, triton_linear, triton_norm
+
+    torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 references stay fp32
+    return SimpleNamespace(linear=triton_linear, norm=triton_norm, indexer=triton_indexer, attention=triton_attention)
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator(device="cuda").manual_seed(seed)
+
+
+def _randn(g: torch.Generator, *shape: int, std: float = 1.0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return (torch.randn(*shape, generator=g, device="cuda") * std).to(dtype)
+
+
+def _tol(dtype: torch.dtype) -> dict[str, float]:
+    return FP32_TOL if dtype == torch.float32 else BF16_TOL
+
+
+def _close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    torch.testing.assert_close(got.float(), ref.float(), **_tol(dtype))
+
+
+def _slices(total: int) -> list[slice]:
+    return [slice(s, s + n) for s, n in SLICES if s + n <= total]
+
+
+# ------------------------------------------------------------------------------------------- linear
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
+@pytest.mark.parametrize("n,kdim", [(200, 330), (2048, 512), (6144, 2048)])
+def test_linear_matches_torch_and_is_row_invariant(k, dtype, n, kdim):
+    g = _gen(n + kdim)
+    x = _randn(g, 300, kdim, std=kdim ** -0.5, dtype=dtype)
+    w = _randn(g, n, kdim, dtype=dtype)
+    big = k.linear.linear(x, w)
+    assert big.dtype == dtype and big.shape == (300, n)
+    _close(big, torch_ops.linear(x.float(), w.float()), dtype)
+    for rows in _slices(300):
+        assert torch.equal(k.linear.linear(x[rows], w), big[rows]), f"rows {rows} differ from the 300-row call"
+    assert torch.equal(k.linear.linear(x, w), big), "not deterministic"
+
+
+def test_linear_leading_dims_and_glm_shape(k):
+    g = _gen(7)
+    x = _randn(g, 2, 1024, 6144, std=6144 ** -0.5, dtype=torch.bfloat16)
+    w = _randn(g, 2048, 6144, dtype=torch.bfloat16)
+    big = k.linear.linear(x, w)
+    assert big.shape == (2, 1024, 2048)
+    _close(big, torch_ops.linear(x.float(), w.float()), torch.bfloat16)
+    flat, big_flat = x.reshape(-1, 6144), big.reshape(-1, 2048)
+    for start, count in [(0, 1), (2047, 1), (1000, 1), (5, 7), (513, 255), (1024, 1024)]:
+        rows = slice(start, start + count)
+        assert torch.equal(k.linear.linear(flat[rows], w), big_flat[rows]), f"rows {rows}"
+
+
+def test_linear_router_fp32(k):
+    # the router: fp32 x [T, 6144] @ fp32 w [256, 6144]; the indexer's head weights: [32, 6144]
+    g = _gen(8)
+    for n in (256, 32):
+        x = _randn(g, 129, 6144)
+        w = _randn(g, n, 6144, std=6144 ** -0.5)
+        big = k.linear.linear(x, w)
+        _close(big, torch_ops.linear(x, w), torch.float32)
+        for rows in _slices(129):
+            assert torch.equal(k.linear.linear(x[rows], w), big[rows])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
+@pytest.mark.parametrize("heads,n,kdim,extra", [(64, 512, 192, 64), (64, 256, 512, 0), (5, 40, 24, 16)])
+def test_head_linear_strided_matches_torch_and_is_row_invariant(k, dtype, heads, n, kdim, extra):
+    g = _gen(heads + n)
+    q = _randn(g, 300, heads, kdim + extra, std=kdim ** -0.5, dtype=dtype)
+    x = q[..., :kdim]  # the model's view: last dim contiguous, other strides those of q
+    w = _randn(g, heads, n, kdim, dtype=dtype)
+    big = k.linear.head_linear(x, w)
+    assert big.shape == (300, heads, n) and big.dtype == dtype
+    _close(big, torch_ops.head_linear(x.float(), w.float()), dtype)
+    for rows in _slices(300):
+        assert torch.equal(k.linear.head_linear(x[rows], w), big[rows]), f"rows {rows}"
+    assert torch.equal(k.linear.head_linear(x, w), big)
+
+
+# -------------------------------------------------------------------------------------------- norms
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
+@pytest.mark.parametrize("d", [6144, 512, 100])
+def test_norms_match_torch_and_are_row_invariant(k, dtype, d):
+    g = _gen(d)
+    x = _randn(g, 300, d, std=3.0, dtype=dtype)
+    weight = _randn(g, d, dtype=dtype)
+    bias = _randn(g, d, dtype=dtype)
+    rms = k.norm.rms_norm(x, weight, 1e-6)
+    ln = k.norm.layer_norm(x, weight, bias, 1e-5)
+    assert rms.dtype == torch.promote_types(weight.dtype, x.dtype) and ln.dtype == x.dtype
+    _close(rms, torch_ops.rms_norm(x, weight, 1e-6), dtype)
+    _close(ln, torch_ops.layer_norm(x.float(), weight.float(), bias.float(), 1e-5), dtype)
+    for rows in _slices(300):
+        assert torch.equal(k.norm.rms_norm(x[rows], weight, 1e-6), rms[rows])
+        assert torch.equal(k.norm.layer_norm(x[rows], weight, bias, 1e-5), ln[rows])
+    assert torch.equal(k.norm.rms_norm(x, weight, 1e-6), rms)
+
+
+def test_rms_norm_mixed_dtypes(k):
+    g = _gen(3)
+    x = _randn(g, 33, 512, dtype=torch.bfloat16)
+    w32 = _randn(g, 512)
+    out = k.norm.rms_norm(x, w32, 1e-6)
+    assert out.dtype == torch.float32
+    _close(out, torch_ops.rms_norm(x, w32, 1e-6), torch.bfloat16)
+    x3 = _randn(g, 4, 9, 128, dtype=torch.bfloat16)  # leading dims flattened
+    w = _randn(g, 128, dtype=torch.bfloat16)
+    assert torch.equal(k.norm.rms_norm(x3, w, 1e-6)[1:3], k.norm.rms_norm(x3[1:3], w, 1e-6))
+
+
+# ------------------------------------------------------------------------------------------ indexer
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
+@pytest.mark.parametrize("heads,d", [(32, 128), (4, 80)])
+def test_index_scores_matches_torch_and_is_invariant(k, dtype, heads, d):
+    g = _gen(heads * d)
+    t, n = 300, 1000
+    q = _randn(g, t, heads, d, dtype=dtype)
+    hw = _randn(g, t, heads, std=heads ** -0.5)
+    keys = _randn(g, n, d, dtype=dtype)
+    scale = d ** -0.5
+    big = k.indexer.index_scores(q, hw, keys, scale)
+    assert big.dtype == torch.float32 and big.shape == (t, n)
+    # bf16 products are exact in fp32: the bf16 kernel is held to the fp32 tolerance
+    torch.testing.assert_close(big, torch_ops.index_scores(q.float(), hw, keys.float(), scale), **FP32_TOL)
+    for rows in _slices(t):
+        assert torch.equal(k.indexer.index_scores(q[rows], hw[rows], keys, scale), big[rows]), f"queries {rows}"
+    for prefix in (1, 7, 128, 129, 999):
+        assert torch.equal(k.indexer.index_scores(q, hw, keys[:prefix], scale), big[:, :prefix]), f"keys[:{prefix}]"
+    assert torch.equal(k.indexer.index_scores(q[5:6], hw[5:6], keys[:77], scale), big[5:6, :77])
+    assert torch.equal(k.indexer.index_scores(q, hw, keys, scale), big)
+
+
+# ---------------------------------------------------------------------------------------- attention
+
+def _selection(g: torch.Generator, t: int, n_rows: int, slots: int,
+               p_valid: float) -> tuple[torch.Tensor, torch.Tensor]:
+    idx = torch.randint(0, n_rows, (t, slots), generator=g, device="cuda")
+    valid = torch.rand(t, slots, generator=g, device="cuda") < p_valid
+    valid[3] = False  # a query with no valid slot
+    valid[4, 1:] = False  # a query with one
+    idx = torch.where(valid, idx, torch.full_like(idx, -1))  # invalid slots point nowhere: never read
+    return idx, valid
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
+@pytest.mark.parametrize("heads,d,dv,slots", [(64, 576, 512, 2048), (64, 576, 512, 100), (4, 80, 64, 37)])
+def test_latent_attention_matches_torch_and_is_invariant(k, dtype, heads, d, dv, slots):
+    g = _gen(heads + d + slots)
+    t, n_rows = 40, 5000
+    q = _randn(g, t, heads, d, dtype=dtype)
+    rows = _randn(g, n_rows, d, dtype=dtype)
+    idx, valid = _selection(g, t, n_rows, slots, 0.7)
+    scale = d ** -0.5
+    out, lse = k.attention.latent_attention(q, rows, idx, valid, scale, dv)
+    assert out.shape == (t, heads, dv) and out.dtype == dtype and lse.shape == (t, heads) and lse.dtype == torch.float32
+    ref_out, ref_lse = torch_ops.latent_attention(q.float(), rows.float(), idx.clamp(min=0), valid, scale, dv)
+    _close(out, ref_out, dtype)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-4)
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert torch.equal(out[3], torch.zeros_like(out[3])) and bool((lse[3] == float("-inf")).all())
+    for qs in [slice(0, 1), slice(3, 4), slice(39, 40), slice(2, 9), slice(5, 40)]:
+        o, s = k.attention.latent_attention(q[qs], rows, idx[qs], valid[qs], scale, dv)
+        assert torch.equal(o, out[qs]) and torch.equal(s, lse[qs]), f"queries {qs}"
+    # a wider selection whose extra slots are invalid changes nothing, bit for bit
+    pad = 45
+    idx_w = torch.cat([idx, torch.full((t, pad), -1, dtype=idx.dtype, device="cuda")], 1)
+    valid_w = torch.cat([valid, torch.zeros(t, pad, dtype=torch.bool, device="cuda")], 1)
+    o, s = k.attention.latent_attention(q, rows, idx_w, valid_w, scale, dv)
+    assert torch.equal(o, out) and torch.equal(s, lse), "trailing invalid slots changed the result"
+    o, s = k.attention.latent_attention(q, rows, idx, valid, scale, dv)
+    assert torch.equal(o, out) and torch.equal(s, lse), "not deterministic"
+
+
+def test_latent_attention_all_invalid_and_empty(k):
+    g = _gen(11)
+    q = _randn(g, 3, 64, 576, dtype=torch.bfloat16)
+    rows = _randn(g, 10, 576, dtype=torch.bfloat16)
+    idx = torch.zeros(3, 50, dtype=torch.int64, device="cuda")
+    out, lse = k.attention.latent_attention(q, rows, idx, torch.zeros(3, 50, dtype=torch.bool, device="cuda"),
+                                            0.04, 512)
+    assert torch.equal(out, torch.zeros_like(out)) and bool((lse == float("-inf")).all())
+    out, lse = k.attention.latent_attention(q, rows, idx[:, :0], torch.zeros(3, 0, dtype=torch.bool, device="cuda"),
+                                            0.04, 512)
+    assert out.shape == (3, 64, 512) and not out.any() and bool((lse == float("-inf")).all())
+    out, lse = k.attention.latent_attention(q[:0], rows, idx[:0], torch.zeros(0, 50, dtype=torch.bool,
+                                                                                device="cuda"), 0.04, 512)
+    assert out.shape == (0, 64, 512) and lse.shape == (0, 64)
+
+
+def test_empty_rows(k):
+    w = torch.ones(64, 32, device="cuda", dtype=torch.bfloat16)
+    assert k.linear.linear(torch.ones(0, 32, device="cuda", dtype=torch.bfloat16), w).shape == (0, 64)
+    assert k.linear.head_linear(torch.ones(0, 2, 32, device="cuda", dtype=torch.bfloat16),
+                                torch.ones(2, 8, 32, device="cuda", dtype=torch.bfloat16)).shape == (0, 2, 8)
+    assert k.norm.rms_norm(torch.ones(0, 32, device="cuda"), torch.ones(32, device="cuda"), 1e-6).shape == (0, 32)
+    s = k.indexer.index_scores(torch.ones(2, 4, 16, device="cuda"), torch.ones(2, 4, device="cuda"),
+                               torch.ones(0, 16, device="cuda"), 1.0)
+    assert s.shape == (2, 0)
+    assert math.isfinite(float(k.linear.linear(torch.ones(1, 32, device="cuda", dtype=torch.bfloat16), w)[0, 0]))

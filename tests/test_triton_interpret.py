@@ -1,0 +1,207 @@
+"""The Triton kernels (glm53/ops/triton_*.py) on the CPU, through Triton's interpreter (TRITON_INTERPRET=1).
+
+TRITON_INTERPRET must be set before triton is imported, so the checks run in one subprocess: this
+file run as a script (`python tests/test_triton_interpret.py --worker`) executes every check and
+prints a JSON verdict per check; the tests below assert them one by one. Inputs are fp32 (the
+interpreter of triton 3.9 with numpy 2.4 mis-loads bf16), shapes small and chosen to hit the masks:
+dims that are not powers of two, row counts that are not multiples of the tile, a non-contiguous
+head_linear input, invalid slots, an all-invalid query, an empty selection.
+
+Agreement with glm53.ops.torch_ops: within INTERP_TOL (fp32; the kernels sum in another order).
+Row invariance (bitwise): slices of a big call equal the same rows computed alone or in smaller
+calls; index_scores also over a key prefix; latent_attention also with invalid slots appended to
+the selection. The interpreter's tl.dot is numpy's matmul, whose bits for a row depend on the row's
+position inside the block (OpenBLAS micro-kernels), so the matrix-product slices here start on a
+tile boundary; tests/gpu/test_triton_cuda.py checks arbitrary offsets on the real kernels.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+INTERP_TOL = dict(atol=1e-4, rtol=1e-4)
+CHECKS = ["linear", "linear_leading_dims", "head_linear_strided", "rms_norm", "layer_norm", "index_scores",
+          "latent_attention", "latent_attention_edge_cases"]
+WORKER_TIMEOUT_S = 300
+SKIP_KEY = "__skip__"
+
+
+# ------------------------------------------------------------------------------- worker (subprocess)
+
+def _worker() -> dict[str, list]:
+    import warnings
+
+    warnings.filterwarnings("ignore", category=RuntimeWarning)  # numpy's -inf - -inf inside tl.where
+    sys.path.insert(0, str(REPO))
+    try:
+        import triton  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any import failure means: no interpreter here
+        return {SKIP_KEY: [False, f"triton is not importable: {type(exc).__name__}: {exc}"]}
+    import torch
+
+    from glm53.ops import torch_ops, triton_attention, triton_indexer, triton_linear, triton_norm
+
+    g = torch.Generator().manual_seed(0)
+
+    def randn(*shape: int, std: float = 1.0) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * std
+
+    def close(got: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+        torch.testing.assert_close(got, ref, **INTERP_TOL, msg=lambda m: f"{what}: {m}")
+
+    def same(got: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+        assert got.shape == ref.shape and torch.equal(got, ref), \
+            f"{what}: not bitwise equal (max |diff| {float((got - ref).abs().max()) if got.numel() else 0})"
+
+    # the interpreter's tl.dot is numpy's matmul, whose bits depend on a row's position inside the
+    # block (OpenBLAS micro-kernels): slices of the matrix-product ops start on a tile boundary (the
+    # fp32 tile is 32 rows) and vary in length, in grid position and in what follows them
+    tile = 32
+    slices = [(0, 1), (0, 7), (0, 31), (0, 33), (tile, 1), (tile, 13), (tile, 7)]
+
+    def check_linear() -> None:
+        x, w = randn(45, 70, std=70 ** -0.5), randn(50, 70)  # M, N, K not multiples of the 32 tile
+        big = triton_linear.linear(x, w)
+        close(big, torch_ops.linear(x, w), "linear vs torch")
+        for s, n in slices:
+            same(triton_linear.linear(x[s:s + n], w), big[s:s + n], f"linear rows [{s}, {s + n})")
+
+    def check_linear_leading_dims() -> None:
+        x, w = randn(3, 15, 40), randn(33, 40)
+        out = triton_linear.linear(x, w)
+        assert out.shape == (3, 15, 33)
+        close(out, torch_ops.linear(x, w), "linear [3, 15, K]")
+        same(triton_linear.linear(x[:1], w), out[:1], "linear x[:1] vs x")
+        assert triton_linear.linear(x[:0], w).shape == (0, 15, 33)
+
+    def check_head_linear_strided() -> None:
+        q = randn(37, 3, 40)
+        x, w = q[..., :24], randn(3, 20, 24)  # a q[..., :nope] view: strides (120, 40, 1)
+        assert not x.is_contiguous()
+        big = triton_linear.head_linear(x, w)
+        close(big, torch_ops.head_linear(x, w), "head_linear vs torch")
+        close(big, torch.einsum("thk,hnk->thn", x, w), "head_linear vs einsum")
+        for s, n in slices[:-1]:
+            same(triton_linear.head_linear(x[s:s + n], w), big[s:s + n], f"head_linear rows [{s}, {s + n})")
+
+    def check_rms_norm() -> None:
+        x, w = randn(45, 100, std=3.0), randn(100)
+        big = triton_norm.rms_norm(x, w, 1e-6)
+        close(big, torch_ops.rms_norm(x, w, 1e-6), "rms_norm vs torch")
+        for s, n in slices + [(3, 7), (44, 1)]:  # one program per row: any offset
+            same(triton_norm.rms_norm(x[s:s + n], w, 1e-6), big[s:s + n], f"rms_norm rows [{s}, {s + n})")
+        x3 = randn(2, 5, 24)  # leading dims flattened
+        close(triton_norm.rms_norm(x3, w[:24], 1e-5), torch_ops.rms_norm(x3, w[:24], 1e-5), "rms_norm [2, 5, 24]")
+
+    def check_layer_norm() -> None:
+        x, w, b = randn(45, 100, std=3.0) + 1.5, randn(100), randn(100)
+        big = triton_norm.layer_norm(x, w, b, 1e-5)
+        close(big, torch_ops.layer_norm(x, w, b, 1e-5), "layer_norm vs torch")
+        for s, n in slices + [(3, 7), (44, 1)]:
+            same(triton_norm.layer_norm(x[s:s + n], w, b, 1e-5), big[s:s + n], f"layer_norm rows [{s}, {s + n})")
+
+    def check_index_scores() -> None:
+        t, h, d, n = 45, 3, 24, 70  # D 24 pads to 32; T, N not multiples of the 32 tile
+        q, hw, keys = randn(t, h, d), randn(t, h), randn(n, d)
+        big = triton_indexer.index_scores(q, hw, keys, 0.3)
+        assert big.dtype == torch.float32 and big.shape == (t, n)
+        close(big, torch_ops.index_scores(q, hw, keys, 0.3), "index_scores vs torch")
+        for s, c in slices:
+            same(triton_indexer.index_scores(q[s:s + c], hw[s:s + c], keys, 0.3), big[s:s + c],
+                 f"index_scores queries [{s}, {s + c})")
+        for prefix in (1, 5, 32, 33, 69):
+            same(triton_indexer.index_scores(q, hw, keys[:prefix], 0.3), big[:, :prefix],
+                 f"index_scores keys[:{prefix}]")
+        same(triton_indexer.index_scores(q[32:33], hw[32:33], keys[:3], 0.3), big[32:33, :3], "one query, 3 keys")
+
+    def selection(t: int, n_rows: int, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.randint(0, n_rows, (t, slots), generator=g)
+        valid = torch.rand(t, slots, generator=g) < 0.6
+        valid[2] = False  # no valid slot
+        valid[4, 1:] = False  # one valid slot
+        return torch.where(valid, idx, torch.full_like(idx, -1)), valid  # invalid slots point nowhere
+
+    def check_latent_attention() -> None:
+        t, h, d, dv, n_rows, slots = 9, 4, 80, 64, 30, 40  # the tiny model's D = 64 + 16; 40 slots: 2.5 blocks
+        q, rows = randn(t, h, d), randn(n_rows, d)
+        idx, valid = selection(t, n_rows, slots)
+        out, lse = triton_attention.latent_attention(q, rows, idx, valid, d ** -0.5, dv)
+        ref_out, ref_lse = torch_ops.latent_attention(q, rows, idx.clamp(min=0), valid, d ** -0.5, dv)
+        close(out, ref_out, "latent_attention out vs torch")
+        close(lse, ref_lse, "latent_attention lse vs torch")
+        assert not out.isnan().any() and not lse.isnan().any(), "NaN"
+        assert torch.equal(out[2], torch.zeros_like(out[2])) and bool((lse[2] == float("-inf")).all())
+        for s, c in [(0, 1), (2, 1), (8, 1), (1, 5), (3, 6)]:
+            o, e = triton_attention.latent_attention(q[s:s + c], rows, idx[s:s + c], valid[s:s + c], d ** -0.5, dv)
+            same(o, out[s:s + c], f"latent_attention out queries [{s}, {s + c})")
+            same(e, lse[s:s + c], f"latent_attention lse queries [{s}, {s + c})")
+        pad = 25  # invalid slots appended: whole extra blocks and a partial one
+        idx_w = torch.cat([idx, torch.full((t, pad), -1, dtype=idx.dtype)], 1)
+        valid_w = torch.cat([valid, torch.zeros(t, pad, dtype=torch.bool)], 1)
+        o, e = triton_attention.latent_attention(q, rows, idx_w, valid_w, d ** -0.5, dv)
+        same(o, out, "latent_attention with trailing invalid slots (out)")
+        same(e, lse, "latent_attention with trailing invalid slots (lse)")
+
+    def check_latent_attention_edge_cases() -> None:
+        q, rows = randn(3, 2, 80), randn(5, 80)
+        idx = torch.zeros(3, 20, dtype=torch.int64)
+        out, lse = triton_attention.latent_attention(q, rows, idx, torch.zeros(3, 20, dtype=torch.bool), 0.1, 64)
+        assert torch.equal(out, torch.zeros(3, 2, 64)) and bool((lse == float("-inf")).all()), "all invalid"
+        out, lse = triton_attention.latent_attention(q, rows, idx[:, :0], torch.zeros(3, 0, dtype=torch.bool), 0.1, 64)
+        assert out.shape == (3, 2, 64) and not out.any() and bool((lse == float("-inf")).all()), "k = 0"
+        valid = torch.zeros(3, 20, dtype=torch.bool)
+        valid[1, 17] = True  # one valid slot, in the last block
+        idx[1, 17] = 4
+        out, lse = triton_attention.latent_attention(q, rows, idx, valid, 0.1, 64)
+        close(out[1], rows[4, :64].expand(2, 64), "single valid slot -> its value row")
+        close(lse[1], 0.1 * (q[1] @ rows[4]), "single valid slot lse")
+        assert not out[0].any() and not out[2].any()
+
+    checks = {"linear": check_linear, "linear_leading_dims": check_linear_leading_dims,
+              "head_linear_strided": check_head_linear_strided, "rms_norm": check_rms_norm,
+              "layer_norm": check_layer_norm, "index_scores": check_index_scores,
+              "latent_attention": check_latent_attention,
+              "latent_attention_edge_cases": check_latent_attention_edge_cases}
+    results: dict[str, list] = {}
+    for name in CHECKS:
+        try:
+            checks[name]()
+            results[name] = [True, ""]
+        except Exception as exc:  # noqa: BLE001 - reported to the parent test, which fails with it
+            results[name] = [False, f"{type(exc).__name__}: {exc}"]
+    return results
+
+
+# ------------------------------------------------------------------------------------ tests (parent)
+
+@pytest.fixture(scope="module")
+def verdicts() -> dict[str, list]:
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed here: the interpreter checks need it (pip install triton)")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        pytest.fail(f"interpreter worker failed (rc {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    found = json.loads(lines[-1])
+    if SKIP_KEY in found:
+        pytest.skip(found[SKIP_KEY][1])
+    return found
+
+
+@pytest.mark.parametrize("name", CHECKS)
+def test_interpreted_kernel(verdicts, name):
+    ok, message = verdicts[name]
+    assert ok, message
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:
+    print(json.dumps(_worker()), flush=True)
