@@ -94,6 +94,23 @@ def test_linear_leading_dims_and_glm_shape(k):
         assert torch.equal(k.linear.linear(flat[rows], w), big_flat[rows]), f"rows {rows}"
 
 
+def test_linear_config_by_rows_would_be_row_invariant(k, monkeypatch):
+    """CONFIG_BY_ROWS = True picks BLOCK_M 16 / 64 / 128 by M (mma.sync vs wgmma on Hopper): rows must
+    still be bitwise those of the 2048-row call, or the flag must stay False on this GPU."""
+    monkeypatch.setattr(k.linear, "CONFIG_BY_ROWS", True)
+    g = _gen(9)
+    x = _randn(g, 2048, 6144, std=6144 ** -0.5, dtype=torch.bfloat16)
+    w = _randn(g, 2048, 6144, dtype=torch.bfloat16)
+    big = k.linear.linear(x, w)
+    picked = {k.linear.linear_config(m, 2048, 6144, torch.bfloat16).block_m for m in (1, 64, 2048)}
+    assert len(picked) == 3, f"expected three BLOCK_M choices, got {picked}"
+    _close(big, torch_ops.linear(x.float(), w.float()), torch.bfloat16)
+    for start, count in [(0, 1), (1000, 1), (3, 7), (0, 16), (5, 17), (64, 64), (100, 257)]:
+        rows = slice(start, start + count)
+        assert torch.equal(k.linear.linear(x[rows], w), big[rows]), (
+            f"CONFIG_BY_ROWS=True: rows {rows} differ from the 2048-row call: keep CONFIG_BY_ROWS False on this GPU")
+
+
 def test_linear_router_fp32(k):
     # the router: fp32 x [T, 6144] @ fp32 w [256, 6144]; the indexer's head weights: [32, 6144]
     g = _gen(8)
