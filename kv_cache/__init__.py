@@ -1,12 +1,16 @@
-"""Incremental prefix cache: fixed position grid, chunk hash chain, host tier, disk tier.
+"""Incremental prefix cache: token-granular exact reuse over a block hash chain, host tier,
+disk tier.
 
-See kv_cache/DESIGN.md for why reuse is bitwise exact."""
-from .cache import CacheConfigError, Hit, PrefixCache, Stats
+See kv_cache/DESIGN.md for the storage and lookup design and for why reuse is bitwise exact."""
+from .cache import CacheConfigError, PrefixCache, Stats
 from .disk import DiskTier
 from .grid import Grid, ResumePlan
-from .keys import CacheKey, chain_hashes, common_prefix, model_revision
+from .hit import Hit, Piece
+from .keys import CacheKey, block_hash, chain_hashes, common_prefix, model_revision
+from .node import Node
 from .rows import Rows, rows_equal
 from .store import HostStore
 
-__all__ = ["CacheConfigError", "CacheKey", "DiskTier", "Grid", "Hit", "HostStore", "PrefixCache",
-           "ResumePlan", "Rows", "Stats", "chain_hashes", "common_prefix", "model_revision", "rows_equal"]
+__all__ = ["CacheConfigError", "CacheKey", "DiskTier", "Grid", "Hit", "HostStore", "Node", "Piece", "PrefixCache",
+           "ResumePlan", "Rows", "Stats", "block_hash", "chain_hashes", "common_prefix", "model_revision",
+           "rows_equal"]

@@ -1,15 +1,18 @@
 """The facade the engine uses: lookup, restore, store, stats.
 
-    cache = PrefixCache.from_env(key)
-    hit = cache.lookup(prompt, live_tokens=..., live_frontier=...)
-    hit.restore(write_rows)            # write_rows(chunk_index, rows) into the engine's cache
-    ... prefill grid.resume_plan(hit.reused_tokens, len(prompt)).chunks ...
-    cache.store(prompt, frontier, rows_for)   # rows_for(chunk_index) -> this rank's rows
+    cache = PrefixCache.from_env(key, agree=..., boundary=engine.reuse_boundary)
+    hit = cache.lookup(prompt, live_tokens=state.tokens, live_frontier=state.frontier)
+    state.truncate(hit.live_tokens)
+    hit.restore(lambda start, n, rows: state.import_rows(start, rows, prompt[start:start + n]))
+    ... prefill [hit.reused_tokens, len(prompt)) ...
+    cache.store(prompt, state.frontier, lambda a, b: state.export_rows(a, b))
 
-Reuse comes from two places: the live conversation's rows still in the engine's buffers (token
-granularity, no copy) and the chain of stored chunks (host, then disk). Under DCP every rank
-looks up its own rows and `agree` (a min-reduction over ranks that the caller supplies) makes
-the hit the length every rank holds.
+Reuse is token-granular and comes from two places: the live conversation's rows still in the
+engine's buffers (no copy) and stored nodes (host tier, then disk): the chain of full blocks
+of B = key.chunk_size tokens, then, where the chain ends, the stored sibling (a block that
+differs inside, or a tail) sharing the longest prefix with the prompt. Under DCP every rank
+looks up its own rows and `agree` (a min over ranks that the caller supplies) makes the hit the
+length every rank can serve.
 """
 from __future__ import annotations
 
@@ -17,14 +20,18 @@ import atexit
 import logging
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from .disk import BackgroundWriter, DiskTier
-from .grid import Grid
-from .keys import CacheKey, chain_hashes, common_prefix, root_hash
+import numpy as np
+
+from .disk import DiskTier
+from .hit import Hit, Piece
+from .keys import CacheKey, Tokens, block_hash, chain_hashes, common_prefix, root_hash, token_array
+from .node import Node
 from .rows import Rows, rows_to_host
 from .store import HostStore
+from .writer import BackgroundWriter
 
 log = logging.getLogger("kv_cache")
 
@@ -56,45 +63,54 @@ def env_flag(name: str, default: bool, environ: dict | None = None) -> bool:
     raise CacheConfigError(f"{name}={text!r}: expected 1 or 0")
 
 
+def env_count(name: str, environ: dict) -> int | None:
+    text = environ.get(name)
+    if text is None or text.strip() == "":
+        return None
+    if not text.strip().isdigit() or int(text) < 1:
+        raise CacheConfigError(f"{name}={text!r}: expected a positive integer")
+    return int(text)
+
+
 @dataclass
 class Stats:
     lookups: int = 0
     hits: int = 0
     misses: int = 0
     cached_tokens: int = 0  # tokens reused, summed over lookups
-    live_tokens: int = 0  # of which taken from the live rows in place
-    host_tokens: int = 0
-    disk_tokens: int = 0
-    stored_chunks: int = 0
+    live_tokens: int = 0  # of which kept from the live rows in place
+    host_tokens: int = 0  # of which restored from the host tier
+    disk_tokens: int = 0  # of which restored from the disk tier
+    stored_chunks: int = 0  # nodes newly kept in the host tier
     disk_written_chunks: int = 0
 
 
 @dataclass
-class Hit:
-    """What a prompt may reuse. Rows [0, live_tokens) are already in the engine's buffers;
-    `chunks` (starting at chunk index `first_chunk`) must be written back with `restore`."""
+class _Step:
+    """One node of a lookup's path: it serves positions [start, start + usable) of the prompt."""
 
-    reused_tokens: int = 0
-    live_tokens: int = 0
-    first_chunk: int = 0
-    chunks: list[Rows] = field(default_factory=list)
-    sources: list[str] = field(default_factory=list)
+    start: int
+    usable: int
+    node: Node  # a host node, or (source "disk") a fresh Node whose rows are loaded later
+    source: str
 
-    def restore(self, write_rows: Callable[[int, Rows], None]) -> None:
-        for i, rows in enumerate(self.chunks):
-            write_rows(self.first_chunk + i, rows)
+
+def _end(path: list[_Step]) -> int:
+    return path[-1].start + path[-1].usable
 
 
 class PrefixCache:
     def __init__(self, key: CacheKey, *, enabled: bool = True, host_bytes: int = DEFAULT_HOST_BYTES,
-                 disk: DiskTier | None = None, boundary_only: bool = True,
+                 disk: DiskTier | None = None, boundary: int | None = None,
                  agree: Callable[[int], int] | None = None, disk_async: bool = False) -> None:
+        if boundary is not None and (isinstance(boundary, bool) or not isinstance(boundary, int) or boundary < 1):
+            raise ValueError(f"reuse boundary must be a positive int or None, got {boundary!r}")
         self.key = key
-        self.grid = Grid(key.chunk_size)
+        self.block = key.chunk_size
+        self.boundary = boundary  # None: reuse may end at any token (row-invariant kernels)
         self.enabled = enabled
         self.host = HostStore(host_bytes)
         self.disk = disk
-        self.boundary_only = boundary_only
         self.agree = agree or (lambda n: n)
         self.stats = Stats()
         self._root = root_hash(key)
@@ -104,11 +120,11 @@ class PrefixCache:
             atexit.register(self._writer.flush)
 
     @classmethod
-    def from_env(cls, key: CacheKey, agree: Callable[[int], int] | None = None,
-                 environ: dict | None = None) -> "PrefixCache":
+    def from_env(cls, key: CacheKey, agree: Callable[[int], int] | None = None, environ: dict | None = None,
+                 *, boundary: int | None = None) -> "PrefixCache":
         """TF_GLM53_PREFIX_CACHE (1/0), TF_GLM53_HOST_CACHE_BYTES, TF_GLM53_DISK_CACHE (a
-        directory; unset = no disk tier), TF_GLM53_DISK_CACHE_BYTES, and
-        TF_GLM53_PREFIX_REUSE_BOUNDARY (1 = reuse only up to a grid boundary, the default)."""
+        directory; unset = no disk tier), TF_GLM53_DISK_CACHE_BYTES, TF_GLM53_DISK_CACHE_THREADS
+        (disk read threads, default min(8, CPUs)). `boundary` is the engine's decision."""
         env = os.environ if environ is None else environ
         enabled = env_flag("TF_GLM53_PREFIX_CACHE", True, env)
         host_bytes = parse_bytes("TF_GLM53_HOST_CACHE_BYTES", env.get("TF_GLM53_HOST_CACHE_BYTES") or str(DEFAULT_HOST_BYTES))
@@ -116,119 +132,168 @@ class PrefixCache:
         disk_dir = env.get("TF_GLM53_DISK_CACHE")
         if enabled and disk_dir:
             disk_bytes = parse_bytes("TF_GLM53_DISK_CACHE_BYTES", env.get("TF_GLM53_DISK_CACHE_BYTES") or str(DEFAULT_DISK_BYTES))
-            disk = DiskTier(disk_dir, key, disk_bytes)
-        boundary = env_flag("TF_GLM53_PREFIX_REUSE_BOUNDARY", True, env)
-        return cls(key, enabled=enabled, host_bytes=host_bytes, disk=disk, boundary_only=boundary, agree=agree,
+            threads = env_count("TF_GLM53_DISK_CACHE_THREADS", env)
+            disk = DiskTier(disk_dir, key, disk_bytes, threads=threads)
+        return cls(key, enabled=enabled, host_bytes=host_bytes, disk=disk, boundary=boundary, agree=agree,
                    disk_async=True)
+
+    def _floor(self, n: int) -> int:
+        return n if self.boundary is None else n // self.boundary * self.boundary
 
     # ---- lookup ---------------------------------------------------------------------------
     def lookup(self, token_ids: Sequence[int], live_tokens: Sequence[int] = (), live_frontier: int = 0) -> Hit:
         """The longest reusable prefix of `token_ids`: the live rows (whose canonical prefill
-        reached `live_frontier`) and stored chunks, agreed across ranks."""
+        reached `live_frontier`) or stored nodes, agreed across ranks. At least one token is
+        always left to prefill (the last position's logits must be computed)."""
         if not self.enabled:
             return Hit()
         self.stats.lookups += 1
-        n = len(token_ids)
-        live = self.grid.reuse_length(common_prefix(token_ids, live_tokens), live_frontier, n,
-                                      self.boundary_only) if live_tokens else 0
-        # stored chunks: whole chunks only, and at least one token left to prefill. A chunk's
-        # hash commits to the whole prefix, so chunks below the live extent need not be stored.
-        max_chunks = self.grid.full_chunks(max(n - 1, 0))
-        hashes = chain_hashes(self.key, token_ids, max_chunks)
-        first = self.grid.full_chunks(live)
-        chunks: list[Rows] = []
-        sources: list[str] = []
-        for h in hashes[first:]:
-            rows = self.host.get(h)
-            src = "host"
-            if rows is None and self.disk is not None:
-                rows = self.disk.load(h)
-                src = "disk"
-            if rows is None:
-                break
-            chunks.append(rows)
-            sources.append(src)
-        stored = (first + len(chunks)) * self.grid.chunk_size if chunks else 0
-
-        def achievable(x: int) -> int:
-            """The largest reuse <= x this rank can serve: any length within the live rows, or
-            a chunk boundary within the stored chunks."""
-            if x <= live:
-                return x
-            return max(live, min(self.grid.floor(x), stored))
-
-        # Two rounds make the result servable on every rank (ranks share the live tokens).
-        agreed = self.agree(achievable(self.agree(max(live, stored))))
-        if achievable(agreed) != agreed:
+        toks = token_array(token_ids)
+        n = len(toks)
+        live = max(0, min(common_prefix(toks, live_tokens), live_frontier, n - 1)) if len(live_tokens) else 0
+        live = self._floor(live)
+        hashes = chain_hashes(self.key, toks)
+        # blocks below the live extent need not be stored: a block's hash commits to its prefix
+        path = self._walk(toks, hashes, live // self.block)
+        if not path or self._floor(min(_end(path), n - 1)) <= live:
+            path = []  # live serves at least as much: read nothing
+        path = self._load(path)
+        stored = min(_end(path), n - 1) if path else 0
+        # any length up to max(live, stored) is servable here, so one round of agreement is enough
+        reuse = self._floor(max(live, stored))
+        agreed = self.agree(reuse)
+        if not 0 <= agreed <= reuse or self._floor(agreed) != agreed:
             raise RuntimeError(f"kv_cache: ranks disagree on reusable rows (agreed {agreed}, this rank "
-                               f"can serve {achievable(agreed)}); agree() must be a min over all ranks")
-        if agreed <= live:
-            hit = Hit(agreed, agreed)
-        else:
-            keep = self.grid.full_chunks(agreed) - first
-            hit = Hit(agreed, live, first, chunks[:keep], sources[:keep])
-        self._promote(hashes[:self.grid.full_chunks(hit.reused_tokens)], first, hit)
+                               f"can serve {reuse}); agree() must be a min over all ranks")
+        used = [s for s in path if s.start < agreed] if agreed > live else []
+        pieces = [Piece(s.start, min(s.start + s.usable, agreed) - s.start, s.node.rows, s.source) for s in used]
+        hit = Hit(agreed, used[0].start if used else agreed, pieces)
+        self._promote(hashes, hit, used)
         self._count(hit, n)
         return hit
 
-    def _promote(self, hashes: list[bytes], first: int, hit: Hit) -> None:
-        """Disk hits move into the host tier; the used chain becomes most recent in both."""
-        rows: list[Rows | None] = [None] * len(hashes)
-        for i, (rws, src) in enumerate(zip(hit.chunks, hit.sources)):
-            if src == "disk":
-                rows[first + i] = rws
-        if any(r is not None for r in rows):
-            self.host.put_chain(self._root, hashes, rows)
-        else:
-            self.host.touch_chain(hashes)
+    def _walk(self, toks: Tokens, hashes: list[bytes], k0: int) -> list[_Step]:
+        """Full blocks from block k0 while present, then the best stored child where they end."""
+        b = self.block
+        path: list[_Step] = []
+        k = k0
+        while k < len(hashes):
+            node, source = self._find(hashes[k])
+            if node is None:
+                break
+            path.append(_Step(k * b, b, node, source))
+            k += 1
+        best = self._best_child(hashes[k - 1] if k else self._root, toks[k * b:(k + 1) * b])
+        if best is not None:
+            path.append(_Step(k * b, *best))
+        return path
+
+    def _find(self, h: bytes) -> tuple[Node | None, str]:
+        node = self.host.get(h)
+        if node is not None:
+            return node, "host"
+        e = self.disk.entry(h) if self.disk is not None else None
+        return (Node(h, e.parent, e.tokens), "disk") if e is not None else (None, "")
+
+    def _best_child(self, parent: bytes, want: Tokens) -> tuple[int, Node, str] | None:
+        """(LCP, node, source) of the child of `parent` sharing the longest prefix with `want`
+        (host preferred on a tie), or None when none shares a token."""
+        if not len(want):
+            return None
+        cands = [(n, "host") for n in self.host.children(parent)]
         if self.disk is not None:
-            self.disk.touch_chain(hashes)
+            cands += [(Node(h, parent, t), "disk") for h, t in self.disk.children(parent) if h not in self.host]
+        best: tuple[int, Node, str] | None = None
+        for node, source in cands:
+            lcp = common_prefix(node.tokens, want)
+            if lcp and (best is None or (lcp, source == "host") > (best[0], best[2] == "host")):
+                best = (lcp, node, source)
+        return best
+
+    def _load(self, path: list[_Step]) -> list[_Step]:
+        """Read the path's disk nodes in parallel; a miss (failed or corrupt file) ends the path
+        there (later nodes hang off it)."""
+        on_disk = [s for s in path if s.source == "disk"]
+        if on_disk:
+            for s, rows in zip(on_disk, self.disk.load_many([s.node.hash for s in on_disk])):
+                s.node.rows = rows
+        for i, s in enumerate(path):
+            if s.node.rows is None:
+                return path[:i]
+        return path
+
+    def _promote(self, hashes: list[bytes], hit: Hit, used: list[_Step]) -> None:
+        """Disk hits move into the host tier; the used chain becomes most recent in both."""
+        if used:
+            chain = hashes[:used[0].start // self.block] + [s.node.hash for s in used]
+            if any(s.source == "disk" for s in used):
+                self.host.put_chain(self._root, [s.node for s in used])
+        else:
+            chain = hashes[:hit.reused_tokens // self.block]
+        self.host.touch_chain(chain)
+        if self.disk is not None:
+            self.disk.touch_chain(chain)
 
     def _count(self, hit: Hit, n: int) -> None:
         s = self.stats
         if hit.reused_tokens:
+            host = sum(p.length for p in hit.pieces if p.source == "host")
+            disk = sum(p.length for p in hit.pieces if p.source == "disk")
             s.hits += 1
             s.cached_tokens += hit.reused_tokens
-            s.live_tokens += min(hit.live_tokens, hit.reused_tokens)
-            C = self.grid.chunk_size
-            s.host_tokens += C * sum(1 for x in hit.sources if x == "host")
-            s.disk_tokens += C * sum(1 for x in hit.sources if x == "disk")
-            log.info("kv_cache hit: %d of %d prompt tokens reused (live %d, host %d, disk %d chunks)",
-                     hit.reused_tokens, n, hit.live_tokens, hit.sources.count("host"), hit.sources.count("disk"))
+            s.live_tokens += hit.live_tokens
+            s.host_tokens += host
+            s.disk_tokens += disk
+            log.info("kv_cache hit: %d of %d prompt tokens reused (live %d, host %d, disk %d tokens)",
+                     hit.reused_tokens, n, hit.live_tokens, host, disk)
         else:
             s.misses += 1
             log.info("kv_cache miss: %d prompt tokens", n)
 
     # ---- store ----------------------------------------------------------------------------
-    def store(self, token_ids: Sequence[int], frontier: int, rows_for: Callable[[int], Rows]) -> int:
-        """Keep the whole chunks of [0, frontier) that are not stored yet. `frontier` is how far
-        canonical prefill wrote this sequence's rows (never rows written by decode or draft
-        verification). `rows_for(k)` returns this rank's rows of chunk k (copied here).
-        Returns the number of chunks newly kept in the host tier."""
+    def store(self, token_ids: Sequence[int], frontier: int, rows_for: Callable[[int, int], Rows]) -> int:
+        """Keep the absent whole blocks of [0, frontier) and its tail [floor(frontier / B) * B,
+        frontier). `frontier` is how far canonical prefill wrote this sequence's rows (never rows
+        written by decode or draft verification); with a reuse boundary it is floored to it, so
+        nothing past a boundary is stored. `rows_for(start, stop)` returns this rank's rows of
+        positions [start, stop) (copied here). Returns the number of nodes newly kept in the
+        host tier."""
         if not self.enabled:
             return 0
-        frontier = min(frontier, len(token_ids))
-        hashes = chain_hashes(self.key, token_ids, self.grid.full_chunks(frontier))
-        if not hashes:
+        toks = token_array(token_ids)
+        nodes = self._nodes_of(toks, self._floor(max(0, min(frontier, len(toks)))), rows_for)
+        if not nodes:
             return 0
-        on_disk = self.disk is not None
-        rows: list[Rows | None] = []
-        for k, h in enumerate(hashes):
-            need = h not in self.host or (on_disk and h not in self.disk)
-            if not need:
-                rows.append(None)
-                continue
-            r = self.host.get(h)
-            rows.append(r if r is not None else rows_to_host(rows_for(k)))
-        inserted = self.host.put_chain(self._root, hashes, rows)
-        if on_disk and self._writer is not None:
-            self._writer.submit(self._root, hashes, rows)
-        elif on_disk:
-            self.stats.disk_written_chunks += self.disk.put_chain(self._root, hashes, rows)
+        inserted = self.host.put_chain(self._root, nodes)
+        if self._writer is not None:
+            self._writer.submit(self._root, nodes)
+        elif self.disk is not None:
+            self.stats.disk_written_chunks += self.disk.put_chain(self._root, nodes)
         self.stats.stored_chunks += inserted
         if inserted:
-            log.debug("kv_cache store: %d new chunks (frontier %d)", inserted, frontier)
+            log.debug("kv_cache store: %d new nodes (frontier %d)", inserted, frontier)
         return inserted
+
+    def _nodes_of(self, toks: Tokens, stop: int, rows_for: Callable[[int, int], Rows]) -> list[Node]:
+        """The chain of [0, stop): full blocks, then the tail. Rows are exported only for nodes
+        a tier lacks (and that no stored sibling dominates); the others carry None or the host's."""
+        nodes: list[Node] = []
+        parent = self._root
+        for a in range(0, stop, self.block):
+            b = min(a + self.block, stop)
+            t = np.array(toks[a:b])  # its own copy: the node outlives the prompt
+            h = block_hash(parent, t)
+            tail = b - a < self.block
+            want_host = h not in self.host and not (tail and self.host.dominated(parent, t))
+            want_disk = (self.disk is not None and h not in self.disk
+                         and not (tail and self.disk.dominated(parent, t)))
+            rows = None
+            if want_host or want_disk:
+                held = self.host.get(h)
+                rows = held.rows if held is not None else rows_to_host(rows_for(a, b))
+            nodes.append(Node(h, parent, t, rows))
+            parent = h
+        return nodes
 
     def flush(self) -> None:
         """Wait for pending disk writes (a no-op without a background writer)."""
@@ -240,6 +305,8 @@ class PrefixCache:
             self._writer.close()
             atexit.unregister(self._writer.flush)
             self._writer = None
+        if self.disk is not None:
+            self.disk.close()
 
     @property
     def evictions(self) -> int:
@@ -249,11 +316,12 @@ class PrefixCache:
         d = dict(self.stats.__dict__)
         if self._writer is not None:
             d["disk_written_chunks"] = self._writer.written
+        disk = self.disk
         d.update(host_bytes=self.host.used_bytes, host_chunks=len(self.host),
                  host_evictions=self.host.evictions,
-                 disk_bytes=self.disk.used_bytes if self.disk else 0,
-                 disk_chunks=len(self.disk.index) if self.disk else 0,
-                 disk_evictions=self.disk.evictions if self.disk else 0,
-                 disk_quarantined=self.disk.quarantined if self.disk else 0,
+                 disk_bytes=disk.used_bytes if disk is not None else 0,
+                 disk_chunks=len(disk.index) if disk is not None else 0,
+                 disk_evictions=disk.evictions if disk is not None else 0,
+                 disk_quarantined=disk.quarantined if disk is not None else 0,
                  evictions=self.evictions)
         return d

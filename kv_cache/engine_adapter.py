@@ -1,9 +1,11 @@
 """Wiring the prefix cache into the glm53 engine through its plug point, without editing glm53.
 
 The engine (glm53/engine.py) takes a `prefix_cache` object and calls, per request,
-`lookup(prompt, live_tokens=state.tokens, live_frontier=state.frontier)`, `Hit.restore` into
-`KVState.import_rows`, prefills the rest on its grid, then `store(prompt, frontier, rows_for)`
-with `KVState.export_rows`. This module builds that cache with the right key:
+`lookup(prompt, live_tokens=state.tokens, live_frontier=state.frontier)`, truncates its state to
+`hit.live_tokens`, `Hit.restore` into `KVState.import_rows`, prefills [hit.reused_tokens, n),
+then `store(prompt, frontier, rows_for)` with `KVState.export_rows(start, stop)`. This module
+builds that cache with the engine's cache block size (`engine.cache_block`) and reuse boundary
+(`engine.reuse_boundary`: None where the kernels are row-invariant) and the right key:
 
     engine = Glm53Engine(model_dir, ...)
     cache = attach_prefix_cache(engine)     # reads TF_GLM53_PREFIX_CACHE, TF_GLM53_DISK_CACHE, ...
@@ -11,7 +13,7 @@ with `KVState.export_rows`. This module builds that cache with the right key:
     cache.stats_dict()
 
 Over several ranks every rank keeps its own PrefixCache (its key names the rank and the rank count;
-under DCP a chunk's rows are the rank's own local slots) and the agreement is a minimum over ranks:
+under DCP a node's rows are the rank's own local slots) and the agreement is a minimum over ranks:
 `min_over_comm(comm)` through glm53.dist's guarded all-gather (a dead or stuck peer ends in the
 guard's named error, never a hang), or `min_over_ranks(group)` over plain torch.distributed.
 """
@@ -38,9 +40,11 @@ def device_kind(device: torch.device | str) -> str:
 def cache_key_for(engine: Any, revision: str | None = None) -> CacheKey:
     """The key of everything in `engine` that changes its KV bits besides the tokens."""
     plan = engine.plan
-    # "prefill": the arithmetic of a prefill chunk (sparse past index_topk since 0f1d64c): bump it
-    # whenever a change alters the bits a chunk writes, so older stored rows never match.
-    extra = (("prefill", "sparse-gt-topk-1"), ("torch", torch.__version__),
+    # "numerics": the arithmetic that writes a KV row (row-invariant kernels, sparse prefill past
+    # index_topk): bump it whenever a change alters the bits a row gets, so older rows never match.
+    # "prefill_grid": the engine's prefill chunking, which decides the bits where kernels are not
+    # row-invariant (the block size B is the key's chunk_size).
+    extra = (("numerics", "row-invariant-1"), ("prefill_grid", str(engine.chunk)), ("torch", torch.__version__),
              ("mkldnn", str(bool(torch.backends.mkldnn.enabled))))
     return CacheKey(
         model_revision=revision or model_revision(engine.model_dir),
@@ -49,7 +53,7 @@ def cache_key_for(engine: Any, revision: str | None = None) -> CacheKey:
         ranks=int(plan.world),
         rank=int(plan.rank),
         dcp=bool(getattr(plan, "dcp", int(plan.world) > 1)),  # DistRankPlan says; TF_GLM53_DCP=0 turns it off
-        chunk_size=int(engine.chunk),
+        chunk_size=int(engine.cache_block),
         device_kind=device_kind(engine.device),
         extra=extra,
     )
@@ -91,6 +95,7 @@ def attach_prefix_cache(engine: Any, *, revision: str | None = None, group: Any 
     call it on every rank with the rank's `comm` (every rank then looks up every request)."""
     agree = min_over_comm(comm) if comm is not None else min_over_ranks(group)
     cache = PrefixCache.from_env(cache_key_for(engine, revision), agree=agree,
-                                 environ=os.environ if environ is None else environ)
+                                 environ=os.environ if environ is None else environ,
+                                 boundary=engine.reuse_boundary)
     engine.prefix_cache = cache
     return cache

@@ -1,12 +1,14 @@
-"""Cache keys and the chain of chunk hashes.
+"""Cache keys and the chain of block hashes.
 
 A `CacheKey` names everything that decides the bits of a KV row besides the tokens: model
-revision, KV and compute dtypes, rank count and this rank, DCP on/off, chunk size, device kind
-and kit version. Its digest seeds the hash chain, so rows computed under another model, setting
-or kit version can never match: their chain hashes differ from the first chunk on.
+revision, KV and compute dtypes, rank count and this rank, DCP on/off, cache block size, device
+kind and kit version. Its digest seeds the hash chain, so rows computed under another model,
+setting or kit version can never match: their chain hashes differ from the first block on.
 
-Chunk k's hash is H(hash of chunk k-1, token ids of chunk k): equal hashes mean equal keys and
-equal token ids over [0, (k+1)C), i.e. the whole prefix, not just the chunk.
+Block k's hash is H(hash of block k-1, token ids of block k): equal hashes mean equal keys and
+equal token ids over [0, (k+1)B), i.e. the whole prefix, not just the block. A tail (the last,
+partial block of a stored prefix) is hashed the same way over its own, fewer, tokens (a shorter
+message, so it never collides with a full block).
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ class CacheKey:
     ranks: int
     rank: int
     dcp: bool
-    chunk_size: int
+    chunk_size: int  # the cache block size B (independent of the engine's prefill grid)
     device_kind: str  # e.g. "cpu", "NVIDIA H200"
     kit_version: str = field(default_factory=kit_version)
     extra: tuple[tuple[str, str], ...] = ()  # anything else that changes the bits
@@ -64,30 +66,39 @@ class CacheKey:
         return hashlib.blake2b(self.to_json().encode(), digest_size=HASH_BYTES).digest()
 
 
-def _token_bytes(tokens: Sequence[int]) -> bytes:
-    return np.asarray(tokens, dtype="<i8").tobytes()
+Tokens = np.ndarray  # int64 token ids, one per position
 
 
-def chain_hashes(key: CacheKey, token_ids: Sequence[int], chunks: int | None = None) -> list[bytes]:
-    """Hashes of the whole chunks of `token_ids` (at most `chunks` of them), in order."""
-    c = key.chunk_size
-    n = len(token_ids) // c if chunks is None else min(chunks, len(token_ids) // c)
+def token_array(tokens: Sequence[int] | np.ndarray) -> Tokens:
+    return np.asarray(tokens, dtype=np.int64)
+
+
+def block_hash(parent: bytes, tokens: Sequence[int] | np.ndarray) -> bytes:
+    """The chain hash of a node (a full block or a tail) whose parent hash is `parent`."""
+    h = hashlib.blake2b(parent, digest_size=HASH_BYTES)
+    h.update(np.ascontiguousarray(tokens, dtype="<i8").tobytes())
+    return h.digest()
+
+
+def chain_hashes(key: CacheKey, token_ids: Sequence[int] | np.ndarray, chunks: int | None = None) -> list[bytes]:
+    """Hashes of the whole blocks of `token_ids` (at most `chunks` of them), in order."""
+    b = key.chunk_size
+    toks = token_array(token_ids)
+    n = len(toks) // b if chunks is None else min(chunks, len(toks) // b)
     out: list[bytes] = []
     parent = key.digest()
     for k in range(n):
-        h = hashlib.blake2b(parent, digest_size=HASH_BYTES)
-        h.update(_token_bytes(token_ids[k * c:(k + 1) * c]))
-        parent = h.digest()
+        parent = block_hash(parent, toks[k * b:(k + 1) * b])
         out.append(parent)
     return out
 
 
 def root_hash(key: CacheKey) -> bytes:
-    """The parent of chunk 0."""
+    """The parent of block 0."""
     return key.digest()
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[int] | np.ndarray, b: Sequence[int] | np.ndarray) -> int:
     """Length of the longest common prefix of two token id sequences."""
     n = min(len(a), len(b))
     if n == 0:

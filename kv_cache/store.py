@@ -1,30 +1,25 @@
-"""Host tier: chunk rows in CPU memory under a byte budget, LRU, shared prefixes stored once.
+"""Host tier: nodes (full blocks and tails) in CPU memory under a byte budget, LRU, shared
+prefixes stored once.
 
-Entries form a tree (a chunk's parent is the chunk before it in its chain; chains that share a
-prefix share those nodes). Reachability: a lookup walks a chain from chunk 0 and stops at the
-first absent chunk, so a chunk whose parent is gone can never be returned. To keep memory for
-reachable chunks only, evicting a chunk also evicts all its descendants, and touches go from the
-tip of a chain to its root so a parent is always more recent than its children: the LRU victim
-is then a leaf and eviction trims chains from their ends.
+Entries form a tree (a node's parent is the block before it in its chain; chains that share a
+prefix share those nodes). A node is inserted only under a present parent (or the root), and
+evicting a node also evicts its descendants, so everything held is reachable from the root and
+memory goes to nodes a lookup can return. Touches go from the tip of a chain to its root, so a
+parent is always more recent than its children: the LRU victim is then a leaf and eviction trims
+chains from their ends. Inserting a node removes the siblings it dominates (node.py); a tail that
+an existing sibling dominates is not inserted.
 """
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-from .rows import Rows, rows_nbytes
+from .keys import Tokens
+from .node import Node, dominates
+from .rows import rows_nbytes
 
 log = logging.getLogger("kv_cache")
-
-
-@dataclass
-class _Node:
-    parent: bytes
-    rows: Rows
-    nbytes: int
-    children: set[bytes] = field(default_factory=set)
 
 
 class HostStore:
@@ -33,8 +28,10 @@ class HostStore:
             raise ValueError(f"host budget must be >= 0 bytes, got {budget_bytes}")
         self.budget_bytes = budget_bytes
         self.used_bytes = 0
-        self.evictions = 0
-        self._nodes: "OrderedDict[bytes, _Node]" = OrderedDict()  # front = least recently used
+        self.evictions = 0  # nodes evicted for room, descendants included
+        self.replaced = 0  # nodes removed because a sibling dominates them
+        self._nodes: "OrderedDict[bytes, tuple[Node, int]]" = OrderedDict()  # front = least recently used
+        self._children: dict[bytes, set[bytes]] = {}  # parent hash (the root included) -> child hashes
 
     def __contains__(self, h: bytes) -> bool:
         return h in self._nodes
@@ -42,9 +39,16 @@ class HostStore:
     def __len__(self) -> int:
         return len(self._nodes)
 
-    def get(self, h: bytes) -> Rows | None:
-        node = self._nodes.get(h)
-        return None if node is None else node.rows
+    def get(self, h: bytes) -> Node | None:
+        entry = self._nodes.get(h)
+        return None if entry is None else entry[0]
+
+    def children(self, parent: bytes) -> list[Node]:
+        return [self._nodes[c][0] for c in self._children.get(parent, ())]
+
+    def dominated(self, parent: bytes, tokens: Tokens) -> bool:
+        """Whether a sibling under `parent` already dominates a node with these tokens."""
+        return any(dominates(s.tokens, tokens) for s in self.children(parent))
 
     def touch_chain(self, hashes: Sequence[bytes]) -> None:
         """Mark a chain used, tip first, so every parent ends up more recent than its child."""
@@ -52,58 +56,88 @@ class HostStore:
             if h in self._nodes:
                 self._nodes.move_to_end(h)
 
-    def put_chain(self, root: bytes, hashes: Sequence[bytes], rows: Sequence[Rows | None]) -> int:
-        """Insert the chain's absent chunks (rows[i] is None for chunks already present).
-        Makes room by evicting other chains; stores the longest prefix that fits the budget.
-        Returns how many chunks were inserted."""
-        protect = set(hashes)
-        need = sum(rows_nbytes(r) for h, r in zip(hashes, rows) if r is not None and h not in self._nodes)
+    def put_chain(self, root: bytes, nodes: Sequence[Node]) -> int:
+        """Insert the chain's absent nodes, in order (a node's rows may be None when it is
+        already held). Makes room by evicting other chains; stores the longest prefix that fits
+        the budget. Returns how many nodes were inserted."""
+        if not nodes:
+            return 0
+        # the chain and its held ancestors stay: evicting an ancestor would orphan the chain
+        protect = {n.hash for n in nodes} | self._ancestors(nodes[0].parent)
+        new = [n for n in nodes if n.rows is not None and n.hash not in self._nodes]
+        need = sum(rows_nbytes(n.rows) - self._bytes(self._victims(n)) for n in new)
         self._make_room(need, protect)
         inserted = 0
-        parent = root
-        for h, r in zip(hashes, rows):
-            if h not in self._nodes:
-                if r is None:
-                    break  # caller claimed present, but it is gone: the rest is unreachable
-                if parent != root and parent not in self._nodes:
-                    break
-                size = rows_nbytes(r)
-                if self.used_bytes + size > self.budget_bytes:
-                    break
-                self._nodes[h] = _Node(parent, r, size)
-                if parent in self._nodes:
-                    self._nodes[parent].children.add(h)
-                self.used_bytes += size
-                inserted += 1
-            parent = h
-        self.touch_chain(hashes)
+        for node in nodes:
+            if node.hash in self._nodes:
+                continue
+            if node.rows is None or (node.parent != root and node.parent not in self._nodes):
+                break  # absent without rows, or an orphan: the rest of the chain is unreachable
+            if self.dominated(node.parent, node.tokens):
+                continue  # a tail a sibling already covers (a tail is last in its chain)
+            victims = self._victims(node)
+            size = rows_nbytes(node.rows)
+            if self.used_bytes - self._bytes(victims) + size > self.budget_bytes:
+                break
+            for s in victims:
+                self.replaced += self._remove(s.hash)
+            self._nodes[node.hash] = (node, size)
+            self._children.setdefault(node.parent, set()).add(node.hash)
+            self.used_bytes += size
+            inserted += 1
+        self.touch_chain([n.hash for n in nodes])
         return inserted
+
+    def _victims(self, node: Node) -> list[Node]:
+        """The siblings `node` dominates (removed when it is inserted)."""
+        return [s for s in self.children(node.parent) if dominates(node.tokens, s.tokens)]
+
+    def _bytes(self, nodes: Iterable[Node]) -> int:
+        return sum(self._nodes[n.hash][1] for n in nodes)
+
+    def _ancestors(self, h: bytes) -> set[bytes]:
+        out = set()
+        while h in self._nodes and h not in out:
+            out.add(h)
+            h = self._nodes[h][0].parent
+        return out
 
     def _make_room(self, need: int, protect: Iterable[bytes]) -> None:
         protect = set(protect)
-        before, chunks = self.used_bytes, 0
+        before, nodes = self.used_bytes, 0
         for victim in list(self._nodes):
             if self.used_bytes + need <= self.budget_bytes:
                 break
             if victim in protect or victim not in self._nodes:
                 continue
-            chunks += self.evict(victim)
-        if chunks:
-            log.info("kv_cache host evict: %d chunks, %d bytes (budget %d)", chunks, before - self.used_bytes,
+            nodes += self.evict(victim)
+        if nodes:
+            log.info("kv_cache host evict: %d chunks, %d bytes (budget %d)", nodes, before - self.used_bytes,
                      self.budget_bytes)
 
     def evict(self, h: bytes) -> int:
-        """Remove a chunk and every descendant; returns the number of chunks removed."""
-        node = self._nodes.pop(h, None)
-        if node is None:
-            return 0
-        self.used_bytes -= node.nbytes
-        self.evictions += 1  # chunks evicted, descendants included
-        parent = self._nodes.get(node.parent)
-        if parent is not None:
-            parent.children.discard(h)
-        removed = 1
-        for child in list(node.children):
-            removed += self.evict(child)
-        log.debug("kv_cache host evict %s (+%d descendants)", h.hex()[:12], removed - 1)
+        """Remove a node and every descendant; returns the number of nodes removed."""
+        removed = self._remove(h)
+        self.evictions += removed
+        if removed:
+            log.debug("kv_cache host evict %s (+%d descendants)", h.hex()[:12], removed - 1)
+        return removed
+
+    def _remove(self, h: bytes) -> int:
+        """Remove a node and its subtree (iteratively: chains can be thousands of blocks deep)."""
+        removed, todo = 0, [h]
+        while todo:
+            x = todo.pop()
+            entry = self._nodes.pop(x, None)
+            if entry is None:
+                continue
+            node, size = entry
+            self.used_bytes -= size
+            removed += 1
+            siblings = self._children.get(node.parent)
+            if siblings is not None:
+                siblings.discard(x)
+                if not siblings:
+                    del self._children[node.parent]
+            todo.extend(self._children.pop(x, ()))
         return removed

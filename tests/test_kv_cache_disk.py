@@ -1,27 +1,52 @@
-"""Disk tier: survives a real process restart; corrupt, truncated, foreign and half-written
-files are misses (never wrong rows); LRU by mtime under a byte budget; a full filesystem."""
+"""Disk tier: survives a real process restart (tails included); corrupt, truncated, foreign,
+old-format and half-written files are misses (never wrong rows); dominated tails are replaced;
+LRU by mtime under a byte budget; a full filesystem."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-import resource
 import signal
+import struct
 import subprocess
 import sys
 import textwrap
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 import torch
 
-from kv_cache import CacheKey, DiskTier, PrefixCache, chain_hashes
+from kv_cache import CacheKey, DiskTier, PrefixCache, block_hash, chain_hashes
 from kv_cache.disk import QUARANTINE, SUFFIX, TMP_PREFIX
 from kv_cache.keys import root_hash
 
 REPO = Path(__file__).resolve().parents[1]
 C = 16
+
+# Shared with the child processes: position p's rows are a function of tokens[:p + 1] (what a
+# prefill writes), so any span's rows can be recomputed anywhere.
+ROWS_SRC = textwrap.dedent("""
+    import zlib
+    import numpy as np
+    import torch
+
+    def rows_for_prompt(tokens, width=8):
+        def rows_for(a, b):
+            lat, idx, sc = [], [], []
+            for p in range(a, b):
+                g = torch.Generator().manual_seed(zlib.crc32(np.asarray(tokens[:p + 1], dtype="<i8").tobytes()))
+                lat.append(torch.randn(width, generator=g))
+                idx.append(torch.randn(4, generator=g))
+                sc.append(torch.rand(1, generator=g))
+            return {"latent.0": torch.stack(lat).to(torch.bfloat16),
+                    "index.0": torch.stack(idx).to(torch.float8_e4m3fn), "scale.0": torch.cat(sc)}
+        return rows_for
+
+    def rows_bytes(rows):
+        return b"".join(rows[n].contiguous().view(torch.uint8).numpy().tobytes() for n in sorted(rows))
+""")
+exec(ROWS_SRC)  # defines rows_for_prompt, rows_bytes here
 
 
 def key(**kw) -> CacheKey:
@@ -31,70 +56,50 @@ def key(**kw) -> CacheKey:
     return CacheKey(**base)
 
 
-def rows_for_prompt(tokens: list[int], width: int = 8):
-    def rows_for(k: int):
-        g = torch.Generator().manual_seed(hash(tuple(tokens[:(k + 1) * C])) & 0xFFFFFFFF)
-        return {"latent.0": torch.randn(C, width, generator=g).to(torch.bfloat16),
-                "index.0": torch.randn(C, 4, generator=g).to(torch.float8_e4m3fn),
-                "scale.0": torch.rand(C, generator=g)}
-    return rows_for
+PROMPT = [(i * 31337) % 50000 for i in range(5 * C + 3)]  # 5 blocks + a 3-token tail
 
 
-def rows_bytes(rows) -> bytes:
-    return b"".join(rows[n].contiguous().view(torch.uint8).numpy().tobytes() for n in sorted(rows))
+def tail_hash(k: CacheKey, prompt=PROMPT) -> bytes:
+    full = len(prompt) // C
+    parent = chain_hashes(k, prompt)[-1] if full else root_hash(k)
+    return block_hash(parent, prompt[full * C:])
 
 
-PROMPT = [(i * 31337) % 50000 for i in range(5 * C + 3)]
+def piece_bytes(hit) -> list[bytes]:
+    return [rows_bytes(p.rows) for p in hit.pieces]
 
+
+def want_bytes(hit, prompt=PROMPT) -> list[bytes]:
+    rows_for = rows_for_prompt(prompt)
+    return [rows_bytes(rows_for(p.start, p.start + p.rows["scale.0"].shape[0])) for p in hit.pieces]
+
+
+# runs after ROWS_SRC in the child
 CHILD = textwrap.dedent("""
-    import json, sys, torch
+    import json, sys
     sys.path.insert(0, {repo!r})
     from kv_cache import CacheKey, PrefixCache
     key = CacheKey.from_json({key!r})
     prompt = json.loads({prompt!r})
-    C = key.chunk_size
-    def rows_for(k):
-        g = torch.Generator().manual_seed(hash(tuple(prompt[:(k + 1) * C])) & 0xFFFFFFFF)
-        return {{"latent.0": torch.randn(C, 8, generator=g).to(torch.bfloat16),
-                "index.0": torch.randn(C, 4, generator=g).to(torch.float8_e4m3fn),
-                "scale.0": torch.rand(C, generator=g)}}
     cache = PrefixCache.from_env(key)
     if sys.argv[1] == "write":  # no flush: the background writer must finish at exit
-        cache.store(prompt, len(prompt), rows_for)
+        cache.store(prompt, len(prompt), rows_for_prompt(prompt))
         print(json.dumps(cache.stats_dict()))
     else:
         hit = cache.lookup(prompt + [7])
         got = []
-        hit.restore(lambda k, rows: got.append(b"".join(
-            rows[n].contiguous().view(torch.uint8).numpy().tobytes() for n in sorted(rows)).hex()))
-        print(json.dumps({{"reused": hit.reused_tokens, "sources": hit.sources, "rows": got,
+        hit.restore(lambda start, n, rows: got.append([start, n, rows_bytes(rows).hex()]))
+        print(json.dumps({{"reused": hit.reused_tokens, "sources": hit.sources, "pieces": got,
                           "stats": cache.stats_dict()}}))
 """)
 
 
 def run_child(mode: str, disk: Path, k: CacheKey, prompt=PROMPT, budget="1G") -> dict:
-    env = dict(os.environ, TF_GLM53_DISK_CACHE=str(disk), TF_GLM53_DISK_CACHE_BYTES=budget,
-               PYTHONHASHSEED="0")
-    code = CHILD.format(repo=str(REPO), key=k.to_json(), prompt=json.dumps(prompt))
+    env = dict(os.environ, TF_GLM53_DISK_CACHE=str(disk), TF_GLM53_DISK_CACHE_BYTES=budget)
+    code = ROWS_SRC + CHILD.format(repo=str(REPO), key=k.to_json(), prompt=json.dumps(prompt))
     out = subprocess.run([sys.executable, "-c", code, mode], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def expected_rows(prompt=PROMPT) -> list[str]:
-    # the child derives rows from hash(tuple); PYTHONHASHSEED=0 makes that stable across processes
-    code = ("import json,sys;p=json.loads(sys.argv[1]);"
-            f"print(json.dumps([hash(tuple(p[:(k+1)*{C}])) & 0xFFFFFFFF for k in range(len(p)//{C})]))")
-    seeds = json.loads(subprocess.run([sys.executable, "-c", code, json.dumps(prompt)], capture_output=True,
-                                      text=True, env=dict(os.environ, PYTHONHASHSEED="0"), check=True).stdout)
-    out = []
-    for s in seeds:
-        g = torch.Generator().manual_seed(s)
-        rows = {"latent.0": torch.randn(C, 8, generator=g).to(torch.bfloat16),
-                "index.0": torch.randn(C, 4, generator=g).to(torch.float8_e4m3fn),
-                "scale.0": torch.rand(C, generator=g)}
-        out.append(rows_bytes(rows).hex())
-    return out
 
 
 def entry_files(disk: Path, k: CacheKey) -> list[Path]:
@@ -105,14 +110,17 @@ def entry_files(disk: Path, k: CacheKey) -> list[Path]:
 def test_disk_tier_survives_a_real_process_restart(tmp_path):
     k = key()
     wrote = run_child("write", tmp_path, k)
-    assert wrote["stored_chunks"] == 5
+    assert wrote["stored_chunks"] == 6  # 5 blocks and the tail
     got = run_child("read", tmp_path, k)  # a fresh process: index rebuilt from the files
-    assert got["reused"] == 5 * C and got["sources"] == ["disk"] * 5
-    assert got["rows"] == expected_rows()[:5]
+    assert got["reused"] == 5 * C + 3 and got["sources"] == ["disk"] * 6
+    rows_for = rows_for_prompt(PROMPT)
+    assert [(s, n) for s, n, _ in got["pieces"]] == [(i * C, C) for i in range(5)] + [(5 * C, 3)]
+    assert [h for _, _, h in got["pieces"]] == [rows_bytes(rows_for(s, s + n)).hex() for s, n, _ in got["pieces"]]
+    assert got["stats"]["disk_tokens"] == 5 * C + 3
     # another key (here: another model revision) never matches the same files
     other = run_child("read", tmp_path, key(model_revision="rev2"))
     assert other["reused"] == 0 and other["stats"]["disk_quarantined"] == 0
-    assert len(entry_files(tmp_path, k)) == 5  # and it did not touch them
+    assert len(entry_files(tmp_path, k)) == 6  # and it did not touch them
 
 
 def _store(tier_dir: Path, k: CacheKey, prompt=PROMPT, budget=1 << 30) -> PrefixCache:
@@ -125,7 +133,55 @@ def _fresh(tier_dir: Path, k: CacheKey, budget=1 << 30) -> PrefixCache:
     return PrefixCache(k, host_bytes=1 << 20, disk=DiskTier(tier_dir, k, budget))
 
 
-def test_corrupted_payload_is_a_miss_and_quarantined(tmp_path):
+def test_restart_with_tails_partial_matches_and_promotion(tmp_path):
+    k = key()
+    _store(tmp_path, k)
+    cache = _fresh(tmp_path, k)  # a new DiskTier over the same folder
+    assert len(cache.disk.index) == 6 and len(cache.host) == 0
+    e = cache.disk.entry(tail_hash(k))
+    assert e.tokens.tolist() == PROMPT[5 * C:] and e.parent == chain_hashes(k, PROMPT)[-1]
+    for p, want in ((PROMPT + [1], 83), (PROMPT[:82] + [1, 2], 82), (PROMPT[:37] + [0] * 9, 37)):
+        hit = _fresh(tmp_path, k).lookup(p)
+        assert hit.reused_tokens == want and set(hit.sources) == {"disk"}, p[-5:]
+        assert piece_bytes(hit) == want_bytes(hit)
+    hit = cache.lookup(PROMPT + [1])
+    assert hit.sources == ["disk"] * 6 and len(cache.host) == 6  # promoted into the host tier
+    hit = cache.lookup(PROMPT + [1])
+    assert hit.sources == ["host"] * 6 and piece_bytes(hit) == want_bytes(hit)
+    s = cache.stats_dict()
+    assert (s["disk_tokens"], s["host_tokens"]) == (83, 83)
+
+
+def test_live_rows_that_serve_as_much_read_no_file(tmp_path, monkeypatch):
+    k = key()
+    _store(tmp_path, k)
+    cache = _fresh(tmp_path, k)
+    reads: list[int] = []
+    real = DiskTier.load_many
+    monkeypatch.setattr(DiskTier, "load_many", lambda self, hs: reads.append(len(hs)) or real(self, hs))
+    hit = cache.lookup(PROMPT + [1], live_tokens=PROMPT, live_frontier=len(PROMPT))
+    assert (hit.reused_tokens, hit.pieces, reads) == (83, [], [])
+    hit = cache.lookup(PROMPT + [1], live_tokens=PROMPT[:70], live_frontier=70)
+    assert hit.live_tokens == 64 and reads == [2] and piece_bytes(hit) == want_bytes(hit)  # block 4, tail
+
+
+def test_a_dominated_tail_file_is_replaced_and_not_written_again(tmp_path):
+    k = key()
+    cache = _store(tmp_path, k)  # tail [80, 83)
+    longer = PROMPT + [5, 6, 7, 8, 9]  # tail [80, 88) dominates it
+    cache.store(longer, len(longer), rows_for_prompt(longer))
+    names = {p.name for p in entry_files(tmp_path, k)}
+    assert tail_hash(k).hex() + SUFFIX not in names and tail_hash(k, longer).hex() + SUFFIX in names
+    assert len(names) == 6 and cache.disk.replaced == 1 and cache.disk.evictions == 0
+    before = cache.stats.disk_written_chunks
+    fresh = _fresh(tmp_path, k)
+    fresh.store(PROMPT, len(PROMPT), rows_for_prompt(PROMPT))  # the shorter tail again: dominated
+    assert len(entry_files(tmp_path, k)) == 6 and fresh.stats.disk_written_chunks == 0 and before == 7
+    hit = _fresh(tmp_path, k).lookup(PROMPT + [0])
+    assert hit.reused_tokens == 83 and piece_bytes(hit)[-1] == rows_bytes(rows_for_prompt(longer)(80, 88))
+
+
+def test_corrupted_payload_is_a_miss_and_ends_the_chain_there(tmp_path):
     k = key()
     _store(tmp_path, k)
     h = chain_hashes(k, PROMPT)
@@ -134,11 +190,10 @@ def test_corrupted_payload_is_a_miss_and_quarantined(tmp_path):
     data[-5] ^= 0x40  # one bit in the payload: header and size still look fine
     victim.write_bytes(bytes(data))
     cache = _fresh(tmp_path, k)
-    assert len(cache.disk.index) == 5  # the header verifies; the payload is checked on load
+    assert len(cache.disk.index) == 6  # the header verifies; the payload is checked on load
     hit = cache.lookup(PROMPT + [1])
-    assert hit.reused_tokens == 2 * C  # chunks 0 and 1 only
-    want = rows_for_prompt(PROMPT)
-    assert [rows_bytes(r) for r in hit.chunks] == [rows_bytes(want(0)), rows_bytes(want(1))]
+    assert hit.reused_tokens == 2 * C  # blocks 0 and 1 only: the rest hangs off block 2
+    assert piece_bytes(hit) == want_bytes(hit)
     assert not victim.exists() and cache.disk.quarantined == 1
     assert len(list((tmp_path / k.digest().hex() / QUARANTINE).iterdir())) == 1
 
@@ -155,18 +210,20 @@ def test_corrupted_header_and_truncated_file_are_misses(tmp_path):
     with f3.open("r+b") as f:
         f.truncate(f3.stat().st_size - 7)
     cache = _fresh(tmp_path, k)
-    assert cache.disk.quarantined == 2 and len(cache.disk.index) == 3
+    assert cache.disk.quarantined == 2 and len(cache.disk.index) == 4
     hit = cache.lookup(PROMPT + [1])
-    assert hit.reused_tokens == C
-    assert rows_bytes(hit.chunks[0]) == rows_bytes(rows_for_prompt(PROMPT)(0))
+    assert hit.reused_tokens == C and piece_bytes(hit) == want_bytes(hit)
+    # block 1 gone: a prompt diverging inside block 1 finds no child of block 0 either
+    assert cache.lookup(PROMPT[:20] + [0] * 20).reused_tokens == C
 
 
-def test_foreign_file_is_a_miss(tmp_path):
+def test_foreign_and_renamed_files_are_misses(tmp_path):
     k, other = key(), key(kv_dtype="float8_e4m3fn")
     _store(tmp_path, other)
-    # copy another key's chunk 0 into our folder under our chunk-0 name: it must not be used
+    # copy another key's block 0 into our folder under our block-0 name: it must not be used
     h_ours = chain_hashes(k, PROMPT)[0]
-    src = entry_files(tmp_path, other)[0]
+    h_theirs = chain_hashes(other, PROMPT)[0]
+    src = tmp_path / other.digest().hex() / (h_theirs.hex() + SUFFIX)
     (tmp_path / k.digest().hex()).mkdir()
     (tmp_path / k.digest().hex() / (h_ours.hex() + SUFFIX)).write_bytes(src.read_bytes())
     cache = _fresh(tmp_path, k)
@@ -177,41 +234,89 @@ def test_foreign_file_is_a_miss(tmp_path):
     hs = chain_hashes(k, PROMPT)
     os.replace(d / (hs[4].hex() + SUFFIX), d / (hs[3].hex() + SUFFIX))
     cache = _fresh(tmp_path, k)
+    assert cache.disk.quarantined == 1
     assert cache.lookup(PROMPT + [1]).reused_tokens == 3 * C
+
+
+def _v1_file(k: CacheKey, h: bytes, parent: bytes, rows) -> bytes:
+    """A file as the previous kit version wrote it (format 1: blake2b, no tokens, unaligned)."""
+    tensors, payload, off = [], b"", 0
+    for name in sorted(rows):
+        raw = rows[name].contiguous().view(torch.uint8).numpy().tobytes()
+        tensors.append({"name": name, "dtype": str(rows[name].dtype).removeprefix("torch."),
+                        "shape": list(rows[name].shape), "offset": off, "nbytes": len(raw)})
+        payload += raw
+        off += len(raw)
+    header = json.dumps({"key": json.loads(k.to_json()), "hash": h.hex(), "parent": parent.hex(),
+                         "tensors": tensors, "payload_bytes": off,
+                         "payload_blake2b": hashlib.blake2b(payload, digest_size=16).hexdigest()},
+                        sort_keys=True, separators=(",", ":")).encode()
+    pre = struct.pack("<8sII16s", b"GLM53KVC", 1, len(header), hashlib.blake2b(header, digest_size=16).digest())
+    return pre + header + payload
+
+
+def test_old_format_files_are_quarantined_never_misread(tmp_path, caplog):
+    k = key()
+    d = tmp_path / k.digest().hex()
+    d.mkdir()
+    hs = chain_hashes(k, PROMPT)
+    rows_for = rows_for_prompt(PROMPT)
+    parent = root_hash(k)
+    for i, h in enumerate(hs):
+        (d / (h.hex() + SUFFIX)).write_bytes(_v1_file(k, h, parent, rows_for(i * C, (i + 1) * C)))
+        parent = h
+    with caplog.at_level("WARNING", logger="kv_cache"):
+        cache = _fresh(tmp_path, k)
+    assert cache.disk.quarantined == 5 and len(cache.disk.index) == 0
+    assert any("format version 1" in r.message for r in caplog.records)
+    assert cache.lookup(PROMPT + [1]).reused_tokens == 0
+    # the new kit writes its own files over the same names, and those are used
+    cache.store(PROMPT, len(PROMPT), rows_for)
+    hit = _fresh(tmp_path, k).lookup(PROMPT + [1])
+    assert hit.reused_tokens == 83 and piece_bytes(hit) == want_bytes(hit)
 
 
 def test_disk_budget_evicts_least_recently_used_chains(tmp_path):
     k = key()
-    one = len(entry_files_after_store(tmp_path / "probe", k))
-    assert one == 5
+    a = PROMPT[:5 * C]  # 5 blocks, no tail
+    b = [t + 1 for t in a]
+    _store(tmp_path / "probe", k, a)
     size = entry_files(tmp_path / "probe", k)[0].stat().st_size
     budget = 7 * size
-    a = PROMPT
-    b = [t + 1 for t in PROMPT]
     cache = _store(tmp_path, k, a, budget)
     time.sleep(0.01)
-    cache.store(b, len(b), rows_for_prompt(b))  # 5 more chunks: 3 of a's must go, tip first
+    cache.store(b, len(b), rows_for_prompt(b))  # 5 more blocks: 3 of a's must go, tip first
     assert cache.disk.used_bytes <= budget and cache.disk.evictions == 3
     fresh = _fresh(tmp_path, k, budget)
     assert fresh.lookup(b + [1]).reused_tokens == 5 * C
     assert fresh.lookup(a + [1]).reused_tokens == 2 * C  # a's chain kept from its root
 
 
-def entry_files_after_store(d: Path, k: CacheKey) -> list[Path]:
-    _store(d, k)
-    return entry_files(d, k)
+def test_disk_budget_with_tails_evicts_the_tail_first(tmp_path):
+    k = key()
+    _store(tmp_path, k)  # 5 blocks + tail, the tail the oldest (tip of the chain)
+    files = {p.name: p.stat().st_size for p in entry_files(tmp_path, k)}
+    tail_name = tail_hash(k).hex() + SUFFIX
+    block = max(files.values())
+    fresh = _fresh(tmp_path, k, budget=sum(files.values()) + block - files[tail_name] // 2)
+    other = [t + 3 for t in PROMPT[:C]]  # one unrelated block: only the tail has to go
+    fresh.store(other, len(other), rows_for_prompt(other))
+    names = {p.name for p in entry_files(tmp_path, k)}
+    assert tail_name not in names and len(names) == 6 and fresh.disk.evictions == 1
+    assert _fresh(tmp_path, k).lookup(PROMPT + [1]).reused_tokens == 5 * C
 
 
 WRITER = textwrap.dedent("""
-    import sys, torch
+    import sys, numpy as np, torch
     sys.path.insert(0, {repo!r})
-    from kv_cache import CacheKey, DiskTier
+    from kv_cache import CacheKey, DiskTier, Node
     from kv_cache.keys import root_hash
     key = CacheKey.from_json({key!r})
     tier = DiskTier({disk!r}, key, 1 << 40)
     rows = {{"latent.%d" % i: torch.full((1 << 20,), float(i), dtype=torch.bfloat16) for i in range(96)}}
     print("ready", flush=True)
-    tier.put_chain(root_hash(key), [bytes.fromhex({h!r})], [rows])
+    root = root_hash(key)
+    tier.put_chain(root, [Node(bytes.fromhex({h!r}), root, np.array({tokens!r}, dtype=np.int64), rows)])
     print("done", flush=True)
 """)
 
@@ -225,7 +330,8 @@ def test_kill_9_in_the_middle_of_a_write_never_leaves_a_hit(tmp_path):
     caught = False
     for _attempt in range(5):
         proc = subprocess.Popen([sys.executable, "-c", WRITER.format(repo=str(REPO), key=k.to_json(),
-                                                                      disk=str(tmp_path), h=h.hex())],
+                                                                      disk=str(tmp_path), h=h.hex(),
+                                                                      tokens=PROMPT[:C])],
                                 stdout=subprocess.PIPE, text=True)
         assert proc.stdout.readline().strip() == "ready"
         deadline = time.monotonic() + 30
@@ -248,20 +354,23 @@ def test_kill_9_in_the_middle_of_a_write_never_leaves_a_hit(tmp_path):
 
 
 FULL_DISK_WRITER = textwrap.dedent("""
-    import json, logging, resource, sys, torch
+    import json, logging, resource, sys, numpy as np, torch
     sys.path.insert(0, {repo!r})
     logging.basicConfig(level=logging.WARNING)
-    from kv_cache import CacheKey, DiskTier
+    from kv_cache import CacheKey, DiskTier, Node
     from kv_cache.keys import root_hash, chain_hashes
     if {limit}:
         resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit}))
         import signal; signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     key = CacheKey.from_json({key!r})
     tier = DiskTier({disk!r}, key, 1 << 40)
-    toks = list(range(8 * key.chunk_size))
+    B = key.chunk_size
+    toks = list(range(8 * B))
     hs = chain_hashes(key, toks)
-    rows = [{{"latent.0": torch.full((key.chunk_size, 4096), float(i), dtype=torch.bfloat16)}} for i in range(8)]
-    n = tier.put_chain(root_hash(key), hs, rows)
+    parents = [root_hash(key)] + hs[:-1]
+    nodes = [Node(hs[i], parents[i], np.array(toks[i * B:(i + 1) * B], dtype=np.int64),
+                  {{"latent.0": torch.full((B, 4096), float(i), dtype=torch.bfloat16)}}) for i in range(8)]
+    n = tier.put_chain(root_hash(key), nodes)
     print(json.dumps({{"written": n, "errors": tier.write_errors}}))
 """)
 
@@ -307,10 +416,10 @@ def test_background_writer_keeps_disk_io_off_the_store_call(tmp_path):
     k = key()
     cache = PrefixCache(k, host_bytes=1 << 20, disk=DiskTier(tmp_path, k, 1 << 30), disk_async=True)
     cache.store(PROMPT, len(PROMPT), rows_for_prompt(PROMPT))
-    assert cache.stats.stored_chunks == 5  # host tier filled synchronously
+    assert cache.stats.stored_chunks == 6  # host tier filled synchronously
     cache.flush()
-    assert cache.stats_dict()["disk_written_chunks"] == 5 and len(entry_files(tmp_path, k)) == 5
+    assert cache.stats_dict()["disk_written_chunks"] == 6 and len(entry_files(tmp_path, k)) == 6
     cache.close()
     fresh = _fresh(tmp_path, k)
     hit = fresh.lookup(PROMPT + [1])
-    assert hit.reused_tokens == 5 * C and hit.sources == ["disk"] * 5
+    assert hit.reused_tokens == 5 * C + 3 and hit.sources == ["disk"] * 6

@@ -1,4 +1,4 @@
-"""Grid arithmetic, the chunk hash chain, LCP matching and key separation."""
+"""Grid arithmetic, the block hash chain (tails included), LCP matching and key separation."""
 from __future__ import annotations
 
 import dataclasses
@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from kv_cache import CacheKey, Grid, chain_hashes, common_prefix
+from kv_cache import CacheKey, Grid, block_hash, chain_hashes, common_prefix
+from kv_cache.keys import root_hash
 
 
 def key(**kw) -> CacheKey:
@@ -86,6 +87,19 @@ def test_chain_extension_patterns():
     shifted = base[8:]
     assert not set(chain_hashes(k, shifted)) & set(h)
     assert chain_hashes(k, base, chunks=3) == h[:3]
+
+
+def test_tail_hashes_commit_to_the_prefix_and_never_equal_a_block():
+    k = key(chunk_size=8)
+    base = list(range(1000, 1020))  # 2 blocks + a 4-token tail
+    h = chain_hashes(k, base)
+    assert h[0] == block_hash(root_hash(k), base[:8]) and h[1] == block_hash(h[0], base[8:16])
+    tail = block_hash(h[1], base[16:20])
+    assert tail not in h and tail != block_hash(h[1], base[16:20] + [0] * 4)
+    assert tail != block_hash(h[0], base[16:20])  # the same tokens under another parent
+    assert block_hash(h[1], base[16:19]) != tail  # a shorter tail is another node
+    # extending the tail into a full block gives the chain's next hash, not the tail's
+    assert chain_hashes(k, base + [5] * 4)[2] == block_hash(h[1], base[16:] + [5] * 4) != tail
 
 
 def test_common_prefix():

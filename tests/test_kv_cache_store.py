@@ -1,22 +1,22 @@
-"""Host tier LRU under a small budget, and the PrefixCache facade (lookup/restore/store, off
-switch, live rows, DCP minimum agreement across real gloo processes)."""
+"""Host tier LRU under a small budget (tails included), dominated siblings, and the PrefixCache
+facade (lookup/restore/store, off switch, env, stats, DCP minimum across real gloo processes)."""
 from __future__ import annotations
 
 import logging
-import os
 import socket
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kv_cache import CacheKey, HostStore, PrefixCache, chain_hashes
+from kv_cache import CacheKey, HostStore, Node, PrefixCache, block_hash, chain_hashes
 from kv_cache.cache import CacheConfigError, parse_bytes
 from kv_cache.keys import root_hash
 
-C = 8
-ROW_BYTES = 4 * 2  # 4 bf16 values per position
+C = 8  # the cache block size B
+ROW_BYTES = 2 * 8 + 2  # an int64 pair and one bf16 per position
 
 
 def key(**kw) -> CacheKey:
@@ -26,139 +26,222 @@ def key(**kw) -> CacheKey:
     return CacheKey(**base)
 
 
-def fake_rows_of(tokens: list[int]):
-    """Rows that are a deterministic function of the prefix (stands for what prefill writes)."""
-    def rows_for(k: int):
-        seg = torch.tensor(tokens[:(k + 1) * C], dtype=torch.float32)
-        val = seg.cumsum(0)[k * C:(k + 1) * C]
-        return {"latent.0": val[:, None].repeat(1, 4).to(torch.bfloat16)}
+def rows_of(tokens: list[int]):
+    """rows_for(start, stop): each position's row is a function of the whole prefix up to it
+    (stands for what prefill writes)."""
+    t = torch.tensor(tokens, dtype=torch.int64)
+    acc = (t * torch.arange(1, len(tokens) + 1)).cumsum(0)
+
+    def rows_for(a: int, b: int):
+        return {"latent.0": acc[a:b, None].repeat(1, 2), "scale.0": (acc[a:b] % 251).to(torch.bfloat16)}
     return rows_for
 
 
-def chunk_bytes() -> int:
-    return C * ROW_BYTES
+def replay(hit, prompt: list[int], live: list[int] | None = None):
+    """What the engine holds after the hit: live rows [0, live_tokens), then each piece's leading
+    slots; checked against what a cold prefill of `prompt` writes."""
+    got = {n: [t[:hit.live_tokens]] for n, t in rows_of(live or prompt)(0, hit.live_tokens).items()}
+    at = [hit.live_tokens]
+
+    def write(start: int, n: int, rows):
+        assert start == at[0] and 0 < n <= rows["scale.0"].shape[0]
+        for name, t in rows.items():
+            got[name].append(t[:n])
+        at[0] += n
+    hit.restore(write)
+    assert at[0] == hit.reused_tokens
+    want = rows_of(prompt)(0, hit.reused_tokens)
+    return all(torch.equal(torch.cat(got[n]), want[n]) for n in want)
+
+
+def nodes_of(k: CacheKey, tokens: list[int], stop: int | None = None) -> list[Node]:
+    """The chain of [0, stop) as nodes with rows: full blocks, then the tail."""
+    stop = len(tokens) if stop is None else stop
+    out, parent, rows_for = [], root_hash(k), rows_of(tokens)
+    for a in range(0, stop, C):
+        b = min(a + C, stop)
+        t = np.array(tokens[a:b], dtype=np.int64)
+        h = block_hash(parent, t)
+        out.append(Node(h, parent, t, rows_for(a, b)))
+        parent = h
+    return out
+
+
+def block_bytes(n: int = C) -> int:
+    return n * ROW_BYTES
 
 
 # ---- HostStore ------------------------------------------------------------------------------
 def test_lru_eviction_trims_chains_from_the_tip_and_never_orphans():
     k = key()
     root = root_hash(k)
-    store = HostStore(budget_bytes=5 * chunk_bytes())
-    a = list(range(100, 132))  # 4 chunks
-    b = list(range(200, 232))  # 4 chunks, unrelated
+    store = HostStore(budget_bytes=5 * block_bytes())
+    a = list(range(100, 132))  # 4 blocks
+    b = list(range(200, 232))  # 4 blocks, unrelated
+    assert store.put_chain(root, nodes_of(k, a)) == 4
+    assert store.put_chain(root, nodes_of(k, b)) == 4
+    # b is newer; a's blocks were evicted tip first, and what remains of a is a prefix
     ha, hb = chain_hashes(k, a), chain_hashes(k, b)
-    assert store.put_chain(root, ha, [fake_rows_of(a)(i) for i in range(4)]) == 4
-    assert store.put_chain(root, hb, [fake_rows_of(b)(i) for i in range(4)]) == 4
-    # b is newer; a's chunks were evicted tip first, and what remains of a is a prefix
     assert store.used_bytes <= store.budget_bytes
     assert all(h in store for h in hb)
     kept_a = [h in store for h in ha]
-    assert kept_a == sorted(kept_a, reverse=True), "a kept chunk must have all its parents kept"
+    assert kept_a == sorted(kept_a, reverse=True), "a kept block must have all its parents kept"
     assert sum(kept_a) == 1 and store.evictions == 3
+
+
+def test_budget_eviction_with_tails_takes_the_leaf_first():
+    k = key()
+    root = root_hash(k)
+    a = list(range(100, 120))  # 2 blocks + a 4-token tail
+    b = list(range(300, 316))  # 2 blocks
+    store = HostStore(budget_bytes=2 * block_bytes() + block_bytes(4) + 2 * block_bytes())
+    assert store.put_chain(root, nodes_of(k, a)) == 3
+    assert store.used_bytes == 2 * block_bytes() + block_bytes(4)
+    store.touch_chain(chain_hashes(k, a))  # a's blocks newer than its tail: the tail is a's LRU leaf
+    one_more = nodes_of(k, b + [1, 2, 3])  # 2 blocks + a 3-token tail: one tail over budget
+    assert store.put_chain(root, one_more) == 3
+    tail_a = nodes_of(k, a)[-1].hash
+    assert tail_a not in store and all(h in store for h in chain_hashes(k, a))
+    assert store.evictions == 1 and store.used_bytes <= store.budget_bytes
 
 
 def test_evicting_a_parent_evicts_its_descendants_and_shared_prefix_is_stored_once():
     k = key()
     root = root_hash(k)
-    store = HostStore(budget_bytes=100 * chunk_bytes())
+    store = HostStore(budget_bytes=100 * block_bytes())
     base = list(range(24))
-    x, y = base + [1] * 8, base + [2] * 8
-    hx, hy = chain_hashes(k, x), chain_hashes(k, y)
-    store.put_chain(root, hx, [fake_rows_of(x)(i) for i in range(4)])
-    assert store.put_chain(root, hy, [None, None, None, fake_rows_of(y)(3)]) == 1
-    assert len(store) == 5 and store.used_bytes == 5 * chunk_bytes()
-    assert store.evict(hx[1]) == 4  # chunk 1, chunk 2 and both chunk-3 branches
-    assert len(store) == 1 and hx[0] in store
+    x, y = base + [1] * 8, base + [2] * 8 + [5, 6]  # y: another block 3 and a tail
+    store.put_chain(root, nodes_of(k, x))
+    ny = nodes_of(k, y)
+    for n in ny[:3]:
+        n.rows = None  # already held: no rows needed
+    assert store.put_chain(root, ny) == 2
+    assert len(store) == 6 and store.used_bytes == 5 * block_bytes() + block_bytes(2)
+    assert store.evict(chain_hashes(k, x)[1]) == 5  # block 1, block 2, both blocks 3 and the tail
+    assert len(store) == 1 and chain_hashes(k, x)[0] in store
+
+
+def test_dominated_siblings_are_replaced_and_never_inserted():
+    k = key()
+    root = root_hash(k)
+    store = HostStore(budget_bytes=100 * block_bytes())
+    p = list(range(50, 66))  # 2 blocks
+    short, longer, other = nodes_of(k, p, 11)[-1], nodes_of(k, p, 14)[-1], nodes_of(k, p[:10] + [7, 7])[-1]
+    store.put_chain(root, nodes_of(k, p, 11))  # block 0 + tail [8, 11)
+    assert short.hash in store
+    assert store.put_chain(root, [other]) == 1  # [8, 12) differs at 10: a sibling, not dominated
+    assert store.put_chain(root, [longer]) == 1  # [8, 14) extends [8, 11): replaces it
+    assert short.hash not in store and other.hash in store and store.replaced == 1
+    assert store.put_chain(root, [nodes_of(k, p, 11)[-1]]) == 0  # dominated: not inserted again
+    assert store.put_chain(root, nodes_of(k, p)) == 1  # the full block 1 dominates [8, 14)
+    assert longer.hash not in store and other.hash in store and store.replaced == 2
+    assert store.evictions == 0  # replacement is not a budget eviction
+    assert store.used_bytes == 2 * block_bytes() + block_bytes(4)
 
 
 def test_chain_larger_than_budget_keeps_its_longest_prefix():
     k = key()
-    store = HostStore(budget_bytes=2 * chunk_bytes() + 1)
-    t = list(range(40))
+    store = HostStore(budget_bytes=2 * block_bytes() + 1)
+    t = list(range(43))
+    assert store.put_chain(root_hash(k), nodes_of(k, t)) == 2
     h = chain_hashes(k, t)
-    assert store.put_chain(root_hash(k), h, [fake_rows_of(t)(i) for i in range(5)]) == 2
     assert h[0] in store and h[1] in store and h[2] not in store
 
 
 # ---- PrefixCache ------------------------------------------------------------------------------
 def test_store_then_lookup_restores_exact_rows_for_each_extension_pattern():
     cache = PrefixCache(key(), host_bytes=1 << 20)
-    prompt = [(i * 7919) % 1000 for i in range(45)]  # 5 whole chunks + 5
+    prompt = [(i * 7919) % 1000 for i in range(45)]  # 5 whole blocks + a 5-token tail
     assert cache.lookup(prompt).reused_tokens == 0
-    assert cache.store(prompt, frontier=45, rows_for=fake_rows_of(prompt)) == 5
+    assert cache.store(prompt, frontier=45, rows_for=rows_of(prompt)) == 6
     cases = {
-        "append": (prompt + list(range(30)), 40),
-        "identical resend": (prompt, 40),
-        "one-word extension": (prompt + [5], 40),
-        "middle edit at 20": (prompt[:20] + [999] + prompt[21:], 16),
-        "edit in chunk 0": ([1] + prompt[1:], 0),
-        "prompt of exactly 5 chunks resent": (prompt[:40], 32),  # keep a token to prefill
+        "append": (prompt + list(range(30)), 45),
+        "identical resend": (prompt, 44),  # keep a token to prefill
+        "one-word extension": (prompt + [5], 45),
+        "middle edit at 20": (prompt[:20] + [999] + prompt[21:], 20),
+        "edit in block 0": ([1] + prompt[1:], 0),
+        "prompt of exactly 5 blocks resent": (prompt[:40], 39),
+        "prompt ending inside the tail": (prompt[:43], 42),
     }
     for name, (p, want) in cases.items():
         hit = cache.lookup(p)
         assert hit.reused_tokens == want, name
-        restored = {}
-        hit.restore(lambda k, rows: restored.__setitem__(k, rows))
-        assert sorted(restored) == list(range(want // C)), name
-        for k, rows in restored.items():
-            assert torch.equal(rows["latent.0"], fake_rows_of(p)(k)["latent.0"]), (name, k)
+        assert replay(hit, p), name
+        assert sum(x.length for x in hit.pieces) == want and all(x.start % C == 0 for x in hit.pieces), name
 
 
 def test_frontier_limits_reuse_to_rows_written_by_prefill():
     cache = PrefixCache(key(), host_bytes=1 << 20)
     turn1 = list(range(1, 21))  # prefill frontier 20; decode then wrote 12 more rows
     reply = list(range(500, 512))
-    assert cache.store(turn1 + reply, frontier=20, rows_for=fake_rows_of(turn1 + reply)) == 2
+    assert cache.store(turn1 + reply, frontier=20, rows_for=rows_of(turn1 + reply)) == 3  # 2 blocks + [16, 20)
     turn2 = turn1 + reply + [7, 8, 9]
-    assert cache.lookup(turn2).reused_tokens == 16  # not 32: rows 20..31 came from decode
+    hit = cache.lookup(turn2)
+    assert hit.reused_tokens == 20  # not 32: rows 20..31 came from decode
+    assert replay(hit, turn2)
 
 
 def test_live_rows_are_reused_in_place():
     cache = PrefixCache(key(), host_bytes=1 << 20)
     live = list(range(30))
     hit = cache.lookup(live + [1, 2], live_tokens=live, live_frontier=30)
-    assert hit.reused_tokens == 24 and hit.live_tokens == 24 and hit.chunks == []
-    cache_exact = PrefixCache(key(), host_bytes=1 << 20, boundary_only=False)
-    hit = cache_exact.lookup(live + [1, 2], live_tokens=live, live_frontier=30)
-    assert hit.reused_tokens == 30
-    # live beats nothing, stored beyond live is restored from the host tier
+    assert (hit.reused_tokens, hit.live_tokens, hit.pieces) == (30, 30, [])
+    # stored beyond live is restored from the host tier, from live's block start on
     longer = list(range(60))
-    cache.store(longer, 60, fake_rows_of(longer))
+    cache.store(longer, 60, rows_of(longer))
     hit = cache.lookup(longer + [3], live_tokens=live, live_frontier=30)
-    assert (hit.reused_tokens, hit.live_tokens, hit.first_chunk, len(hit.chunks)) == (56, 24, 3, 4)
+    assert (hit.reused_tokens, hit.live_tokens) == (60, 24)
+    assert [(p.start, p.length) for p in hit.pieces] == [(24, 8), (32, 8), (40, 8), (48, 8), (56, 4)]
+    assert replay(hit, longer + [3], live)
 
 
 def test_prefix_cache_off_reuses_nothing(monkeypatch):
     monkeypatch.setenv("TF_GLM53_PREFIX_CACHE", "0")
     cache = PrefixCache.from_env(key())
     p = list(range(50))
-    assert cache.store(p, 50, fake_rows_of(p)) == 0
+    assert cache.store(p, 50, rows_of(p)) == 0
     assert cache.lookup(p + [1]).reused_tokens == 0
     assert cache.stats.lookups == 0
 
 
-def test_env_errors_name_the_variable(monkeypatch):
+def test_env_errors_name_the_variable_and_the_boundary_is_not_read_here(monkeypatch, tmp_path):
     monkeypatch.setenv("TF_GLM53_PREFIX_CACHE", "maybe")
     with pytest.raises(CacheConfigError, match="TF_GLM53_PREFIX_CACHE"):
         PrefixCache.from_env(key())
     assert parse_bytes("X", "2M") == 2 << 20 and parse_bytes("X", "512") == 512
     with pytest.raises(CacheConfigError, match="TF_GLM53_HOST_CACHE_BYTES"):
         parse_bytes("TF_GLM53_HOST_CACHE_BYTES", "lots")
+    env = {"TF_GLM53_DISK_CACHE": str(tmp_path), "TF_GLM53_DISK_CACHE_THREADS": "zero"}
+    with pytest.raises(CacheConfigError, match="TF_GLM53_DISK_CACHE_THREADS"):
+        PrefixCache.from_env(key(), environ=env)
+    env["TF_GLM53_DISK_CACHE_THREADS"] = "3"
+    cache = PrefixCache.from_env(key(), environ=env)
+    assert cache.disk.threads == 3
+    cache.close()
+    # the engine decides the boundary; the old variable has no effect on kv_cache
+    cache = PrefixCache.from_env(key(), environ={"TF_GLM53_PREFIX_REUSE_BOUNDARY": "1"})
+    assert cache.boundary is None
+    assert PrefixCache.from_env(key(), environ={}, boundary=16).boundary == 16
+    with pytest.raises(ValueError, match="boundary"):
+        PrefixCache(key(), boundary=0)
 
 
 def test_stats_and_logging(caplog):
-    cache = PrefixCache(key(), host_bytes=3 * chunk_bytes())
+    cache = PrefixCache(key(), host_bytes=3 * block_bytes())
     with caplog.at_level(logging.INFO, logger="kv_cache"):
-        a = list(range(33))
+        a = list(range(24))
         cache.lookup(a)
-        cache.store(a, 33, fake_rows_of(a))
+        cache.store(a, 24, rows_of(a))
         cache.lookup(a + [1])
-        b = list(range(1000, 1033))
-        cache.store(b, 33, fake_rows_of(b))
+        b = list(range(1000, 1024))
+        cache.store(b, 24, rows_of(b))
     s = cache.stats_dict()
     assert (s["lookups"], s["hits"], s["misses"], s["cached_tokens"]) == (2, 1, 1, 24)
-    assert s["host_evictions"] == 3 and s["evictions"] == 3  # a's 3 chunks were trimmed for b's 3
-    assert any("kv_cache hit: 24 of 34" in r.message for r in caplog.records)
+    assert (s["host_tokens"], s["disk_tokens"], s["live_tokens"], s["stored_chunks"]) == (24, 0, 0, 6)
+    assert s["host_evictions"] == 3 and s["evictions"] == 3  # a's 3 blocks were trimmed for b's 3
+    assert s["host_chunks"] == 3 and s["host_bytes"] == 3 * block_bytes()
+    assert set(s) >= {"disk_written_chunks", "disk_bytes", "disk_chunks", "disk_evictions", "disk_quarantined"}
+    assert any("kv_cache hit: 24 of 25" in r.message for r in caplog.records)
     assert any("kv_cache miss" in r.message for r in caplog.records)
     assert any("kv_cache host evict: 3 chunks" in r.message for r in caplog.records)
 
@@ -181,17 +264,17 @@ def _dcp_worker(rank: int, world: int, port: int, out: dict) -> None:
         k = key(ranks=world, rank=rank, dcp=True)
         cache = PrefixCache(k, host_bytes=1 << 20, agree=agree)
         prompt = list(range(3, 3 + 8 * C))
-        # rank r holds its rows of the first 8 - 2r chunks (as if the others were evicted there)
-        held = 8 - 2 * rank
+        # rank r holds its rows of the first 8 - 2r blocks + 3 tokens (as if the rest were evicted)
+        held = (8 - 2 * rank) * C + 3
 
-        def rows_for(kk: int):  # this rank's positions of chunk kk: p % world == rank
-            pos = torch.arange(kk * C, (kk + 1) * C)
+        def rows_for(a: int, b: int):  # this rank's positions of [a, b): p % world == rank
+            pos = torch.arange(a, b)
             return {"latent.0": pos[pos % world == rank].to(torch.bfloat16)[:, None]}
 
-        cache.store(prompt, held * C, rows_for)
+        cache.store(prompt, held, rows_for)
         hit = cache.lookup(prompt + [1])
-        out[rank] = (hit.reused_tokens, len(hit.chunks),
-                     [r["latent.0"].flatten().tolist() for r in hit.chunks[:1]])
+        out[rank] = (hit.reused_tokens, len(hit.pieces),
+                     [p.rows["latent.0"].flatten().tolist() for p in hit.pieces[:1]])
     finally:
         dist.destroy_process_group()
 
@@ -203,7 +286,8 @@ def test_dcp_hit_is_the_minimum_over_real_ranks():
         out = manager.dict()
         mp.spawn(_dcp_worker, args=(world, _free_port(), out), nprocs=world, join=True)
         res = dict(out)
-    assert {r: res[r][0] for r in range(world)} == {0: 4 * C, 1: 4 * C, 2: 4 * C}
-    assert all(res[r][1] == 4 for r in range(world))
+    want = 4 * C + 3  # rank 2's extent
+    assert {r: res[r][0] for r in range(world)} == {0: want, 1: want, 2: want}
+    assert all(res[r][1] == 5 for r in range(world))
     # each rank restored its own rows only
     assert res[1][2] == [[float(p) for p in range(C) if p % world == 1]]

@@ -1,0 +1,126 @@
+"""The disk tier's parallel read path and file format: every byte written comes back exactly
+(any dtype and shape, views aligned in one buffer per file), across threads; a corrupt or vanished
+file is a miss at its own index only; the header pads the payload to alignment."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from kv_cache import CacheKey, DiskTier, Node, block_hash
+from kv_cache import diskfile
+from kv_cache.disk import SUFFIX
+from kv_cache.keys import root_hash
+
+B = 32
+
+
+def key() -> CacheKey:
+    return CacheKey("rev", "bfloat16", "bfloat16", 1, 0, False, B, "cpu", "t")
+
+
+def varied_rows(i: int, n: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(i)
+    return {"latent.0": torch.randn(n, 5, generator=g).to(torch.bfloat16),  # 10-byte rows: odd sizes
+            "latent_scale.0": torch.rand(n, generator=g),
+            "index.0": torch.randn(n, 3, 7, generator=g).to(torch.float8_e4m3fn),
+            "pos.0": torch.randint(-2**62, 2**62, (n, 1), generator=g),
+            "empty.0": torch.empty(n, 0, dtype=torch.float16)}
+
+
+def chain(k: CacheKey, count: int, tail: int = 0) -> list[Node]:
+    """`count` full blocks and optionally a tail of `tail` tokens, with rows."""
+    nodes, parent = [], root_hash(k)
+    for i in range(count + (1 if tail else 0)):
+        n = B if i < count else tail
+        toks = np.arange(i * B, i * B + n, dtype=np.int64) * 7 % 1001
+        h = block_hash(parent, toks)
+        nodes.append(Node(h, parent, toks, varied_rows(i, n)))
+        parent = h
+    return nodes
+
+
+def raw(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(
+        a[n].dtype == b[n].dtype and a[n].shape == b[n].shape and raw(a[n]) == raw(b[n]) for n in a)
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_parallel_loader_returns_exactly_the_bytes_written(tmp_path, threads):
+    k = key()
+    nodes = chain(k, 12, tail=5)
+    assert DiskTier(tmp_path, k, 1 << 30).put_chain(root_hash(k), nodes) == 13
+    tier = DiskTier(tmp_path, k, 1 << 30, threads=threads)  # a restart
+    got = tier.load_many([n.hash for n in nodes])
+    assert all(g is not None and same(g, n.rows) for g, n in zip(got, nodes))
+    for rows in got:  # zero-copy views into one buffer per file, aligned for their dtype
+        assert all(t.data_ptr() % diskfile.ALIGN == 0 for t in rows.values() if t.numel())
+    assert tier.quarantined == 0
+    tier.close()
+
+
+def test_loads_run_on_several_threads(tmp_path, monkeypatch):
+    k = key()
+    nodes = chain(k, 8)
+    DiskTier(tmp_path, k, 1 << 30).put_chain(root_hash(k), nodes)
+    tier = DiskTier(tmp_path, k, 1 << 30, threads=4)
+    seen, lock, gate = set(), threading.Lock(), threading.Barrier(2, timeout=10)
+    real = DiskTier._read
+
+    def spy(self, h, path):
+        with lock:
+            seen.add(threading.current_thread().name)
+        if path.name == nodes[0].hash.hex() + SUFFIX or path.name == nodes[1].hash.hex() + SUFFIX:
+            gate.wait()  # blocks 0 and 1 must be read at the same time
+        return real(self, h, path)
+    monkeypatch.setattr(DiskTier, "_read", spy)
+    assert all(r is not None for r in tier.load_many([n.hash for n in nodes]))
+    assert len(seen) >= 2 and all(name.startswith("kv_cache-disk-read") for name in seen)
+    tier.close()
+
+
+def test_a_bad_file_is_a_miss_at_its_own_index_only(tmp_path):
+    k = key()
+    nodes = chain(k, 6)
+    DiskTier(tmp_path, k, 1 << 30).put_chain(root_hash(k), nodes)
+    d = tmp_path / k.digest().hex()
+    bad = d / (nodes[2].hash.hex() + SUFFIX)
+    data = bytearray(bad.read_bytes())
+    data[len(data) // 2 + 40] ^= 0x10  # inside the payload
+    bad.write_bytes(bytes(data))
+    tier = DiskTier(tmp_path, k, 1 << 30, threads=3)
+    (d / (nodes[4].hash.hex() + SUFFIX)).unlink()  # evicted by another process meanwhile
+    got = tier.load_many([n.hash for n in nodes] + [b"\0" * 16])
+    assert [g is None for g in got] == [False, False, True, False, True, False, True]
+    assert same(got[3], nodes[3].rows) and same(got[5], nodes[5].rows)
+    assert tier.quarantined == 1 and not bad.exists()
+    assert nodes[2].hash not in tier and nodes[4].hash not in tier  # both dropped from the index
+    tier.close()
+
+
+def test_file_layout_aligns_the_payload_and_records_tokens():
+    k = key()
+    node = chain(k, 0, tail=3)[0]
+    pieces = diskfile.encode(json.loads(k.to_json()), node)
+    blob = b"".join(bytes(p) for p in pieces)
+    hdr = diskfile.parse(memoryview(blob), len(blob))
+    assert hdr.payload_start % diskfile.ALIGN == 0 and hdr.file_size == len(blob)
+    assert hdr.tokens.tolist() == node.tokens.tolist() and hdr.parent == node.parent
+    assert all(t["offset"] % diskfile.ALIGN == 0 for t in hdr.tensors)
+    buf = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    assert same(diskfile.decode(hdr, buf), node.rows)
+    # a header that lies about its tokens fails the identity check (the hash is recomputed)
+    diskfile.check_identity(hdr, json.loads(k.to_json()), node.hash, B)
+    liar = dataclasses.replace(hdr, tokens=hdr.tokens + 1)
+    with pytest.raises(diskfile.CorruptEntry, match="does not match the parent and tokens"):
+        diskfile.check_identity(liar, json.loads(k.to_json()), node.hash, B)
+    with pytest.raises(diskfile.CorruptEntry, match="file name does not match"):
+        diskfile.check_identity(hdr, json.loads(k.to_json()), b"\1" * 16, B)
