@@ -3,9 +3,10 @@
 For randomized prompts and the extension patterns of an agent conversation (append, identical
 resend, one-word extension, an edit in the middle, a multi-turn chat re-rendered by the chat
 template), every KV row and every logit computed after the reused prefix equals a cold run bit
-for bit, and so do the replies. TF_GLM53_PREFIX_CACHE=0 gives identical replies. The disk tier
-restores exact rows. And on the real model, chunking derived from the prompt's length breaks
-exactness while the fixed grid keeps it.
+for bit, and so do the replies; reuse is token-exact (up to the edit, up to the frontier), never
+floored to a grid. TF_GLM53_PREFIX_CACHE=0 gives identical replies. The disk tier restores exact
+rows. On the real model, chunking derived from the prompt's length cannot break exactness (the ops
+are row-invariant); with plain matmuls in their place it does, and the grid rule still protects.
 """
 from __future__ import annotations
 
@@ -20,14 +21,16 @@ from glm53.engine import Glm53Engine
 from kv_cache.engine_adapter import attach_prefix_cache, cache_key_for
 from tests.fixtures_tiny import tiny_dirs  # noqa: F401  (the session's one tiny checkpoint)
 
-C = 16
+C = 16  # prefill grid
+B = 8  # cache block: prompts of 40-60 tokens span several blocks and a tail
+
 GREEDY = {"temperature": 0.0}
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_dirs) -> Glm53Engine:  # noqa: F811
-    # the serving defaults on a CPU (fp32 compute, bf16 latent cache), a small grid
-    return Glm53Engine(tiny_dirs.model, device="cpu", dtype="fp32", kv_dtype="bf16", prefill_chunk=C)
+    # the serving defaults on a CPU (fp32 compute, bf16 latent cache), a small grid and block
+    return Glm53Engine(tiny_dirs.model, device="cpu", dtype="fp32", kv_dtype="bf16", prefill_chunk=C, cache_block=B)
 
 
 def raw(t: torch.Tensor) -> torch.Tensor:
@@ -101,22 +104,25 @@ def run_patterns(engine: Glm53Engine, seed: int) -> None:
     engine.state = None
     rng = random.Random(seed)
     prompt, reply, earlier = [], [], []
-    reused = {}
+    reused, lengths = {}, {}
     for name, build in conversation(rng, engine.vocab_size, earlier):
+        previous = prompt
         prompt = build(prompt, reply)
         if name == "edit in the middle":
             earlier.append(prompt)
         warm = Run(engine, prompt, 3, GREEDY)
         assert_exact(warm, cold(engine, prompt, 3, GREEDY), name)
         reply = warm.reply
-        reused[name] = warm.cached
-        assert warm.cached % C == 0 and warm.cached < len(prompt)
+        reused[name], lengths[name] = warm.cached, (len(previous), len(prompt))
+    # token-exact reuse: the previous prompt's canonical rows, never its reply's decode rows
     assert reused["first turn"] == 0 and reused["unrelated prompt"] == 0
-    for name in ("append a turn", "identical resend", "one-word extension", "edit in the middle"):
-        assert reused[name] > 0, name
-    assert reused["back to the earlier conversation (host tier)"] >= C
+    assert reused["append a turn"] == lengths["append a turn"][0]
+    assert reused["identical resend"] == lengths["identical resend"][1] - 1  # one token left to compute
+    assert reused["one-word extension"] == lengths["one-word extension"][0]
+    assert reused["edit in the middle"] == lengths["edit in the middle"][0] // 2  # exactly up to the edit
+    assert reused["back to the earlier conversation (host tier)"] == len(earlier[0])  # blocks and tail
     s = cache.stats_dict()
-    assert s["host_tokens"] > 0 and s["hits"] >= 5 and s["misses"] >= 2
+    assert s["host_tokens"] == len(earlier[0]) and s["hits"] >= 5 and s["misses"] >= 2
 
 
 def test_reuse_is_bitwise_for_every_extension_pattern(engine):
@@ -180,7 +186,7 @@ def test_disk_tier_restores_exact_rows_after_a_restart(engine, tmp_path):
     engine.state = None
     longer = prompt + [5, 6]
     warm = Run(engine, longer, 3, GREEDY)
-    assert warm.cached == 64 and cache.stats.disk_tokens == 64
+    assert warm.cached == 70 and cache.stats.disk_tokens == 70  # eight blocks and the 6-token tail
     assert_exact(warm, cold(engine, longer, 3, GREEDY), "disk resume")
     # another revision never matches these files
     other = attach_prefix_cache(engine, revision="another-model", environ=env)
@@ -190,7 +196,8 @@ def test_disk_tier_restores_exact_rows_after_a_restart(engine, tmp_path):
 
 def test_key_follows_engine_settings(engine):
     k = cache_key_for(engine, revision="r")
-    assert (k.chunk_size, k.kv_dtype, k.compute_dtype, k.ranks, k.rank, k.dcp) == (C, "bf16", "fp32", 1, 0, False)
+    assert (k.chunk_size, k.kv_dtype, k.compute_dtype, k.ranks, k.rank, k.dcp) == (B, "bf16", "fp32", 1, 0, False)
+    assert ("prefill_grid", str(C)) in k.extra and ("numerics", "row-invariant-1") in k.extra
     assert k.device_kind.startswith("cpu/")
 
 
@@ -222,6 +229,18 @@ def _reuse_exact(engine, chunk_for) -> bool:
     return rows_same and torch.equal(raw(warm_logits), raw(ref_logits[reuse:]))
 
 
-def test_length_dependent_chunking_breaks_exactness_on_the_real_model(engine):
+def test_length_dependent_chunking_cannot_break_exactness_with_row_invariant_ops(engine):
     assert _reuse_exact(engine, lambda n: C)  # the grid
-    assert not _reuse_exact(engine, lambda n: math.ceil(n / 2))  # two chunks sized from the length
+    assert _reuse_exact(engine, lambda n: math.ceil(n / 2))  # two chunks sized from the length
+    assert _reuse_exact(engine, lambda n: 7 if n < 50 else 13)
+
+
+def test_length_dependent_chunking_breaks_exactness_with_plain_matmuls(engine, monkeypatch):
+    """The regression the grid exists for, on the real model: with MKL's plain products in place of
+    the padded ones (rows then depend on the product's row count), chunks sized from the prompt's
+    length make the reused rows differ from a cold run, and the fixed grid keeps them exact."""
+    from glm53.ops import torch_ops
+
+    monkeypatch.setattr(torch_ops, "linear", lambda x, w: x @ w.T)
+    assert _reuse_exact(engine, lambda n: C)  # the grid
+    assert not _reuse_exact(engine, lambda n: math.ceil(n / 2))

@@ -7,11 +7,13 @@ There is no split-K, no atomics, no reduction across programs, and the tile conf
 from the fixed dims (N, K, dtype) only, never from the row count M (passed do_not_specialize), so a
 row gets the same instructions, and the same bits, whatever M is and wherever the row sits.
 
-CONFIG_BY_ROWS: decode (M = 1) and prefill (M = 2048) want different tiles. False (the default):
-one config per (N, K, dtype) for all M, row-invariant by construction. True: BLOCK_M (and BLOCK_N,
-num_warps) chosen by M with the same BLOCK_K; that is row-invariant only if the tensor-core paths
-for different BLOCK_M (mma.sync at 16, wgmma at >= 64 on Hopper) give bitwise-equal per-element
-sums, which bench/bench_kernels.py's probe measures. Flip it only on the probe's say-so. First
+CONFIG_BY_ROWS: decode (M = 1) and prefill (M = 2048) want different tiles. True (the default):
+BLOCK_M (and BLOCK_N, num_warps) chosen by M with the same BLOCK_K; that is row-invariant because
+the tensor-core paths for different BLOCK_M (mma.sync at 16, wgmma at >= 64 on Hopper) give
+bitwise-equal per-element sums: measured on the H200 by bench/bench_kernels.py's probe (seven
+configs, every M and offset tried: identical bits; bench/results/kernels_h200.json) and guarded by
+tests/gpu/test_triton_cuda.py. False: one config per (N, K, dtype) for all M, row-invariant by
+construction on any GPU (set it there until the probe has run on that GPU). First
 reading (H200, triton 3.6, torch 2.11): all seven probe configs (BLOCK_M 16/64/128) gave identical
 bits at M = 1, 7, 64, 2048 and two offsets, for (N, K) = (2048, 2048), (6144, 2048), (2048, 6144).
 """
@@ -24,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-CONFIG_BY_ROWS = False
+CONFIG_BY_ROWS = True
 
 
 @dataclass(frozen=True)

@@ -94,9 +94,9 @@ def test_linear_leading_dims_and_glm_shape(k):
         assert torch.equal(k.linear.linear(flat[rows], w), big_flat[rows]), f"rows {rows}"
 
 
-def test_linear_config_by_rows_would_be_row_invariant(k, monkeypatch):
+def test_linear_config_by_rows_is_row_invariant(k, monkeypatch):
     """CONFIG_BY_ROWS = True picks BLOCK_M 16 / 64 / 128 by M (mma.sync vs wgmma on Hopper): rows must
-    still be bitwise those of the 2048-row call, or the flag must stay False on this GPU."""
+    still be bitwise those of the 2048-row call, or the flag must be False on this GPU."""
     monkeypatch.setattr(k.linear, "CONFIG_BY_ROWS", True)
     g = _gen(9)
     x = _randn(g, 2048, 6144, std=6144 ** -0.5, dtype=torch.bfloat16)
@@ -108,7 +108,7 @@ def test_linear_config_by_rows_would_be_row_invariant(k, monkeypatch):
     for start, count in [(0, 1), (1000, 1), (3, 7), (0, 16), (5, 17), (64, 64), (100, 257)]:
         rows = slice(start, start + count)
         assert torch.equal(k.linear.linear(x[rows], w), big[rows]), (
-            f"CONFIG_BY_ROWS=True: rows {rows} differ from the 2048-row call: keep CONFIG_BY_ROWS False on this GPU")
+            f"CONFIG_BY_ROWS=True: rows {rows} differ from the 2048-row call: set CONFIG_BY_ROWS False on this GPU")
 
 
 def test_linear_router_fp32(k):
