@@ -231,7 +231,7 @@ def spin_cuda(comm: Comm, out: Path) -> None:
             (out / f"ready{comm.rank}").write_text(str(os.getpid()))
 
 
-ENGINE_OPTIONS = {"device": "cpu", "dtype": "fp32", "kv_dtype": "fp32", "prefill_chunk": 16}
+ENGINE_OPTIONS = {"device": "cpu", "dtype": "fp32", "kv_dtype": "fp32", "prefill_chunk": 16, "cache_block": 16}
 ENGINE_REQUESTS = [  # (prompt, max_tokens, sampling, cancel after n tokens or None)
     (PROMPT, 20, None, None),
     (PROMPT + [5, 6, 7], 12, None, None),  # extends the live conversation: reuse on every rank alike
@@ -384,7 +384,7 @@ def cache_draft(spec_rank: int, world: int, port: int, out: Path) -> None:
 # ---- each draft source over R ranks (tests/test_multirank_cache_draft.py) ----------------------------
 DRAFT_SOURCES = ("copy", "mtp", "dflash2")
 LOOPING_PROMPT = [300, 301, 302, 303, 304, 305, 306, 307, 300, 301, 706, 950]
-SOURCE_OPTIONS = dict(ENGINE_OPTIONS, prefill_chunk=4)  # a fine grid: short prompts reuse whole chunks
+SOURCE_OPTIONS = dict(ENGINE_OPTIONS, prefill_chunk=4, cache_block=4)  # a fine grid and blocks
 
 
 def source_prompts(source: str, n: int, vocab: int) -> list[tuple[list[int] | None, int, dict]]:

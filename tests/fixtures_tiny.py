@@ -66,7 +66,8 @@ def tiny_dirs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
 def tiny_engine(tiny_dirs: TinyDirs):
     from glm53.engine import Glm53Engine
 
-    return Glm53Engine(tiny_dirs.model, device="cpu", dtype="fp32", kv_dtype="fp32", prefill_chunk=TINY_CHUNK)
+    return Glm53Engine(tiny_dirs.model, device="cpu", dtype="fp32", kv_dtype="fp32", prefill_chunk=TINY_CHUNK,
+                       cache_block=TINY_CHUNK)
 
 
 @contextmanager

@@ -165,7 +165,7 @@ def test_resend_hits_the_cache_and_metrics_match_usage(lane, lines) -> None:
     second = complete(url, prompt, 4, draft=False)
     after = metrics(url)
     cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
-    assert cached == 3 * TINY_CHUNK and first["choices"][0]["text"] == second["choices"][0]["text"]
+    assert cached == len(prompt) - 1 and first["choices"][0]["text"] == second["choices"][0]["text"]  # all but the last
 
     def delta(name: str) -> float:
         return value(after, name) - value(before, name)
