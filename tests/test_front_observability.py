@@ -102,10 +102,10 @@ def value(samples: dict, name: str, **labels: str) -> float:
 
 # ---- the lane --------------------------------------------------------------------------------
 def chunk_bytes(engine) -> int:
-    """Host bytes of one cached chunk of this engine, measured with a throwaway cache."""
+    """Host bytes of one cached chunk (one whole block) of this engine, measured with a throwaway cache."""
     probe = PrefixCache(cache_key_for(engine, revision="probe"))
     with fresh_engine_state(engine, prefix_cache=probe, drafter=None):
-        engine.generate(list(range(3, 3 + TINY_CHUNK + 1)), 1)
+        engine.generate(list(range(3, 3 + TINY_CHUNK)), 1)  # its frontier: exactly one block, no tail
     stats = probe.stats_dict()
     assert stats["host_chunks"] == 1
     return stats["host_bytes"]

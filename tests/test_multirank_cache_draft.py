@@ -36,19 +36,18 @@ C = W.ENGINE_OPTIONS["prefill_chunk"]
 
 
 def expected_cached(prompt_len: int, reply_len: int) -> dict[str, int]:
-    """Reused rows per case (grid C = 16, reuse floored to the grid, one token always left to prefill)."""
+    """Reused rows per case (token-exact: row-invariant ops; one token always left to prefill)."""
     p = len(W.CACHE_PROMPT)  # 45
-    floor = lambda n: n // C * C  # noqa: E731
     return {
         "base": 0,
-        "append": floor(p),               # live rows; the base's frontier is its prompt (45)
-        "resend": floor(p - 1),            # identical prompt: the last token is recomputed
-        "one_word": floor(p),              # live rows, frontier 45
-        "edit": floor(30),                 # edited at 30: chunks before it
-        # back to `append`'s prompt after the edit: live rows give 16, stored chunks give the
-        # append request's canonical chunks [0, 48): restored from the host tier on every rank
-        "restore": floor(p + reply_len + 7 - 1),
-        "after_draft": floor(len(W.DRAFT_PROMPTS[0])),
+        "append": p,                       # live rows; the base's frontier is its prompt (45)
+        "resend": p - 1,                   # identical prompt: the last token is recomputed
+        "one_word": p,                     # live rows, frontier 45
+        "edit": 30,                        # edited at 30: exactly the rows before it
+        # back to `append`'s prompt after the edit: live rows give 30, the stored blocks and tail of
+        # the append request's canonical prefill give all but its last token, from the host tier
+        "restore": p + reply_len + 7 - 1,
+        "after_draft": len(W.DRAFT_PROMPTS[0]),  # its frontier: verification rows are never reused
     }
 
 
@@ -111,10 +110,10 @@ def test_prefix_cache_and_drafts_over_ranks(tmp_path: Path, tiny_dirs, R: int) -
         for x in res:
             assert x[f"warm/scripted{i}_{mode}"]["length"] == d["length"]
     assert 0 < accepted < proposed, f"scripted drafts: {accepted} of {proposed} accepted (need both outcomes)"
-    # (c) the drafted request stored only its prompt's whole chunks, on every rank
+    # (c) the drafted request stored only its prompt (whole blocks and the tail), on every rank
     for x in res:
         first_draft = x["warm/drafted0_greedy"]
-        assert first_draft["stored_chunks"] == len(W.DRAFT_PROMPTS[0]) // C
+        assert first_draft["stored_chunks"] == -(-len(W.DRAFT_PROMPTS[0]) // W.ENGINE_OPTIONS["cache_block"])
         assert first_draft["frontier"] == len(W.DRAFT_PROMPTS[0])
     print(f"R={R}: {len(names)} cases warm + cold, wall {time.monotonic() - started:.1f} s; "
           f"per-request seconds (rank 0, warm): " +
