@@ -242,8 +242,13 @@ def scenario_disk(engine, args, rng, mismatches: list[str], disk_dir: Path) -> d
             "speedup": statistics.median(cw) / statistics.median(ww)}
 
 
-def scenario_profile(engine, args, rng, out: Path) -> dict[str, Any]:
-    """Where the time of a cold prefill and of a reused one-word extension goes (not timed samples)."""
+def scenario_profile(engine, args, rng, out: Path, disk_dir: Path) -> dict[str, Any]:
+    """Where the time of a cold prefill, of a reused one-word extension and of a disk resume goes
+    (not timed samples): torch.profiler's op tables, and cProfile's Python view of the disk resume."""
+    import cProfile
+    import io
+    import pstats
+
     from torch.profiler import ProfilerActivity, profile
 
     on, off = Side(engine, "on", args.on_env), Side(engine, "off", {"TF_GLM53_PREFIX_CACHE": "0"})
@@ -260,6 +265,21 @@ def scenario_profile(engine, args, rng, out: Path) -> dict[str, Any]:
         sections.append(f"== {name}: {len(prompt)} prompt tokens, wall {walls[name]:.4f} s, by {sort} ==\n"
                         + table.table(sort_by=sort, row_limit=25)
                         + f"\n== {name}: by self_cpu_time_total ==\n" + table.table(sort_by="self_cpu_time_total", row_limit=25))
+    env = {**args.on_env, "TF_GLM53_DISK_CACHE": str(disk_dir), "TF_GLM53_DISK_CACHE_BYTES": args.disk_bytes}
+    disk = Side(engine, "disk", env)
+    base = rand_tokens(rng, args.disk_long, engine.vocab_size)
+    disk.generate(base, args.reply)
+    disk.restart()
+    drop_page_cache(disk_dir)
+    prof = cProfile.Profile()
+    prof.enable()
+    walls["disk resume"] = disk.generate(base + rand_tokens(rng, 1, engine.vocab_size), args.reply)["wall_s"]
+    prof.disable()
+    disk.cache.close()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(40)
+    sections.append(f"== disk resume: {len(base) + 1} prompt tokens, wall {walls['disk resume']:.4f} s "
+                    f"(cProfile, page cache dropped) ==\n" + text.getvalue())
     path = out.with_suffix(".profile.txt")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n\n".join(sections))
@@ -368,7 +388,7 @@ def main() -> int:
         if "disk" in args.scenarios:
             result["disk"] = scenario_disk(engine, args, rng, mismatches, work / "disk_cache")
         if args.profile:
-            result["profile"] = scenario_profile(engine, args, rng, args.out)
+            result["profile"] = scenario_profile(engine, args, rng, args.out, work / "disk_profile")
         write_json(args.out, result)
         print(table(result))
         print(f"full results: {args.out}")
