@@ -166,19 +166,30 @@ def rand_tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
 
 
 def scenario_turns(engine, args, rng, mismatches: list[str]) -> dict[str, Any]:
-    on, off = Side(engine, "on", args.on_env), Side(engine, "off", {"TF_GLM53_PREFIX_CACHE": "0"})
-    prompt: list[int] = []
+    """The conversation `--repeats` times over (fresh caches each time, the same tokens: the replies
+    are greedy), so every turn has that many samples of each arm; medians compared."""
+    turns = [rand_tokens(rng, args.turn_tokens, engine.vocab_size) for _ in range(args.turns)]
+    samples: list[list[tuple[dict, dict]]] = [[] for _ in turns]
+    for rep in range(args.repeats):
+        on, off = Side(engine, "on", args.on_env), Side(engine, "off", {"TF_GLM53_PREFIX_CACHE": "0"})
+        prompt: list[int] = []
+        for i, new in enumerate(turns):
+            prompt = prompt + new
+            a, b = pair(on, off, prompt, args.reply, i + rep)
+            if not same(a, b):
+                mismatches.append(f"turns: turn {i + 1} (repeat {rep})")
+            samples[i].append((a, b))
+            log(f"turn {i + 1} (repeat {rep}): prompt {a['prompt_tokens']} cached {a['cached_tokens']} "
+                f"on {a['wall_s']:.3f}s off {b['wall_s']:.3f}s")
+            prompt = prompt + a["reply"]
+        on.cache.close()
     rows = []
-    for turn in range(1, args.turns + 1):
-        prompt = prompt + rand_tokens(rng, args.turn_tokens, engine.vocab_size)
-        a, b = pair(on, off, prompt, args.reply, turn)
-        if not same(a, b):
-            mismatches.append(f"turns: turn {turn}")
-        rows.append({"turn": turn, "on": a, "off": b, "speedup": b["wall_s"] / a["wall_s"]})
-        log(f"turn {turn}: prompt {a['prompt_tokens']} cached {a['cached_tokens']} on {a['wall_s']:.3f}s "
-            f"off {b['wall_s']:.3f}s")
-        prompt = prompt + a["reply"]
-    return {"turns": rows, "on_turn_last_over_first": rows[-1]["on"]["wall_s"] / rows[0]["on"]["wall_s"]}
+    for i, pairs in enumerate(samples):
+        on_s, off_s = summary([a["wall_s"] for a, _ in pairs]), summary([b["wall_s"] for _, b in pairs])
+        rows.append({"turn": i + 1, "prompt_tokens": pairs[0][0]["prompt_tokens"],
+                     "cached_tokens": pairs[0][0]["cached_tokens"], "on_s": on_s, "off_s": off_s,
+                     "speedup": off_s["median"] / on_s["median"], "samples": [{"on": a, "off": b} for a, b in pairs]})
+    return {"turns": rows, "on_turn_last_over_first": rows[-1]["on_s"]["median"] / rows[0]["on_s"]["median"]}
 
 
 def scenario_one_word(engine, args, rng, mismatches: list[str]) -> dict[str, Any]:
@@ -292,12 +303,14 @@ def table(result: dict[str, Any]) -> str:
     lines = []
     t = result.get("turns")
     if t:
-        lines += ["turn | prompt | cached | on (s) | off (s) | speedup",
-                  "---- | ------ | ------ | ------ | ------- | -------"]
+        lines += ["turn | prompt | cached | on median [min, max] (s) | off median (s) | speedup",
+                  "---- | ------ | ------ | ------------------------ | -------------- | -------"]
         for r in t["turns"]:
-            lines.append(f"{r['turn']:4d} | {r['on']['prompt_tokens']:6d} | {r['on']['cached_tokens']:6d} | "
-                         f"{r['on']['wall_s']:6.3f} | {r['off']['wall_s']:7.3f} | {r['speedup']:6.1f}x")
-        lines.append(f"cache on: turn {len(t['turns'])} / turn 1 = {t['on_turn_last_over_first']:.2f} (goal <= 1.2)")
+            on_s = r["on_s"]
+            lines.append(f"{r['turn']:4d} | {r['prompt_tokens']:6d} | {r['cached_tokens']:6d} | "
+                         f"{on_s['median']:6.3f} [{on_s['min']:.3f}, {on_s['max']:.3f}] | "
+                         f"{r['off_s']['median']:14.3f} | {r['speedup']:6.1f}x")
+        lines.append(f"cache on: turn {len(t['turns'])} / turn 1 = {t['on_turn_last_over_first']:.2f} (medians; goal <= 1.2)")
     o = result.get("one_word")
     if o:
         lines.append(f"one-word extension of {o['prompt_tokens'] - 1} tokens: cold {o['cold_s']['median']:.3f}s "

@@ -250,7 +250,6 @@ class Glm53Engine:
         use_drafts = self.will_draft(params)
         taps = tuple(getattr(self.drafter, "taps", ()) or ()) if use_drafts else ()
         outs = self.run(state, prompt[cached:], cached, len(prompt), taps=taps)
-        self.store_prefix(prompt, state)
         logits = self.model.logits(outs[-1].hidden[-1:])[0]
         t_first = time.perf_counter()
         stats["ttft_s"] = t_first - t0
@@ -263,6 +262,9 @@ class Glm53Engine:
         finally:
             stats["completion_tokens"] = len(reply)
             stats["decode_s"] = time.perf_counter() - t_first
+        # after the reply, off the time to first token: decode and verification write only past the
+        # frontier, so the prompt's canonical rows are still what prefill wrote
+        self.store_prefix(prompt, state)
         return reply
 
     def will_draft(self, params: SamplingParams) -> bool:

@@ -189,8 +189,8 @@ class KVState:
             if t.shape[0] < b - a or t.dtype != target.dtype or tuple(t.shape[1:]) != tuple(target.shape[1:]):
                 raise ValueError(f"restored {name}: {tuple(t.shape)} {t.dtype}, expected at least [{b - a}, ...] {target.dtype}")
             targets[name] = target
-        for name, t in rows.items():
-            targets[name][a:b] = t[: b - a].to(self.device)  # every tensor checked first: nothing half-written
+        for name, t in rows.items():  # every tensor checked first: nothing half-written
+            targets[name][a:b].copy_(t[: b - a])  # straight into the cache (no device temporary)
         self.tokens.extend(tokens)
         if self.frontier == start:
             self.frontier = start + n
