@@ -141,3 +141,27 @@ def test_select_topk_ties_toward_the_lower_position(k: int) -> None:
         assert got == want[t], t
         assert sel.valid[t].tolist() == [True] * len(got) + [False] * (k - len(got))
         assert sel.indices[t][~sel.valid[t]].eq(0).all()
+
+
+def test_select_topk_without_ties_takes_the_plain_topk_and_the_same_set(monkeypatch) -> None:
+    """Continuous scores (no tie at any row's k-th score): the fp32 top-k path alone (the packed
+    keys are never built) gives the brute-force set; one planted boundary tie sends that row, and
+    only that row, through the packed keys."""
+    import glm53.model.indexer as indexer
+
+    g = torch.Generator().manual_seed(8)
+    scores = torch.randn(40, 500, generator=g)
+    scores = scores.masked_fill(torch.arange(500)[None, :] > torch.arange(460, 500)[:, None], float("-inf"))
+    packed_rows = []
+    real = indexer._packed_topk
+    monkeypatch.setattr(indexer, "_packed_topk", lambda s, w: packed_rows.append(s.shape[0]) or real(s, w))
+    sel = select_topk(scores, 32)
+    assert packed_rows == []
+    for t, want in enumerate(brute_force_topk(scores, 32)):
+        assert sel.indices[t][sel.valid[t]].tolist() == want
+    kth = scores[5].topk(32).values[-1]
+    scores[5, 499] = float("-inf")
+    scores[5, 0:2] = kth  # position 0 or 1 already held the 32nd score: now it ties with the other
+    sel = select_topk(scores, 32)
+    assert packed_rows == [1]
+    assert sel.indices[5][sel.valid[5]].tolist() == brute_force_topk(scores, 32)[5]

@@ -96,7 +96,11 @@ def orderable_keys(scores: torch.Tensor) -> torch.Tensor:
 
 def select_topk(scores: torch.Tensor, k: int) -> Selection:
     """Each row's k best finite scores, ties toward the lower position, as ascending indices.
-    Ties are impossible in the packed (score, -position) int64 keys, so the set is unique."""
+
+    The rule is the one of packed (score, -position) int64 keys, which cannot tie, so the set is
+    unique. Most rows have no tie at their k-th score: for those a plain fp32 top-k already gives
+    that set (half the bits to sort, no int64 copies of the [T, N] scores); only rows where the k-th
+    finite score ties with an unselected one go through the packed keys."""
     if scores.dim() != 2 or scores.dtype != torch.float32:
         raise ValueError(f"scores must be fp32 [Tq, Tk] (index_scores), got {scores.dtype} {tuple(scores.shape)}")
     if k < 1:
@@ -109,10 +113,24 @@ def select_topk(scores: torch.Tensor, k: int) -> Selection:
     if torch.isnan(scores).any():
         raise ValueError("indexer scores contain NaN; the selection is undefined")
     width = min(k, tk)
-    tie_break = torch.arange(tk - 1, -1, -1, device=scores.device, dtype=torch.long)  # lower position wins
-    chosen = (orderable_keys(scores) * (1 << 32) + tie_break[None, :]).topk(width, dim=1, sorted=False).indices
+    top = scores.topk(width, dim=1, sorted=False)
+    threshold = top.values.amin(dim=1)
+    # a finite k-th score equal to an unselected one: the plain top-k chose among ties arbitrarily
+    tied = torch.isfinite(threshold) & ((scores == threshold[:, None]).sum(1) > (top.values == threshold[:, None]).sum(1))
+    chosen = top.indices
+    if bool(tied.any()):
+        rows = tied.nonzero().squeeze(1)
+        chosen = chosen.clone()
+        chosen[rows] = _packed_topk(scores[rows], width)
     finite = torch.isfinite(scores.gather(1, chosen))
     chosen = torch.where(finite, chosen, torch.full_like(chosen, tk)).sort(dim=1).values  # not finite: last
     valid[:, :width] = chosen < tk
     indices[:, :width] = torch.where(valid[:, :width], chosen, torch.zeros_like(chosen))
     return Selection(indices, valid)
+
+
+def _packed_topk(scores: torch.Tensor, width: int) -> torch.Tensor:
+    """Column indices of each row's `width` largest (score, -position) keys (no ties possible)."""
+    tk = scores.shape[1]
+    lower_first = torch.arange(tk - 1, -1, -1, device=scores.device, dtype=torch.long)
+    return (orderable_keys(scores) * (1 << 32) + lower_first[None, :]).topk(width, dim=1, sorted=False).indices

@@ -8,8 +8,10 @@ and the rest (GLM-5.3: 512 latent + 64 rope; the tiny model: 64 + 16), each padd
 with masks. Invariance: one program sees one query only, its loop runs over that query's slots in a
 fixed order with a config from (H, D, value_dim, dtype) alone (T and k are do_not_specialize), so
 neither T nor the query's position changes its bits. A block with no valid slot is an exact no-op
-(alpha = 1, p = 0), so invalid trailing slots (a wider k) change nothing; no valid slot at all gives
-out 0 and lse -inf, never NaN.
+(alpha = 1, p = 0), so invalid trailing slots (a wider k) change nothing, and the loop stops after
+the block holding the query's last valid slot: the same bits, without the work (a short context, a
+DCP rank that owns a quarter of the selection). No valid slot at all gives out 0 and lse -inf,
+never NaN.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ def attention_config(heads: int, d: int, value_dim: int, dtype: torch.dtype) -> 
 
 
 @triton.jit(do_not_specialize=["T", "K_SLOTS"])
-def _latent_attention_kernel(q_ptr, rows_ptr, idx_ptr, valid_ptr, out_ptr, lse_ptr, T, K_SLOTS, H, scale,
+def _latent_attention_kernel(q_ptr, rows_ptr, idx_ptr, valid_ptr, end_ptr, out_ptr, lse_ptr, T, K_SLOTS, H, scale,
                              stride_qt, stride_qh, stride_r, stride_it, stride_vt, stride_ot, stride_oh, stride_lt,
                              DV: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr,
                              BLOCK_DR: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
@@ -50,7 +52,8 @@ def _latent_attention_kernel(q_ptr, rows_ptr, idx_ptr, valid_ptr, out_ptr, lse_p
     m = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((BLOCK_H,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_DV), dtype=tl.float32)
-    for jb in range(0, tl.cdiv(K_SLOTS, BLOCK_N)):  # slots in ascending order, fixed blocks
+    end = tl.load(end_ptr + t)  # one past the query's last valid slot: later blocks are no-ops
+    for jb in range(0, tl.cdiv(end, BLOCK_N)):  # slots in ascending order, fixed blocks
         offs_j = jb * BLOCK_N + tl.arange(0, BLOCK_N)
         in_range = offs_j < K_SLOTS
         # idx and valid load side by side (the gather waits on both, not on a chain of three)
@@ -112,13 +115,16 @@ def latent_attention(q: torch.Tensor, rows: torch.Tensor, indices: torch.Tensor,
     if rows.stride(1) != 1:
         rows = rows.contiguous()
     indices = indices.to(torch.int64).contiguous()
-    valid = valid.contiguous().view(torch.uint8)  # bool as bytes: 0 / 1
+    valid = valid.contiguous()
+    slots = torch.arange(1, k + 1, device=valid.device, dtype=torch.int32)
+    end = torch.where(valid, slots, 0).amax(dim=1).to(torch.int32)  # [T]: one past the last valid slot
+    valid = valid.view(torch.uint8)  # bool as bytes: 0 / 1
     out = torch.empty(t, heads, value_dim, dtype=q.dtype, device=q.device)  # every element is written
     lse = torch.empty(t, heads, dtype=torch.float32, device=q.device)
     block_h, block_n, warps, stages = attention_config(heads, d, value_dim, q.dtype)
     dr = d - value_dim
     grid = (t, triton.cdiv(heads, block_h))
-    _latent_attention_kernel[grid](q, rows, indices, valid, out, lse, t, k, heads, float(scale),
+    _latent_attention_kernel[grid](q, rows, indices, valid, end, out, lse, t, k, heads, float(scale),
                                    q.stride(0), q.stride(1), rows.stride(0), indices.stride(0), valid.stride(0),
                                    out.stride(0), out.stride(1), lse.stride(0),
                                    DV=value_dim, DR=dr, BLOCK_H=block_h,
