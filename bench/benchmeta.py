@@ -35,13 +35,17 @@ def _git(repo: Path, *args: str) -> str | None:
 
 
 def git_commit(repo: Path | str = KIT_ROOT) -> str:
-    """HEAD of the kit, with "-dirty" when tracked files differ from it (untracked files do not count:
-    the shared tree always has some). Without a git checkout: $GLM53_KIT_COMMIT, else "unknown"."""
+    """$GLM53_KIT_COMMIT when set (the operator names the commit a copy was made from: the GPU
+    machine's copy may carry a stale .git), else HEAD of the kit, with "-dirty" when tracked files
+    differ from it (untracked files do not count: the shared tree always has some), else "unknown"."""
+    named = os.environ.get(COMMIT_ENV, "").strip()
+    if named:
+        return named
     head = _git(Path(repo), "rev-parse", "HEAD")
     if head:
         changes = _git(Path(repo), "status", "--porcelain", "--untracked-files=no")
         return head + ("-dirty" if changes else "")
-    return os.environ.get(COMMIT_ENV, "").strip() or "unknown"
+    return "unknown"
 
 
 def cpu_model() -> str:

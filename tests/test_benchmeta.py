@@ -61,13 +61,16 @@ def test_copy_without_git_reports_env_commit_else_unknown(isolated_env):
     assert run({**env, "GLM53_KIT_COMMIT": "0123abcd"}) == "0123abcd"
 
 
-def test_env_commit_does_not_override_a_real_checkout(isolated_env, monkeypatch):
+def test_env_commit_names_the_copy_even_over_a_checkout(isolated_env, monkeypatch):
+    """The GPU machine's copy was seen carrying a stale .git (it reported the session's first commit,
+    dirty, for a run of a later one): a commit the operator names wins over what git says there."""
     repo = isolated_env / "kit"
     repo.mkdir()
     _git(repo, "init", "-q")
     _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--allow-empty", "-m", "e")
-    monkeypatch.setenv("GLM53_KIT_COMMIT", "from-env")
     assert git_commit(repo) == _git(repo, "rev-parse", "HEAD")
+    monkeypatch.setenv("GLM53_KIT_COMMIT", "from-env")
+    assert git_commit(repo) == "from-env"
 
 
 def test_summary_plain_and_with_unit():
