@@ -1,10 +1,12 @@
 """The row-invariant ops in plain torch: the CPU path, and the reference the Triton kernels are checked against.
 
-Matrix products pad their rows (and the weight's rows, i.e. the output columns) to a multiple of
-ROW_PAD: MKL's fp32 GEMM gives a row different bits when it sits in a product of fewer than 16 rows
-(or when the thread count changes for such a product) or of fewer than 16 columns, and the same
-bits for any row and column count that is a multiple of 16 (tests/test_row_invariance.py sweeps
-shapes, counts, offsets and threads). Everything else here reduces along a row with the same length
+Matrix products pad their rows to a multiple of ROW_PAD (8) and the weight's rows (the output
+columns) to a multiple of COL_PAD (16): MKL's fp32 GEMM gives a row different bits when it sits in a
+product of fewer rows (1 takes the GEMV path; 2 and 3 differ too, or change with the thread count)
+or of fewer than 16 columns, and the same bits for any row count that is a multiple of 4 or 8 and
+any column count that is a multiple of 16 (tests/test_row_invariance.py sweeps shapes, counts,
+offsets and threads; AVX2 here; the first session saw counts 1..7 differ on AVX-512). 8 rather
+than 16 halves the waste of a decode step's products. Everything else here reduces along a row with the same length
 whatever the row count (torch's CPU reductions are sequential per row), or is elementwise.
 """
 from __future__ import annotations
@@ -12,12 +14,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-ROW_PAD = 16  # rows of every CPU matrix product are padded to a multiple of this
+ROW_PAD = 8  # rows of every CPU matrix product are padded to a multiple of this
+COL_PAD = 16  # and its output columns (the weight's rows) to a multiple of this
 QUERY_BLOCK = 256  # queries gathered per block in latent_attention (bounds the [block, k, D] gather)
 
 
-def _pad_rows(x: torch.Tensor) -> torch.Tensor:
-    pad = (-x.shape[0]) % ROW_PAD
+def _pad_rows(x: torch.Tensor, multiple: int = ROW_PAD) -> torch.Tensor:
+    pad = (-x.shape[0]) % multiple
     return F.pad(x, (0, 0) * (x.dim() - 1) + (0, pad)) if pad else x
 
 
@@ -28,7 +31,7 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if m == 0:
         return x.new_empty(*lead, n)
     # fewer than 16 output columns take another kernel too (seen with the indexer's few keys)
-    return (_pad_rows(flat) @ _pad_rows(w).T)[:m, :n].reshape(*lead, n)
+    return (_pad_rows(flat) @ _pad_rows(w, COL_PAD).T)[:m, :n].reshape(*lead, n)
 
 
 def head_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -51,7 +54,7 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
 
 
 def index_scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
-    q32, k32 = q.to(torch.float32), _pad_rows(keys.to(torch.float32))  # padded once, not per head
+    q32, k32 = q.to(torch.float32), _pad_rows(keys.to(torch.float32), COL_PAD)  # padded once, not per head
     out = torch.zeros(q.shape[0], keys.shape[0], dtype=torch.float32, device=q.device)
     if q.shape[0] == 0 or keys.shape[0] == 0:
         return out
