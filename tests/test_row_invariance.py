@@ -25,7 +25,7 @@ def threads():
 
 
 def test_plain_matmul_is_not_row_invariant() -> None:
-    """The reason the padding exists: MKL's fp32 rows change with the row count (small counts)."""
+    """The reason for glm53/ops' CPU forms: MKL's fp32 rows change with the row count (small counts)."""
     g = torch.Generator().manual_seed(0)
     w, x = torch.randn(576, 256, generator=g), torch.randn(64, 256, generator=g)
     full = x @ w.T
@@ -48,14 +48,21 @@ def test_linear_rows_do_not_depend_on_row_count_offset_or_threads(threads) -> No
             assert torch.equal(torch_ops.linear(x[off:off + m], w), full[off:off + m]), (trial, k, n, dtype, m, off)
 
 
-def test_linear_columns_do_not_depend_on_the_column_count() -> None:
-    """The indexer's keys are the 'weight' of its products: a key's score must not change with how
-    many keys follow it (the cache grows)."""
-    g = torch.Generator().manual_seed(2)
-    keys, q = torch.randn(3000, 32, generator=g), torch.randn(40, 32, generator=g)
-    full = torch_ops.linear(q, keys)
-    for n in (1, 2, 15, 17, 255, 1000, 2999):
-        assert torch.equal(torch_ops.linear(q, keys[:n]), full[:, :n]), n
+def test_index_scores_do_not_depend_on_query_count_key_count_or_threads(threads) -> None:
+    """The indexer multiplies the chunk's queries by every cached key: a score must not change with
+    how many queries share the chunk or how many keys follow the key (the cache grows)."""
+    rng, g = random.Random(2), torch.Generator().manual_seed(2)
+    for trial in range(12):
+        heads, d = rng.choice([(4, 32), (8, 64), (32, 128)])
+        q, hw = torch.randn(300, heads, d, generator=g), torch.randn(300, heads, generator=g)
+        keys = torch.randn(rng.randrange(40, 3000), d, generator=g)
+        threads(rng.choice([1, 2]))
+        full = torch_ops.index_scores(q, hw, keys, d ** -0.5)
+        for m in (1, 3, 17, rng.randrange(1, 250)):
+            off, n = rng.randrange(0, 300 - m), rng.choice([1, 2, 15, 17, rng.randrange(1, keys.shape[0] + 1)])
+            threads(rng.choice([1, 2]))
+            got = torch_ops.index_scores(q[off:off + m], hw[off:off + m], keys[:n], d ** -0.5)
+            assert torch.equal(got, full[off:off + m, :n]), (trial, heads, d, m, off, n)
 
 
 def test_head_linear_index_scores_and_attention_rows_are_invariant() -> None:
@@ -109,3 +116,21 @@ def test_forward_in_any_pieces_equals_one_prefill(tiny_dirs, device: str, comput
         assert torch.equal(hidden, ref_hidden), pieces
         for name in ref_rows:
             assert torch.equal(rows[name].view(torch.uint8), ref_rows[name].view(torch.uint8)), (name, pieces)
+
+
+def test_sigmoid_and_silu_give_an_element_the_same_bits_in_any_tensor() -> None:
+    """torch's CPU sigmoid and silu compute an element in a vector lane differently from the
+    scalar tail (so a router score changed with the number of tokens in the forward); glm53.ops'
+    forms go through exp, which does not."""
+    from glm53 import ops
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(20, 8, generator=g) * 4
+    assert any(not torch.equal(torch.sigmoid(x[i:i + 1]), torch.sigmoid(x)[i:i + 1]) for i in range(20))
+    for f in (ops.sigmoid, ops.silu):
+        full = f(x)
+        assert all(torch.equal(f(x[i:i + 1]), full[i:i + 1]) for i in range(20))
+        flat = x.reshape(-1)
+        assert all(torch.equal(f(flat[a:a + 5]), f(flat)[a:a + 5]) for a in range(0, 150, 7))
+    torch.testing.assert_close(ops.sigmoid(x), torch.sigmoid(x), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(ops.silu(x), torch.nn.functional.silu(x), rtol=1e-6, atol=1e-6)

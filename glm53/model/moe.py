@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 
 from glm53 import ops
 from glm53.model.indexer import orderable_keys
@@ -25,7 +24,7 @@ class MLPWeights:
     down: torch.Tensor  # [hidden, width]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(F.silu(ops.linear(x, self.gate)) * ops.linear(x, self.up), self.down)
+        return ops.linear(ops.silu(ops.linear(x, self.gate)) * ops.linear(x, self.up), self.down)
 
 
 @dataclass
@@ -41,7 +40,7 @@ class RouterWeights:
 
 def route(r: RouterWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, hidden] -> (expert ids [T, k] int64, gate weights [T, k] fp32)."""
-    scores = torch.sigmoid(ops.linear(x.to(torch.float32), r.weight))
+    scores = ops.sigmoid(ops.linear(x.to(torch.float32), r.weight))
     biased = scores + r.bias
     n_exp = biased.shape[-1]
     if r.n_group > 1:
@@ -100,7 +99,7 @@ class DecodedExperts:
                 continue
             rows = tokens[begin:begin + n]
             gate, up = ops.linear(x[rows], self.gate_up[expert]).chunk(2, dim=-1)
-            y = ops.linear(F.silu(gate) * up, self.down[expert])
+            y = ops.linear(ops.silu(gate) * up, self.down[expert])
             # weight in fp32, then back to the compute dtype (the reference's rounding point)
             out.index_add_(0, rows, (y * slot_weights[begin:begin + n, None]).to(out.dtype))
             begin += n

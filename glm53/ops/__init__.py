@@ -13,6 +13,8 @@ So every op of the forward with a reduction goes through here:
     linear(x, w)              x [..., K] @ w[N, K]^T, fp32 accumulation, out in x's dtype
     head_linear(x, w)         per-head projection: x [T, H, K], w [H, N, K] -> [T, H, N]
     rms_norm / layer_norm     over the last dim
+    sigmoid / silu            elementwise, but torch's CPU kernels give a value other bits in a
+                              vector lane than in the scalar tail (which lane depends on the size)
     index_scores(...)         the DSA indexer's score of every key for every query
     latent_attention(...)     absorbed MLA of each query over its own selected latent rows
 
@@ -86,6 +88,16 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
 
         return triton_norm.layer_norm(x, weight, bias, eps)
     return torch_ops.layer_norm(x, weight, bias, eps)
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """1 / (1 + exp(-x)), the same bits for an element wherever it sits (the router's scores)."""
+    return torch.sigmoid(x) if x.is_cuda else torch_ops.sigmoid(x)
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(x), the same bits for an element wherever it sits (the MLPs' activation)."""
+    return torch.nn.functional.silu(x) if x.is_cuda else torch_ops.silu(x)
 
 
 def index_scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:

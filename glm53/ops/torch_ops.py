@@ -1,46 +1,63 @@
 """The row-invariant ops in plain torch: the CPU path, and the reference the Triton kernels are checked against.
 
-Matrix products pad their rows to a multiple of ROW_PAD (8) and the weight's rows (the output
-columns) to a multiple of COL_PAD (16): MKL's fp32 GEMM gives a row different bits when it sits in a
-product of fewer rows (1 takes the GEMV path; 2 and 3 differ too, or change with the thread count)
-or of fewer than 16 columns, and the same bits for any row count that is a multiple of 4 or 8 and
-any column count that is a multiple of 16 (tests/test_row_invariance.py sweeps shapes, counts,
-offsets and threads; AVX2 here; the first session saw counts 1..7 differ on AVX-512). 8 rather
-than 16 halves the waste of a decode step's products. Everything else here reduces along a row with the same length
-whatever the row count (torch's CPU reductions are sequential per row), or is elementwise.
+MKL's fp32 GEMM gives a row different bits with the row count (1 row takes the GEMV path; 2 to 7
+rows differ from the same rows in a larger product, or change with the thread count) and with the
+column count below 16. So:
+
+- `linear` and `head_linear` run every row as its own one-row product (one batched call of M
+  one-row products: MKL's GEMV kernel for each), the same instructions whatever M is, and the
+  cheapest form for a decode step. Their weights never change shape, so column counts do not matter.
+- `index_scores` multiplies queries by a growing set of keys, so it needs invariance in both counts:
+  there rows are padded to a multiple of ROW_PAD (8) and keys to a multiple of COL_PAD (16), which
+  MKL computes with the same bits for any such counts.
+
+tests/test_row_invariance.py sweeps shapes, counts, offsets and threads (AVX2 here; the first
+session saw counts 1..7 differ on AVX-512). Everything else here reduces along a row with the same
+length whatever the row count (torch's CPU reductions are sequential per row), or is elementwise.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-ROW_PAD = 8  # rows of every CPU matrix product are padded to a multiple of this
-COL_PAD = 16  # and its output columns (the weight's rows) to a multiple of this
+ROW_PAD = 8  # index_scores: query rows padded to a multiple of this
+COL_PAD = 16  # and keys to a multiple of this
 QUERY_BLOCK = 256  # queries gathered per block in latent_attention (bounds the [block, k, D] gather)
 
 
-def _pad_rows(x: torch.Tensor, multiple: int = ROW_PAD) -> torch.Tensor:
+def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
     pad = (-x.shape[0]) % multiple
     return F.pad(x, (0, 0) * (x.dim() - 1) + (0, pad)) if pad else x
+
+
+def _one_row_products(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ w[N, K]^T as M one-row products (w broadcast, not copied)."""
+    m, k = x.shape
+    return torch.bmm(x[:, None, :], w.T.expand(m, k, w.shape[0]))[:, 0]
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     lead, k = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, k)
-    m, n = flat.shape[0], w.shape[0]
-    if m == 0:
-        return x.new_empty(*lead, n)
-    # fewer than 16 output columns take another kernel too (seen with the indexer's few keys)
-    return (_pad_rows(flat) @ _pad_rows(w, COL_PAD).T)[:m, :n].reshape(*lead, n)
+    if flat.shape[0] == 0:
+        return x.new_empty(*lead, w.shape[0])
+    return _one_row_products(flat, w).reshape(*lead, w.shape[0])
 
 
 def head_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    t = x.shape[0]
-    if t == 0:
+    if x.shape[0] == 0:
         return x.new_empty(0, w.shape[0], w.shape[1])
-    # per head a [T_pad, K] x [K, N] product: the same shape whatever T, like `linear`
-    out = torch.matmul(_pad_rows(x).transpose(0, 1), w.transpose(1, 2))  # [H, T_pad, N]
-    return out.transpose(0, 1)[:t]
+    return torch.stack([_one_row_products(x[:, h], w[h]) for h in range(x.shape[1])], dim=1)
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    # through exp: torch's CPU sigmoid and silu compute vector lanes and the scalar tail differently
+    # (measured: the same value, other bits, in a 1-row and a 20-row tensor); exp does not
+    return 1.0 / (1.0 + torch.exp(-x))
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    return x / (1.0 + torch.exp(-x))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -54,13 +71,13 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
 
 
 def index_scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
-    q32, k32 = q.to(torch.float32), _pad_rows(keys.to(torch.float32), COL_PAD)  # padded once, not per head
+    q32, k32 = _pad_rows(q.to(torch.float32), ROW_PAD), _pad_rows(keys.to(torch.float32), COL_PAD)  # once, not per head
     out = torch.zeros(q.shape[0], keys.shape[0], dtype=torch.float32, device=q.device)
     if q.shape[0] == 0 or keys.shape[0] == 0:
         return out
     hw = head_weights.to(torch.float32)
     for h in range(q.shape[1]):  # heads summed one at a time, in order: no reduction tree over heads
-        out += torch.relu(linear(q32[:, h], k32)[:, :keys.shape[0]] * scale) * hw[:, h, None]
+        out += torch.relu((q32[:, h] @ k32.T)[:q.shape[0], :keys.shape[0]] * scale) * hw[:, h, None]
     return out
 
 
