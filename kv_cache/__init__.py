@@ -4,13 +4,12 @@ disk tier.
 See kv_cache/DESIGN.md for the storage and lookup design and for why reuse is bitwise exact."""
 from .cache import CacheConfigError, PrefixCache, Stats
 from .disk import DiskTier
-from .grid import Grid, ResumePlan
 from .hit import Hit, Piece
 from .keys import CacheKey, block_hash, chain_hashes, common_prefix, model_revision
 from .node import Node
 from .rows import Rows, rows_equal
 from .store import HostStore
 
-__all__ = ["CacheConfigError", "CacheKey", "DiskTier", "Grid", "Hit", "HostStore", "Node", "Piece", "PrefixCache",
-           "ResumePlan", "Rows", "Stats", "block_hash", "chain_hashes", "common_prefix", "model_revision",
+__all__ = ["CacheConfigError", "CacheKey", "DiskTier", "Hit", "HostStore", "Node", "Piece", "PrefixCache",
+           "Rows", "Stats", "block_hash", "chain_hashes", "common_prefix", "model_revision",
            "rows_equal"]

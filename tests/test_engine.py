@@ -5,6 +5,8 @@ resume equal a cold prefill bit for bit wherever the resume starts, and a decode
 same row a prefill writes."""
 from __future__ import annotations
 
+import random
+
 import torch
 
 from glm53.engine import prefill_pieces
@@ -25,6 +27,14 @@ def test_grid_pieces_depend_on_absolute_position_only() -> None:
     assert prefill_pieces(0, 70, 32) == [(0, 32), (32, 64), (64, 70)]
     assert prefill_pieces(45, 100, 32) == [(45, 64), (64, 96), (96, 100)]
     assert prefill_pieces(64, 64, 32) == []
+    rng = random.Random(7)
+    for _ in range(200):  # any range: a partition whose every inner cut is a grid boundary
+        c, a = rng.randint(1, 50), rng.randint(0, 300)
+        b = a + rng.randint(0, 300)
+        ps = prefill_pieces(a, b, c)
+        assert sum(e - s for s, e in ps) == b - a
+        assert all(ps[i][1] == ps[i + 1][0] for i in range(len(ps) - 1))
+        assert all(s // c == (e - 1) // c and (e == b or e % c == 0) for s, e in ps)
 
 
 def test_same_request_twice_gives_bitwise_same_logits_and_tokens(tiny_engine) -> None:  # noqa: F811

@@ -19,7 +19,8 @@ from typing import Callable
 import pytest
 import torch
 
-from kv_cache import CacheKey, Grid, PrefixCache
+from glm53.engine import prefill_pieces
+from kv_cache import CacheKey, PrefixCache
 
 D, HEADS, VOCAB, LAYERS = 64, 4, 500, 2
 DT = torch.bfloat16
@@ -75,7 +76,7 @@ Planner = Callable[[int, int, int], tuple[tuple[int, int], ...]]  # (reused, len
 
 
 def grid_planner(reused: int, length: int, c: int):
-    return Grid(c).resume_plan(reused, length).chunks
+    return tuple(prefill_pieces(reused, length, c))
 
 
 def length_dependent_planner(reused: int, length: int, c: int):

@@ -1,4 +1,4 @@
-"""Grid arithmetic, the block hash chain (tails included), LCP matching and key separation."""
+"""The block hash chain (tails included), LCP matching and key separation."""
 from __future__ import annotations
 
 import dataclasses
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from kv_cache import CacheKey, Grid, block_hash, chain_hashes, common_prefix
+from kv_cache import CacheKey, block_hash, chain_hashes, common_prefix
 from kv_cache.keys import root_hash
 
 
@@ -15,53 +15,6 @@ def key(**kw) -> CacheKey:
                 dcp=False, chunk_size=16, device_kind="cpu", kit_version="0.1.0")
     base.update(kw)
     return CacheKey(**base)
-
-
-# ---- grid -----------------------------------------------------------------------------------
-def test_chunk_index_and_ranges_depend_on_absolute_position_only():
-    g = Grid(64)
-    assert [g.chunk_of(p) for p in (0, 63, 64, 127, 128, 1000)] == [0, 0, 1, 1, 2, 15]
-    assert g.chunk_range(0) == (0, 64) and g.chunk_range(3) == (192, 256)
-    assert g.floor(0) == 0 and g.floor(63) == 0 and g.floor(64) == 64 and g.floor(200) == 192
-    # a cold prefill of 200 and a resume at 128 cut [128, 200) identically
-    cold = g.pieces(0, 200)
-    assert cold == ((0, 64), (64, 128), (128, 192), (192, 200))
-    assert g.resume_plan(128, 200).chunks == cold[2:]
-    # a resume off the grid starts with a partial piece, then follows the grid
-    assert g.resume_plan(100, 200).chunks == ((100, 128), (128, 192), (192, 200))
-    assert g.resume_plan(200, 200).chunks == () and g.resume_plan(0, 0).chunks == ()
-
-
-def test_pieces_partition_any_range_on_the_grid():
-    rng = random.Random(7)
-    for _ in range(200):
-        c = rng.randint(1, 50)
-        g = Grid(c)
-        a = rng.randint(0, 300)
-        b = a + rng.randint(0, 300)
-        ps = g.pieces(a, b)
-        assert sum(e - s for s, e in ps) == b - a
-        assert all(ps[i][1] == ps[i + 1][0] for i in range(len(ps) - 1))
-        for s, e in ps:  # each piece lies inside one grid chunk; every inner cut is a boundary
-            assert g.chunk_of(s) == g.chunk_of(e - 1)
-            assert e == b or e % c == 0
-
-
-def test_reuse_length_rule():
-    g = Grid(16)
-    assert g.reuse_length(common_prefix=100, frontier=90, prompt_length=200) == 80
-    assert g.reuse_length(100, 90, 200, boundary_only=False) == 90
-    # identical resend of a 64-token prompt: leave the last token to prefill, floored
-    assert g.reuse_length(64, 64, 64) == 48
-    assert g.reuse_length(64, 64, 64, boundary_only=False) == 63
-    assert g.reuse_length(0, 500, 10) == 0 and g.reuse_length(5, 5, 0) == 0
-
-
-def test_bad_grid_is_a_clear_error():
-    with pytest.raises(ValueError, match="chunk_size"):
-        Grid(0)
-    with pytest.raises(ValueError, match="start <= end"):
-        Grid(4).pieces(5, 3)
 
 
 # ---- hash chain and LCP ---------------------------------------------------------------------
