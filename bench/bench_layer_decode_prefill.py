@@ -45,7 +45,7 @@ from glm53.model.indexer import IndexerWeights  # noqa: E402
 from glm53.model.mla import AttentionWeights  # noqa: E402
 from glm53.model.moe import DecodedExperts, MLPWeights, MoEWeights, RouterWeights  # noqa: E402
 from glm53.model.rope import rope_angles  # noqa: E402
-from glm53.model.transformer import Glm53Model, LayerWeights, ModelWeights  # noqa: E402
+from glm53.model.transformer import Glm53Model, LayerWeights, ModelWeights, Span  # noqa: E402
 
 SMALL = dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_attention_heads=8,
              n_routed_experts=16, num_experts_per_tok=4, q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=32,
@@ -226,7 +226,8 @@ def bench_decode(model: Glm53Model, layer: LayerWeights, context: int, kv_dtype:
     cos, sin = rope_angles(model.inv_freq, pos, model.dtype)
     xs = [r(1, model.cfg.hidden_size, std=1.0) for _ in range(4)]  # rotated inputs
     timed = timer(model.device)
-    run = lambda i: model._layer(state, layer, xs[i % len(xs)], pos, context, cos, sin, None)  # noqa: E731
+    span = Span(pos, context, context + 1)
+    run = lambda i: model._layer(state, layer, xs[i % len(xs)], span, cos, sin, None)  # noqa: E731
     for i in range(warmup):
         run(i)
     return [timed(lambda i=i: run(i)) for i in range(reps)]
@@ -243,7 +244,7 @@ def bench_prefill(model: Glm53Model, layer: LayerWeights, tokens: int, chunk: in
     def run() -> None:
         for a, b in pieces:
             cos, sin = angles[a]
-            model._layer(state, layer, x[a:b], torch.arange(a, b, device=model.device), a, cos, sin, None)
+            model._layer(state, layer, x[a:b], Span(torch.arange(a, b, device=model.device), a, b), cos, sin, None)
 
     timed = timer(model.device)
     for _ in range(warmup):

@@ -14,6 +14,9 @@ Knobs (options override the environment):
     TF_GLM53_CACHE_BLOCK    prefix-cache block size B (default 256): the hash chain's granularity
     TF_GLM53_PREFIX_REUSE_BOUNDARY  auto | 1 | 0: 1 floors reuse to the prefill grid (only needed where
                             the ops are not row-invariant: auto does it then), 0 reuses at any token
+    TF_GLM53_CUDA_GRAPHS    auto | 1 | 0: windows of up to 16 tokens (decode steps, verification, a
+                            short extension) replay CUDA graphs (glm53/cuda_graphs.py); auto: on CUDA
+                            where exact, 1: require it (error otherwise), 0: eager
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ import torch
 
 from glm53 import ops
 from glm53.config import Glm53Config
+from glm53.cuda_graphs import GRAPH_CHOICES, WindowGraphs
 from glm53.kv_state import KVState, kv_dtype_from_env
 from glm53.model.parallel import RankPlan
 from glm53.model.transformer import ForwardOutput, Glm53Model
@@ -120,7 +124,7 @@ class Glm53Engine:
                  mtp_drafts: int | None = None, device: str | None = None, dtype: str | None = None,
                  kv_dtype: str | None = None, prefill_chunk: int | None = None, cache_block: int | None = None,
                  prefix_reuse_boundary: str | None = None, prefix_cache: Any = None,
-                 plan: RankPlan | None = None, reuse_live: bool = True,
+                 plan: RankPlan | None = None, reuse_live: bool = True, cuda_graphs: str | None = None,
                  progress: Callable[[str], None] | None = None, **unknown: Any) -> None:
         if unknown:
             raise EngineError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
@@ -148,6 +152,7 @@ class Glm53Engine:
         weights = load_weights(model_dir, self.cfg, plan=self.plan, dtype=DTYPES[self.dtype_name],
                                device=self.device, progress=progress or (lambda s: None))
         self.model = Glm53Model(self.cfg, weights, self.plan, DTYPES[self.dtype_name], self.device)
+        self.graphs = self._window_graphs(_env_choice("TF_GLM53_CUDA_GRAPHS", cuda_graphs, GRAPH_CHOICES, "auto"))
         self.eos: list[int] = list(self.cfg.eos_token_ids)
         self.vocab_size = self.cfg.vocab_size
         self.state: KVState | None = None  # the retained conversation
@@ -156,6 +161,26 @@ class Glm53Engine:
         # over several ranks (glm53.dist.parallel_engine.WindowChannel): rank 0 announces its draft
         # windows, the other ranks replay them; None at one rank
         self.window_channel: Any = None
+
+    def _window_graphs(self, choice: str) -> WindowGraphs | None:
+        if choice == "0":
+            return None
+        graphs = WindowGraphs(self.model)
+        reason = graphs.why_not(self.model.new_state(self.kv_dtype), 1)
+        if reason is None:
+            return graphs
+        if choice == "1":
+            raise EngineError(f"TF_GLM53_CUDA_GRAPHS=1 but a decode step cannot be captured here: {reason}; "
+                              "set it to auto or 0")
+        return None
+
+    def forward(self, state: KVState, tokens: list[int], start: int, taps: tuple[int, ...] = ()) -> ForwardOutput:
+        """One forward of the model: a captured graph for a short window where one applies, else eager."""
+        if self.graphs is not None:
+            out = self.graphs.forward(state, tokens, start, taps)
+            if out is not None:
+                return out
+        return self.model.forward(state, tokens, start, taps)
 
     # ---- the forward over a window, split into canonical prefill pieces and decode rows -------
     @torch.inference_mode()
@@ -168,11 +193,11 @@ class Glm53Engine:
         stop = start + len(tokens)
         split = max(start, min(stop, prompt_length))
         for a, b in prefill_pieces(start, split, self.chunk):
-            outs.append(self.model.forward(state, tokens[a - start:b - start], a, taps))
+            outs.append(self.forward(state, tokens[a - start:b - start], a, taps))
             if state.frontier == a:
                 state.frontier = b
         if split < stop:
-            outs.append(self.model.forward(state, tokens[split - start:], split, taps))
+            outs.append(self.forward(state, tokens[split - start:], split, taps))
         return outs
 
     # ---- reuse ------------------------------------------------------------------------------
@@ -288,7 +313,7 @@ class Glm53Engine:
                 return reply
             if len(reply) >= max_tokens:
                 return reply
-            out = self.model.forward(state, [token], pos)
+            out = self.forward(state, [token], pos)
             logits = self.model.logits(out.hidden[-1:])[0]
             pos += 1
 

@@ -118,6 +118,23 @@ class KVState:
             store[start:stop] = q
             scale[start:stop] = s
 
+    def write_latent_at(self, layer: int, positions: torch.Tensor, rows: torch.Tensor) -> None:
+        """As write_latent, for the positions in a device tensor (a graph-captured window: no host
+        int, no sync); the caller has reserved room for them."""
+        self._write_at(self.latent[layer], self.latent_scale[layer], positions, rows)
+
+    def write_index_at(self, layer: int, positions: torch.Tensor, rows: torch.Tensor) -> None:
+        self._write_at(self.index_keys[layer], self.index_scale[layer], positions, rows)
+
+    @staticmethod
+    def _write_at(store: torch.Tensor, scale: torch.Tensor | None, positions: torch.Tensor, rows: torch.Tensor) -> None:
+        if scale is None:
+            store.index_copy_(0, positions, rows.to(store.dtype))
+        else:
+            q, s = quantize_rows(rows)
+            store.view(torch.uint8).index_copy_(0, positions, q.view(torch.uint8))  # fp8 as its bytes
+            scale.index_copy_(0, positions, s)
+
     def owned_positions(self, stop: int) -> torch.Tensor | None:
         """Positions in [0, stop) whose rows reads return, ascending; None: all of them (this class).
         A cache split by position (glm53.dist.parallel_engine.DcpKVState) returns its own."""

@@ -90,12 +90,15 @@ class DistRankPlan(RankPlan):
         return torch.cat([parts[r][..., : sizes[r]] for r in range(self.world)], dim=-1)
 
     # ---- attention: heads by TP, positions by DCP -------------------------------------------
-    def merge_topk(self, scores: torch.Tensor, key_positions: torch.Tensor | None, k: int) -> Selection:
+    def merge_topk(self, scores: torch.Tensor, key_positions: torch.Tensor | None, k: int,
+                   nan_flag: torch.Tensor | None = None) -> Selection:
         """scores [Tq, n] of the keys this rank holds at key_positions -> the Selection of those among
         the global top-k, as indices into this rank's rows. key_positions None (DCP off, or a cache
         that holds every position): local."""
         if key_positions is None:
-            return select_topk(scores, k)
+            return select_topk(scores, k, nan_flag)
+        if nan_flag is not None:
+            raise NotImplementedError("a DCP rank's top-k syncs with its peers; it is never graph-captured")
         top_scores, top_positions = dcp.dcp_topk(self._comm, scores, key_positions, k)
         return dcp.owned_selection(top_scores, top_positions, self.ownership, k)
 

@@ -94,13 +94,21 @@ def orderable_keys(scores: torch.Tensor) -> torch.Tensor:
     return torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(torch.long)
 
 
-def select_topk(scores: torch.Tensor, k: int) -> Selection:
+SMALL_WINDOW_ROWS = 16  # up to this many query rows the packed keys are cheap: no tie test, no host sync
+
+
+def select_topk(scores: torch.Tensor, k: int, nan_flag: torch.Tensor | None = None) -> Selection:
     """Each row's k best finite scores, ties toward the lower position, as ascending indices.
 
     The rule is the one of packed (score, -position) int64 keys, which cannot tie, so the set is
     unique. Most rows have no tie at their k-th score: for those a plain fp32 top-k already gives
     that set (half the bits to sort, no int64 copies of the [T, N] scores); only rows where the k-th
-    finite score ties with an unselected one go through the packed keys."""
+    finite score ties with an unselected one go through the packed keys. A window of at most
+    SMALL_WINDOW_ROWS rows (decode, verification) takes the packed keys directly: the same set,
+    and no host sync, so the call can be captured in a CUDA graph.
+
+    NaN scores leave the selection undefined: raised here (a host sync), or, given `nan_flag` (a
+    device bool), or-ed into it for the caller to check after the forward (glm53.cuda_graphs)."""
     if scores.dim() != 2 or scores.dtype != torch.float32:
         raise ValueError(f"scores must be fp32 [Tq, Tk] (index_scores), got {scores.dtype} {tuple(scores.shape)}")
     if k < 1:
@@ -110,9 +118,14 @@ def select_topk(scores: torch.Tensor, k: int) -> Selection:
     valid = torch.zeros(tq, k, dtype=torch.bool, device=scores.device)
     if tq == 0 or tk == 0:
         return Selection(indices, valid)
-    if torch.isnan(scores).any():
-        raise ValueError("indexer scores contain NaN; the selection is undefined")
+    if nan_flag is None:
+        if torch.isnan(scores).any():
+            raise ValueError("indexer scores contain NaN; the selection is undefined")
+    else:
+        nan_flag.logical_or_(torch.isnan(scores).any())
     width = min(k, tk)
+    if tq <= SMALL_WINDOW_ROWS:
+        return _as_selection(scores, _packed_topk(scores, width), indices, valid)
     top = scores.topk(width, dim=1, sorted=False)
     threshold = top.values.amin(dim=1)
     # a finite k-th score equal to an unselected one: the plain top-k chose among ties arbitrarily
@@ -122,6 +135,13 @@ def select_topk(scores: torch.Tensor, k: int) -> Selection:
         rows = tied.nonzero().squeeze(1)
         chosen = chosen.clone()
         chosen[rows] = _packed_topk(scores[rows], width)
+    return _as_selection(scores, chosen, indices, valid)
+
+
+def _as_selection(scores: torch.Tensor, chosen: torch.Tensor, indices: torch.Tensor, valid: torch.Tensor
+                  ) -> Selection:
+    """Chosen columns [T, width] -> ascending indices, non-finite ones invalid, padded to indices' width."""
+    tk, width = scores.shape[1], chosen.shape[1]
     finite = torch.isfinite(scores.gather(1, chosen))
     chosen = torch.where(finite, chosen, torch.full_like(chosen, tk)).sort(dim=1).values  # not finite: last
     valid[:, :width] = chosen < tk

@@ -79,7 +79,16 @@ class ExpertBank(Protocol):
 
 
 class DecodedExperts:
-    """Experts as dense matrices in the compute dtype (EXL3 decoded once at load)."""
+    """Experts as dense matrices in the compute dtype (EXL3 decoded once at load).
+
+    Two forms, the same bits: many rows group the token slots by expert (each expert's matrices
+    read once; the grouping needs the counts on the host, a sync); a short window (at most
+    SLOT_ROWS tokens: decode, verification) runs every slot against its own expert through
+    ops.expert_linear and sums a token's slots in ascending expert order, as the grouped form's
+    index_add_ does, with no sync, so it can be graph-captured."""
+
+    window_safe = True  # short windows take the slot form
+    SLOT_ROWS = 16
 
     def __init__(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
         self.gate_up = gate_up  # [E, 2 * width, hidden]: gate rows then up rows
@@ -87,6 +96,24 @@ class DecodedExperts:
         self.n_experts = gate_up.shape[0]
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= self.SLOT_ROWS:
+            return self.by_slot(x, ids, weights)
+        return self.grouped(x, ids, weights)
+
+    def by_slot(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        t, k = ids.shape
+        sorted_ids, order = ids.sort(dim=1, stable=True)  # a token's experts are distinct: ascending
+        slot_weights = weights.gather(1, order).reshape(-1, 1)
+        flat_ids = sorted_ids.reshape(-1)
+        gate, up = ops.expert_linear(x.repeat_interleave(k, dim=0), self.gate_up, flat_ids).chunk(2, dim=-1)
+        y = ops.expert_linear(ops.silu(gate) * up, self.down, flat_ids)
+        parts = (y * slot_weights).to(x.dtype).view(t, k, -1)
+        out = torch.zeros_like(x)
+        for j in range(k):  # in ascending expert order, rounding after each add like index_add_
+            out = out + parts[:, j]
+        return out
+
+    def grouped(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # token slots grouped by expert, ascending
@@ -111,6 +138,11 @@ class MoEWeights:
     router: RouterWeights
     experts: ExpertBank
     shared: MLPWeights | None
+
+    @property
+    def window_safe(self) -> bool:
+        """Whether a short window runs without a host sync (glm53.cuda_graphs can capture it)."""
+        return bool(getattr(self.experts, "window_safe", False))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = route(self.router, x)

@@ -63,14 +63,16 @@ class RankPlan:
         return local_logits
 
     # ---- attention (heads by TP, positions by DCP) ------------------------------------------
-    def merge_topk(self, scores: torch.Tensor, key_positions: torch.Tensor | None, k: int) -> "Selection":
+    def merge_topk(self, scores: torch.Tensor, key_positions: torch.Tensor | None, k: int,
+                   nan_flag: torch.Tensor | None = None) -> "Selection":
         """The indexer's selection over the rows this rank holds (indices into them, fixed width k).
 
         scores [Tq, n] are for the keys at key_positions (None: the cache holds every position
-        0..n-1, the world-1 case); the top-k is global, ties toward the lower position."""
+        0..n-1, the world-1 case); the top-k is global, ties toward the lower position. nan_flag:
+        as in indexer.select_topk (a graph-captured window checks NaN after the forward)."""
         from glm53.model import indexer
 
-        return indexer.select_topk(scores, k)
+        return indexer.select_topk(scores, k, nan_flag)
 
     def attend(self, w: "AttentionWeights", q_nope: torch.Tensor, q_rot: torch.Tensor, rows: torch.Tensor,
                key_positions: torch.Tensor | None, selection: "Selection", total_heads: int) -> torch.Tensor:

@@ -54,6 +54,24 @@ class ModelWeights:
     bytes_read: int | None = None  # checkpoint bytes this rank read (R > 1: exactly its planned slices)
 
 
+@dataclass(frozen=True)
+class Span:
+    """Where a forward's rows go and which cache rows its queries read.
+
+    positions [T]: the absolute positions of the window's rows (on the model's device). start: the
+    first of them as a host int (the eager forward: slice writes), or None (a graph-captured window:
+    writes by index, nothing read back to the host). key_bound: the queries score and attend over
+    cache rows [0, key_bound), key_bound >= the window's end; rows past the window lie in every
+    query's future, so they score -inf and are never selected: the same selection, whatever the
+    bound (index_scores is key-invariant). nan_flag: None (NaN scores raise at once) or a device
+    bool the selection or-s NaN into (checked by whoever replays the graph)."""
+
+    positions: torch.Tensor
+    start: int | None
+    key_bound: int
+    nan_flag: torch.Tensor | None = None
+
+
 @dataclass
 class ForwardOutput:
     hidden: torch.Tensor  # [T, hidden] after the final norm (what the head reads)
@@ -89,8 +107,24 @@ class Glm53Model:
         ids = self._ids(tokens)
         x = self.plan.embed(self.w.embed, ids).to(self.dtype)
         last, taken = self._run_layers(state, self.w.layers, x, ids, start, taps)
+        state.tokens.extend(tokens if isinstance(tokens, list) else ids.tolist())
         return ForwardOutput(hidden=rms_norm(last, self.w.final_norm, self.cfg.rms_norm_eps),
                              last_layer=last, taps=taken)
+
+    def forward_window(self, state: KVState, ids: torch.Tensor, span: Span, taps: tuple[int, ...] = ()
+                       ) -> ForwardOutput:
+        """The forward of a short window as glm53.cuda_graphs captures it: ids [T] and span.positions
+        on the device, rows written by index, keys [0, span.key_bound) scored; no host sync and no
+        shape that depends on the position, so one capture serves every window of that length and
+        bound. The caller reserves room and keeps state.tokens. The per-row arithmetic is forward()'s."""
+        x = self.plan.embed(self.w.embed, ids).to(self.dtype)
+        last, taken = self._layers_over(state, self.w.layers, x, span, taps)
+        return ForwardOutput(hidden=rms_norm(last, self.w.final_norm, self.cfg.rms_norm_eps),
+                             last_layer=last, taps=taken)
+
+    def graph_safe(self) -> bool:
+        """Whether forward_window runs without host syncs (every feed-forward block can)."""
+        return all(getattr(layer.ffn, "window_safe", True) for layer in self.w.layers)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [T, vocab] from final-normed hidden states."""
@@ -111,6 +145,7 @@ class Glm53Model:
                                   rms_norm(prev_hidden.to(self.dtype), m.hnorm, self.cfg.rms_norm_eps)], dim=-1),
                        m.eh_proj)
         out, _ = self._run_layers(state, [m.layer], x, ids, start, ())
+        state.tokens.extend(next_tokens if isinstance(next_tokens, list) else ids.tolist())
         normed = rms_norm(out, m.head_norm, self.cfg.rms_norm_eps)
         head = m.head if m.head is not None else self.w.head
         return self.plan.gather_logits(ops.linear(normed, head)).to(torch.float32), out
@@ -128,37 +163,48 @@ class Glm53Model:
             raise ValueError(f"forward at position {start} but the cache holds {state.length} rows; windows must continue it")
         n = ids.shape[0]
         state.reserve(start + n)
-        positions = torch.arange(start, start + n, device=self.device)
-        cos, sin = rope_angles(self.inv_freq, positions, self.dtype)
+        span = Span(torch.arange(start, start + n, device=self.device), start, start + n)
+        return self._layers_over(state, layers, x, span, taps)
+
+    def _layers_over(self, state: KVState, layers: list[LayerWeights], x: torch.Tensor, span: Span,
+                     taps: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        cos, sin = rope_angles(self.inv_freq, span.positions, self.dtype)
         selection: Selection | None = None
         taken: dict[int, torch.Tensor] = {}
         for layer in layers:
-            x, selection = self._layer(state, layer, x, positions, start, cos, sin, selection)
+            x, selection = self._layer(state, layer, x, span, cos, sin, selection)
             if layer.index in taps:
                 taken[layer.index] = x
-        state.tokens.extend(ids.tolist())
         return x, taken
 
-    def _layer(self, state: KVState, layer: LayerWeights, x: torch.Tensor, positions: torch.Tensor, start: int,
+    def _layer(self, state: KVState, layer: LayerWeights, x: torch.Tensor, span: Span,
                cos: torch.Tensor, sin: torch.Tensor, selection: Selection | None
                ) -> tuple[torch.Tensor, Selection]:
         cfg, a, plan = self.cfg, layer.attn, self.plan
         h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
         q_resid, q_nope, q_rot = project_queries(a, h, cos, sin)
-        stop = start + x.shape[0]
+        stop = span.key_bound
         # the rows this rank holds (all of [0, stop) unless the cache is split by position)
         key_positions = state.owned_positions(stop)
-        state.write_latent(layer.index, start, latent_rows(a, h, cos, sin))
+        _write(state.write_latent, state.write_latent_at, layer.index, span, latent_rows(a, h, cos, sin))
         cached = state.read_latent(layer.index, stop, self.dtype)  # read back: attend to what is stored
         if layer.indexer is not None:
-            state.write_index(layer.index, start, indexer_keys(layer.indexer, h, cos, sin))
+            _write(state.write_index, state.write_index_at, layer.index, span, indexer_keys(layer.indexer, h, cos, sin))
             keys = state.read_index(layer.index, stop, self.dtype)
             q_idx = indexer_queries(layer.indexer, q_resid, cos, sin)
-            scores = index_scores(layer.indexer, q_idx, h, keys, positions, key_positions)
-            selection = plan.merge_topk(scores, key_positions, cfg.index_topk)
+            scores = index_scores(layer.indexer, q_idx, h, keys, span.positions, key_positions)
+            selection = plan.merge_topk(scores, key_positions, cfg.index_topk, span.nan_flag)
         elif selection is None:
             raise ValueError(f"layer {layer.index} shares the indexer selection but no earlier full layer ran")
         out = plan.attend(a, q_nope, q_rot, cached, key_positions, selection, cfg.num_attention_heads)
         x = x + plan.sum_partials(output_projection(a, out))
         h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
         return x + plan.sum_partials(layer.ffn(h)), selection
+
+
+def _write(at_start, at_positions, layer: int, span: Span, rows: torch.Tensor) -> None:  # noqa: ANN001
+    """Rows into the cache: by slice from the host start, or by index (a captured window)."""
+    if span.start is not None:
+        at_start(layer, span.start, rows)
+    else:
+        at_positions(layer, span.positions, rows)

@@ -11,6 +11,7 @@ a CUDA reduction spreads a few rows over more threads than many rows.
 So every op of the forward with a reduction goes through here:
 
     linear(x, w)              x [..., K] @ w[N, K]^T, fp32 accumulation, out in x's dtype
+    expert_linear(x, w, ids)  row r times its own matrix w[ids[r]] (routed experts, short windows)
     head_linear(x, w)         per-head projection: x [T, H, K], w [H, N, K] -> [T, H, N]
     rms_norm / layer_norm     over the last dim
     sigmoid / silu            elementwise, but torch's CPU kernels give a value other bits in a
@@ -61,6 +62,17 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
         return triton_linear.linear(x, w)
     return torch_ops.linear(x, w)
+
+
+def expert_linear(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """out[r] = x[r] @ w[ids[r]]^T: x [R, K], w [E, N, K], ids [R] int64 on x's device -> [R, N];
+    each row gets the bits linear(x[r:r+1], w[ids[r]]) gives it, and ids are never read on the host
+    (the routed experts of a short window without a sync: glm53.model.moe)."""
+    if _triton_for(x):
+        from glm53.ops import triton_linear
+
+        return triton_linear.expert_linear(x, w, ids)
+    return torch_ops.expert_linear(x, w, ids)
 
 
 def head_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

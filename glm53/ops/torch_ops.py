@@ -44,6 +44,13 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return _one_row_products(flat, w).reshape(*lead, w.shape[0])
 
 
+def expert_linear(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    # each row its own one-row product with its expert's matrix, laid out as linear() lays w out
+    if x.shape[0] == 0:
+        return x.new_empty(0, w.shape[1])
+    return torch.bmm(x[:, None, :], w[ids].transpose(1, 2))[:, 0]
+
+
 def head_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if x.shape[0] == 0:
         return x.new_empty(0, w.shape[0], w.shape[1])

@@ -80,12 +80,20 @@ def _matmul_kernel(x_ptr, w_ptr, out_ptr, M, N, K,
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < M
     n_mask = offs_n < N
     x_rows = x_ptr + head * stride_xh + offs_m.to(tl.int64)[:, None] * stride_xm
     w_rows = w_ptr + head * stride_wh + offs_n.to(tl.int64)[:, None] * stride_wn
+    acc = _tile_product(x_rows, w_rows, m_mask, n_mask, K, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
+    out = out_ptr + head * stride_oh + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
+
+@triton.jit
+def _tile_product(x_rows, w_rows, m_mask, n_mask, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    """The fp32 [BLOCK_M, BLOCK_N] tile of x_rows @ w_rows^T: the one reduction both kernels share."""
+    offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):  # fixed blocks, ascending: the only reduction order
         kk = kb * BLOCK_K + offs_k
@@ -96,8 +104,26 @@ def _matmul_kernel(x_ptr, w_ptr, out_ptr, M, N, K,
             acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
         else:
             acc = tl.dot(a, tl.trans(b), acc)
+    return acc
 
-    out = out_ptr + head * stride_oh + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+
+@triton.jit(do_not_specialize=["R"])
+def _row_expert_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, R, N, K, stride_xm, stride_we, stride_wn, stride_om,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    # one row per program (the tile's other rows masked), its own expert's matrix: the tile and the
+    # K loop of a small-M `linear`, so the row gets the bits the grouped path gives it
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    row = (pid // num_n).to(tl.int64)
+    offs_n = (pid % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    lane = tl.arange(0, BLOCK_M)
+    m_mask = lane == 0
+    n_mask = offs_n < N
+    expert = tl.load(ids_ptr + row).to(tl.int64)
+    x_rows = x_ptr + (row + lane.to(tl.int64))[:, None] * stride_xm
+    w_rows = w_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
+    acc = _tile_product(x_rows, w_rows, m_mask, n_mask, K, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
+    out = out_ptr + (row + lane.to(tl.int64))[:, None] * stride_om + offs_n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
@@ -159,4 +185,30 @@ def head_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             cfg = head_linear_config(n, k, x.dtype)
             _launch(x, w, out, t, n, k, heads, x.stride(0), x.stride(1), w.stride(0), out.stride(0), out.stride(1),
                     cfg)
+    return out
+
+
+def expert_linear(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """out[r] = x[r] @ w[ids[r]]^T: x [R, K], w [E, N, K], ids [R] (device ints, never read on the
+    host) -> [R, N] in x's dtype; each row with linear()'s tile for one row, hence its bits."""
+    _check_dtypes(x, w, "expert_linear")
+    if x.dim() != 2 or w.dim() != 3 or w.shape[2] != x.shape[1] or ids.shape != (x.shape[0],):
+        raise ValueError(f"expert_linear: x {tuple(x.shape)} [R, K], w {tuple(w.shape)} [E, N, K], "
+                         f"ids {tuple(ids.shape)} [R] do not fit")
+    r, k = x.shape
+    n = w.shape[1]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    w = w.contiguous()
+    out = torch.empty(r, n, dtype=x.dtype, device=x.device)
+    if r and n:
+        if k == 0:
+            out.zero_()
+        else:
+            cfg = linear_config(1, n, k, x.dtype)
+            grid = (r * triton.cdiv(n, cfg.block_n),)
+            _row_expert_kernel[grid](x, w, ids.contiguous(), out, r, n, k, x.stride(0), w.stride(0), w.stride(1),
+                                     out.stride(0), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                                     IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps,
+                                     num_stages=cfg.num_stages)
     return out

@@ -1,0 +1,112 @@
+"""Decode steps with CUDA graphs (glm53.cuda_graphs) against eager, through the real glm53 engine.
+
+    python bench/bench_decode_graphs.py --real-dims      # H200: GLM-5.3 layer dimensions, 4 dense layers
+    python bench/bench_decode_graphs.py                  # the tiny checkpoint (MoE layers), CUDA
+
+One engine per arm (TF_GLM53_CUDA_GRAPHS=1 and 0), the same weights. Per sample: a fresh prompt of
+`--context` tokens, then `--tokens` greedy tokens (ignore_eos, no drafting); arms interleaved sample
+by sample, the order alternating. Per-token decode time = decode_s / (tokens - 1) (the first token
+comes from the prefill). Every pair must give the same tokens and bitwise the same logits at every
+position (exit 1 otherwise). Prints a table; JSON with every sample, medians, settings, commit,
+device to --out. GPU only (graphs are CUDA graphs). Exit codes: 0 done, 1 mismatch, 2 bad arguments.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.bench_prefix_cache import log, real_dims_checkpoint, tiny_checkpoint  # noqa: E402
+from bench.benchmeta import result_header, summary, write_json  # noqa: E402
+from glm53.engine import Glm53Engine  # noqa: E402
+
+
+def decode(engine: Glm53Engine, prompt: list[int], tokens: int) -> dict[str, Any]:
+    engine.state, engine.trace = None, []
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    reply = engine.generate(prompt, tokens, {"temperature": 0.0, "ignore_eos": True, "draft": False})
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    trace, engine.trace = engine.trace, None
+    s = engine.last_stats
+    return {"wall_s": wall, "ttft_s": s["ttft_s"], "decode_s": s["decode_s"],
+            "per_token_s": s["decode_s"] / max(1, len(reply) - 1), "reply": reply,
+            "_logits": torch.stack([row for _, row in trace]).cpu()}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--real-dims", action="store_true", help="GLM-5.3 layer dimensions (dense layers)")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=32768)
+    p.add_argument("--context", type=int, default=19000, help="prompt tokens before decoding (default 19000)")
+    p.add_argument("--tokens", type=int, default=64, help="tokens decoded per sample (default 64)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "decode_graphs.json")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("error: CUDA graphs need a CUDA device; run on the GPU machine", file=sys.stderr)
+        return 2
+    if min(args.context, args.tokens - 1, args.repeats, args.layers) <= 0:
+        print("error: --context, --repeats, --layers must be positive and --tokens at least 2", file=sys.stderr)
+        return 2
+    work = Path(tempfile.mkdtemp(prefix="bench_decode_graphs."))
+    try:
+        model_dir = real_dims_checkpoint(work, args.layers, args.vocab) if args.real_dims else tiny_checkpoint(work)
+        arms = {"graphs": Glm53Engine(model_dir, device="cuda", cuda_graphs="1"),
+                "eager": Glm53Engine(model_dir, device="cuda", cuda_graphs="0")}
+        rng = random.Random(41)
+        vocab = arms["eager"].vocab_size
+        decode(arms["graphs"], [rng.randrange(3, vocab) for _ in range(64)], 8)  # warm-up (compiles), discarded
+        decode(arms["eager"], [rng.randrange(3, vocab) for _ in range(64)], 8)
+        samples: dict[str, list[dict]] = {name: [] for name in arms}
+        mismatches: list[int] = []
+        for i in range(args.repeats):
+            prompt = [rng.randrange(3, vocab) for _ in range(args.context)]
+            order = list(arms) if i % 2 == 0 else list(reversed(arms))
+            got = {name: decode(arms[name], prompt, args.tokens) for name in order}
+            a, b = got["graphs"], got["eager"]
+            if a["reply"] != b["reply"] or not torch.equal(a.pop("_logits").view(torch.int32),
+                                                         b.pop("_logits").view(torch.int32)):
+                mismatches.append(i)
+            for name in arms:
+                got[name].pop("_logits", None)
+                samples[name].append(got[name])
+            log(f"sample {i}: per token graphs {a['per_token_s'] * 1e3:.2f} ms, eager {b['per_token_s'] * 1e3:.2f} ms")
+        per_token = {name: summary([s["per_token_s"] for s in samples[name]]) for name in arms}
+        stats = arms["graphs"].graphs.stats
+        settings = {"model_dir": str(model_dir), "real_dims": args.real_dims,
+                    "layers": len(arms["eager"].model.w.layers), "compute_dtype": arms["eager"].dtype_name,
+                    "kv_dtype": arms["eager"].kv_dtype, "context": args.context, "tokens": args.tokens,
+                    "repeats": args.repeats, "timing": "decode_s of generate() / (tokens - 1), interleaved"}
+        result = {**result_header("decode_graphs", settings, device=arms["eager"].device),
+                  "mismatches": mismatches, "samples": samples, "per_token_s": per_token,
+                  "speedup": per_token["eager"]["median"] / per_token["graphs"]["median"],
+                  "graph_stats": {"captures": stats.captures, "replays": stats.replays, "eager": stats.eager,
+                                  "evictions": stats.evictions, "reasons": stats.reasons}}
+        write_json(args.out, result)
+        print(f"{'arm':8} {'per token (median)':>20} {'min':>10} {'max':>10}")
+        for name in arms:
+            s = per_token[name]
+            print(f"{name:8} {s['median'] * 1e3:17.2f} ms {s['min'] * 1e3:7.2f} ms {s['max'] * 1e3:7.2f} ms")
+        print(f"speedup (eager / graphs): {result['speedup']:.2f}x; bitwise equal: {not mismatches}")
+        print(f"full results: {args.out}")
+        return 1 if mismatches else 0
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

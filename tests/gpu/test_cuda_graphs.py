@@ -1,0 +1,99 @@
+"""CUDA graphs of short windows (glm53.cuda_graphs) against the eager forward, bit for bit.
+
+- ops.expert_linear (the routed experts' slot form) gives every row the bits linear() gives it,
+  alone and among many rows of its expert (the grouped form's tile configs);
+- the engine decoding with graphs equals the engine without them (tokens and every position's
+  logits), over bound steps and cache growth, in bf16, bf16 with an fp8 cache, and fp32;
+- a one-word extension reused from the prefix cache replays a graph and equals a cold run.
+
+    pytest -m gpu tests/gpu/test_cuda_graphs.py
+"""
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from tests.fixtures_tiny import tiny_dirs  # noqa: E402,F401
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("gpu: no CUDA device")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n,k", [(4096, 6144), (6144, 2048), (96, 64)])
+def test_expert_linear_rows_equal_linear_rows(dtype: torch.dtype, n: int, k: int) -> None:
+    from glm53 import ops
+
+    g = torch.Generator(device="cuda").manual_seed(n + k)
+    w = torch.randn(6, n, k, generator=g, device="cuda").to(dtype) * k ** -0.5
+    x = torch.randn(300, k, generator=g, device="cuda").to(dtype)
+    ids = torch.randint(0, 6, (300,), generator=g, device="cuda")
+    got = ops.expert_linear(x, w, ids)
+    for e in range(6):
+        rows = (ids == e).nonzero().squeeze(1)
+        grouped = ops.linear(x[rows], w[e])  # many rows: the prefill tile config
+        assert torch.equal(got[rows], grouped), (e, "grouped")
+        for r in rows[:3].tolist():
+            assert torch.equal(got[r:r + 1], ops.linear(x[r:r + 1], w[e])), (e, r)
+
+
+def _engine(tiny_dirs, compute: str, kv: str, graphs: str, **kw):  # noqa: ANN001, F811
+    from glm53.engine import Glm53Engine
+
+    return Glm53Engine(tiny_dirs.model, device="cuda", dtype=compute, kv_dtype=kv, cuda_graphs=graphs, **kw)
+
+
+def _decode(engine, prompt: list[int], n: int) -> tuple[list[int], list[tuple[int, torch.Tensor]]]:  # noqa: ANN001
+    engine.trace = []
+    reply = engine.generate(prompt, n, {"temperature": 0.0, "ignore_eos": True, "draft": False})
+    trace, engine.trace = engine.trace, None
+    return reply, trace
+
+
+@pytest.mark.parametrize("compute,kv", [("bf16", "bf16"), ("bf16", "fp8"), ("fp32", "fp32")])
+def test_decoding_with_graphs_equals_eager_bitwise(tiny_dirs, compute: str, kv: str) -> None:  # noqa: F811
+    """A 230-token prompt (capacity 256: the cache grows while decoding), then 80 greedy tokens
+    with bound step 32: several captures, many replays, the eager engine's tokens and logits."""
+    rng = random.Random(5)
+    eager = _engine(tiny_dirs, compute, kv, "0")
+    graphed = _engine(tiny_dirs, compute, kv, "1")
+    graphed.graphs.bound_step = 32
+    prompt = [rng.randrange(3, eager.vocab_size) for _ in range(230)]
+    want, want_trace = _decode(eager, prompt, 80)
+    got, got_trace = _decode(graphed, prompt, 80)
+    assert got == want
+    for (p, a), (q, b) in zip(got_trace, want_trace):
+        assert p == q and torch.equal(a, b), p
+    stats = graphed.graphs.stats
+    assert stats.captures >= 3 and stats.replays >= 60, stats
+
+
+def test_one_word_extension_replays_a_graph_and_equals_cold(tiny_dirs) -> None:  # noqa: F811
+    from kv_cache.engine_adapter import attach_prefix_cache
+
+    rng = random.Random(6)
+    on = _engine(tiny_dirs, "bf16", "bf16", "1")
+    cold = _engine(tiny_dirs, "bf16", "bf16", "0")
+    attach_prefix_cache(on, revision="test", environ={})
+    base = [rng.randrange(3, on.vocab_size) for _ in range(300)]
+    on.generate(base, 1, {"temperature": 0.0})
+    for i in range(3):
+        prompt = base + [rng.randrange(3, on.vocab_size)]
+        got, got_trace = _decode(on, prompt, 4)
+        assert on.last_stats["cached_tokens"] == len(base)
+        want, want_trace = _decode(cold, prompt, 4)
+        cold.state = None
+        assert got == want and all(torch.equal(a, b) for (_, a), (_, b) in zip(got_trace, want_trace)), i
+    assert on.graphs.stats.replays >= 6

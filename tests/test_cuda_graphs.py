@@ -1,0 +1,150 @@
+"""The graph-capturable window forward (glm53.cuda_graphs) on the CPU: what a graph replays.
+
+A CUDA graph cannot exist here, so these check the parts that decide its exactness and its
+bookkeeping: `forward_window` (positions in a device tensor, rows written by index, keys scored up
+to a bound past the window) equals the eager forward bit for bit; NaN scores set the flag instead
+of syncing; the runner keys graphs by window, bound and cache addresses. The capture itself and
+graph replays against eager run on the GPU (tests/gpu/test_cuda_graphs.py).
+"""
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+
+from glm53 import cuda_graphs
+from glm53.cuda_graphs import WindowGraphs, cache_addresses, key_bound
+from glm53.engine import EngineError, Glm53Engine
+from glm53.model.indexer import SMALL_WINDOW_ROWS, select_topk
+from glm53.model.transformer import Span
+from tests.fixtures_tiny import tiny_dirs, tiny_engine  # noqa: F401
+
+
+def test_key_bound_rounds_up_to_the_step_within_capacity() -> None:
+    assert key_bound(1, 10_000, 4096) == 4096
+    assert key_bound(4096, 10_000, 4096) == 4096
+    assert key_bound(4097, 10_000, 4096) == 8192
+    assert key_bound(9000, 9001, 4096) == 9001  # never past the capacity
+
+
+def state_copy(state):
+    other = copy.copy(state)
+    other.tokens = list(state.tokens)
+    other.latent = [t.clone() for t in state.latent]
+    other.latent_scale = [t.clone() if t is not None else None for t in state.latent_scale]
+    other.index_keys = {i: t.clone() for i, t in state.index_keys.items()}
+    other.index_scale = {i: t.clone() if t is not None else None for i, t in state.index_scale.items()}
+    return other
+
+
+@pytest.mark.parametrize("compute,kv", [("fp32", "fp32"), ("fp32", "fp8"), ("bf16", "bf16")])
+def test_window_form_equals_the_eager_forward_bitwise(tiny_dirs, compute: str, kv: str) -> None:  # noqa: F811
+    """Windows of 1, 3 and 16 tokens after a 70-token prefill (past index_topk, MoE layers by
+    slot): forward_window with a key bound well past the window writes the rows and returns the
+    hidden states (and taps) of the eager forward."""
+    engine = Glm53Engine(tiny_dirs.model, device="cpu", dtype=compute, kv_dtype=kv, prefill_chunk=1 << 20)
+    model, rng = engine.model, random.Random(7)
+    prompt = [rng.randrange(3, engine.vocab_size) for _ in range(70)]
+    with torch.inference_mode():
+        state = model.new_state(kv)
+        model.forward(state, prompt, 0)
+        for n in (1, 3, SMALL_WINDOW_ROWS):
+            window = [rng.randrange(3, engine.vocab_size) for _ in range(n)]
+            start = state.length
+            eager_state = state_copy(state)
+            want = model.forward(eager_state, window, start, taps=(1,))
+            state.reserve(start + n + 200)
+            bound = key_bound(start + n, state.capacity, 64)
+            assert bound > start + n
+            flag = torch.zeros((), dtype=torch.bool)
+            span = Span(torch.arange(start, start + n), None, bound, flag)
+            got = model.forward_window(state, torch.tensor(window), span, taps=(1,))
+            state.tokens.extend(window)
+            assert not flag.item()
+            assert torch.equal(got.hidden, want.hidden) and torch.equal(got.taps[1], want.taps[1]), n
+            mine, theirs = state.export_rows(0, state.length), eager_state.export_rows(0, state.length)
+            for name in theirs:
+                assert torch.equal(mine[name].view(torch.uint8), theirs[name].view(torch.uint8)), (n, name)
+
+
+def test_small_windows_take_the_packed_keys_with_the_same_set() -> None:
+    """Up to SMALL_WINDOW_ROWS rows the selection comes from the packed keys directly (no tie
+    test, no sync): with ties everywhere, the lower-position rule's set."""
+    g = torch.Generator().manual_seed(11)
+    scores = torch.randn(SMALL_WINDOW_ROWS, 300, generator=g).round()  # integers: ties at every k-th score
+    scores[:, 250:] = float("-inf")
+    sel = select_topk(scores, 40)
+    for t in range(SMALL_WINDOW_ROWS):
+        finite = sorted((-s, p) for p, s in enumerate(scores[t].tolist()) if s != float("-inf"))
+        assert sel.indices[t][sel.valid[t]].tolist() == sorted(p for _, p in finite[:40])
+
+
+def test_nan_scores_set_the_flag_instead_of_raising() -> None:
+    scores = torch.zeros(2, 50)
+    scores[1, 7] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        select_topk(scores, 8)
+    flag = torch.zeros((), dtype=torch.bool)
+    select_topk(scores, 8, nan_flag=flag)
+    assert flag.item()
+
+
+class EagerReplays(WindowGraphs):
+    """The runner with its capture replaced by re-running the window form (no CUDA graph here)."""
+
+    class _Replay:
+        def __init__(self, rerun) -> None:  # noqa: ANN001
+            self.rerun = rerun
+
+        def replay(self) -> None:
+            self.rerun()
+
+    def why_not(self, state, n):  # noqa: ANN001, ANN201
+        return None if 1 <= n <= cuda_graphs.MAX_WINDOW else "too long"
+
+    def _capture(self, entry, state, bound, taps, key) -> None:  # noqa: ANN001
+        def rerun() -> None:
+            out = self._run(state, entry, bound, taps)
+            entry.out.hidden.copy_(out.hidden)
+            entry.out.last_layer.copy_(out.last_layer)
+        entry.out = cuda_graphs._copy(self._run(state, entry, bound, taps))
+        entry.graph = self._Replay(rerun)
+        self.stats.captures += 1
+        self._graphs[key] = entry
+        while len(self._graphs) > self.max_graphs:
+            self._graphs.popitem(last=False)
+            self.stats.evictions += 1
+
+
+def test_runner_keys_by_window_bound_and_cache_addresses(tiny_engine) -> None:  # noqa: F811
+    """Decoding 60 tokens one at a time through the runner: the same tokens and rows as eager;
+    one key per bound step while the cache stays put, a new key when reserve moves it."""
+    model, rng = tiny_engine.model, random.Random(3)
+    prompt = [rng.randrange(3, tiny_engine.vocab_size) for _ in range(230)]  # capacity 256: grows while decoding
+    runner = EagerReplays(model, max_graphs=3, bound_step=16)
+    with torch.inference_mode():
+        state, eager = model.new_state("fp32"), model.new_state("fp32")
+        model.forward(state, prompt, 0)
+        model.forward(eager, prompt, 0)
+        addresses = {cache_addresses(state)}
+        for i in range(60):
+            token = rng.randrange(3, tiny_engine.vocab_size)
+            got = runner.forward(state, [token], state.length)
+            want = model.forward(eager, [token], eager.length)
+            assert torch.equal(got.hidden, want.hidden), i
+            addresses.add(cache_addresses(state))
+        assert state.tokens == eager.tokens
+    assert len(addresses) >= 2  # the cache grew past its capacity at least once
+    assert runner.stats.captures >= 60 // 16 and runner.stats.replays > 40
+    assert runner.stats.evictions == runner.stats.captures - len(runner._graphs) and len(runner._graphs) <= 3
+    assert runner.forward(state, [1] * (cuda_graphs.MAX_WINDOW + 1), state.length) is None
+
+
+def test_cuda_graphs_option_is_checked(tiny_dirs) -> None:  # noqa: F811
+    with pytest.raises(EngineError, match="TF_GLM53_CUDA_GRAPHS=1 but .*not on cuda"):
+        Glm53Engine(tiny_dirs.model, device="cpu", cuda_graphs="1")
+    with pytest.raises(EngineError, match="TF_GLM53_CUDA_GRAPHS='sometimes'"):
+        Glm53Engine(tiny_dirs.model, device="cpu", cuda_graphs="sometimes")
+    assert Glm53Engine(tiny_dirs.model, device="cpu").graphs is None  # auto: eager on the CPU
