@@ -8,10 +8,12 @@ from the fixed dims (N, K, dtype) only, never from the row count M (passed do_no
 row gets the same instructions, and the same bits, whatever M is and wherever the row sits.
 
 CONFIG_BY_ROWS: decode (M = 1) and prefill (M = 2048) want different tiles. True (the default):
-BLOCK_M (and BLOCK_N, num_warps) chosen by M with the same BLOCK_K; that is row-invariant because
-the tensor-core paths for different BLOCK_M (mma.sync at 16, wgmma at >= 64 on Hopper) give
-bitwise-equal per-element sums: measured on the H200 by bench/bench_kernels.py's probe (seven
-configs, every M and offset tried: identical bits; bench/results/kernels_h200.json) and guarded by
+the tile config chosen by M; that is row-invariant because the tensor-core paths for different
+BLOCK_M (mma.sync at 16, wgmma at >= 64 on Hopper), BLOCK_N and BLOCK_K (64, 128, 256: the same
+ascending k16 steps into one fp32 accumulator) give bitwise-equal per-element sums: measured on
+the H200 by bench/bench_kernels.py's probe (seven configs, every M and offset tried: identical
+bits; bench/results/kernels_h200.json) and by bench/probe_decode_tiles.py (36 decode configs over
+eleven GLM-5.3 shapes: identical bits; bench/results/decode_tiles_h200.json), and guarded by
 tests/gpu/test_triton_cuda.py. False: one config per (N, K, dtype) for all M, row-invariant by
 construction on any GPU (set it there until the probe has run on that GPU). First
 reading (H200, triton 3.6, torch 2.11): all seven probe configs (BLOCK_M 16/64/128) gave identical
@@ -45,8 +47,11 @@ def linear_config(m: int, n: int, k: int, dtype: torch.dtype) -> LinearConfig:
         # router / indexer head weights: small fp32 products, FMA dots (ieee); correctness first
         return LinearConfig(32, 32, 32, 4, 2)
     if CONFIG_BY_ROWS:
-        if m <= 16:  # decode / short verify windows: narrow column tiles, so many programs stream w
-            return LinearConfig(16, 32, 64, 4, 5)  # H200 M=1: 27 us at N=2048 K=6144 (vs 38-48 below)
+        if m <= 16:  # decode / short verify windows: narrow column tiles (many programs stream w), long K steps
+            # H200 M=1 (bench/probe_decode_tiles.py, bench/results/decode_tiles_h200.json; all 36
+            # candidates bitwise equal to the prefill tiles): q_a 21 -> 11 us, o_proj 68 -> 53 us,
+            # the eleven GLM-5.3 shapes 382 -> 315 us (the best per shape: 305)
+            return LinearConfig(16, 16, 256, 4, 5) if n <= 2048 else LinearConfig(16, 32, 128, 4, 5)
         if m <= 256:
             return LinearConfig(64, 64, 64, 4, 4)
     # prefill tiles, for every M when CONFIG_BY_ROWS is False. H200, M=2048: 67-72% of cuBLAS;
