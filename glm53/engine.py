@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from glm53 import ops
@@ -201,11 +202,13 @@ class Glm53Engine:
         return outs
 
     # ---- reuse ------------------------------------------------------------------------------
-    def _state_for(self, prompt: list[int]) -> tuple[KVState, int]:
-        """A state holding reusable rows for a prefix of `prompt`, and how many rows it holds."""
+    def _state_for(self, prompt: list[int], prompt_ids: np.ndarray | None = None) -> tuple[KVState, int]:
+        """A state holding reusable rows for a prefix of `prompt` (prompt_ids: the same as an int64
+        array, when the caller has it), and how many rows it holds."""
         state = self.state if self.state is not None else self.model.new_state(self.kv_dtype)
         if self.prefix_cache is not None:
-            hit = self.prefix_cache.lookup(prompt, live_tokens=list(state.tokens), live_frontier=state.frontier)
+            ids = prompt_ids if prompt_ids is not None else prompt
+            hit = self.prefix_cache.lookup(ids, live_tokens=state.tokens, live_frontier=state.frontier)
             state.truncate(hit.live_tokens)
             hit.restore(lambda start, n, rows: state.import_rows(start, rows, prompt[start:start + n]))
             state.truncate(hit.reused_tokens)
@@ -225,7 +228,7 @@ class Glm53Engine:
         state.truncate(n)
         return state, n
 
-    def store_prefix(self, prompt: list[int], state: KVState) -> None:
+    def store_prefix(self, prompt: list[int] | np.ndarray, state: KVState) -> None:
         if self.prefix_cache is not None:
             self.prefix_cache.store(prompt, min(state.frontier, len(prompt)), state.export_rows)
 
@@ -239,11 +242,19 @@ class Glm53Engine:
             return SamplingParams.from_request(sampling)
         raise EngineError(f"sampling must be SamplingParams, a dict or None; got {type(sampling).__name__}")
 
-    def _check_prompt(self, prompt: Any, max_tokens: Any) -> list[int]:
+    def _check_prompt(self, prompt: Any, max_tokens: Any) -> tuple[list[int], np.ndarray]:
+        """The prompt as a list and as an int64 array (the prefix cache's form, converted once)."""
         if not isinstance(prompt, (list, tuple)) or not prompt:
             raise EngineError("prompt must be a non-empty list of token ids")
-        # type() is int excludes bool; one pass each for type, min, max (a 94k prompt: ~10 ms, not 20)
-        if not (all(type(t) is int for t in prompt) and min(prompt) >= 0 and max(prompt) < self.vocab_size):
+        # exact types (bool is not an id), then the range on the array: C loops only (19k tokens:
+        # ~1.4 ms on a slow core, against ~2 ms for a Python type test and min/max over the list)
+        ids = None
+        if set(map(type, prompt)) == {int}:
+            try:
+                ids = np.array(prompt, dtype=np.int64)
+            except OverflowError:
+                ids = None
+        if ids is None or int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
             bad = next(t for t in prompt if type(t) is not int or not 0 <= t < self.vocab_size)
             raise EngineError(f"prompt token {bad!r} is not an id in [0, {self.vocab_size})")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
@@ -251,7 +262,7 @@ class Glm53Engine:
         if len(prompt) + max_tokens > self.cfg.max_position_embeddings:
             raise EngineError(f"prompt ({len(prompt)}) + max_tokens ({max_tokens}) exceed the context "
                               f"({self.cfg.max_position_embeddings} positions)")
-        return list(prompt)
+        return list(prompt), ids
 
     @torch.inference_mode()
     def generate(self, prompt: list[int], max_tokens: int, sampling: Any = None,
@@ -259,10 +270,10 @@ class Glm53Engine:
         """Decide up to max_tokens tokens after `prompt`. `on_tokens(new)` gets each decided batch;
         returning False stops the request. An eos token ends the reply and is part of it (unless
         ignore_eos). Returns the reply; `last_stats` describes the request."""
-        prompt = self._check_prompt(prompt, max_tokens)
+        prompt, prompt_ids = self._check_prompt(prompt, max_tokens)
         params = self._params(sampling).with_seed()
         t0 = time.perf_counter()
-        state, cached = self._state_for(prompt)
+        state, cached = self._state_for(prompt, prompt_ids)
         self.state = state
         stats: dict[str, Any] = {"prompt_tokens": len(prompt), "cached_tokens": cached, "completion_tokens": 0,
                                  "prefill_tokens": len(prompt) - cached, "seed": params.seed,
@@ -289,7 +300,7 @@ class Glm53Engine:
             stats["decode_s"] = time.perf_counter() - t_first
         # after the reply, off the time to first token: decode and verification write only past the
         # frontier, so the prompt's canonical rows are still what prefill wrote
-        self.store_prefix(prompt, state)
+        self.store_prefix(prompt_ids, state)
         return reply
 
     def will_draft(self, params: SamplingParams) -> bool:

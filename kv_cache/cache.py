@@ -114,6 +114,7 @@ class PrefixCache:
         self.agree = agree or (lambda n: n)
         self.stats = Stats()
         self._root = root_hash(key)
+        self._last_chain: tuple[np.ndarray, list[bytes]] | None = None  # the last lookup's tokens, hashes
         # serving writes the disk tier on a background thread (flushed at exit); tests may write inline
         self._writer = BackgroundWriter(disk) if disk is not None and disk_async else None
         if self._writer is not None:
@@ -153,6 +154,7 @@ class PrefixCache:
         live = max(0, min(common_prefix(toks, live_tokens), live_frontier, n - 1)) if len(live_tokens) else 0
         live = self._floor(live)
         hashes = chain_hashes(self.key, toks)
+        self._last_chain = (toks.copy(), hashes)  # the engine stores the same prompt after the reply
         # blocks below the live extent need not be stored: a block's hash commits to its prefix
         path = self._walk(toks, hashes, live // self.block)
         if not path or self._floor(min(_end(path), n - 1)) <= live:
@@ -279,11 +281,15 @@ class PrefixCache:
         a tier lacks (and that no stored sibling dominates); the others carry None or the host's."""
         nodes: list[Node] = []
         parent = self._root
+        # the last lookup's hashes when it was of these tokens (the engine's lookup, then its store)
+        memo = self._last_chain
+        known = memo[1] if memo is not None and np.array_equal(memo[0], toks) else []
         for a in range(0, stop, self.block):
             b = min(a + self.block, stop)
             t = np.array(toks[a:b])  # its own copy: the node outlives the prompt
-            h = block_hash(parent, t)
             tail = b - a < self.block
+            k = a // self.block
+            h = known[k] if not tail and k < len(known) else block_hash(parent, t)
             want_host = h not in self.host and not (tail and self.host.dominated(parent, t))
             want_disk = (self.disk is not None and h not in self.disk
                          and not (tail and self.disk.dominated(parent, t)))

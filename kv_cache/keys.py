@@ -12,6 +12,7 @@ message, so it never collides with a full block).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -63,7 +64,13 @@ class CacheKey:
         return cls(**d)
 
     def digest(self) -> bytes:
-        return hashlib.blake2b(self.to_json().encode(), digest_size=HASH_BYTES).digest()
+        return _digest(self)
+
+
+@functools.lru_cache(maxsize=64)
+def _digest(key: CacheKey) -> bytes:
+    # once per key: every lookup and store seeds its chain with it (asdict + json: ~10 us each)
+    return hashlib.blake2b(key.to_json().encode(), digest_size=HASH_BYTES).digest()
 
 
 Tokens = np.ndarray  # int64 token ids, one per position
