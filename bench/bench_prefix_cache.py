@@ -282,6 +282,7 @@ def scenario_profile(engine, args, rng, out: Path, disk_dir: Path) -> dict[str, 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     sections, walls = [], {}
+    on.generate(base + rand_tokens(rng, 1, engine.vocab_size), args.reply)  # the reused path's graph captured
     for name, side in (("cold prefill", off), ("reused one-word", on)):
         prompt = base + rand_tokens(rng, 1, engine.vocab_size)
         with profile(activities=activities) as prof:
