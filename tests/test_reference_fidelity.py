@@ -96,14 +96,14 @@ def test_reference_ties_are_real(tiny_engine, reference) -> None:  # noqa: F811
     tie_rows: list[int] = []
     select = indexer.select_topk
 
-    def spy(scores: torch.Tensor, k: int) -> indexer.Selection:
+    def spy(scores: torch.Tensor, k: int, nan_flag: torch.Tensor | None = None) -> indexer.Selection:
         if len(tie_rows) == 0:
             finite = torch.isfinite(scores)
             threshold = scores.topk(min(k, scores.shape[-1]), dim=-1).values[:, -1:]
             boundary_ties = ((scores == threshold) & finite).sum(-1) > 1
             rows = (boundary_ties & (finite.sum(-1) > k)).nonzero().flatten().tolist()
             tie_rows.extend(rows)
-        return select(scores, k)
+        return select(scores, k, nan_flag)
 
     state = tiny_engine.model.new_state("fp32")
     try:
