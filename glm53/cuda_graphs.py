@@ -10,7 +10,7 @@ one state's cache tensors. Everything that moves from step to step lives in devi
 graph reads: the token ids and the positions. Rows are written by index and the queries score the
 cache rows [0, L): rows past the window are future to every query, so they score -inf and are
 never selected, and the forward computes exactly what the eager one does (the ops are row- and
-key-invariant; tests/gpu/test_cuda_graphs.py checks graph against eager bit for bit). L is the
+key-invariant; tests/gpu/test_graph_replays_cuda.py checks graph against eager bit for bit). L is the
 window's end rounded up to BOUND_STEP (capped by the capacity), so one graph serves BOUND_STEP
 positions of decoding, and the extra keys cost little.
 

@@ -4,7 +4,7 @@ A CUDA graph cannot exist here, so these check the parts that decide its exactne
 bookkeeping: `forward_window` (positions in a device tensor, rows written by index, keys scored up
 to a bound past the window) equals the eager forward bit for bit; NaN scores set the flag instead
 of syncing; the runner keys graphs by window, bound and cache addresses. The capture itself and
-graph replays against eager run on the GPU (tests/gpu/test_cuda_graphs.py).
+graph replays against eager run on the GPU (tests/gpu/test_graph_replays_cuda.py).
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@
   logits), over bound steps and cache growth, in bf16, bf16 with an fp8 cache, and fp32;
 - a one-word extension reused from the prefix cache replays a graph and equals a cold run.
 
-    pytest -m gpu tests/gpu/test_cuda_graphs.py
+    pytest -m gpu tests/gpu/test_graph_replays_cuda.py
 """
 from __future__ import annotations
 
