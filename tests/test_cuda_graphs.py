@@ -148,3 +148,22 @@ def test_cuda_graphs_option_is_checked(tiny_dirs) -> None:  # noqa: F811
     with pytest.raises(EngineError, match="TF_GLM53_CUDA_GRAPHS='sometimes'"):
         Glm53Engine(tiny_dirs.model, device="cpu", cuda_graphs="sometimes")
     assert Glm53Engine(tiny_dirs.model, device="cpu").graphs is None  # auto: eager on the CPU
+
+
+def test_runner_raises_the_eager_error_on_nan_scores(tiny_engine) -> None:  # noqa: F811
+    """A NaN in a cached indexer key makes the scores NaN: the eager forward raises at once, the
+    window form sets its flag and the runner raises the same error after the window (first run
+    and replay alike)."""
+    model, rng = tiny_engine.model, random.Random(9)
+    prompt = [rng.randrange(3, tiny_engine.vocab_size) for _ in range(50)]
+    runner = EagerReplays(model, bound_step=16)
+    with torch.inference_mode():
+        state = model.new_state("fp32")
+        model.forward(state, prompt, 0)
+        runner.forward(state, [5], state.length)  # captured, clean
+        layer = min(state.index_keys)
+        state.index_keys[layer][7] = float("nan")
+        with pytest.raises(ValueError, match="NaN"):
+            model.forward(state_copy(state), [6], state.length)
+        with pytest.raises(ValueError, match="NaN"):
+            runner.forward(state, [6], state.length)  # a replay of the captured key
