@@ -301,6 +301,8 @@ def test_interrupted_deep_check_stops_promptly_and_writes_nothing(tmp_path: Path
     t0 = time.monotonic()
     os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole process group
     rc = proc.wait(timeout=60)
-    assert rc == 130
-    assert time.monotonic() - t0 < 10
+    elapsed = time.monotonic() - t0
+    rest = proc.stderr.read()  # what the tool said after the interrupt: the reason when rc is not 130
+    assert rc == 130, f"exit {rc} after {elapsed:.1f} s; stderr after the first progress line:\n{rest[-2000:]}"
+    assert elapsed < 10
     assert list(report.parent.iterdir()) == []  # no report, no temp file
