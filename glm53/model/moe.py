@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 
 from glm53 import ops
-from glm53.model.indexer import orderable_keys
+from glm53.model.indexer import SMALL_WINDOW_ROWS, orderable_keys
 
 
 @dataclass
@@ -88,7 +88,7 @@ class DecodedExperts:
     index_add_ does, with no sync, so it can be graph-captured."""
 
     window_safe = True  # short windows take the slot form
-    SLOT_ROWS = 16
+    SLOT_ROWS = SMALL_WINDOW_ROWS  # at least the windows glm53.cuda_graphs captures (no sync there)
 
     def __init__(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
         self.gate_up = gate_up  # [E, 2 * width, hidden]: gate rows then up rows
