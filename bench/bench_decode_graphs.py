@@ -95,6 +95,7 @@ def main() -> int:
                   "mismatches": mismatches, "samples": samples, "per_token_s": per_token,
                   "speedup": per_token["eager"]["median"] / per_token["graphs"]["median"],
                   "graph_stats": {"captures": stats.captures, "replays": stats.replays, "eager": stats.eager,
+                                  "first_runs": stats.first_runs,
                                   "evictions": stats.evictions, "reasons": stats.reasons}}
         write_json(args.out, result)
         print(f"{'arm':8} {'per token (median)':>20} {'min':>10} {'max':>10}")

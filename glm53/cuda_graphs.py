@@ -72,7 +72,6 @@ class _Captured:
     nan_flag: torch.Tensor
     graph: Any = None  # torch.cuda.CUDAGraph once captured
     out: ForwardOutput | None = None  # the graph's output buffers
-    replays: int = 0
 
 
 @dataclass
@@ -80,6 +79,7 @@ class GraphStats:
     captures: int = 0
     replays: int = 0
     eager: int = 0  # windows that were not eligible
+    first_runs: int = 0  # eligible windows run eagerly because their key had no graph yet
     evictions: int = 0
     reasons: dict[str, int] = field(default_factory=dict)  # why windows ran eagerly
 
@@ -94,6 +94,7 @@ class WindowGraphs:
         self.stats = GraphStats()
         self._graphs: OrderedDict[tuple, _Captured] = OrderedDict()
         self._pool: Any = None
+        self._graph_safe = model.graph_safe()  # the layers never change: asked once, not per window
 
     # ---- eligibility --------------------------------------------------------------------------
     def why_not(self, state: KVState, n: int) -> str | None:
@@ -109,7 +110,7 @@ class WindowGraphs:
             return f"{type(state).__name__} (split cache) is not captured"
         if not 1 <= n <= MAX_WINDOW:
             return f"window of {n} tokens (graphs take 1..{MAX_WINDOW})"
-        if not m.graph_safe():
+        if not self._graph_safe:
             return "a feed-forward block is not window-safe"
         return None
 
@@ -140,16 +141,12 @@ class WindowGraphs:
             self._graphs.move_to_end(key)
             self._fill(entry, tokens, start)
             entry.graph.replay()
-            entry.replays += 1
             self.stats.replays += 1
             out = _copy(entry.out)
         if bool(entry.nan_flag.item()):
             raise ValueError("indexer scores contain NaN; the selection is undefined")
         state.tokens.extend(tokens)
         return out
-
-    def clear(self) -> None:
-        self._graphs.clear()
 
     # ---- internals --------------------------------------------------------------------------------
     def _new_entry(self, n: int) -> _Captured:
@@ -173,7 +170,7 @@ class WindowGraphs:
         return self.model.forward_window(state, entry.ids, span, taps)
 
     def _eager(self, state: KVState, entry: _Captured, bound: int, taps: tuple[int, ...]) -> ForwardOutput:
-        self.stats.eager += 1
+        self.stats.first_runs += 1
         return self._run(state, entry, bound, taps)
 
     def _capture(self, entry: _Captured, state: KVState, bound: int, taps: tuple[int, ...], key: tuple) -> None:

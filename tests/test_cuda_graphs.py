@@ -138,6 +138,7 @@ def test_runner_keys_by_window_bound_and_cache_addresses(tiny_engine) -> None:  
         assert state.tokens == eager.tokens
     assert len(addresses) >= 2  # the cache grew past its capacity at least once
     assert runner.stats.captures >= 60 // 16 and runner.stats.replays > 40
+    assert runner.stats.first_runs == runner.stats.captures  # each key ran eagerly once, then replayed
     assert runner.stats.evictions == runner.stats.captures - len(runner._graphs) and len(runner._graphs) <= 3
     assert runner.forward(state, [1] * (cuda_graphs.MAX_WINDOW + 1), state.length) is None
 
