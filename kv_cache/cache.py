@@ -20,6 +20,7 @@ import atexit
 import logging
 import os
 import re
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -30,6 +31,7 @@ from .hit import Hit, Piece
 from .keys import CacheKey, Tokens, block_hash, chain_hashes, common_prefix, root_hash, token_array
 from .node import Node
 from .rows import Rows, rows_to_host
+from .staging import DEFAULT_CUDA_STAGING_BYTES, Staging
 from .store import HostStore
 from .writer import BackgroundWriter
 
@@ -99,10 +101,20 @@ def _end(path: list[_Step]) -> int:
     return path[-1].start + path[-1].usable
 
 
+@dataclass
+class _Pending:
+    """A store whose rows are still on their way to host memory (staging.py)."""
+
+    nodes: list[Node]
+    tokens: np.ndarray  # the prefix [0, stop) the nodes cover
+    done: Future
+
+
 class PrefixCache:
     def __init__(self, key: CacheKey, *, enabled: bool = True, host_bytes: int = DEFAULT_HOST_BYTES,
                  disk: DiskTier | None = None, boundary: int | None = None,
-                 agree: Callable[[int], int] | None = None, disk_async: bool = False) -> None:
+                 agree: Callable[[int], int] | None = None, disk_async: bool = False,
+                 staging_bytes: int = 0) -> None:
         if boundary is not None and (isinstance(boundary, bool) or not isinstance(boundary, int) or boundary < 1):
             raise ValueError(f"reuse boundary must be a positive int or None, got {boundary!r}")
         self.key = key
@@ -115,6 +127,9 @@ class PrefixCache:
         self.stats = Stats()
         self._root = root_hash(key)
         self._last_chain: tuple[np.ndarray, list[bytes]] | None = None  # the last lookup's tokens, hashes
+        # stores copy device rows in the background (staging.py); 0: synchronously, inside store()
+        self._staging = Staging(staging_bytes) if staging_bytes > 0 else None
+        self._pending: _Pending | None = None
         # serving writes the disk tier on a background thread (flushed at exit); tests may write inline
         self._writer = BackgroundWriter(disk) if disk is not None and disk_async else None
         if self._writer is not None:
@@ -122,13 +137,17 @@ class PrefixCache:
 
     @classmethod
     def from_env(cls, key: CacheKey, agree: Callable[[int], int] | None = None, environ: dict | None = None,
-                 *, boundary: int | None = None) -> "PrefixCache":
+                 *, boundary: int | None = None, on_gpu: bool = False) -> "PrefixCache":
         """TF_GLM53_PREFIX_CACHE (1/0), TF_GLM53_HOST_CACHE_BYTES, TF_GLM53_DISK_CACHE (a
         directory; unset = no disk tier), TF_GLM53_DISK_CACHE_BYTES, TF_GLM53_DISK_CACHE_THREADS
-        (disk read threads, default min(8, CPUs)). `boundary` is the engine's decision."""
+        (disk read threads, default min(8, CPUs)), TF_GLM53_STORE_STAGING_BYTES (the background
+        store's buffer; default 128M where the rows live on a GPU (`on_gpu`), else 0: stores copy
+        inside the call). `boundary` is the engine's decision."""
         env = os.environ if environ is None else environ
         enabled = env_flag("TF_GLM53_PREFIX_CACHE", True, env)
         host_bytes = parse_bytes("TF_GLM53_HOST_CACHE_BYTES", env.get("TF_GLM53_HOST_CACHE_BYTES") or str(DEFAULT_HOST_BYTES))
+        staging = parse_bytes("TF_GLM53_STORE_STAGING_BYTES", env.get("TF_GLM53_STORE_STAGING_BYTES")
+                              or str(DEFAULT_CUDA_STAGING_BYTES if on_gpu else 0))
         disk = None
         disk_dir = env.get("TF_GLM53_DISK_CACHE")
         if enabled and disk_dir:
@@ -136,7 +155,7 @@ class PrefixCache:
             threads = env_count("TF_GLM53_DISK_CACHE_THREADS", env)
             disk = DiskTier(disk_dir, key, disk_bytes, threads=threads)
         return cls(key, enabled=enabled, host_bytes=host_bytes, disk=disk, boundary=boundary, agree=agree,
-                   disk_async=True)
+                   disk_async=True, staging_bytes=staging if enabled else 0)
 
     def _floor(self, n: int) -> int:
         return n if self.boundary is None else n // self.boundary * self.boundary
@@ -153,6 +172,11 @@ class PrefixCache:
         n = len(toks)
         live = max(0, min(common_prefix(toks, live_tokens), live_frontier, n - 1)) if len(live_tokens) else 0
         live = self._floor(live)
+        # a store still copying is waited for only when its nodes could serve more than the live
+        # rows do (another conversation's prompt); the live conversation's next turn never waits
+        pending = self._pending
+        self._settle(wait=pending is not None
+                     and self._floor(min(common_prefix(toks, pending.tokens), n - 1)) > live)
         hashes = chain_hashes(self.key, toks)
         self._last_chain = (toks.copy(), hashes)  # the engine stores the same prompt after the reply
         # blocks below the live extent need not be stored: a block's hash commits to its prefix
@@ -258,14 +282,28 @@ class PrefixCache:
         frontier). `frontier` is how far canonical prefill wrote this sequence's rows (never rows
         written by decode or draft verification); with a reuse boundary it is floored to it, so
         nothing past a boundary is stored. `rows_for(start, stop)` returns this rank's rows of
-        positions [start, stop) (copied here). Returns the number of nodes newly kept in the
-        host tier."""
+        positions [start, stop), read before the engine writes again: copied here, or with
+        staging queued on the device's stream and finished in the background (the tiers take the
+        nodes at the next call that needs them). Returns the number of nodes newly kept in the
+        host tier by this call (0 for a store still copying: stats count it when it lands)."""
         if not self.enabled:
             return 0
+        self._settle(wait=True)
         toks = token_array(token_ids)
-        nodes = self._nodes_of(toks, self._floor(max(0, min(frontier, len(toks)))), rows_for)
+        stop = self._floor(max(0, min(frontier, len(toks))))
+        nodes, todo = self._nodes_of(toks, stop)
         if not nodes:
             return 0
+        done = self._staging.copy(todo, rows_for) if todo and self._staging is not None else None
+        if done is not None:
+            self._pending = _Pending(nodes, toks[:stop].copy(), done)
+            return 0
+        for node, a, b in todo:
+            node.rows = rows_to_host(rows_for(a, b))
+        return self._keep(nodes, frontier)
+
+    def _keep(self, nodes: list[Node], frontier: int) -> int:
+        """Hand a store's nodes (rows at hand) to the tiers."""
         inserted = self.host.put_chain(self._root, nodes)
         if self._writer is not None:
             self._writer.submit(self._root, nodes)
@@ -276,10 +314,26 @@ class PrefixCache:
             log.debug("kv_cache store: %d new nodes (frontier %d)", inserted, frontier)
         return inserted
 
-    def _nodes_of(self, toks: Tokens, stop: int, rows_for: Callable[[int, int], Rows]) -> list[Node]:
-        """The chain of [0, stop): full blocks, then the tail. Rows are exported only for nodes
-        a tier lacks (and that no stored sibling dominates); the others carry None or the host's."""
+    def _settle(self, wait: bool) -> None:
+        """Hand a finished background store to the tiers (waiting for it when `wait`). A store
+        that failed is logged and dropped: a cache write must never fail a request."""
+        p = self._pending
+        if p is None or (not wait and not p.done.done()):
+            return
+        self._pending = None
+        try:
+            p.done.result()
+        except Exception:
+            log.exception("kv_cache store: copying rows to host memory failed; %d nodes not kept", len(p.nodes))
+            return
+        self._keep(p.nodes, len(p.tokens))
+
+    def _nodes_of(self, toks: Tokens, stop: int) -> tuple[list[Node], list[tuple[Node, int, int]]]:
+        """The chain of [0, stop): full blocks, then the tail; and the (node, start, stop) whose
+        rows must be exported (nodes a tier lacks and that no stored sibling dominates). The others
+        carry None or the host's rows."""
         nodes: list[Node] = []
+        todo: list[tuple[Node, int, int]] = []
         parent = self._root
         # the last lookup's hashes when it was of these tokens (the engine's lookup, then its store)
         memo = self._last_chain
@@ -293,20 +347,28 @@ class PrefixCache:
             want_host = h not in self.host and not (tail and self.host.dominated(parent, t))
             want_disk = (self.disk is not None and h not in self.disk
                          and not (tail and self.disk.dominated(parent, t)))
-            rows = None
+            node = Node(h, parent, t)
             if want_host or want_disk:
                 held = self.host.get(h)
-                rows = held.rows if held is not None else rows_to_host(rows_for(a, b))
-            nodes.append(Node(h, parent, t, rows))
+                if held is not None:
+                    node.rows = held.rows
+                else:
+                    todo.append((node, a, b))
+            nodes.append(node)
             parent = h
-        return nodes
+        return nodes, todo
 
     def flush(self) -> None:
-        """Wait for pending disk writes (a no-op without a background writer)."""
+        """Wait for a store still copying and for pending disk writes."""
+        self._settle(wait=True)
         if self._writer is not None:
             self._writer.flush()
 
     def close(self) -> None:
+        self._settle(wait=True)
+        if self._staging is not None:
+            self._staging.close()
+            self._staging = None
         if self._writer is not None:
             self._writer.close()
             atexit.unregister(self._writer.flush)
@@ -316,9 +378,11 @@ class PrefixCache:
 
     @property
     def evictions(self) -> int:
+        self._settle(wait=True)
         return self.host.evictions + (self.disk.evictions if self.disk is not None else 0)
 
     def stats_dict(self) -> dict:
+        self._settle(wait=True)
         d = dict(self.stats.__dict__)
         if self._writer is not None:
             d["disk_written_chunks"] = self._writer.written

@@ -96,6 +96,7 @@ def attach_prefix_cache(engine: Any, *, revision: str | None = None, group: Any 
     agree = min_over_comm(comm) if comm is not None else min_over_ranks(group)
     cache = PrefixCache.from_env(cache_key_for(engine, revision), agree=agree,
                                  environ=os.environ if environ is None else environ,
-                                 boundary=engine.reuse_boundary)
+                                 boundary=engine.reuse_boundary,
+                                 on_gpu=torch.device(engine.device).type == "cuda")
     engine.prefix_cache = cache
     return cache

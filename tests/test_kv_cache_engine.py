@@ -99,8 +99,8 @@ def conversation(rng: random.Random, vocab: int, earlier: list[list[int]]):
     ]
 
 
-def run_patterns(engine: Glm53Engine, seed: int) -> None:
-    cache = attach_prefix_cache(engine, revision="tiny-test", environ={})
+def run_patterns(engine: Glm53Engine, seed: int, environ: dict | None = None) -> None:
+    cache = attach_prefix_cache(engine, revision="tiny-test", environ=environ or {})
     engine.state = None
     rng = random.Random(seed)
     prompt, reply, earlier = [], [], []
@@ -127,6 +127,14 @@ def run_patterns(engine: Glm53Engine, seed: int) -> None:
 
 def test_reuse_is_bitwise_for_every_extension_pattern(engine):
     run_patterns(engine, 20261129)
+
+
+def test_reuse_is_bitwise_with_background_stores(engine):
+    """Stores finished on the background thread (the GPU default, kv_cache/staging.py): the
+    unrelated prompt overwrites the live rows right after a store, the earlier conversation
+    comes back from the host tier."""
+    run_patterns(engine, 20261201, {"TF_GLM53_STORE_STAGING_BYTES": "4M"})
+    assert engine.prefix_cache._staging is not None
 
 
 @pytest.mark.gpu

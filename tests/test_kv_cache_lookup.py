@@ -137,7 +137,9 @@ def test_the_walk_starts_at_the_live_block_and_blocks_below_it_need_not_be_store
     # later blocks stored, [0, 40) not (held live instead): the chain hash commits to the whole
     # prefix, so the walk may start at the live extent's block
     q = P[:40] + list(range(100, 124))
-    nodes = cache._nodes_of(token_array(q), len(q), rows_of(q))
+    nodes, todo = cache._nodes_of(token_array(q), len(q))
+    for node, a, b in todo:
+        node.rows = rows_of(q)(a, b)
     assert cache.host.put_chain(nodes[4].hash, nodes[5:]) == 3  # as if [0, 40) were the root
     hit = cache.lookup(q + [1], live_tokens=P[:45], live_frontier=45)
     assert hit.reused_tokens == 64 and hit.live_tokens == 40 and spans(hit) == [(40, 8), (48, 8), (56, 8)]

@@ -1,0 +1,109 @@
+"""A store's device-to-host copy, off the request's path.
+
+`Staging.copy` queues one asynchronous copy per tensor and contiguous run of positions into a
+reusable staging buffer (pinned when the rows are on a GPU) on the caller's current stream, and
+returns a future: a background thread waits for the copies, then fills each node's rows with
+independent pageable tensors. The facade hands the nodes to its tiers when the future is done
+(`PrefixCache._settle`).
+
+Why it is exact: the copies are queued on the engine's stream before anything that could
+overwrite those rows (the next request's forward, a truncation followed by new writes), so they
+read what prefill wrote. The staging buffer is reused only after the previous copy's future is
+done. Rows on the CPU are copied into the buffer before `copy` returns (no stream orders them).
+
+The buffer grows by powers of two up to `capacity`; a store that needs more is the caller's to
+copy synchronously (a long cold prompt). Node rows are pageable on purpose: the host budget
+counts their exact bytes (rows.py).
+"""
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Callable
+
+import torch
+
+from .node import Node
+from .rows import Rows
+
+log = logging.getLogger("kv_cache")
+
+ALIGN = 64  # bytes: every tensor's view into the buffer starts aligned for any dtype
+DEFAULT_CUDA_STAGING_BYTES = 128 << 20
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def runs_of(todo: list[tuple[Node, int, int]]) -> list[list[tuple[Node, int, int]]]:
+    """(node, start, stop) spans grouped into runs of consecutive positions."""
+    runs: list[list[tuple[Node, int, int]]] = []
+    for item in todo:
+        if runs and runs[-1][-1][2] == item[1]:
+            runs[-1].append(item)
+        else:
+            runs.append([item])
+    return runs
+
+
+class Staging:
+    def __init__(self, capacity_bytes: int) -> None:
+        if capacity_bytes <= 0:
+            raise ValueError(f"staging capacity must be > 0 bytes, got {capacity_bytes}")
+        self.capacity = capacity_bytes
+        self._buf: torch.Tensor | None = None
+        self._busy: Future | None = None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv_cache-store")
+
+    def copy(self, todo: list[tuple[Node, int, int]], rows_for: Callable[[int, int], Rows]) -> Future | None:
+        """Start copying rows_for(start, stop) of every (node, start, stop) into node.rows; None
+        (nothing queued) when the rows do not fit the capacity."""
+        runs = [(run, rows_for(run[0][1], run[-1][2])) for run in runs_of(todo)]
+        need = sum(_aligned(t.numel() * t.element_size()) for _, rows in runs for t in rows.values())
+        if need > self.capacity:
+            return None
+        if self._busy is not None:  # the facade settles first (and reports failures); this keeps
+            wait([self._busy])     # the buffer safe regardless
+        on_gpu = any(t.is_cuda for _, rows in runs for t in rows.values())
+        buf = self._buffer(need, pinned=on_gpu)
+        staged: list[tuple[list[tuple[Node, int, int]], dict[str, torch.Tensor]]] = []
+        offset = 0
+        for run, rows in runs:
+            views = {}
+            for name, t in rows.items():
+                n = t.numel() * t.element_size()
+                dst = buf[offset:offset + n].view(t.dtype).view(t.shape)
+                dst.copy_(t, non_blocking=on_gpu)
+                views[name] = dst
+                offset += _aligned(n)
+            staged.append((run, views))
+        event = None
+        if on_gpu:
+            event = torch.cuda.Event()
+            event.record()
+        self._busy = self._pool.submit(_fill_nodes, staged, event)
+        return self._busy
+
+    def _buffer(self, need: int, pinned: bool) -> torch.Tensor:
+        buf = self._buf
+        if buf is None or buf.numel() < need or buf.is_pinned() != pinned:
+            size = min(self.capacity, 1 << max(need - 1, 1).bit_length())
+            buf = self._buf = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
+        return buf
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self._buf = None
+
+
+def _fill_nodes(staged: list[tuple[list[tuple[Node, int, int]], dict[str, torch.Tensor]]],
+                event: "torch.cuda.Event | None") -> None:
+    """The background half: wait for the device copies, then give every node its own rows."""
+    if event is not None:
+        event.synchronize()
+    for run, views in staged:
+        base = run[0][1]
+        for node, a, b in run:
+            node.rows = {name: torch.empty(v[a - base:b - base].shape, dtype=v.dtype).copy_(v[a - base:b - base])
+                         for name, v in views.items()}

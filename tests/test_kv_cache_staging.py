@@ -1,0 +1,192 @@
+"""Background stores (kv_cache/staging.py): rows copied before store() returns, nodes handed to
+the tiers later; a lookup waits only when the pending nodes could serve more than the live rows.
+
+On the CPU the copy into the staging buffer is synchronous (nothing orders it after the engine's
+next writes otherwise) and the background thread fills the nodes; on a GPU the copy is queued on
+the stream (tests/test_kv_cache_engine.py::test_reuse_is_bitwise_on_cuda runs the engine's
+patterns with it, an unrelated prompt overwriting the rows while a store may still be copying).
+A gate job on the store's one worker thread holds a store "in flight" deterministically.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from kv_cache import CacheKey, PrefixCache
+from kv_cache.cache import CacheConfigError
+from kv_cache.keys import token_array
+from kv_cache.node import Node
+from kv_cache.staging import Staging, runs_of
+
+B = 8
+P = [(i * 7919) % 1000 + 1 for i in range(45)]  # 5 blocks + a 5-token tail
+
+
+def key() -> CacheKey:
+    return CacheKey(model_revision="r", kv_dtype="bfloat16", compute_dtype="bfloat16", ranks=1, rank=0,
+                    dcp=False, chunk_size=B, device_kind="cpu", kit_version="t")
+
+
+def source(tokens: list[int]) -> dict[str, torch.Tensor]:
+    """What the engine's buffers hold for `tokens`: rows that depend on the whole prefix."""
+    t = torch.tensor(tokens, dtype=torch.int64)
+    acc = (t * torch.arange(1, len(tokens) + 1)).cumsum(0)
+    return {"latent.0": acc[:, None].repeat(1, 3), "scale.0": (acc % 251).to(torch.bfloat16)}
+
+
+def view_of(buffers: dict[str, torch.Tensor]):
+    return lambda a, b: {n: v[a:b] for n, v in buffers.items()}  # views, as KVState.export_rows gives
+
+
+def restored(hit, live: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    parts = {n: [v[:hit.live_tokens]] for n, v in (live or {}).items()}
+
+    def write(start, n, rows):
+        for name, t in rows.items():
+            parts.setdefault(name, []).append(t[:n])
+    hit.restore(write)
+    return {n: torch.cat(v) for n, v in parts.items()}
+
+
+class Gate:
+    """Holds the store's worker thread until opened (opens by itself after 20 s, so a wrong wait
+    fails the test instead of hanging it)."""
+
+    def __init__(self, cache: PrefixCache) -> None:
+        self.event = threading.Event()
+        self.timer = threading.Timer(20.0, self.event.set)
+        self.timer.start()
+        cache._staging._pool.submit(self.event.wait)
+
+    def open(self) -> None:
+        self.event.set()
+        self.timer.cancel()
+
+
+def test_runs_group_consecutive_spans():
+    n = [Node(bytes([i]), b"", np.zeros(1, np.int64)) for i in range(4)]
+    runs = runs_of([(n[0], 0, 8), (n[1], 8, 16), (n[2], 24, 32), (n[3], 32, 37)])
+    assert [[(a, b) for _, a, b in run] for run in runs] == [[(0, 8), (8, 16)], [(24, 32), (32, 37)]]
+
+
+def test_a_store_lands_later_with_the_rows_it_read_before_returning():
+    cache = PrefixCache(key(), staging_bytes=1 << 20)
+    buffers = source(P)
+    want = {n: v.clone() for n, v in buffers.items()}
+    gate = Gate(cache)
+    assert cache.store(P, len(P), view_of(buffers)) == 0  # queued: nothing kept yet
+    assert len(cache.host) == 0 and cache._pending is not None
+    for v in buffers.values():  # the engine writes the next request's rows right away
+        v.fill_(0)
+    gate.open()
+    assert cache.stats_dict()["host_chunks"] == 6 and cache.stats.stored_chunks == 6  # 5 blocks + tail
+    hit = cache.lookup(P + [1])
+    assert hit.reused_tokens == 45 and hit.sources == ["host"] * 6
+    got = restored(hit)
+    assert all(torch.equal(got[n], want[n]) for n in want)
+    for node_rows in (p.rows for p in hit.pieces):  # every node owns its rows (not views of the buffer)
+        assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in node_rows.values())
+    cache.close()
+
+
+def test_the_live_conversation_never_waits_and_another_prompt_does():
+    cache = PrefixCache(key(), staging_bytes=1 << 20)
+    reply = [5, 6]
+    live = P + reply
+    buffers = source(live)
+    gate = Gate(cache)
+    cache.store(P, len(P), view_of(buffers))
+    # the next turn of the same conversation: its live rows serve at least what the store holds
+    hit = cache.lookup(live + [9, 9, 9], live_tokens=live, live_frontier=len(P))
+    assert not gate.event.is_set(), "the live conversation's lookup waited for the background store"
+    assert (hit.reused_tokens, hit.live_tokens, hit.pieces) == (45, 45, [])
+    assert cache._pending is not None
+    # a prompt the live rows cannot serve (another conversation's state) needs the pending nodes
+    opener = threading.Timer(0.3, gate.open)
+    opener.start()
+    hit = cache.lookup(P[:30] + [0], live_tokens=[1, 2, 3], live_frontier=3)
+    assert gate.event.is_set() and cache._pending is None
+    assert hit.reused_tokens == 30 and hit.live_tokens == 0
+    got = restored(hit)
+    assert all(torch.equal(got[n], source(P)[n][:30]) for n in got)
+    cache.close()
+
+
+def test_a_new_store_settles_the_previous_one_first():
+    cache = PrefixCache(key(), staging_bytes=1 << 20)
+    turn1 = P[:20]
+    cache.store(turn1, 20, view_of(source(turn1)))
+    cache.store(P, 45, view_of(source(P)))  # waits for turn 1's nodes, then plans against them
+    s = cache.stats_dict()
+    # turn 1: blocks 0-1 and the tail [16, 20); turn 2 adds blocks 2-4 and its tail, and its
+    # block 2 replaces turn 1's tail (it dominates it)
+    assert s["host_chunks"] == 6 and s["stored_chunks"] == 7 and cache.host.replaced == 1
+    cache.close()
+
+
+def test_a_store_larger_than_the_staging_buffer_is_copied_inside_the_call():
+    row_bytes = 3 * 8 + 2
+    cache = PrefixCache(key(), staging_bytes=20 * row_bytes)  # holds 20 rows, the prompt has 45
+    assert cache.store(P, len(P), view_of(source(P))) == 6 and cache._pending is None
+    small = PrefixCache(key(), staging_bytes=1 << 20)
+    assert small.store(P, len(P), view_of(source(P))) == 0 and small._pending is not None
+    cache.close()
+    small.close()
+
+
+def test_the_staging_buffer_grows_by_powers_of_two_up_to_its_capacity():
+    staging = Staging(4096)
+    nodes = [(Node(b"a", b"", np.zeros(8, np.int64)), 0, 8)]
+    rows = {"x": torch.arange(64, dtype=torch.int64).view(8, 8)}  # 512 bytes
+    staging.copy(nodes, lambda a, b: {n: v[a:b] for n, v in rows.items()}).result()
+    assert staging._buf.numel() == 512 and torch.equal(nodes[0][0].rows["x"], rows["x"])
+    big = {"x": torch.arange(400, dtype=torch.int64).view(50, 8)}  # 3200 bytes: up to 4096
+    nodes = [(Node(b"b", b"", np.zeros(50, np.int64)), 0, 50)]
+    staging.copy(nodes, lambda a, b: {n: v[a:b] for n, v in big.items()}).result()
+    assert staging._buf.numel() == 4096 and torch.equal(nodes[0][0].rows["x"], big["x"])
+    assert staging.copy(nodes, lambda a, b: {"x": torch.zeros(600, 8)}) is None  # over capacity
+    staging.close()
+
+
+def test_a_failed_background_copy_is_logged_and_dropped(monkeypatch, caplog):
+    import kv_cache.staging as staging_mod
+
+    def fail(staged, event):
+        raise RuntimeError("device copy failed (stands in for a CUDA error)")
+    monkeypatch.setattr(staging_mod, "_fill_nodes", fail)
+    cache = PrefixCache(key(), staging_bytes=1 << 20)
+    cache.store(P, len(P), view_of(source(P)))
+    with caplog.at_level(logging.ERROR, logger="kv_cache"):
+        assert cache.lookup(P + [1]).reused_tokens == 0  # a miss, never an error or wrong rows
+    assert "copying rows to host memory failed" in caplog.text and len(cache.host) == 0
+    monkeypatch.undo()
+    assert cache.store(P, len(P), view_of(source(P))) == 0
+    assert cache.lookup(P + [1]).reused_tokens == 45  # the next store works
+    cache.close()
+
+
+def test_staging_size_from_the_environment():
+    on_gpu = PrefixCache.from_env(key(), environ={}, on_gpu=True)
+    assert on_gpu._staging is not None and on_gpu._staging.capacity == 128 << 20
+    assert PrefixCache.from_env(key(), environ={})._staging is None  # CPU rows: copied in the call
+    env = {"TF_GLM53_STORE_STAGING_BYTES": "0"}
+    assert PrefixCache.from_env(key(), environ=env, on_gpu=True)._staging is None
+    assert PrefixCache.from_env(key(), environ={"TF_GLM53_STORE_STAGING_BYTES": "8M"})._staging.capacity == 8 << 20
+    with pytest.raises(CacheConfigError, match="TF_GLM53_STORE_STAGING_BYTES"):
+        PrefixCache.from_env(key(), environ={"TF_GLM53_STORE_STAGING_BYTES": "lots"})
+    on_gpu.close()
+
+
+def test_token_array_of_the_pending_prefix_is_a_copy():
+    cache = PrefixCache(key(), staging_bytes=1 << 20)
+    prompt = np.array(P, dtype=np.int64)
+    gate = Gate(cache)
+    cache.store(prompt, len(P), view_of(source(P)))
+    prompt[:] = 0  # the caller reuses its array
+    assert np.array_equal(cache._pending.tokens, token_array(P))
+    gate.open()
+    cache.close()
