@@ -144,6 +144,14 @@ def test_reuse_is_bitwise_on_cuda(tiny_dirs):  # noqa: F811
     for seed in (1, 2, 3):
         run_patterns(gpu_engine, seed)
     assert gpu_engine.dtype_name == "bf16"
+    # the GPU default: stores through pinned staging, copied on the stream, landed in the background
+    # (the unrelated prompt overwrote the rows right after such a store; the earlier conversation
+    # then came back from the host tier bitwise)
+    cache = gpu_engine.prefix_cache
+    assert cache._staging is not None and cache.stats_dict()["stored_chunks"] > 0
+    assert cache._staging._buf.is_pinned()
+    node = next(iter(cache.host._nodes.values()))[0]
+    assert all(t.device.type == "cpu" and not t.is_pinned() for t in node.rows.values())
 
 
 def test_multi_turn_chat_rerendered_by_the_template(engine):
