@@ -150,6 +150,8 @@ def latent_attention(q: torch.Tensor, rows: torch.Tensor, indices: torch.Tensor,
     dr = d - value_dim
     block_dv = max(16, triton.next_power_of_2(value_dim))
     part = value_part(t, block_dv)
+    if part < block_dv:
+        stages = 1  # the second read of the value columns needs the shared memory a stage would take
     grid = (t, triton.cdiv(heads, block_h), triton.cdiv(value_dim, part))
     _latent_attention_kernel[grid](q, rows, indices, valid, end, out, lse, t, k, heads, float(scale),
                                    q.stride(0), q.stride(1), rows.stride(0), indices.stride(0), valid.stride(0),
