@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One lent-GPU session: the CUDA tests of the row-invariant forward, the CUDA graphs and the prefix
-# cache, then the small-window attention split, prefix-cache and decode (graphs vs eager) benchmarks at GLM-5.3 layer dimensions. Logs and JSON go to $OUT (the device tool's
+# cache, then the prefix-cache and decode (graphs vs eager) benchmarks at GLM-5.3 layer dimensions. Logs and JSON go to $OUT (the device tool's
 # folder) or ./gpu_out. The copy on the GPU machine has no .git: pass the commit as the first argument.
 #   bash bench/run_h200.sh <commit> [tests|bench|all]
 set -uo pipefail
@@ -18,8 +18,6 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     status=$(( status | ${PIPESTATUS[0]} ))
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-    python3 bench/bench_attention_split.py --out "$out/attention_split_h200.json" 2>&1 | tee "$out/attention_split_h200.log"
-    status=$(( status | ${PIPESTATUS[0]} ))
     python3 bench/bench_prefix_cache.py --real-dims --device cuda --repeats 3 --profile \
         --out "$out/prefix_cache_h200.json" 2>&1 | tee "$out/prefix_cache_h200.log"
     status=$(( status | ${PIPESTATUS[0]} ))

@@ -12,13 +12,6 @@ neither T nor the query's position changes its bits. A block with no valid slot 
 the block holding the query's last valid slot: the same bits, without the work (a short context, a
 DCP rank that owns a quarter of the selection). No valid slot at all gives out 0 and lse -inf,
 never NaN.
-
-Small windows (decode, verification: at most SPLIT_ROWS queries) would run one program per query
-on one SM, so the value columns are split over a third grid axis: each program computes the same
-scores (the same dot over all D, the same softmax) and the output for PART_DV of the value
-columns. An output element's sum over a block's slots is one MMA reduction whatever the number of
-columns beside it, so the split gives the unsplit kernel's bits (tests/gpu/test_triton_cuda.py
-compares single queries against a 40-query call).
 """
 from __future__ import annotations
 
@@ -38,30 +31,18 @@ def attention_config(heads: int, d: int, value_dim: int, dtype: torch.dtype) -> 
     return block_h, 64, 8, 2
 
 
-SPLIT_ROWS = 16  # windows up to this many queries split the value columns (glm53.model.indexer's small windows)
-
-
-def value_part(t: int, block_dv: int) -> int:
-    """Columns of the value dimension per program: all of them for prefill, slices of at least 32
-    (GLM-5.3: 8 programs of 64) for a small window."""
-    return block_dv if t > SPLIT_ROWS else max(32, block_dv // 8)
-
-
 @triton.jit(do_not_specialize=["T", "K_SLOTS"])
 def _latent_attention_kernel(q_ptr, rows_ptr, idx_ptr, valid_ptr, end_ptr, out_ptr, lse_ptr, T, K_SLOTS, H, scale,
                              stride_qt, stride_qh, stride_r, stride_it, stride_vt, stride_ot, stride_oh, stride_lt,
                              DV: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr,
-                             BLOCK_DR: tl.constexpr, BLOCK_N: tl.constexpr, PART_DV: tl.constexpr,
-                             IEEE: tl.constexpr):
+                             BLOCK_DR: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_v = tl.arange(0, BLOCK_DV)
     offs_r = tl.arange(0, BLOCK_DR)
-    offs_o = tl.program_id(2) * PART_DV + tl.arange(0, PART_DV)  # this program's value columns
     h_mask = offs_h < H
     v_mask = offs_v < DV
     r_mask = offs_r < DR
-    o_mask = offs_o < DV
 
     q_base = q_ptr + t * stride_qt + offs_h[:, None] * stride_qh
     q_v = tl.load(q_base + offs_v[None, :], mask=h_mask[:, None] & v_mask[None, :], other=0.0)
@@ -70,7 +51,7 @@ def _latent_attention_kernel(q_ptr, rows_ptr, idx_ptr, valid_ptr, end_ptr, out_p
 
     m = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_H, PART_DV), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_DV), dtype=tl.float32)
     end = tl.load(end_ptr + t)  # one past the query's last valid slot: later blocks are no-ops
     for jb in range(0, tl.cdiv(end, BLOCK_N)):  # slots in ascending order, fixed blocks
         offs_j = jb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -99,24 +80,18 @@ def _latent_attention_kernel(q_ptr, rows_ptr, idx_ptr, valid_ptr, end_ptr, out_p
         alpha = tl.where(seen, tl.exp(m - m_new), 1.0)
         p = tl.where(ok[None, :] & seen[:, None], tl.exp(s - tl.where(seen, m_new, 0.0)[:, None]), 0.0)
         l = l * alpha + tl.sum(p, axis=1)
-        if PART_DV == BLOCK_DV:
-            kv_o = kv_v
-        else:  # this program's columns of the rows just read (L1/L2 hits)
-            kv_o = tl.load(row + offs_o[None, :], mask=ok[:, None] & o_mask[None, :], other=0.0)
-            kv_o = kv_o.to(q_ptr.dtype.element_ty)
         if IEEE:
-            acc = tl.dot(p, kv_o, acc * alpha[:, None], input_precision="ieee")
+            acc = tl.dot(p, kv_v, acc * alpha[:, None], input_precision="ieee")
         else:
-            acc = tl.dot(p.to(kv_o.dtype), kv_o, acc * alpha[:, None])
+            acc = tl.dot(p.to(kv_v.dtype), kv_v, acc * alpha[:, None])
         m = m_new
 
     has = l > 0.0
     out = tl.where(has[:, None], acc / tl.where(has, l, 1.0)[:, None], 0.0)
     lse = tl.where(has, m + tl.log(tl.where(has, l, 1.0)), float("-inf"))
-    out_ptrs = out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_o[None, :]
-    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & o_mask[None, :])
-    if tl.program_id(2) == 0:
-        tl.store(lse_ptr + t * stride_lt + offs_h, lse, mask=h_mask)
+    out_ptrs = out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_v[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & v_mask[None, :])
+    tl.store(lse_ptr + t * stride_lt + offs_h, lse, mask=h_mask)
 
 
 def latent_attention(q: torch.Tensor, rows: torch.Tensor, indices: torch.Tensor, valid: torch.Tensor,
@@ -148,15 +123,12 @@ def latent_attention(q: torch.Tensor, rows: torch.Tensor, indices: torch.Tensor,
     lse = torch.empty(t, heads, dtype=torch.float32, device=q.device)
     block_h, block_n, warps, stages = attention_config(heads, d, value_dim, q.dtype)
     dr = d - value_dim
-    block_dv = max(16, triton.next_power_of_2(value_dim))
-    part = value_part(t, block_dv)
-    if part < block_dv:
-        stages = 1  # the second read of the value columns needs the shared memory a stage would take
-    grid = (t, triton.cdiv(heads, block_h), triton.cdiv(value_dim, part))
+    grid = (t, triton.cdiv(heads, block_h))
     _latent_attention_kernel[grid](q, rows, indices, valid, end, out, lse, t, k, heads, float(scale),
                                    q.stride(0), q.stride(1), rows.stride(0), indices.stride(0), valid.stride(0),
                                    out.stride(0), out.stride(1), lse.stride(0),
                                    DV=value_dim, DR=dr, BLOCK_H=block_h,
-                                   BLOCK_DV=block_dv, BLOCK_DR=max(16, triton.next_power_of_2(max(dr, 1))),
-                                   BLOCK_N=block_n, PART_DV=part, IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages)
+                                   BLOCK_DV=max(16, triton.next_power_of_2(value_dim)),
+                                   BLOCK_DR=max(16, triton.next_power_of_2(max(dr, 1))), BLOCK_N=block_n,
+                                   IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages)
     return out, lse
