@@ -208,7 +208,7 @@ class Glm53Engine:
         state = self.state if self.state is not None else self.model.new_state(self.kv_dtype)
         if self.prefix_cache is not None:
             ids = prompt_ids if prompt_ids is not None else prompt
-            hit = self.prefix_cache.lookup(ids, live_tokens=state.tokens, live_frontier=state.frontier)
+            hit = self.prefix_cache.lookup(ids, live_tokens=state.token_ids(), live_frontier=state.frontier)
             state.truncate(hit.live_tokens)
             hit.restore(lambda start, n, rows: state.import_rows(start, rows, prompt[start:start + n]))
             state.truncate(hit.reused_tokens)

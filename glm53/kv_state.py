@@ -16,7 +16,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
+
+from glm53.token_log import TokenLog
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 KV_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
@@ -48,7 +51,7 @@ class KVState:
     kv_dtype: str = "bf16"
     device: torch.device | str = "cpu"
     capacity: int = 0
-    tokens: list[int] = field(default_factory=list)  # tokens whose rows are written (len == length)
+    tokens: list[int] = field(default_factory=TokenLog)  # tokens whose rows are written (len == length)
     frontier: int = 0
     latent: list[torch.Tensor] = field(default_factory=list)
     latent_scale: list[torch.Tensor | None] = field(default_factory=list)
@@ -56,6 +59,8 @@ class KVState:
     index_scale: dict[int, torch.Tensor | None] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.tokens, TokenLog):
+            self.tokens = TokenLog(self.tokens)
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype {self.kv_dtype!r}: choose one of {', '.join(KV_DTYPES)}")
         self.latent = [self._alloc(0, self.latent_dim) for _ in range(self.n_layers)]
@@ -67,6 +72,11 @@ class KVState:
     @property
     def length(self) -> int:
         return len(self.tokens)
+
+    def token_ids(self) -> np.ndarray:
+        """The held tokens as a read-only int64 array, converted incrementally (glm53/token_log.py)."""
+        toks = self.tokens
+        return toks.array() if isinstance(toks, TokenLog) else np.asarray(toks, dtype=np.int64)
 
     @property
     def fp8(self) -> bool:

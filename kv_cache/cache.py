@@ -105,6 +105,7 @@ def _end(path: list[_Step]) -> int:
 class _Pending:
     """A store whose rows are still on their way to host memory (staging.py)."""
 
+    held: list[bytes]  # the hashes of the blocks before the nodes (every tier holds them)
     nodes: list[Node]
     tokens: np.ndarray  # the prefix [0, stop) the nodes cover
     done: Future
@@ -127,6 +128,7 @@ class PrefixCache:
         self.stats = Stats()
         self._root = root_hash(key)
         self._last_chain: tuple[np.ndarray, list[bytes]] | None = None  # the last lookup's tokens, hashes
+        self._memo_buf = np.empty(0, dtype=np.int64)
         # stores copy device rows in the background (staging.py); 0: synchronously, inside store()
         self._staging = Staging(staging_bytes) if staging_bytes > 0 else None
         self._pending: _Pending | None = None
@@ -177,8 +179,8 @@ class PrefixCache:
         pending = self._pending
         self._settle(wait=pending is not None
                      and self._floor(min(common_prefix(toks, pending.tokens), n - 1)) > live)
-        hashes = chain_hashes(self.key, toks)
-        self._last_chain = (toks.copy(), hashes)  # the engine stores the same prompt after the reply
+        hashes = self._chain(toks)
+        self._remember(toks, hashes)  # the engine stores the same prompt after the reply
         # blocks below the live extent need not be stored: a block's hash commits to its prefix
         path = self._walk(toks, hashes, live // self.block)
         if not path or self._floor(min(_end(path), n - 1)) <= live:
@@ -197,6 +199,24 @@ class PrefixCache:
         self._promote(hashes, hit, used)
         self._count(hit, n)
         return hit
+
+    def _remember(self, toks: Tokens, hashes: list[bytes]) -> None:
+        """Keep a copy of the prompt and its hashes, in a buffer reused across lookups (a fresh
+        8 MB copy of a 1M-token prompt would cost its page faults on every request)."""
+        buf = self._memo_buf
+        if buf.shape[0] < len(toks):
+            buf = self._memo_buf = np.empty(max(len(toks), 2 * buf.shape[0]), dtype=np.int64)
+        buf[:len(toks)] = toks
+        self._last_chain = (buf[:len(toks)], hashes)
+
+    def _chain(self, toks: Tokens) -> list[bytes]:
+        """The full blocks' chain hashes of `toks`, hashing only the blocks past its common prefix
+        with the last lookup's prompt (a conversation's next turn hashes its new blocks only)."""
+        memo = self._last_chain
+        if memo is None:
+            return chain_hashes(self.key, toks)
+        same = common_prefix(toks, memo[0]) // self.block
+        return chain_hashes(self.key, toks, known=memo[1][:same])
 
     def _walk(self, toks: Tokens, hashes: list[bytes], k0: int) -> list[_Step]:
         """Full blocks from block k0 while present, then the best stored child where they end."""
@@ -256,9 +276,7 @@ class PrefixCache:
                 self.host.put_chain(self._root, [s.node for s in used])
         else:
             chain = hashes[:hit.reused_tokens // self.block]
-        self.host.touch_chain(chain)
-        if self.disk is not None:
-            self.disk.touch_chain(chain)
+        self._touch(chain)
 
     def _count(self, hit: Hit, n: int) -> None:
         s = self.stats
@@ -291,28 +309,41 @@ class PrefixCache:
         self._settle(wait=True)
         toks = token_array(token_ids)
         stop = self._floor(max(0, min(frontier, len(toks))))
-        nodes, todo = self._nodes_of(toks, stop)
+        held, nodes, todo = self._nodes_of(toks, stop)
         if not nodes:
+            self._touch(held)
             return 0
         done = self._staging.copy(todo, rows_for) if todo and self._staging is not None else None
         if done is not None:
-            self._pending = _Pending(nodes, toks[:stop].copy(), done)
+            self._pending = _Pending(held, nodes, toks[:stop].copy(), done)
             return 0
         for node, a, b in todo:
             node.rows = rows_to_host(rows_for(a, b))
-        return self._keep(nodes, frontier)
+        return self._keep(held, nodes, frontier)
 
-    def _keep(self, nodes: list[Node], frontier: int) -> int:
-        """Hand a store's nodes (rows at hand) to the tiers."""
+    def _keep(self, held: list[bytes], nodes: list[Node], frontier: int) -> int:
+        """Hand a store's nodes (rows at hand) to the tiers; `held`: the hashes of the blocks
+        before them, which every tier holds already (touched after the nodes: root newest)."""
         inserted = self.host.put_chain(self._root, nodes)
+        self.host.touch_chain(held)
         if self._writer is not None:
-            self._writer.submit(self._root, nodes)
+            self._writer.submit(self._root, nodes, held)
         elif self.disk is not None:
             self.stats.disk_written_chunks += self.disk.put_chain(self._root, nodes)
+            self.disk.touch_chain(held)
         self.stats.stored_chunks += inserted
         if inserted:
             log.debug("kv_cache store: %d new nodes (frontier %d)", inserted, frontier)
         return inserted
+
+    def _touch(self, chain: list[bytes]) -> None:
+        """Mark a chain used in both tiers (the disk's touches, file times, on the writer's thread
+        when there is one: they are syscalls per node)."""
+        self.host.touch_chain(chain)
+        if self._writer is not None:
+            self._writer.touch(chain)
+        elif self.disk is not None:
+            self.disk.touch_chain(chain)
 
     def _settle(self, wait: bool) -> None:
         """Hand a finished background store to the tiers (waiting for it when `wait`). A store
@@ -326,27 +357,29 @@ class PrefixCache:
         except Exception:
             log.exception("kv_cache store: copying rows to host memory failed; %d nodes not kept", len(p.nodes))
             return
-        self._keep(p.nodes, len(p.tokens))
+        self._keep(p.held, p.nodes, len(p.tokens))
 
-    def _nodes_of(self, toks: Tokens, stop: int) -> tuple[list[Node], list[tuple[Node, int, int]]]:
-        """The chain of [0, stop): full blocks, then the tail; and the (node, start, stop) whose
-        rows must be exported (nodes a tier lacks and that no stored sibling dominates). The others
-        carry None or the host's rows."""
+    def _nodes_of(self, toks: Tokens, stop: int) -> tuple[list[bytes], list[Node], list[tuple[Node, int, int]]]:
+        """The chain of [0, stop) in two parts: the hashes of its leading full blocks that every
+        tier holds (no node made: a long conversation's store costs its new blocks), then nodes
+        from the first block a tier lacks: full blocks, then the tail. And the (node, start, stop)
+        whose rows must be exported (nodes a tier lacks and that no stored sibling dominates); the
+        other nodes carry None or the host's rows."""
+        hashes = self._chain(toks[:stop])
+        disk = self.disk
+        k0 = 0
+        while k0 < len(hashes) and hashes[k0] in self.host and (disk is None or hashes[k0] in disk):
+            k0 += 1
         nodes: list[Node] = []
         todo: list[tuple[Node, int, int]] = []
-        parent = self._root
-        # the last lookup's hashes when it was of these tokens (the engine's lookup, then its store)
-        memo = self._last_chain
-        known = memo[1] if memo is not None and np.array_equal(memo[0], toks) else []
-        for a in range(0, stop, self.block):
+        parent = hashes[k0 - 1] if k0 else self._root
+        for a in range(k0 * self.block, stop, self.block):
             b = min(a + self.block, stop)
             t = np.array(toks[a:b])  # its own copy: the node outlives the prompt
             tail = b - a < self.block
-            k = a // self.block
-            h = known[k] if not tail and k < len(known) else block_hash(parent, t)
+            h = block_hash(parent, t) if tail else hashes[a // self.block]
             want_host = h not in self.host and not (tail and self.host.dominated(parent, t))
-            want_disk = (self.disk is not None and h not in self.disk
-                         and not (tail and self.disk.dominated(parent, t)))
+            want_disk = (disk is not None and h not in disk and not (tail and disk.dominated(parent, t)))
             node = Node(h, parent, t)
             if want_host or want_disk:
                 held = self.host.get(h)
@@ -356,7 +389,7 @@ class PrefixCache:
                     todo.append((node, a, b))
             nodes.append(node)
             parent = h
-        return nodes, todo
+        return hashes[:k0], nodes, todo
 
     def flush(self) -> None:
         """Wait for a store still copying and for pending disk writes."""

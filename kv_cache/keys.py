@@ -87,14 +87,16 @@ def block_hash(parent: bytes, tokens: Sequence[int] | np.ndarray) -> bytes:
     return h.digest()
 
 
-def chain_hashes(key: CacheKey, token_ids: Sequence[int] | np.ndarray, chunks: int | None = None) -> list[bytes]:
-    """Hashes of the whole blocks of `token_ids` (at most `chunks` of them), in order."""
+def chain_hashes(key: CacheKey, token_ids: Sequence[int] | np.ndarray, chunks: int | None = None,
+                 known: Sequence[bytes] = ()) -> list[bytes]:
+    """Hashes of the whole blocks of `token_ids` (at most `chunks` of them), in order. `known`:
+    the hashes of its first blocks, already computed (they are taken as they are)."""
     b = key.chunk_size
     toks = token_array(token_ids)
     n = len(toks) // b if chunks is None else min(chunks, len(toks) // b)
-    out: list[bytes] = []
-    parent = key.digest()
-    for k in range(n):
+    out: list[bytes] = list(known[:n])
+    parent = out[-1] if out else key.digest()
+    for k in range(len(out), n):
         parent = block_hash(parent, toks[k * b:(k + 1) * b])
         out.append(parent)
     return out

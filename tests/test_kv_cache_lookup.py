@@ -137,7 +137,8 @@ def test_the_walk_starts_at_the_live_block_and_blocks_below_it_need_not_be_store
     # later blocks stored, [0, 40) not (held live instead): the chain hash commits to the whole
     # prefix, so the walk may start at the live extent's block
     q = P[:40] + list(range(100, 124))
-    nodes, todo = cache._nodes_of(token_array(q), len(q))
+    held, nodes, todo = cache._nodes_of(token_array(q), len(q))
+    assert held == []  # the host holds nothing: every node is made
     for node, a, b in todo:
         node.rows = rows_of(q)(a, b)
     assert cache.host.put_chain(nodes[4].hash, nodes[5:]) == 3  # as if [0, 40) were the root
@@ -279,3 +280,38 @@ def test_an_agree_that_is_not_a_minimum_is_refused():
     cache = stored(agree=lambda x: x - 1, boundary=4)  # not a multiple of the boundary
     with pytest.raises(RuntimeError, match="ranks disagree"):
         cache.lookup(P + [1])
+
+
+def test_a_lookup_hashes_only_the_blocks_past_its_common_prefix_with_the_last_prompt(monkeypatch):
+    import kv_cache.keys as keys
+
+    cache = stored()
+    cache.lookup(P + [1])
+    hashed = []
+    real = keys.block_hash
+    monkeypatch.setattr(keys, "block_hash", lambda parent, t: hashed.append(len(t)) or real(parent, t))
+    q = P[:20] + [999] + P[21:] + list(range(50, 70))  # differs inside block 2; 65 tokens: 8 blocks
+    hit = cache.lookup(q)
+    assert hashed == [B] * (len(q) // B - 2)  # blocks 2..7 only; 0 and 1 from the last lookup
+    monkeypatch.undo()
+    assert cache._last_chain[1] == keys.chain_hashes(key(), q) and hit.reused_tokens == 20
+    assert exact(hit, q)
+
+
+def test_a_store_makes_nodes_only_from_the_first_block_a_tier_lacks():
+    cache = stored()  # P: 5 blocks + a 5-token tail
+    longer = P + list(range(300, 330))  # 75 tokens: 9 blocks + a 3-token tail
+    held, nodes, todo = cache._nodes_of(token_array(longer), len(longer))
+    assert held == keys_of(longer)[:5]
+    assert [n.length for n in nodes] == [B] * 4 + [3] and [(a, b) for _, a, b in todo] == [
+        (40, 48), (48, 56), (56, 64), (64, 72), (72, 75)]
+    assert nodes[0].parent == held[-1]
+    assert cache.store(longer, len(longer), rows_of(longer)) == 5
+    assert cache.host.replaced == 1  # block 5 replaced P's tail [40, 45)
+    hit = cache.lookup(longer + [1])
+    assert hit.reused_tokens == 75 and exact(hit, longer + [1])
+
+
+def keys_of(tokens: list[int]) -> list[bytes]:
+    from kv_cache.keys import chain_hashes
+    return chain_hashes(key(), tokens)
