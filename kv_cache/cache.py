@@ -115,7 +115,7 @@ class PrefixCache:
     def __init__(self, key: CacheKey, *, enabled: bool = True, host_bytes: int = DEFAULT_HOST_BYTES,
                  disk: DiskTier | None = None, boundary: int | None = None,
                  agree: Callable[[int], int] | None = None, disk_async: bool = False,
-                 staging_bytes: int = 0) -> None:
+                 staging_bytes: int = 0, staging_pinned: bool = False) -> None:
         if boundary is not None and (isinstance(boundary, bool) or not isinstance(boundary, int) or boundary < 1):
             raise ValueError(f"reuse boundary must be a positive int or None, got {boundary!r}")
         self.key = key
@@ -130,7 +130,7 @@ class PrefixCache:
         self._last_chain: tuple[np.ndarray, list[bytes]] | None = None  # the last lookup's tokens, hashes
         self._memo_buf = np.empty(0, dtype=np.int64)
         # stores copy device rows in the background (staging.py); 0: synchronously, inside store()
-        self._staging = Staging(staging_bytes) if staging_bytes > 0 else None
+        self._staging = Staging(staging_bytes, pinned=staging_pinned) if staging_bytes > 0 else None
         self._pending: _Pending | None = None
         # serving writes the disk tier on a background thread (flushed at exit); tests may write inline
         self._writer = BackgroundWriter(disk) if disk is not None and disk_async else None
@@ -157,7 +157,7 @@ class PrefixCache:
             threads = env_count("TF_GLM53_DISK_CACHE_THREADS", env)
             disk = DiskTier(disk_dir, key, disk_bytes, threads=threads)
         return cls(key, enabled=enabled, host_bytes=host_bytes, disk=disk, boundary=boundary, agree=agree,
-                   disk_async=True, staging_bytes=staging if enabled else 0)
+                   disk_async=True, staging_bytes=staging if enabled else 0, staging_pinned=on_gpu)
 
     def _floor(self, n: int) -> int:
         return n if self.boundary is None else n // self.boundary * self.boundary

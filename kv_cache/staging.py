@@ -11,7 +11,8 @@ overwrite those rows (the next request's forward, a truncation followed by new w
 read what prefill wrote. The staging buffer is reused only after the previous copy's future is
 done. Rows on the CPU are copied into the buffer before `copy` returns (no stream orders them).
 
-The buffer grows by powers of two up to `capacity`; a store that needs more is the caller's to
+The buffer is pinned at its full capacity when the cache is built for a GPU; rows on the CPU grow
+an ordinary buffer by powers of two up to `capacity`. A store that needs more is the caller's to
 copy synchronously (a long cold prompt). Node rows are pageable on purpose: the host budget
 counts their exact bytes (rows.py).
 """
@@ -48,11 +49,15 @@ def runs_of(todo: list[tuple[Node, int, int]]) -> list[list[tuple[Node, int, int
 
 
 class Staging:
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, pinned: bool = False) -> None:
+        """`pinned`: the rows will be on a GPU; the whole buffer is pinned now, at start-up (a
+        pinned allocation costs milliseconds: not on a request)."""
         if capacity_bytes <= 0:
             raise ValueError(f"staging capacity must be > 0 bytes, got {capacity_bytes}")
         self.capacity = capacity_bytes
         self._buf: torch.Tensor | None = None
+        if pinned and torch.cuda.is_available():
+            self._buf = torch.empty(capacity_bytes, dtype=torch.uint8, pin_memory=True)
         self._busy: Future | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv_cache-store")
 

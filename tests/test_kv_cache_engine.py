@@ -149,7 +149,7 @@ def test_reuse_is_bitwise_on_cuda(tiny_dirs):  # noqa: F811
     # then came back from the host tier bitwise)
     cache = gpu_engine.prefix_cache
     assert cache._staging is not None and cache.stats_dict()["stored_chunks"] > 0
-    assert cache._staging._buf.is_pinned()
+    assert cache._staging._buf.is_pinned() and cache._staging._buf.numel() == 128 << 20  # pinned at start-up
     node = next(iter(cache.host._nodes.values()))[0]
     assert all(t.device.type == "cpu" and not t.is_pinned() for t in node.rows.values())
 
