@@ -294,10 +294,11 @@ def test_interrupted_deep_check_stops_promptly_and_writes_nothing(tmp_path: Path
     report.parent.mkdir()
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     # A terminal's Ctrl-C reaches a tool whose SIGINT is at its default. The test process cannot promise
-    # that for its children: three times in full-suite runs the child ignored SIGINT and hashed to the end
-    # (rc 1 after ~25 s) while this test passed alone. Running pytest with SIGINT ignored (bash -c 'trap ""
-    # INT; exec python -m pytest ...') reproduces exactly that. So the child starts from a small launcher
-    # that restores the default and unblocks SIGINT, then execs the script as a user's shell would.
+    # that for its children: a non-interactive shell starts a background job (`... &`, no job control)
+    # with SIGINT ignored (POSIX), pytest then inherits SIG_IGN, and so does every child it forks: the
+    # full-suite runs that failed here were started that way, and the child hashed to the end (rc 1
+    # after ~25 s). So the child starts from a small launcher that restores the default and unblocks
+    # SIGINT, then execs the script as a user's shell would.
     launcher = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
                 "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}); os.execvp(sys.argv[1], sys.argv[1:])")
     proc = subprocess.Popen([sys.executable, "-c", launcher, "bash", str(ROOT / "fetch_weights.sh"), "--offline",
