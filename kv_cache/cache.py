@@ -134,8 +134,8 @@ class PrefixCache:
         self._pending: _Pending | None = None
         # serving writes the disk tier on a background thread (flushed at exit); tests may write inline
         self._writer = BackgroundWriter(disk) if disk is not None and disk_async else None
-        if self._writer is not None:
-            atexit.register(self._writer.flush)
+        if self._writer is not None or self._staging is not None:
+            atexit.register(self.flush)  # a stopping server lands its last store and finishes its writes
 
     @classmethod
     def from_env(cls, key: CacheKey, agree: Callable[[int], int] | None = None, environ: dict | None = None,
@@ -404,8 +404,8 @@ class PrefixCache:
             self._staging = None
         if self._writer is not None:
             self._writer.close()
-            atexit.unregister(self._writer.flush)
             self._writer = None
+        atexit.unregister(self.flush)
         if self.disk is not None:
             self.disk.close()
 

@@ -85,6 +85,9 @@ CHILD = textwrap.dedent("""
     if sys.argv[1] == "write":  # no flush: the background writer must finish at exit
         cache.store(prompt, len(prompt), rows_for_prompt(prompt))
         print(json.dumps(cache.stats_dict()))
+    elif sys.argv[1] == "write-and-exit":  # not even stats: a background store still pending at exit
+        cache.store(prompt, len(prompt), rows_for_prompt(prompt))
+        print(json.dumps({{"pending": cache._pending is not None}}))
     else:
         hit = cache.lookup(prompt + [7])
         got = []
@@ -94,8 +97,8 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def run_child(mode: str, disk: Path, k: CacheKey, prompt=PROMPT, budget="1G") -> dict:
-    env = dict(os.environ, TF_GLM53_DISK_CACHE=str(disk), TF_GLM53_DISK_CACHE_BYTES=budget)
+def run_child(mode: str, disk: Path, k: CacheKey, prompt=PROMPT, budget="1G", **extra_env: str) -> dict:
+    env = dict(os.environ, TF_GLM53_DISK_CACHE=str(disk), TF_GLM53_DISK_CACHE_BYTES=budget, **extra_env)
     code = ROWS_SRC + CHILD.format(repo=str(REPO), key=k.to_json(), prompt=json.dumps(prompt))
     out = subprocess.run([sys.executable, "-c", code, mode], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -121,6 +124,17 @@ def test_disk_tier_survives_a_real_process_restart(tmp_path):
     other = run_child("read", tmp_path, key(model_revision="rev2"))
     assert other["reused"] == 0 and other["stats"]["disk_quarantined"] == 0
     assert len(entry_files(tmp_path, k)) == 6  # and it did not touch them
+
+
+@pytest.mark.slow
+def test_a_background_store_pending_at_exit_still_reaches_the_disk(tmp_path):
+    k = key()
+    wrote = run_child("write-and-exit", tmp_path, k, TF_GLM53_STORE_STAGING_BYTES="1M")
+    assert wrote["pending"], "the store landed before exit: this test would prove nothing"
+    got = run_child("read", tmp_path, k)
+    assert got["reused"] == 5 * C + 3 and got["sources"] == ["disk"] * 6
+    rows_for = rows_for_prompt(PROMPT)
+    assert [h for _, _, h in got["pieces"]] == [rows_bytes(rows_for(s, s + n)).hex() for s, n, _ in got["pieces"]]
 
 
 def _store(tier_dir: Path, k: CacheKey, prompt=PROMPT, budget=1 << 30) -> PrefixCache:
