@@ -64,17 +64,27 @@ class Staging:
     def copy(self, todo: list[tuple[Node, int, int]], rows_for: Callable[[int, int], Rows]) -> Future | None:
         """Start copying rows_for(start, stop) of every (node, start, stop) into node.rows; None
         (nothing queued) when the rows do not fit the capacity."""
-        runs = [(run, rows_for(run[0][1], run[-1][2])) for run in runs_of(todo)]
-        need = sum(_aligned(t.numel() * t.element_size()) for _, rows in runs for t in rows.values())
+        runs = []
+        for run in runs_of(todo):
+            rows = rows_for(run[0][1], run[-1][2])
+            # each block's own row count: under DCP a block [a, b) is this rank's slots, not b - a rows
+            counts = [{name: t.shape[0] for name, t in rows_for(a, b).items()} for _, a, b in run]
+            for name, t in rows.items():
+                if sum(c[name] for c in counts) != t.shape[0]:
+                    raise ValueError(f"rows_for: {name} has {t.shape[0]} rows for positions [{run[0][1]}, "
+                                     f"{run[-1][2]}), its blocks {sum(c[name] for c in counts)}; a run's rows "
+                                     "must be its blocks' rows in order")
+            runs.append((run, counts, rows))
+        need = sum(_aligned(t.numel() * t.element_size()) for _, _, rows in runs for t in rows.values())
         if need > self.capacity:
             return None
         if self._busy is not None:  # the facade settles first (and reports failures); this keeps
             wait([self._busy])     # the buffer safe regardless
-        on_gpu = any(t.is_cuda for _, rows in runs for t in rows.values())
+        on_gpu = any(t.is_cuda for _, _, rows in runs for t in rows.values())
         buf = self._buffer(need, pinned=on_gpu)
-        staged: list[tuple[list[tuple[Node, int, int]], dict[str, torch.Tensor]]] = []
+        staged: list[tuple[list[tuple[Node, int, int]], list[dict[str, int]], dict[str, torch.Tensor]]] = []
         offset = 0
-        for run, rows in runs:
+        for run, counts, rows in runs:
             views = {}
             for name, t in rows.items():
                 n = t.numel() * t.element_size()
@@ -82,7 +92,7 @@ class Staging:
                 dst.copy_(t, non_blocking=on_gpu)
                 views[name] = dst
                 offset += _aligned(n)
-            staged.append((run, views))
+            staged.append((run, counts, views))
         event = None
         if on_gpu:
             event = torch.cuda.Event()
@@ -102,13 +112,17 @@ class Staging:
         self._buf = None
 
 
-def _fill_nodes(staged: list[tuple[list[tuple[Node, int, int]], dict[str, torch.Tensor]]],
+def _fill_nodes(staged: list[tuple[list[tuple[Node, int, int]], list[dict[str, int]], dict[str, torch.Tensor]]],
                 event: "torch.cuda.Event | None") -> None:
     """The background half: wait for the device copies, then give every node its own rows."""
     if event is not None:
         event.synchronize()
-    for run, views in staged:
-        base = run[0][1]
-        for node, a, b in run:
-            node.rows = {name: torch.empty(v[a - base:b - base].shape, dtype=v.dtype).copy_(v[a - base:b - base])
-                         for name, v in views.items()}
+    for run, counts, views in staged:
+        start = dict.fromkeys(views, 0)
+        for (node, _, _), count in zip(run, counts):
+            rows = {}
+            for name, v in views.items():
+                part = v[start[name]:start[name] + count[name]]
+                rows[name] = torch.empty(part.shape, dtype=v.dtype).copy_(part)
+                start[name] += count[name]
+            node.rows = rows

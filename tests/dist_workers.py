@@ -342,7 +342,8 @@ def cache_draft(spec_rank: int, world: int, port: int, out: Path) -> None:
                      master_port=port, rendezvous_timeout_s=60, serve_features=True, **ENGINE_OPTIONS)
     inner = eng.engine
     results: dict[str, object] = {"rank": eng.rank, "drafter": getattr(inner.drafter, "kind", None),
-                                  "health": (eng.prefix_cache_enabled, eng.drafting_enabled)}
+                                  "health": (eng.prefix_cache_enabled, eng.drafting_enabled),
+                                  "background_stores": inner.prefix_cache._staging is not None}
     replies: dict[str, list[int]] = {}
     for phase in ("warm", "cold"):
         if phase == "cold":
@@ -350,7 +351,7 @@ def cache_draft(spec_rank: int, world: int, port: int, out: Path) -> None:
         got: dict[str, list[int]] = {}
         for name, make, max_tokens, sampling in cache_draft_cases(replies):  # warm replies build later prompts
             inner.trace = []
-            stored_before = inner.prefix_cache.stats.stored_chunks
+            stored_before = inner.prefix_cache.stats_dict()["stored_chunks"]  # stats_dict lands pending stores
             started = time.monotonic()
             if eng.rank == 0:
                 plan = inner.drafter
@@ -371,7 +372,7 @@ def cache_draft(spec_rank: int, world: int, port: int, out: Path) -> None:
                 "trace": [(p, row.clone()) for p, row in inner.trace],
                 "rows": {k: v.clone() for k, v in st.export_rows(0, st.length).items()},
                 "length": st.length, "frontier": st.frontier, "slots": st.slots(0, st.length),
-                "stored_chunks": inner.prefix_cache.stats.stored_chunks - stored_before,
+                "stored_chunks": inner.prefix_cache.stats_dict()["stored_chunks"] - stored_before,
                 "seconds": time.monotonic() - started}
     results["draft_totals"] = inner.drafter.stats.metrics() if eng.rank == 0 else None
     if eng.rank == 0:

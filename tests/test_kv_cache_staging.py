@@ -190,3 +190,37 @@ def test_token_array_of_the_pending_prefix_is_a_copy():
     assert np.array_equal(cache._pending.tokens, token_array(P))
     gate.open()
     cache.close()
+
+
+def test_blocks_under_dcp_take_their_own_slots_from_a_run():
+    """A DCP rank's rows of [a, b) are its own positions (p % world == rank): a run's rows are split
+    by each block's slot count, not by position offsets."""
+    world = 3
+    buffers = source(P)
+    for rank in range(world):
+        def rows_for(a, b, rank=rank):
+            pos = torch.arange(a, b)
+            return {n: v[a:b][pos % world == rank] for n, v in buffers.items()}
+        staged = PrefixCache(key(), staging_bytes=1 << 20)
+        inline = PrefixCache(key())
+        staged.store(P, len(P), rows_for)
+        inline.store(P, len(P), rows_for)
+        staged.flush()
+        got, want = staged.lookup(P + [1]), inline.lookup(P + [1])
+        assert got.reused_tokens == want.reused_tokens == 45 and len(got.pieces) == 6
+        for a, b in zip(got.pieces, want.pieces):
+            assert a.rows.keys() == b.rows.keys()
+            assert all(torch.equal(a.rows[n], b.rows[n]) for n in a.rows), f"rank {rank}, piece at {a.start}"
+        staged.close()
+
+
+def test_a_run_whose_rows_are_not_its_blocks_in_order_is_refused():
+    staging = Staging(1 << 20)
+    nodes = [(Node(b"a", b"", np.zeros(8, np.int64)), 0, 8), (Node(b"b", b"", np.zeros(8, np.int64)), 8, 16)]
+    rows = torch.arange(32, dtype=torch.int64).view(16, 2)
+
+    def inconsistent(a, b):  # the whole run has one row more than its blocks
+        return {"x": torch.cat([rows[a:b], rows[:1]]) if (a, b) == (0, 16) else rows[a:b]}
+    with pytest.raises(ValueError, match="must be its blocks' rows in order"):
+        staging.copy(nodes, inconsistent)
+    staging.close()

@@ -5,7 +5,8 @@ glm53.cuda_engine builds it (a PrefixCache on every rank, copy drafts; CPU, fp32
 The cases run warm (one cache, in serving order), then again after re-attaching the cache with
 TF_GLM53_PREFIX_CACHE=0 (nothing reused: the cold run at the same R). Proved, on every rank:
 (a) append / identical resend / one-word extension / middle edit / a return to an evicted
-    conversation (host-tier chunks restored through DcpKVState.import_rows): the reused rows, all
+    conversation (host-tier chunks restored through DcpKVState.import_rows; at R = 2 stored by
+    background stores, at R = 4 inside the call): the reused rows, all
     rows after the request and every later logit equal the cold run bit for bit; replies equal;
     cached_tokens is the grid-floored agreed length, the same on every rank;
 (b) drafted replies equal serial ones (3 prompts, greedy and seeded), cache on: copy drafts (by name) (drafts accepted),
@@ -54,14 +55,17 @@ def expected_cached(prompt_len: int, reply_len: int) -> dict[str, int]:
 @pytest.mark.parametrize("R", [2, 4])
 def test_prefix_cache_and_drafts_over_ranks(tmp_path: Path, tiny_dirs, R: int) -> None:  # noqa: F811
     started = time.monotonic()
+    # the settings under test, whatever the caller's; at R = 2 stores run in the background (the GPU
+    # default, kv_cache/staging.py: each rank's nodes are its own DCP slots), at R = 4 inside the call
     env = {"GLM53_TEST_MODEL": str(tiny_dirs.model), "TF_GLM53_PREFIX_CACHE": "1", "TF_GLM53_DRAFT_SOURCE": "copy",
-           "TF_GLM53_DCP": "1", "TF_GLM53_DISK_CACHE": ""}  # the settings under test, whatever the caller's
+           "TF_GLM53_DCP": "1", "TF_GLM53_DISK_CACHE": "", "TF_GLM53_STORE_STAGING_BYTES": "4M" if R == 2 else "0"}
     ranks = Ranks(tmp_path, "cache_draft", R, timeout=60, extra_env=env)
     codes = ranks.wait(within=240)
     assert codes == {r: 0 for r in range(R)}, "\n".join(ranks.stderr(r)[-3000:] for r in range(R))
     res = [torch.load(tmp_path / f"rank{r}.pt") for r in range(R)]
     lead = res[0]
     assert all(x["drafter"] == "copy" for x in res) and all(x["health"] == (True, True) for x in res)
+    assert all(x["background_stores"] == (R == 2) for x in res)
     want = expected_cached(len(W.CACHE_PROMPT), len(lead["warm/base"]["reply"]))
     names = [key[len("warm/"):] for key in lead if key.startswith("warm/")]
     assert names == [name for name, *_ in W.cache_draft_cases({})]
