@@ -17,9 +17,11 @@ length every rank can serve.
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import re
+import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -101,6 +103,16 @@ def _end(path: list[_Step]) -> int:
     return path[-1].start + path[-1].usable
 
 
+def _locked(method):
+    """One caller at a time: the engine's thread looks up and stores while a server's metrics
+    thread reads stats, and reading stats lands a background store (it changes the tiers)."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return run
+
+
 @dataclass
 class _Pending:
     """A store whose rows are still on their way to host memory (staging.py)."""
@@ -118,6 +130,7 @@ class PrefixCache:
                  staging_bytes: int = 0, staging_pinned: bool = False) -> None:
         if boundary is not None and (isinstance(boundary, bool) or not isinstance(boundary, int) or boundary < 1):
             raise ValueError(f"reuse boundary must be a positive int or None, got {boundary!r}")
+        self._lock = threading.RLock()
         self.key = key
         self.block = key.chunk_size
         self.boundary = boundary  # None: reuse may end at any token (row-invariant kernels)
@@ -163,6 +176,7 @@ class PrefixCache:
         return n if self.boundary is None else n // self.boundary * self.boundary
 
     # ---- lookup ---------------------------------------------------------------------------
+    @_locked
     def lookup(self, token_ids: Sequence[int], live_tokens: Sequence[int] = (), live_frontier: int = 0) -> Hit:
         """The longest reusable prefix of `token_ids`: the live rows (whose canonical prefill
         reached `live_frontier`) or stored nodes, agreed across ranks. At least one token is
@@ -295,6 +309,7 @@ class PrefixCache:
             log.info("kv_cache miss: %d prompt tokens", n)
 
     # ---- store ----------------------------------------------------------------------------
+    @_locked
     def store(self, token_ids: Sequence[int], frontier: int, rows_for: Callable[[int, int], Rows]) -> int:
         """Keep the absent whole blocks of [0, frontier) and its tail [floor(frontier / B) * B,
         frontier). `frontier` is how far canonical prefill wrote this sequence's rows (never rows
@@ -391,12 +406,14 @@ class PrefixCache:
             parent = h
         return hashes[:k0], nodes, todo
 
+    @_locked
     def flush(self) -> None:
         """Wait for a store still copying and for pending disk writes."""
         self._settle(wait=True)
         if self._writer is not None:
             self._writer.flush()
 
+    @_locked
     def close(self) -> None:
         self._settle(wait=True)
         if self._staging is not None:
@@ -410,10 +427,12 @@ class PrefixCache:
             self.disk.close()
 
     @property
+    @_locked
     def evictions(self) -> int:
         self._settle(wait=True)
         return self.host.evictions + (self.disk.evictions if self.disk is not None else 0)
 
+    @_locked
     def stats_dict(self) -> dict:
         self._settle(wait=True)
         d = dict(self.stats.__dict__)

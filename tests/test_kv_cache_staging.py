@@ -224,3 +224,31 @@ def test_a_run_whose_rows_are_not_its_blocks_in_order_is_refused():
     with pytest.raises(ValueError, match="must be its blocks' rows in order"):
         staging.copy(nodes, inconsistent)
     staging.close()
+
+
+
+def test_stats_from_another_thread_wait_for_a_lookup_in_progress():
+    """A server's metrics thread reads stats (which lands background stores: it changes the tiers)
+    while the engine's thread is inside a lookup: it waits until the lookup is done."""
+    entered, release = threading.Event(), threading.Event()
+
+    def agree(n: int) -> int:  # the lookup's agreement step (a collective over ranks) held open
+        entered.set()
+        assert release.wait(20)
+        return n
+    cache = PrefixCache(key(), staging_bytes=1 << 20, agree=agree)
+    cache.store(P, len(P), view_of(source(P)))  # pending: the stats read below would land it
+    hits = []
+    lookup = threading.Thread(target=lambda: hits.append(cache.lookup(P[:20] + [1])))
+    lookup.start()
+    assert entered.wait(20)
+    stats = []
+    reader = threading.Thread(target=lambda: stats.append(cache.stats_dict()))
+    reader.start()
+    reader.join(0.3)
+    assert reader.is_alive() and not stats, "stats were read while a lookup was in progress"
+    release.set()
+    lookup.join(20)
+    reader.join(20)
+    assert hits[0].reused_tokens == 20 and stats[0]["host_chunks"] == 6
+    cache.close()
