@@ -22,6 +22,7 @@ import logging
 import os
 import re
 import threading
+import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -113,6 +114,12 @@ def _locked(method):
     return run
 
 
+def _settle_at_exit(ref: "weakref.ref[PrefixCache]") -> None:
+    cache = ref()
+    if cache is not None:
+        cache.flush()
+
+
 @dataclass
 class _Pending:
     """A store whose rows are still on their way to host memory (staging.py)."""
@@ -147,8 +154,13 @@ class PrefixCache:
         self._pending: _Pending | None = None
         # serving writes the disk tier on a background thread (flushed at exit); tests may write inline
         self._writer = BackgroundWriter(disk) if disk is not None and disk_async else None
-        if self._writer is not None or self._staging is not None:
-            atexit.register(self.flush)  # a stopping server lands its last store and finishes its writes
+        # a stopping server lands its last store, then finishes its disk writes (atexit runs these
+        # in reverse order). The cache itself is held weakly: one dropped without close() (a test,
+        # a re-attached engine) is freed with its pinned buffer instead of living until exit
+        if self._writer is not None:
+            atexit.register(self._writer.flush)
+        self._at_exit = functools.partial(_settle_at_exit, weakref.ref(self))
+        atexit.register(self._at_exit)
 
     @classmethod
     def from_env(cls, key: CacheKey, agree: Callable[[int], int] | None = None, environ: dict | None = None,
@@ -421,8 +433,9 @@ class PrefixCache:
             self._staging = None
         if self._writer is not None:
             self._writer.close()
+            atexit.unregister(self._writer.flush)
             self._writer = None
-        atexit.unregister(self.flush)
+        atexit.unregister(self._at_exit)
         if self.disk is not None:
             self.disk.close()
 

@@ -73,7 +73,8 @@ class Staging:
                 if sum(c[name] for c in counts) != t.shape[0]:
                     raise ValueError(f"rows_for: {name} has {t.shape[0]} rows for positions [{run[0][1]}, "
                                      f"{run[-1][2]}), its blocks {sum(c[name] for c in counts)}; a run's rows "
-                                     "must be its blocks' rows in order")
+                                     "must be its blocks' rows in order (the state's slots must be "
+                                     "contiguous and increasing: KVState.slots)")
             runs.append((run, counts, rows))
         need = sum(_aligned(t.numel() * t.element_size()) for _, _, rows in runs for t in rows.values())
         if need > self.capacity:

@@ -252,3 +252,18 @@ def test_stats_from_another_thread_wait_for_a_lookup_in_progress():
     reader.join(20)
     assert hits[0].reused_tokens == 20 and stats[0]["host_chunks"] == 6
     cache.close()
+
+
+def test_a_cache_dropped_without_close_is_freed():
+    """The exit hook holds the cache weakly: a dropped cache (a re-attached engine, a test) frees
+    its staging buffer and thread instead of living until the process exits."""
+    import gc
+    import weakref
+
+    cache = PrefixCache(key(), staging_bytes=1 << 20)
+    cache.store(P, len(P), view_of(source(P)))
+    cache.flush()
+    ref = weakref.ref(cache)
+    del cache
+    gc.collect()
+    assert ref() is None
