@@ -18,7 +18,8 @@ A graph holds the addresses of the state's cache tensors; `KVState.reserve` repl
 grows, and another conversation may bring another state. Graphs are therefore keyed by (T, L,
 taps, the cache tensors' addresses) and at most `max_graphs` are kept (least recently used first
 out), in one memory pool. The first window of a key runs eagerly (which also compiles the kernels),
-then the graph is captured; later windows replay it. Outputs are copied out of the graph's
+then the graph is captured (capture_begin/end on a side stream, without torch.cuda.graph's
+emptying of the allocator's caches: bench/bench_graph_capture.py); later windows replay it. Outputs are copied out of the graph's
 buffers, so a later replay never overwrites what a caller holds. NaN indexer scores, which the
 eager forward raises on, set a device flag that is checked after the replay, with the same error.
 
@@ -94,6 +95,7 @@ class WindowGraphs:
         self.stats = GraphStats()
         self._graphs: OrderedDict[tuple, _Captured] = OrderedDict()
         self._pool: Any = None
+        self._stream: Any = None  # the capture stream (torch.cuda.Stream), made with the pool
         self._graph_safe = model.graph_safe()  # the layers never change: asked once, not per window
 
     # ---- eligibility --------------------------------------------------------------------------
@@ -176,13 +178,24 @@ class WindowGraphs:
     def _capture(self, entry: _Captured, state: KVState, bound: int, taps: tuple[int, ...], key: tuple) -> None:
         """Record the window's launches. Capture executes nothing: the eager run just now wrote the
         rows and gave the output; replays write the same rows again for their own ids."""
-        torch.cuda.synchronize(self.model.device)
+        device = self.model.device
+        torch.cuda.synchronize(device)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
+            self._stream = torch.cuda.Stream(device)
         graph = torch.cuda.CUDAGraph()
+        # capture_begin/end on a side stream, as torch.cuda.graph does, but without its
+        # empty_cache() calls: they return the allocator's cached device and pinned blocks (~25 ms
+        # a capture on the H200, then the next forward's allocations pay cudaMalloc again), and a
+        # capture happens inside a request whenever a window meets a new key
         try:
-            with torch.cuda.graph(graph, pool=self._pool):
-                entry.out = self._run(state, entry, bound, taps)
+            with torch.cuda.stream(self._stream):
+                graph.capture_begin(self._pool)
+                try:
+                    entry.out = self._run(state, entry, bound, taps)
+                finally:
+                    graph.capture_end()
+            torch.cuda.current_stream(device).wait_stream(self._stream)
         except RuntimeError as exc:  # something in the forward synced: keep running this key eagerly
             reason = f"capture failed: {str(exc).splitlines()[0][:120]}"
             self.stats.reasons[reason] = self.stats.reasons.get(reason, 0) + 1

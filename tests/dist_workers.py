@@ -100,7 +100,75 @@ def suite(comm: Comm, out: Path) -> None:
             comm, q_nope[:, a:b], q_rot[:, a:b], per_head[a:b, :MLA_NOPE].transpose(1, 2).contiguous(),
             per_head[a:b, MLA_NOPE:].contiguous(), rows[pos], Selection.from_mask(mask[:, pos], MLA_N),
             tp.head_ranges(n_heads, R), MLA_SCALE)
+
+    # several tensors in one all-gather: the same as one all-gather each, in one round trip
+    mixed = packed_inputs(r)
+    seq = comm.guard._seq
+    results["packed"] = comm.all_gather_packed(mixed)
+    results["packed_collectives"] = comm.guard._seq - seq
+    results["packed_separate"] = [comm.all_gather(t) for t in mixed]
+
+    # a 'full' layer's top-k candidates travel with the attention's queries (dcp.PendingSelection):
+    # the same output bits as dcp_topk + owned_selection, one collective fewer; a 'shared' layer
+    # reusing the resolved selection attends as with a plain one
+    n_heads = MLA_HEADS[1]
+    q_nope, q_rot, kv_b, rows, _ = mla_inputs(n_heads)
+    a, b = tp.head_ranges(n_heads, R)[r]
+    per_head = kv_b.view(n_heads, MLA_NOPE + MLA_V, MLA_R)
+    w_uk_t, w_uv = per_head[a:b, :MLA_NOPE].transpose(1, 2).contiguous(), per_head[a:b, MLA_NOPE:].contiguous()
+    pos = own.owned_positions(0, MLA_N)
+    scores, positions = topk_inputs(MLA_N, rows=MLA_T)
+    k_sel = 8
+    ranges = tp.head_ranges(n_heads, R)
+    seq = comm.guard._seq
+    plain = dcp.owned_selection(*dcp.dcp_topk(comm, scores[:, pos], positions[pos], k_sel), own, k_sel)
+    results["mla_topk_separate"] = dcp.tp_dcp_attention(comm, q_nope[:, a:b], q_rot[:, a:b], w_uk_t, w_uv, rows[pos],
+                                                        plain, ranges, MLA_SCALE)
+    results["mla_topk_separate_collectives"] = comm.guard._seq - seq
+    pending = dcp.PendingSelection.of(scores[:, pos], positions[pos], own, k_sel)
+    seq = comm.guard._seq
+    results["mla_topk_pending"] = dcp.tp_dcp_attention(comm, q_nope[:, a:b], q_rot[:, a:b], w_uk_t, w_uv, rows[pos],
+                                                       pending, ranges, MLA_SCALE)
+    results["mla_topk_pending_collectives"] = comm.guard._seq - seq
+    results["mla_topk_selections_equal"] = bool(torch.equal(pending.resolved.indices, plain.indices)
+                                                and torch.equal(pending.resolved.valid, plain.valid))
+    seq = comm.guard._seq
+    results["mla_topk_shared"] = dcp.tp_dcp_attention(comm, q_nope[:, a:b], q_rot[:, a:b], w_uk_t, w_uv, rows[pos],
+                                                      pending, ranges, MLA_SCALE)
+    results["mla_topk_shared_collectives"] = comm.guard._seq - seq
+
+    # rank 0's draft-window calls as the followers receive them, and what each costs
+    from glm53.dist.parallel_engine import WindowChannel
+
+    channel, received, costs = WindowChannel(comm), [], []
+    for op, value, tokens, rows in window_messages():
+        seq = comm.guard._seq
+        if r == 0:
+            channel.send(op, value, tokens, rows)
+        else:
+            received.append(channel.receive())
+        costs.append(comm.guard._seq - seq)
+    results["window_received"], results["window_collectives"] = received, costs
     torch.save(results, out / f"rank{r}.pt")
+
+
+def window_messages() -> list[tuple[int, int, list[int], torch.Tensor | None]]:
+    """(op, value, tokens, rows): no tokens, a verification window, exactly the inline capacity,
+    one past it, a long list, rows in bf16 with tokens."""
+    from glm53.dist.parallel_engine import WindowChannel as C
+
+    g = torch.Generator().manual_seed(5)
+    return [(C.TRUNCATE, 41, [], None), (C.FORWARD, 40, list(range(100, 115)), None),
+            (C.FORWARD, 7, list(range(C.INLINE_TOKENS)), None), (C.EMBED, 0, list(range(3, 3 + C.INLINE_TOKENS + 1)), None),
+            (C.FORWARD, 2**33, [2**40 + i for i in range(40)], None),
+            (C.MTP_FORWARD, 12, [9, 8], torch.randn(2, 6, generator=g).to(torch.bfloat16))]
+
+
+def packed_inputs(rank: int) -> list[torch.Tensor]:
+    """Mixed dtypes and sizes that are not multiples of 8 bytes (the packing pads each piece)."""
+    g = torch.Generator().manual_seed(900 + rank)
+    return [torch.randn(3, 5, generator=g).to(torch.bfloat16), torch.randint(-2**40, 2**40, (2,), generator=g),
+            torch.rand(7, generator=g) < 0.5, torch.randn(2, 3, generator=g), torch.zeros(0, 4)]
 
 
 MLA_HEADS, MLA_NOPE, MLA_ROPE, MLA_V, MLA_R, MLA_N, MLA_T = (8, 6), 16, 8, 12, 20, 37, 4

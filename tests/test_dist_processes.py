@@ -161,6 +161,29 @@ def test_suite_at_four_ranks_from_torchrun_environment(tmp_path: Path) -> None:
             assert not torch.isnan(got).any()
             torch.testing.assert_close(got, want[:, a:b], atol=2e-5, rtol=2e-5)
 
+    for x in res:
+        # all_gather_packed: the bytes of every tensor, dtypes and shapes restored, in one collective
+        assert x["packed_collectives"] == 1
+        for got, want, local in zip(x["packed"], x["packed_separate"], W.packed_inputs(x["rank"])):
+            assert got.dtype == want.dtype and got.shape == want.shape == (R, *local.shape)
+            assert torch.equal(got, want) and torch.equal(got[x["rank"]], local)
+        # the top-k candidates ride with the queries: the same bits, one collective fewer
+        assert x["mla_topk_selections_equal"]
+        assert torch.equal(x["mla_topk_pending"], x["mla_topk_separate"])
+        assert torch.equal(x["mla_topk_shared"], x["mla_topk_separate"])
+        assert (x["mla_topk_separate_collectives"], x["mla_topk_pending_collectives"],
+                x["mla_topk_shared_collectives"]) == (3, 2, 2)
+        # draft-window calls: tokens up to INLINE_TOKENS ride in the header (one broadcast)
+        assert x["window_collectives"] == [1, 1, 1, 2, 2, 2]
+    sent = W.window_messages()
+    for x in res[1:]:
+        assert len(x["window_received"]) == len(sent)
+        for (op, value, tokens, rows), got in zip(sent, x["window_received"]):
+            assert got[:3] == (op, value, tokens)
+            assert (got[3] is None) == (rows is None)
+            if rows is not None:
+                assert got[3].dtype == rows.dtype and torch.equal(got[3], rows)
+
 
 def world_one_mla(n_heads: int) -> torch.Tensor:
     from glm53.model.indexer import Selection

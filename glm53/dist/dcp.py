@@ -145,15 +145,39 @@ def attend_latent(q_lat: torch.Tensor, q_rot: torch.Tensor, rows: torch.Tensor, 
     return torch.einsum("thk,kr->thr", probs, c), lse
 
 
+@dataclass
+class PendingSelection:
+    """A 'full' indexer layer's selection under DCP before the exchange: this rank's local top-k
+    keys [T, k]. tp_dcp_attention sends them in the same all-gather as the absorbed queries (one
+    round trip for both, where a separate dcp_topk would take its own) and resolves the Selection
+    here, so the 'shared' layers after it reuse the resolved one. Identical to dcp_topk followed by
+    owned_selection: the same keys, the same merge."""
+
+    local_keys: torch.Tensor
+    own: Ownership
+    k: int
+    resolved: "Selection | None" = None
+
+    @classmethod
+    def of(cls, scores: torch.Tensor, positions: torch.Tensor, own: Ownership, k: int) -> "PendingSelection":
+        return cls(local_topk_keys(scores, positions, k), own, k)
+
+    def resolve(self, gathered_keys: torch.Tensor) -> "Selection":
+        """gathered_keys [R, T, k]: every rank's local_keys, in rank order."""
+        self.resolved = owned_selection(*merge_topk_keys(gathered_keys, self.k), self.own, self.k)
+        return self.resolved
+
+
 def tp_dcp_attention(comm: Comm, q_nope: torch.Tensor, q_rot: torch.Tensor, w_uk_t: torch.Tensor, w_uv: torch.Tensor,
-                     rows: torch.Tensor, selection: "Selection", head_ranges: list[tuple[int, int]], scale: float
-                     ) -> torch.Tensor:
+                     rows: torch.Tensor, selection: "Selection | PendingSelection", head_ranges: list[tuple[int, int]],
+                     scale: float) -> torch.Tensor:
     """MLA with heads split by TP and positions by DCP on the same ranks (absorbed form).
 
     This rank holds its heads' queries q_nope [T, h, nope], q_rot [T, h, rope] and weights
     w_uk_t [h, r, nope], w_uv [h, v, r], and the latent rows it owns [n, r + rope] with the selection
-    (indices into those rows, fixed width). One all-gather of the absorbed queries (every rank attends
-    with every head over its own rows), one all-to-all merge to the heads' owners (rank order), then
+    (indices into those rows, fixed width; a PendingSelection travels with the queries and is
+    resolved on arrival). One all-gather of the absorbed queries (every rank attends with every
+    head over its own rows), one all-to-all merge to the heads' owners (rank order), then
     W_uv on this rank's heads: out [T, h, v], as one rank attending over all positions. Each query
     attends over its own fixed-width selection (glm53.ops.latent_attention), so a row's bits do not
     depend on the other queries of the forward."""
@@ -161,7 +185,13 @@ def tp_dcp_attention(comm: Comm, q_nope: torch.Tensor, q_rot: torch.Tensor, w_uk
     width = max(b - a for a, b in head_ranges)
     packed = torch.cat([q_lat, q_rot.to(q_lat.dtype)], dim=-1)
     packed = torch.nn.functional.pad(packed, (0, 0, 0, width - packed.shape[1]))
-    every = comm.all_gather(packed, name="tp_dcp_queries")  # [R, T, width, r + rope]
+    if isinstance(selection, PendingSelection) and selection.resolved is None:
+        every, keys = comm.all_gather_packed([packed, selection.local_keys], name="tp_dcp_queries_topk")
+        selection = selection.resolve(keys)
+    else:
+        every = comm.all_gather(packed, name="tp_dcp_queries")  # [R, T, width, r + rope]
+        if isinstance(selection, PendingSelection):  # a 'shared' layer after the 'full' one
+            selection = selection.resolved
     q_all = torch.cat([every[j][:, : b - a] for j, (a, b) in enumerate(head_ranges)], dim=1)  # [T, H, r + rope]
     r = q_lat.shape[-1]
     latent_out, lse = ops.latent_attention(q_all, rows, selection.indices, selection.valid, scale, r)

@@ -13,12 +13,14 @@ What each plug point does here:
 - embed: lookup in this rank's vocabulary rows, zeros elsewhere, summed (exact: one term is non-zero);
 - gather_logits: all-gather of the vocabulary slices (padded to the largest), concatenated;
 - new_state: DcpKVState, holding (and reading back) only this rank's positions under DCP;
-- merge_topk: DCP on: index scores of the owned positions (with their global positions) ->
-  glm53.dist.dcp.dcp_topk (global top-k, ties to the lower position, the model's own rule) -> a
-  Selection of this rank's rows (local slots, fixed width); DCP off: local (every rank holds every
-  position and every score);
+- merge_topk: DCP on: index scores of the owned positions (with their global positions) -> this
+  rank's local top-k keys (glm53.dist.dcp.PendingSelection), merged after attend's exchange into
+  the global top-k (ties to the lower position, the model's own rule) as a Selection of this
+  rank's rows (local slots, fixed width); DCP off: local (every rank holds every position and
+  every score);
 - attend: DCP on: glm53.dist.dcp.tp_dcp_attention: each rank absorbs its heads' queries through
-  its W_UK slice, one all-gather shares them, each rank attends with every head over the selected
+  its W_UK slice, one all-gather shares them (with a 'full' layer's top-k candidates: one round
+  trip for both), each rank attends with every head over the selected
   rows it owns (a rank with none: lse = -inf), one all-to-all returns (out, lse) to the heads'
   owners, merged by log-sum-exp in rank order, W_UV of the owner's heads; o_proj row partials are
   then summed in rank order by sum_partials. DCP off: the world-1 attention on this rank's heads.
@@ -91,19 +93,20 @@ class DistRankPlan(RankPlan):
 
     # ---- attention: heads by TP, positions by DCP -------------------------------------------
     def merge_topk(self, scores: torch.Tensor, key_positions: torch.Tensor | None, k: int,
-                   nan_flag: torch.Tensor | None = None) -> Selection:
+                   nan_flag: torch.Tensor | None = None) -> Selection | dcp.PendingSelection:
         """scores [Tq, n] of the keys this rank holds at key_positions -> the Selection of those among
         the global top-k, as indices into this rank's rows. key_positions None (DCP off, or a cache
-        that holds every position): local."""
+        that holds every position): local. DCP on: this rank's candidates, exchanged in attend's
+        all-gather of the queries (dcp.PendingSelection: one round trip for both)."""
         if key_positions is None:
             return select_topk(scores, k, nan_flag)
         if nan_flag is not None:
             raise NotImplementedError("a DCP rank's top-k syncs with its peers; it is never graph-captured")
-        top_scores, top_positions = dcp.dcp_topk(self._comm, scores, key_positions, k)
-        return dcp.owned_selection(top_scores, top_positions, self.ownership, k)
+        return dcp.PendingSelection.of(scores, key_positions, self.ownership, k)
 
     def attend(self, w: AttentionWeights, q_nope: torch.Tensor, q_rot: torch.Tensor, rows: torch.Tensor,
-               key_positions: torch.Tensor | None, selection: Selection, total_heads: int) -> torch.Tensor:
+               key_positions: torch.Tensor | None, selection: Selection | dcp.PendingSelection,
+               total_heads: int) -> torch.Tensor:
         if key_positions is None:  # every rank holds every position: attend locally with our heads
             return super().attend(w, q_nope, q_rot, rows, key_positions, selection, total_heads)
         return dcp.tp_dcp_attention(self._comm, q_nope, q_rot, w.w_uk_t, w.w_uv, rows, selection,
@@ -189,6 +192,10 @@ class WindowChannel:
     (exact for fp32 / bf16 / fp16) and is restored to its dtype."""
 
     FORWARD, TRUNCATE, END, MTP_FORWARD, MTP_TRUNCATE, EMBED, HEAD = 1, 2, 3, 4, 5, 6, 7
+    HEADER = 6  # op, value, token count, rows' shape (2) and dtype code
+    # a window's tokens ride in the header up to this many (verification windows are <= 14
+    # drafts + 1): one broadcast per call instead of two; longer lists follow in a second one
+    INLINE_TOKENS = 16
 
     def __init__(self, comm: Comm) -> None:
         self.comm = comm
@@ -199,23 +206,27 @@ class WindowChannel:
 
     def send(self, op: int, value: int, tokens: Sequence[int] = (), rows: torch.Tensor | None = None) -> None:
         shape = (0, 0, 0) if rows is None else (int(rows.shape[0]), int(rows.shape[1]), _DTYPE_CODES[rows.dtype])
-        header = torch.tensor([op, value, len(tokens), *shape], dtype=torch.int64, device=self.comm.device)
+        tokens = [int(t) for t in tokens]
+        inline = tokens[:self.INLINE_TOKENS]
+        header = torch.tensor([op, value, len(tokens), *shape, *inline, *[0] * (self.INLINE_TOKENS - len(inline))],
+                              dtype=torch.int64, device=self.comm.device)
         self.comm.broadcast(header, name="draft_window")
-        if len(tokens):
-            self.comm.broadcast(torch.tensor([int(t) for t in tokens], dtype=torch.int64, device=self.comm.device),
+        if len(tokens) > self.INLINE_TOKENS:
+            self.comm.broadcast(torch.tensor(tokens[self.INLINE_TOKENS:], dtype=torch.int64, device=self.comm.device),
                                 name="draft_window_tokens")
         if rows is not None:
             self.comm.broadcast(rows.detach().to(device=self.comm.device, dtype=torch.float32).contiguous(),
                                 name="draft_window_rows")
 
     def receive(self) -> tuple[int, int, list[int], torch.Tensor | None]:
-        header = self.comm.broadcast(torch.zeros(6, dtype=torch.int64, device=self.comm.device), name="draft_window")
-        op, value, n, r, c, code = (int(x) for x in header.tolist())
-        tokens: list[int] = []
-        if n:
-            t = self.comm.broadcast(torch.zeros(n, dtype=torch.int64, device=self.comm.device),
+        header = self.comm.broadcast(torch.zeros(self.HEADER + self.INLINE_TOKENS, dtype=torch.int64,
+                                                 device=self.comm.device), name="draft_window").tolist()
+        op, value, n, r, c, code = header[:self.HEADER]
+        tokens = header[self.HEADER:self.HEADER + min(n, self.INLINE_TOKENS)]
+        if n > self.INLINE_TOKENS:
+            t = self.comm.broadcast(torch.zeros(n - self.INLINE_TOKENS, dtype=torch.int64, device=self.comm.device),
                                     name="draft_window_tokens")
-            tokens = [int(x) for x in t.tolist()]
+            tokens += t.tolist()
         rows = None
         if code:
             rows = self.comm.broadcast(torch.zeros(r, c, dtype=torch.float32, device=self.comm.device),
