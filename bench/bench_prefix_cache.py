@@ -13,9 +13,7 @@ Three scenarios, cache on and cache off interleaved sample by sample in one proc
   disk      a long prompt stored to the disk tier (TF_GLM53_DISK_CACHE), then a restart of the
             cache (new index from the files, empty host tier, no live rows, the files' pages
             dropped from the OS page cache with posix_fadvise) and the prompt + one word: disk
-            resume against cold; goal >= 50x. --disk-host-restore adds, per sample, the resume with
-            the restore copying from host rows after all reads (the readers' device copies off),
-            to measure what those copies gain side by side
+            resume against cold; goal >= 50x
 Every on/off pair also checks that the replies and the prompt's last logits are bitwise identical.
   profile   (--profile) one cold prefill of the one-word prompt and one reused one-word extension under
             torch.profiler: the top ops by device and by host time, written next to --out (.profile.txt)
@@ -249,52 +247,24 @@ def scenario_disk(engine, args, rng, mismatches: list[str], disk_dir: Path) -> d
     first.pop("_logits")
     on.cache.flush()
     disk_bytes = on.cache.disk.used_bytes
-    cold, warm, host_restore = [], [], []
+    cold, warm = [], []
     for i in range(args.repeats):
         word = rand_tokens(rng, 1, engine.vocab_size)
-
-        def resume(device_copies: bool) -> dict[str, Any]:
-            """A restart, the page cache dropped, then the resumed request; device_copies False:
-            the restore copies from host rows after all reads (the arm before load_with_copies)."""
-            on.restart()
-            if not device_copies:
-                on.cache.restore_device = None
-            advised = drop_page_cache(disk_dir)
-            w = on.generate(base + word, args.reply)
-            w.update(disk_tokens=on.cache.stats.disk_tokens, page_cache_dropped_bytes=advised)
-            return w
-
-        # the arms' order alternates between samples: (host restore,) cold, resume / resume, cold(, host)
-        h = resume(False) if args.disk_host_restore and i % 2 else None
-        if i % 2:
-            c = off.generate(base + word, args.reply)
-            w = resume(True)
-        else:
-            w = resume(True)
-            c = off.generate(base + word, args.reply)
-        if args.disk_host_restore and h is None:
-            h = resume(False)
-        if h is not None:
-            if h["reply"] != w["reply"] or not torch.equal(h.pop("_logits").view(torch.int32),
-                                                         w["_logits"].view(torch.int32)):
-                mismatches.append(f"disk (host restore): sample {i}")
-            host_restore.append(h)
+        on.restart()
+        advised = drop_page_cache(disk_dir)
+        w, c = pair(on, off, base + word, args.reply, i)
         if not same(w, c):
             mismatches.append(f"disk: sample {i}")
+        w["disk_tokens"] = on.cache.stats.disk_tokens
+        w["page_cache_dropped_bytes"] = advised
         warm.append(w)
         cold.append(c)
-        log(f"disk {i}: cold {c['wall_s']:.3f}s disk resume {w['wall_s']:.4f}s (from disk {w['disk_tokens']})"
-            + (f", restored from host rows {h['wall_s']:.4f}s" if h is not None else ""))
+        log(f"disk {i}: cold {c['wall_s']:.3f}s disk resume {w['wall_s']:.4f}s (from disk {w['disk_tokens']})")
     on.cache.close()  # finish background writes before the folder goes away
     cw, ww = [x["wall_s"] for x in cold], [x["wall_s"] for x in warm]
-    out = {"prompt_tokens": len(base) + 1, "fill_s": first["wall_s"], "disk_bytes": disk_bytes,
-           "cold": cold, "disk_resume": warm, "cold_s": summary(cw), "disk_resume_s": summary(ww),
-           "speedup": statistics.median(cw) / statistics.median(ww)}
-    if host_restore:
-        hw = [x["wall_s"] for x in host_restore]
-        out.update(disk_resume_host_restore=host_restore, disk_resume_host_restore_s=summary(hw),
-                   device_copies_gain=statistics.median(hw) / statistics.median(ww))
-    return out
+    return {"prompt_tokens": len(base) + 1, "fill_s": first["wall_s"], "disk_bytes": disk_bytes,
+            "cold": cold, "disk_resume": warm, "cold_s": summary(cw), "disk_resume_s": summary(ww),
+            "speedup": statistics.median(cw) / statistics.median(ww)}
 
 
 def scenario_profile(engine, args, rng, out: Path, disk_dir: Path) -> dict[str, Any]:
@@ -369,10 +339,7 @@ def table(result: dict[str, Any]) -> str:
     if d:
         lines.append(f"disk resume of {d['prompt_tokens'] - 1} tokens ({d['disk_bytes'] / 2**20:.0f} MiB): cold "
                      f"{d['cold_s']['median']:.3f}s, disk {d['disk_resume_s']['median']:.4f}s "
-                     f"[{d['disk_resume_s']['min']:.4f}, {d['disk_resume_s']['max']:.4f}]: {d['speedup']:.1f}x (goal >= 50x)")
-        if "disk_resume_host_restore_s" in d:
-            lines.append(f"  restored from host rows after all reads: {d['disk_resume_host_restore_s']['median']:.4f}s "
-                         f"(the readers' device copies gain {d['device_copies_gain']:.2f}x)")
+                     f"[{d['disk_resume_s']['min']:.4f}, {d['disk_resume_s']['max']:.4f}]: {d['speedup']:.0f}x (goal >= 50x)")
     lines.append(f"replies and last-position logits bitwise identical cache on/off: {not result['mismatches']}"
                  + (f" (differ: {', '.join(result['mismatches'])})" if result["mismatches"] else ""))
     return "\n".join(lines)
@@ -393,8 +360,6 @@ def main() -> int:
     p.add_argument("--disk-long", type=int, default=None, help="disk scenario prompt length (default: 94000 "
                    "with --real-dims, else --long)")
     p.add_argument("--disk-bytes", default="64G")
-    p.add_argument("--disk-host-restore", action="store_true",
-                   help="disk scenario: also resume restoring from host rows (no reader-thread device copies)")
     p.add_argument("--reply", type=int, default=1, help="tokens generated per request (default 1: prefill cost)")
     p.add_argument("--repeats", type=int, default=None, help="samples per one-word/disk arm (default 3)")
     p.add_argument("--boundary", choices=("auto", "1", "0"), default="auto",
