@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
-import torch
 
 from .disk import DiskTier
 from .hit import Hit, Piece
@@ -99,7 +98,6 @@ class _Step:
     usable: int
     node: Node  # a host node, or (source "disk") a fresh Node whose rows are loaded later
     source: str
-    copy: Rows | None = None  # a disk node's rows already on the restore device (the reader copied them)
 
 
 def _end(path: list[_Step]) -> int:
@@ -136,8 +134,7 @@ class PrefixCache:
     def __init__(self, key: CacheKey, *, enabled: bool = True, host_bytes: int = DEFAULT_HOST_BYTES,
                  disk: DiskTier | None = None, boundary: int | None = None,
                  agree: Callable[[int], int] | None = None, disk_async: bool = False,
-                 staging_bytes: int = 0, staging_pinned: bool = False,
-                 restore_device: torch.device | str | None = None) -> None:
+                 staging_bytes: int = 0, staging_pinned: bool = False) -> None:
         if boundary is not None and (isinstance(boundary, bool) or not isinstance(boundary, int) or boundary < 1):
             raise ValueError(f"reuse boundary must be a positive int or None, got {boundary!r}")
         self._lock = threading.RLock()
@@ -149,8 +146,6 @@ class PrefixCache:
         self.disk = disk
         self.agree = agree or (lambda n: n)
         self.stats = Stats()
-        # where the engine's rows live (a GPU): disk hits are copied there by the reader threads
-        self.restore_device = restore_device
         self._root = root_hash(key)
         self._last_chain: tuple[np.ndarray, list[bytes]] | None = None  # the last lookup's tokens, hashes
         self._memo_buf = np.empty(0, dtype=np.int64)
@@ -169,14 +164,12 @@ class PrefixCache:
 
     @classmethod
     def from_env(cls, key: CacheKey, agree: Callable[[int], int] | None = None, environ: dict | None = None,
-                 *, boundary: int | None = None, on_gpu: bool = False,
-                 device: torch.device | str | None = None) -> "PrefixCache":
+                 *, boundary: int | None = None, on_gpu: bool = False) -> "PrefixCache":
         """TF_GLM53_PREFIX_CACHE (1/0), TF_GLM53_HOST_CACHE_BYTES, TF_GLM53_DISK_CACHE (a
         directory; unset = no disk tier), TF_GLM53_DISK_CACHE_BYTES, TF_GLM53_DISK_CACHE_THREADS
         (disk read threads, default min(8, CPUs)), TF_GLM53_STORE_STAGING_BYTES (the background
         store's buffer; default 128M where the rows live on a GPU (`on_gpu`), else 0: stores copy
-        inside the call). `boundary` is the engine's decision; `device` (with on_gpu) is where the
-        engine's rows live, so disk hits are copied there while later nodes are still read."""
+        inside the call). `boundary` is the engine's decision."""
         env = os.environ if environ is None else environ
         enabled = env_flag("TF_GLM53_PREFIX_CACHE", True, env)
         host_bytes = parse_bytes("TF_GLM53_HOST_CACHE_BYTES", env.get("TF_GLM53_HOST_CACHE_BYTES") or str(DEFAULT_HOST_BYTES))
@@ -189,8 +182,7 @@ class PrefixCache:
             threads = env_count("TF_GLM53_DISK_CACHE_THREADS", env)
             disk = DiskTier(disk_dir, key, disk_bytes, threads=threads)
         return cls(key, enabled=enabled, host_bytes=host_bytes, disk=disk, boundary=boundary, agree=agree,
-                   disk_async=True, staging_bytes=staging if enabled else 0, staging_pinned=on_gpu,
-                   restore_device=device if on_gpu else None)
+                   disk_async=True, staging_bytes=staging if enabled else 0, staging_pinned=on_gpu)
 
     def _floor(self, n: int) -> int:
         return n if self.boundary is None else n // self.boundary * self.boundary
@@ -228,9 +220,7 @@ class PrefixCache:
             raise RuntimeError(f"kv_cache: ranks disagree on reusable rows (agreed {agreed}, this rank "
                                f"can serve {reuse}); agree() must be a min over all ranks")
         used = [s for s in path if s.start < agreed] if agreed > live else []
-        pieces = [Piece(s.start, min(s.start + s.usable, agreed) - s.start, s.copy if s.copy is not None else s.node.rows,
-                        s.source)
-                  for s in used]
+        pieces = [Piece(s.start, min(s.start + s.usable, agreed) - s.start, s.node.rows, s.source) for s in used]
         hit = Hit(agreed, used[0].start if used else agreed, pieces)
         self._promote(hashes, hit, used)
         self._count(hit, n)
@@ -297,10 +287,8 @@ class PrefixCache:
         there (later nodes hang off it)."""
         on_disk = [s for s in path if s.source == "disk"]
         if on_disk:
-            loaded = self.disk.load_with_copies([s.node.hash for s in on_disk], self.restore_device)
-            for s, got in zip(on_disk, loaded):
-                if got is not None:
-                    s.node.rows, s.copy = got  # the node keeps host rows (the host tier's); the copy restores
+            for s, rows in zip(on_disk, self.disk.load_many([s.node.hash for s in on_disk])):
+                s.node.rows = rows
         for i, s in enumerate(path):
             if s.node.rows is None:
                 return path[:i]

@@ -170,31 +170,22 @@ class DiskTier:
 
     def load_many(self, hashes: Sequence[bytes]) -> list[Rows | None]:
         """Each node's rows, fully verified, or None (a miss), read in parallel."""
-        return [None if got is None else got[0] for got in self.load_with_copies(hashes, None)]
-
-    def load_with_copies(self, hashes: Sequence[bytes], device: torch.device | str | None
-                         ) -> list[tuple[Rows, Rows | None] | None]:
-        """Like load_many, each hit as (rows, a copy of them on `device`): the reader thread that
-        verified a node also copies it there, so the copies overlap the other nodes' reads instead
-        of following them all (a resume of 94k tokens: ~0.19 s of 368 nodes' copies on the H200's
-        host). The copy is None where there is no device or it failed (the rows still serve)."""
         with self._lock:
             entries = [self.index.get(h) for h in hashes]
         jobs = [(h, e.path) for h, e in zip(hashes, entries) if e is not None]
-        devices = [device] * len(jobs)
         if len(jobs) > 1:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="kv_cache-disk-read")
-            results = list(self._pool.map(_read_safely, jobs, [self] * len(jobs), devices))
+            results = list(self._pool.map(_read_safely, jobs, [self] * len(jobs)))
         else:
-            results = [_read_safely(job, self, device) for job in jobs]
-        out: list[tuple[Rows, Rows | None] | None] = []
+            results = [_read_safely(job, self) for job in jobs]
+        out: list[Rows | None] = []
         got = iter(results)
         for h, e in zip(hashes, entries):
             if e is None:
                 out.append(None)
                 continue
-            rows, copy, err = next(got)
+            rows, err = next(got)
             if isinstance(err, (FileNotFoundError, CorruptEntry)):
                 with self._lock:
                     if self.index.get(h) is not e:
@@ -206,7 +197,7 @@ class DiskTier:
                         self._quarantine(e.path, str(err))
             elif err is not None:
                 log.warning("kv_cache disk: cannot read %s (%s); a miss", e.path, err)
-            out.append(None if rows is None else (rows, copy))
+            out.append(rows)
         return out
 
     def _read(self, h: bytes, path: Path) -> Rows:
@@ -339,22 +330,13 @@ class DiskTier:
             self._pool = None
 
 
-def _read_safely(job: tuple[bytes, Path], tier: DiskTier, device: torch.device | str | None = None
-                 ) -> tuple[Rows | None, Rows | None, Exception | None]:
-    """A pool task: (rows, their copy on `device` or None, None), or (None, None, the reason there
-    are no rows), handled on the caller's thread. Only verified rows are copied."""
+def _read_safely(job: tuple[bytes, Path], tier: DiskTier) -> tuple[Rows | None, Exception | None]:
+    """A pool task: rows or the reason there are none (handled on the caller's thread)."""
     h, path = job
     try:
-        rows = tier._read(h, path)
+        return tier._read(h, path), None
     except (CorruptEntry, OSError) as e:
-        return None, None, e
-    copy = None
-    if device is not None:
-        try:
-            copy = {name: t.to(device) for name, t in rows.items()}
-        except RuntimeError as e:  # device memory short: the host rows serve, the engine copies them
-            log.warning("kv_cache disk: rows of %s not copied to %s (%s); restored from host memory", path, device, e)
-    return rows, copy, None
+        return None, e
 
 
 def _name_hash(p: Path) -> bytes:

@@ -97,6 +97,6 @@ def attach_prefix_cache(engine: Any, *, revision: str | None = None, group: Any 
     cache = PrefixCache.from_env(cache_key_for(engine, revision), agree=agree,
                                  environ=os.environ if environ is None else environ,
                                  boundary=engine.reuse_boundary,
-                                 on_gpu=torch.device(engine.device).type == "cuda", device=engine.device)
+                                 on_gpu=torch.device(engine.device).type == "cuda")
     engine.prefix_cache = cache
     return cache

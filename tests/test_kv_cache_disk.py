@@ -171,8 +171,8 @@ def test_live_rows_that_serve_as_much_read_no_file(tmp_path, monkeypatch):
     _store(tmp_path, k)
     cache = _fresh(tmp_path, k)
     reads: list[int] = []
-    real = DiskTier.load_with_copies  # what a lookup reads through
-    monkeypatch.setattr(DiskTier, "load_with_copies", lambda self, hs, dev: reads.append(len(hs)) or real(self, hs, dev))
+    real = DiskTier.load_many
+    monkeypatch.setattr(DiskTier, "load_many", lambda self, hs: reads.append(len(hs)) or real(self, hs))
     hit = cache.lookup(PROMPT + [1], live_tokens=PROMPT, live_frontier=len(PROMPT))
     assert (hit.reused_tokens, hit.pieces, reads) == (83, [], [])
     hit = cache.lookup(PROMPT + [1], live_tokens=PROMPT[:70], live_frontier=70)

@@ -210,35 +210,6 @@ def test_disk_tier_restores_exact_rows_after_a_restart(engine, tmp_path):
     assert Run(engine, longer, 1, GREEDY).cached == 0 and other.stats.misses == 1
 
 
-@pytest.mark.gpu
-def test_disk_resume_on_cuda_restores_from_the_readers_device_copies(tiny_dirs, tmp_path):  # noqa: F811
-    """After a restart on a GPU the reader threads copy each verified disk node to the engine's
-    device (overlapping the other reads); the restore writes from those copies, the host tier
-    keeps pageable CPU rows, and the reply and every logit equal a cold run."""
-    gpu_engine = Glm53Engine(tiny_dirs.model, device="cuda", prefill_chunk=C)
-    env = {"TF_GLM53_DISK_CACHE": str(tmp_path), "TF_GLM53_DISK_CACHE_BYTES": "64M"}
-    first = attach_prefix_cache(gpu_engine, revision="tiny-test", environ=env)
-    gpu_engine.state = None
-    rng = random.Random(19)
-    prompt = [rng.randrange(3, gpu_engine.vocab_size) for _ in range(70)]
-    Run(gpu_engine, prompt, 2, GREEDY)
-    first.close()
-    cache = attach_prefix_cache(gpu_engine, revision="tiny-test", environ=env)
-    assert cache.restore_device is not None and torch.device(cache.restore_device).type == "cuda"
-    hits = []
-    real_lookup = cache.lookup
-    cache.lookup = lambda *a, **kw: hits.append(real_lookup(*a, **kw)) or hits[-1]
-    gpu_engine.state = None
-    longer = prompt + [5, 6]
-    warm = Run(gpu_engine, longer, 3, GREEDY)
-    assert warm.cached == 70 and cache.stats.disk_tokens == 70
-    assert hits[0].sources == ["disk"] * len(hits[0].pieces)
-    assert all(t.is_cuda for piece in hits[0].pieces for t in piece.rows.values())
-    node = next(iter(cache.host._nodes.values()))[0]
-    assert all(t.device.type == "cpu" for t in node.rows.values())
-    assert_exact(warm, cold(gpu_engine, longer, 3, GREEDY), "disk resume on cuda")
-
-
 def test_key_follows_engine_settings(engine):
     k = cache_key_for(engine, revision="r")
     assert (k.chunk_size, k.kv_dtype, k.compute_dtype, k.ranks, k.rank, k.dcp) == (B, "bf16", "fp32", 1, 0, False)

@@ -87,48 +87,6 @@ def test_loads_run_on_several_threads(tmp_path, monkeypatch):
     tier.close()
 
 
-def test_reader_threads_copy_only_verified_rows_to_the_restore_device(tmp_path, monkeypatch, caplog):
-    """load_with_copies: each verified node is copied by the reader thread that read it (so the
-    copies overlap the other reads); a corrupt file is a miss and never copied; a copy that fails
-    leaves the host rows serving. On the CPU, Tensor.to(device) is spied (the GPU test restores
-    through real CUDA copies: tests/test_kv_cache_engine.py)."""
-    k = key()
-    nodes = chain(k, 6)
-    DiskTier(tmp_path, k, 1 << 30).put_chain(root_hash(k), nodes)
-    d = tmp_path / k.digest().hex()
-    bad = d / (nodes[3].hash.hex() + SUFFIX)
-    data = bytearray(bad.read_bytes())
-    data[-7] ^= 0x01  # the payload's last bytes
-    bad.write_bytes(bytes(data))
-    tier = DiskTier(tmp_path, k, 1 << 30, threads=3)
-    copied, lock, real_to = [], threading.Lock(), torch.Tensor.to
-
-    def spy(self, *args, **kwargs):
-        with lock:
-            copied.append((threading.current_thread().name, raw(self)))
-        if args and args[0] == "failing-device":
-            raise RuntimeError("CUDA out of memory (simulated)")
-        return real_to(self, *args, **kwargs).clone()
-    monkeypatch.setattr(torch.Tensor, "to", spy)
-    got = tier.load_with_copies([n.hash for n in nodes], "cpu")
-    assert [g is None for g in got] == [False, False, False, True, False, False]
-    for g, n in zip(got, nodes):
-        if g is not None:
-            rows, copy = g
-            assert same(rows, n.rows) and same(copy, n.rows)
-            assert all(copy[name].data_ptr() != rows[name].data_ptr() for name in rows if rows[name].numel())
-    assert all(name.startswith("kv_cache-disk-read") for name, _ in copied)
-    assert len(copied) == 5 * len(nodes[0].rows)  # the five good nodes' tensors, not the corrupt one's
-    bad_payloads = {raw(t) for t in nodes[3].rows.values()}
-    assert not any(b in bad_payloads for _, b in copied if len(b) > 8)
-    # a failed copy: the host rows still serve, logged
-    with caplog.at_level("WARNING", logger="kv_cache"):
-        got = DiskTier(tmp_path, k, 1 << 30, threads=2).load_with_copies([nodes[0].hash], "failing-device")
-    assert got[0] is not None and got[0][1] is None and same(got[0][0], nodes[0].rows)
-    assert "not copied to failing-device" in caplog.text and "restored from host memory" in caplog.text
-    tier.close()
-
-
 def test_a_bad_file_is_a_miss_at_its_own_index_only(tmp_path):
     k = key()
     nodes = chain(k, 6)
