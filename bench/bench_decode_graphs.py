@@ -45,22 +45,30 @@ def decode(engine: Glm53Engine, prompt: list[int], tokens: int) -> dict[str, Any
             "_logits": torch.stack([row for _, row in trace]).cpu()}
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def graph_bench_args(doc: str, context: int, tokens: int, repeats: int, out: str) -> argparse.Namespace | None:
+    """The options of the CUDA-graph benches (this one, bench_graph_capture.py), checked; None after
+    an error on stderr when they cannot run (no CUDA device, a bad value)."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--real-dims", action="store_true", help="GLM-5.3 layer dimensions (dense layers)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=32768)
-    p.add_argument("--context", type=int, default=19000, help="prompt tokens before decoding (default 19000)")
-    p.add_argument("--tokens", type=int, default=64, help="tokens decoded per sample (default 64)")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "decode_graphs.json")
+    p.add_argument("--context", type=int, default=context, help=f"prompt tokens per sample (default {context})")
+    p.add_argument("--tokens", type=int, default=tokens, help=f"tokens decoded per sample (default {tokens})")
+    p.add_argument("--repeats", type=int, default=repeats)
+    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / out)
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("error: CUDA graphs need a CUDA device; run on the GPU machine", file=sys.stderr)
-        return 2
+        return None
     if min(args.context, args.tokens - 1, args.repeats, args.layers) <= 0:
         print("error: --context, --repeats, --layers must be positive and --tokens at least 2", file=sys.stderr)
+        return None
+    return args
+
+
+def main() -> int:
+    args = graph_bench_args(__doc__, context=19000, tokens=64, repeats=3, out="decode_graphs.json")
+    if args is None:
         return 2
     work = Path(tempfile.mkdtemp(prefix="bench_decode_graphs."))
     try:

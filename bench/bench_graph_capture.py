@@ -14,7 +14,6 @@ tokens and bitwise the same logits (exit 1 otherwise). JSON to --out, a table pr
 """
 from __future__ import annotations
 
-import argparse
 import random
 import shutil
 import sys
@@ -28,7 +27,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.bench_decode_graphs import decode  # noqa: E402
+from bench.bench_decode_graphs import decode, graph_bench_args  # noqa: E402
 from bench.bench_prefix_cache import log, real_dims_checkpoint, tiny_checkpoint  # noqa: E402
 from bench.benchmeta import result_header, summary, write_json  # noqa: E402
 from glm53.cuda_graphs import WindowGraphs  # noqa: E402
@@ -71,21 +70,8 @@ class TorchGraphCaptures(TimedCaptures):
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--real-dims", action="store_true", help="GLM-5.3 layer dimensions (dense layers)")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=32768)
-    p.add_argument("--context", type=int, default=2048, help="prompt tokens of each new conversation")
-    p.add_argument("--tokens", type=int, default=8, help="tokens decoded per sample (default 8)")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "graph_capture.json")
-    args = p.parse_args()
-    if not torch.cuda.is_available():
-        print("error: CUDA graphs need a CUDA device; run on the GPU machine", file=sys.stderr)
-        return 2
-    if min(args.context, args.tokens - 1, args.repeats, args.layers) <= 0:
-        print("error: --context, --repeats, --layers must be positive and --tokens at least 2", file=sys.stderr)
+    args = graph_bench_args(__doc__, context=2048, tokens=8, repeats=5, out="graph_capture.json")
+    if args is None:
         return 2
     work = Path(tempfile.mkdtemp(prefix="bench_graph_capture."))
     try:
