@@ -71,6 +71,16 @@ def suite(comm: Comm, out: Path) -> None:
         results[f"attn{n}_heads"] = dcp.dcp_merge(comm, o, lse, heads=slice(h0, h1))
         results[f"attn{n}_owners"] = dcp.dcp_merge_to_owners(comm, o, lse, tp.head_ranges(HEADS, R))
         results[f"attn{n}_owners3"] = dcp.dcp_merge_to_owners(comm, o, lse, tp.head_ranges(HEADS, 3) + [(HEADS, HEADS)])
+        # a bf16 out (the GPU kernel's) travels as bf16: the merge equals the one of its fp32 copy
+        seq, sent, real_all_to_all = comm.guard._seq, [], comm.all_to_all
+        comm.all_to_all = lambda chunks, name="": sent.append(chunks.numel() * chunks.element_size()) or \
+            real_all_to_all(chunks, name)
+        results[f"attn{n}_owners_bf16"] = dcp.dcp_merge_to_owners(comm, o.bfloat16(), lse, tp.head_ranges(HEADS, R))
+        del comm.all_to_all
+        results[f"attn{n}_owners_bf16_collectives"] = comm.guard._seq - seq
+        results[f"attn{n}_owners_bf16_bytes"] = sent
+        results[f"attn{n}_owners_bf16_widened"] = dcp.dcp_merge_to_owners(comm, o.bfloat16().float(), lse,
+                                                                           tp.head_ranges(HEADS, R))
 
     # sparse selection all on rank 1's positions: every other rank owns none of it
     q, k, v = attention_inputs(40, seed=1)

@@ -132,6 +132,12 @@ def test_suite_at_four_ranks_from_torchrun_environment(tmp_path: Path) -> None:
             a, b = (tp.head_ranges(W.HEADS, 3) + [(W.HEADS, W.HEADS)])[x["rank"]]
             got_o, got_lse = x[f"attn{n}_owners3"]
             assert torch.equal(got_o, o[a:b]) and torch.equal(got_lse, lse[a:b])
+            # bf16 partials sent as bf16 (half the bytes): bitwise the merge of their fp32 widening
+            half, widened = x[f"attn{n}_owners_bf16"], x[f"attn{n}_owners_bf16_widened"]
+            assert x[f"attn{n}_owners_bf16_collectives"] == 1
+            width = max(b - a for a, b in tp.head_ranges(W.HEADS, R))
+            assert x[f"attn{n}_owners_bf16_bytes"] == [R * width * (W.V_DIM * 2 + 4)]  # bf16 out, fp32 lse
+            assert half[0].dtype == torch.float32 and torch.equal(half[0], widened[0]) and torch.equal(half[1], widened[1])
 
     q, k, v = W.attention_inputs(40, seed=1)
     sel = torch.arange(1, 40, R)

@@ -20,6 +20,15 @@ from glm53.dist.guard import DistFailure, Guard
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+def byte_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """t's values as [rows, bytes per row] uint8, in t's row-major order (a dense copy where t's
+    layout does not allow the view: a transposed or size-1 last dimension)."""
+    flat = t.reshape(rows, -1)
+    if flat.stride(-1) != 1 or not flat.is_contiguous():
+        flat = torch.empty(flat.shape, dtype=flat.dtype, device=flat.device).copy_(flat)
+    return flat.view(torch.uint8)
+
+
 class Comm:
     """One rank's view of the group: rank, world size, device, backend, guarded collectives."""
 
@@ -46,7 +55,7 @@ class Comm:
         spans: list[tuple[int, int]] = []
         offset = 0
         for t in tensors:
-            raw = t.contiguous().view(-1).view(torch.uint8)
+            raw = byte_rows(t, 1).view(-1)
             spans.append((offset, raw.numel()))
             pieces.append(raw)
             pad = -raw.numel() % 8

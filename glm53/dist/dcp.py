@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from glm53 import ops
-from glm53.dist.collectives import Comm
+from glm53.dist.collectives import Comm, byte_rows
 
 if TYPE_CHECKING:
     from glm53.model.indexer import Selection
@@ -250,18 +250,22 @@ def dcp_merge_to_owners(comm: Comm, out: torch.Tensor, lse: torch.Tensor,
     """Like dcp_merge(heads=own range) with 1/R of the bytes: one all-to-all sends each rank only
     the heads it owns (padded to the largest range), then the same rank-order merge.
     out [H, *lead, d], lse [H, *lead] over this rank's positions -> merged (out, lse) of this
-    rank's heads: [h, *lead, d] (fp32), [h, *lead]."""
+    rank's heads: [h, *lead, d] (fp32), [h, *lead].
+    out travels in its own dtype and lse in fp32, side by side as bytes: a bf16 out costs half the
+    bytes of an fp32 copy (the merge widens it to fp32 on arrival, exactly as it would before), and
+    under DCP this exchange is a prefill chunk's largest (T x heads x 513 values a layer)."""
     n_heads, lead, d = out.shape[0], tuple(out.shape[1:-1]), out.shape[-1]
     width = max(b - a for a, b in head_ranges)
-    packed = torch.cat([out.float().reshape(n_heads, -1), lse.float().reshape(n_heads, -1)], dim=-1)
+    out_bytes, lse_bytes = byte_rows(out, n_heads), byte_rows(lse.float(), n_heads)
+    packed = torch.cat([out_bytes, lse_bytes], dim=-1)  # [H, bytes of one head's out and lse]
     send = packed.new_zeros((len(head_ranges), width, packed.shape[-1]))
     for j, (a, b) in enumerate(head_ranges):
         send[j, : b - a] = packed[a:b]
-    got = comm.all_to_all(send, name="dcp_merge_to_owners")  # [R, width, ...], row i from rank i
+    got = comm.all_to_all(send, name="dcp_merge_to_owners")  # [R, width, bytes], row i from rank i
     a, b = head_ranges[comm.rank]
-    n_out = packed.shape[-1] - lse[0].numel()
-    outs = got[:, : b - a, :n_out].reshape(len(head_ranges), b - a, *lead, d)
-    lses = got[:, : b - a, n_out:].reshape(len(head_ranges), b - a, *lead)
+    n_out = out_bytes.shape[-1]
+    outs = got[:, : b - a, :n_out].contiguous().view(out.dtype).reshape(len(head_ranges), b - a, *lead, d)
+    lses = got[:, : b - a, n_out:].contiguous().view(torch.float32).reshape(len(head_ranges), b - a, *lead)
     return merge_partials(outs, lses)
 
 
