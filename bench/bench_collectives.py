@@ -43,7 +43,8 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def record_collectives(comm: Any, log_to: list[dict]) -> None:
-    """Wrap comm's collectives: each call appends {name, kind, in, out} to log_to['current']."""
+    """Wrap comm's collectives: each call appends {name, kind, in, out} (bytes) to the collectives of
+    the forward in progress, log_to[-1]["collectives"]."""
     for kind in WRAPPED:
         real = getattr(comm, kind)
 
@@ -103,11 +104,13 @@ def run_world(model: Path, world: int, prompt_len: int, tokens: int, dtype: str,
     out = work / f"r{world}"
     out.mkdir()
     env = dict(os.environ, OMP_NUM_THREADS="1", TF_GLM53_PREFIX_CACHE="0", TF_GLM53_DCP="1")
-    procs = [subprocess.Popen([sys.executable, __file__, "--worker", "--rank", str(r), "--world", str(world),
-                               "--port", str(port), "--model", str(model), "--prompt", str(prompt_len),
-                               "--tokens", str(tokens), "--dtype", dtype, "--work", str(out)], env=env,
-                              stdout=subprocess.DEVNULL, stderr=open(out / f"stderr{r}.txt", "w"))
-             for r in range(world)]
+    procs = []
+    for r in range(world):
+        with open(out / f"stderr{r}.txt", "w") as err:  # the child keeps its own descriptor
+            procs.append(subprocess.Popen([sys.executable, __file__, "--worker", "--rank", str(r), "--world", str(world),
+                                           "--port", str(port), "--model", str(model), "--prompt", str(prompt_len),
+                                           "--tokens", str(tokens), "--dtype", dtype, "--work", str(out)],
+                                          env=env, stdout=subprocess.DEVNULL, stderr=err))
     codes = [p.wait(timeout=1800) for p in procs]
     if any(codes):
         tails = "\n".join((out / f"stderr{r}.txt").read_text()[-1500:] for r in range(world))

@@ -62,9 +62,7 @@ class TorchGraphCaptures(TimedCaptures):
             entry.out = self._run(state, entry, bound, taps)
         entry.graph = graph
         self.stats.captures += 1
-        self._graphs[key] = entry
-        while len(self._graphs) > self.max_graphs:
-            self._graphs.popitem(last=False)
+        self._keep(key, entry)
         torch.cuda.synchronize()
         self.capture_s.append(time.perf_counter() - t0)
 

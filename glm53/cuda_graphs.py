@@ -203,6 +203,10 @@ class WindowGraphs:
         else:
             entry.graph = graph
             self.stats.captures += 1
+        self._keep(key, entry)
+
+    def _keep(self, key: tuple, entry: _Captured) -> None:
+        """Remember the key's entry (captured, or eager after a failed capture); least recent out."""
         self._graphs[key] = entry
         while len(self._graphs) > self.max_graphs:
             self._graphs.popitem(last=False)
