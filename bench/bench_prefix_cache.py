@@ -47,6 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.benchmeta import result_header, summary, write_json  # noqa: E402
+from glm53.cuda_graphs import WindowGraphs  # noqa: E402
 from glm53.engine import Glm53Engine  # noqa: E402
 from kv_cache.engine_adapter import attach_prefix_cache  # noqa: E402
 
@@ -197,7 +198,9 @@ def scenario_one_word(engine, args, rng, mismatches: list[str]) -> dict[str, Any
     base = rand_tokens(rng, args.long, engine.vocab_size)
     first = on.generate(base, args.reply)  # fills the cache (not a sample)
     first.pop("_logits")
-    cold, warm, eager = [], [], []
+    cold, warm, eager, unsplit = [], [], [], []
+    # the reused request with short windows on the prefill attention kernel (its own graphs), side by side
+    unsplit_graphs = WindowGraphs(engine.model) if engine.graphs is not None else None
     for i in range(args.repeats):
         word = rand_tokens(rng, 1, engine.vocab_size)
         w, c = pair(on, off, base + word, args.reply, i)
@@ -210,18 +213,31 @@ def scenario_one_word(engine, args, rng, mismatches: list[str]) -> dict[str, Any
             if not same(e, dict(c)):
                 mismatches.append(f"one-word: eager sample {i}")
             eager.append(e)
+            from glm53.ops import triton_attention
+
+            graphs, split_rows = engine.graphs, triton_attention.SPLIT_ROWS
+            engine.graphs, triton_attention.SPLIT_ROWS = unsplit_graphs, 0
+            try:
+                u = on.generate(base + word, args.reply)
+            finally:
+                engine.graphs, triton_attention.SPLIT_ROWS = graphs, split_rows
+            if not same(u, dict(c)):
+                mismatches.append(f"one-word: unsplit-attention sample {i}")
+            unsplit.append(u)
         if not same(w, c):
             mismatches.append(f"one-word: sample {i}")
         warm.append(w)
         cold.append(c)
         log(f"one-word {i}: cold {c['wall_s']:.3f}s reused {w['wall_s']:.4f}s (cached {w['cached_tokens']})"
-            + (f", without graphs {eager[-1]['wall_s']:.4f}s" if eager else ""))
+            + (f", without graphs {eager[-1]['wall_s']:.4f}s, prefill attention kernel "
+               f"{unsplit[-1]['wall_s']:.4f}s" if eager else ""))
     cw, ww = [x["wall_s"] for x in cold], [x["wall_s"] for x in warm]
     out = {"prompt_tokens": len(base) + 1, "fill_s": first["wall_s"], "cold": cold, "reused": warm,
            "cold_s": summary(cw), "reused_s": summary(ww), "speedup": statistics.median(cw) / statistics.median(ww),
            "ttft_speedup": statistics.median([x["ttft_s"] for x in cold]) / statistics.median([x["ttft_s"] for x in warm])}
     if eager:
-        out.update(reused_eager=eager, reused_eager_s=summary([x["wall_s"] for x in eager]))
+        out.update(reused_eager=eager, reused_eager_s=summary([x["wall_s"] for x in eager]),
+                   reused_unsplit=unsplit, reused_unsplit_s=summary([x["wall_s"] for x in unsplit]))
     return out
 
 
@@ -291,6 +307,11 @@ def scenario_profile(engine, args, rng, out: Path, disk_dir: Path) -> dict[str, 
         sections.append(f"== {name}: {len(prompt)} prompt tokens, wall {walls[name]:.4f} s, by {sort} ==\n"
                         + table.table(sort_by=sort, row_limit=25)
                         + f"\n== {name}: by self_cpu_time_total ==\n" + table.table(sort_by="self_cpu_time_total", row_limit=25))
+    sections.append(profile_turns(engine, args, rng, activities, sort, walls))
+    timeline = request_timeline(engine, on, base, rng, args.reply)
+    sections.append("== reused one-word: host timeline (perf_counter, no profiler; medians of "
+                    f"{TIMELINE_SAMPLES}, ms from the call) ==\n"
+                    + "\n".join(f"{name:>14}: {a:7.3f} -> {b:7.3f}" for name, (a, b) in timeline.items()))
     env = {**args.on_env, "TF_GLM53_DISK_CACHE": str(disk_dir), "TF_GLM53_DISK_CACHE_BYTES": args.disk_bytes}
     disk = Side(engine, "disk", env)
     base = rand_tokens(rng, args.disk_long, engine.vocab_size)
@@ -310,7 +331,73 @@ def scenario_profile(engine, args, rng, out: Path, disk_dir: Path) -> dict[str, 
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n\n".join(sections))
     log(f"profile tables: {path}")
-    return {"profile_file": str(path), "wall_s": walls}
+    return {"profile_file": str(path), "wall_s": walls, "one_word_timeline_ms": timeline}
+
+
+def profile_turns(engine, args, rng, activities, sort: str, walls: dict[str, float]) -> str:
+    """Turn 1 and the last turn of a fresh conversation (cache on) under torch.profiler: what grows."""
+    from torch.profiler import profile
+
+    side = Side(engine, "on", args.on_env)
+    prompt: list[int] = []
+    text = []
+    for i in range(args.turns):
+        prompt = prompt + rand_tokens(rng, args.turn_tokens, engine.vocab_size)
+        if i in (0, args.turns - 1):
+            with profile(activities=activities) as prof:
+                got = side.generate(prompt, args.reply)
+            name = f"turn {i + 1}"
+            walls[name] = got["wall_s"]
+            text.append(f"== {name}: {got['prompt_tokens']} prompt tokens, {got['cached_tokens']} cached, wall "
+                        f"{got['wall_s']:.4f} s, by {sort} ==\n" + prof.key_averages().table(sort_by=sort, row_limit=30))
+        else:
+            got = side.generate(prompt, args.reply)
+        prompt = prompt + got["reply"]
+    side.cache.close()
+    return "\n\n".join(text)
+
+
+TIMELINE_SAMPLES = 5
+
+
+def request_timeline(engine, side: Side, base: list[int], rng, reply: int) -> dict[str, tuple[float, float]]:
+    """When each step of a reused one-word request starts and ends on the host (ms after the call;
+    no sync added: the first sample() waits for the GPU's forward)."""
+    import glm53.engine as engine_module
+
+    stamps: list[dict[str, tuple[float, float]]] = []
+    current: dict[str, tuple[float, float]] = {}
+
+    def timed(name: str, fn):
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                current.setdefault(name, (t0, time.perf_counter()))
+        return wrapper
+
+    steps = {"_check_prompt": engine._check_prompt, "_state_for": engine._state_for, "run": engine.run,
+             "store_prefix": engine.store_prefix}
+    real_sample = engine_module.sample
+    try:
+        for name, fn in steps.items():
+            setattr(engine, name, timed(name, fn))
+        engine_module.sample = timed("sample", real_sample)
+        for _ in range(TIMELINE_SAMPLES):
+            current.clear()
+            prompt = base + rand_tokens(rng, 1, engine.vocab_size)
+            sync()
+            t0 = time.perf_counter()
+            side.generate(prompt, reply)
+            current["generate"] = (t0, time.perf_counter())
+            stamps.append({k: ((a - t0) * 1e3, (b - t0) * 1e3) for k, (a, b) in current.items()})
+    finally:
+        for name in steps:
+            delattr(engine, name)
+        engine_module.sample = real_sample
+    return {k: (statistics.median(s[k][0] for s in stamps), statistics.median(s[k][1] for s in stamps))
+            for k in stamps[0]}
 
 
 # ---- report ------------------------------------------------------------------------------------
@@ -335,6 +422,9 @@ def table(result: dict[str, Any]) -> str:
         if "reused_eager_s" in o:
             lines.append(f"  the reused request without CUDA graphs: {o['reused_eager_s']['median']:.4f}s "
                          f"({o['cold_s']['median'] / o['reused_eager_s']['median']:.0f}x)")
+            lines.append(f"  the reused request with short windows on the prefill attention kernel: "
+                         f"{o['reused_unsplit_s']['median']:.4f}s "
+                         f"({o['cold_s']['median'] / o['reused_unsplit_s']['median']:.0f}x)")
     d = result.get("disk")
     if d:
         lines.append(f"disk resume of {d['prompt_tokens'] - 1} tokens ({d['disk_bytes'] / 2**20:.0f} MiB): cold "

@@ -10,7 +10,7 @@ head_linear input, invalid slots, an all-invalid query, an empty selection.
 Agreement with glm53.ops.torch_ops: within INTERP_TOL (fp32; the kernels sum in another order).
 Row invariance (bitwise): slices of a big call equal the same rows computed alone or in smaller
 calls; index_scores also over a key prefix; latent_attention also with invalid slots appended to
-the selection. The interpreter's tl.dot is numpy's matmul, whose bits for a row depend on the row's
+the selection, and its short-window (split) kernels against torch and the prefill kernel. The interpreter's tl.dot is numpy's matmul, whose bits for a row depend on the row's
 position inside the block (OpenBLAS micro-kernels), so the matrix-product slices here start on a
 tile boundary; tests/gpu/test_triton_cuda.py checks arbitrary offsets on the real kernels.
 """
@@ -28,7 +28,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 INTERP_TOL = dict(atol=1e-4, rtol=1e-4)
 CHECKS = ["linear", "linear_leading_dims", "head_linear_strided", "rms_norm", "layer_norm", "index_scores",
-          "latent_attention", "latent_attention_edge_cases"]
+          "latent_attention", "latent_attention_edge_cases", "latent_attention_split"]
 WORKER_TIMEOUT_S = 300
 SKIP_KEY = "__skip__"
 
@@ -164,11 +164,29 @@ def _worker() -> dict[str, list]:
         close(lse[1], 0.1 * (q[1] @ rows[4]), "single valid slot lse")
         assert not out[0].any() and not out[2].any()
 
+    def check_latent_attention_split() -> None:
+        # the short-window kernels (scores of every block, then the softmax per column block), forced
+        for h, d, dv in [(4, 96, 80), (20, 96, 80), (3, 80, 64)]:  # 80: two column blocks, one partial
+            t, n_rows, slots = 6, 50, 40
+            q, rows = randn(t, h, d), randn(n_rows, d)
+            idx, valid = selection(t, n_rows, slots)
+            out, lse = triton_attention.latent_attention(q, rows, idx, valid, d ** -0.5, dv, split=True)
+            ref_out, ref_lse = torch_ops.latent_attention(q, rows, idx.clamp(min=0), valid, d ** -0.5, dv)
+            close(out, ref_out, f"split out vs torch ({h} heads, dv {dv})")
+            close(lse, ref_lse, f"split lse vs torch ({h} heads, dv {dv})")
+            assert torch.equal(out[2], torch.zeros_like(out[2])) and bool((lse[2] == float("-inf")).all())
+            whole, whole_lse = triton_attention.latent_attention(q, rows, idx, valid, d ** -0.5, dv, split=False)
+            same(lse, whole_lse, f"split lse vs the prefill kernel ({h} heads)")
+            if dv <= 64:  # one column block: the same numpy products (wider blocks: other BLAS bits)
+                same(out, whole, f"split out vs the prefill kernel ({h} heads)")
+                assert triton_attention.agreement(h, d, dv, torch.float32, torch.float32, torch.device("cpu"))
+
     checks = {"linear": check_linear, "linear_leading_dims": check_linear_leading_dims,
               "head_linear_strided": check_head_linear_strided, "rms_norm": check_rms_norm,
               "layer_norm": check_layer_norm, "index_scores": check_index_scores,
               "latent_attention": check_latent_attention,
-              "latent_attention_edge_cases": check_latent_attention_edge_cases}
+              "latent_attention_edge_cases": check_latent_attention_edge_cases,
+              "latent_attention_split": check_latent_attention_split}
     results: dict[str, list] = {}
     for name in CHECKS:
         try:

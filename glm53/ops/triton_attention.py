@@ -1,23 +1,45 @@
 """Absorbed MLA over each query's own selected latent rows on CUDA (Triton), row-invariant by construction.
 
-Grid: (query t, block of BLOCK_H heads). A program holds its heads' q [BLOCK_H, D] and walks the
-query's k selection slots in blocks of BLOCK_N in ascending slot order, gathering rows[indices[t, j]]
-(masked by valid, so an invalid slot's index is never dereferenced), with an online softmax: running
-max m, sum l and fp32 accumulator [BLOCK_H, value_dim]. D is split into the value part [0, value_dim)
-and the rest (GLM-5.3: 512 latent + 64 rope; the tiny model: 64 + 16), each padded to a power of two
-with masks. Invariance: one program sees one query only, its loop runs over that query's slots in a
-fixed order with a config from (H, D, value_dim, dtype) alone (T and k are do_not_specialize), so
-neither T nor the query's position changes its bits. A block with no valid slot is an exact no-op
-(alpha = 1, p = 0), so invalid trailing slots (a wider k) change nothing, and the loop stops after
-the block holding the query's last valid slot: the same bits, without the work (a short context, a
-DCP rank that owns a quarter of the selection). No valid slot at all gives out 0 and lse -inf,
-never NaN.
+A query's arithmetic, whichever kernel runs it: its k selection slots in blocks of BLOCK_N in
+ascending slot order, gathering rows[indices[t, j]] (masked by valid, so an invalid slot's index is
+never dereferenced); per block the scaled scores (two tl.dots: the value part [0, value_dim) and the
+rest; GLM-5.3 512 latent + 64 rope, the tiny model 64 + 16, each padded to a power of two with
+masks), then one online-softmax step: running max m, sum l and fp32 accumulator. The block's row
+sum of probabilities goes through tl.dot with a ones matrix (the fp32 p as bf16 hi + lo halves; fp32
+inputs run ieee dots), not tl.sum: a dot fixes each element's order by its instruction, tl.sum's
+tree follows the register layout, which differs between kernels. `_block_scores` and
+`_softmax_step` are that arithmetic, shared by the kernels below.
+
+Two ways to run it, chosen by the query count T alone:
+  * T > SPLIT_ROWS (prefill): grid (query, block of BLOCK_H heads); one program walks all slots.
+  * T <= SPLIT_ROWS (decode, verification, a one-word extension): one program per query leaves the
+    GPU idle (~190 us a GLM-5.3 layer at T = 1, one SM busy), so the same steps are spread out:
+    _latent_scores_kernel computes every slot block's scores at once (grid: query, slot block,
+    heads) into an fp32 scratch, then _latent_values_kernel runs the online softmax over them, each
+    program for BLOCK_V of the value columns (grid: query, column block, heads). The max, the exps
+    and the sums are the prefill program's; the column split only narrows the PV dot.
+That the two agree bit for bit is a property of the compiled code, not of the source alone, so it
+is checked once per shape key on the device (`split_agrees`: random inputs, both ways,
+torch.equal) before a short window uses the split; where it fails (another GPU or compiler), short
+windows run the prefill kernel, slower and still exact.
+
+Invariance: a program sees one query only, in a fixed order, with configs from (H, D, value_dim,
+dtype) alone (T and k are do_not_specialize), so neither T nor the query's position changes its
+bits. A block with no valid slot is an exact no-op (alpha = 1, p = 0), so invalid trailing slots (a
+wider k) change nothing, and the loop stops after the block holding the query's last valid slot:
+the same bits, without the work (a short context, a DCP rank that owns a quarter of the selection).
+No valid slot at all gives out 0 and lse -inf, never NaN.
 """
 from __future__ import annotations
+
+import sys
 
 import torch
 import triton
 import triton.language as tl
+
+SPLIT_ROWS = 16  # up to this many queries a call takes the split kernels (where they agree bitwise)
+SUM_COLS = 16  # columns of the ones matrix the row sums are dotted with (tl.dot's smallest N)
 
 
 def attention_config(heads: int, d: int, value_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
@@ -31,104 +53,281 @@ def attention_config(heads: int, d: int, value_dim: int, dtype: torch.dtype) -> 
     return block_h, 64, 8, 2
 
 
-@triton.jit(do_not_specialize=["T", "K_SLOTS"])
-def _latent_attention_kernel(q_ptr, rows_ptr, idx_ptr, valid_ptr, end_ptr, out_ptr, lse_ptr, T, K_SLOTS, H, scale,
-                             stride_qt, stride_qh, stride_r, stride_it, stride_vt, stride_ot, stride_oh, stride_lt,
-                             DV: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr,
-                             BLOCK_DR: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_v = tl.arange(0, BLOCK_DV)
-    offs_r = tl.arange(0, BLOCK_DR)
-    h_mask = offs_h < H
-    v_mask = offs_v < DV
-    r_mask = offs_r < DR
+def split_config(heads: int, d: int, value_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_V, num_warps, num_stages) of the values kernel (the scores kernel runs attention_config)."""
+    return min(64, max(16, triton.next_power_of_2(value_dim))), 4, 2
 
+
+# ---- the arithmetic every kernel shares ----------------------------------------------------------
+@triton.jit
+def _load_queries(q_ptr, t, stride_qt, stride_qh, offs_h, h_mask, offs_v, v_mask, offs_r, r_mask,
+                  DV: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DR: tl.constexpr):
     q_base = q_ptr + t * stride_qt + offs_h[:, None] * stride_qh
     q_v = tl.load(q_base + offs_v[None, :], mask=h_mask[:, None] & v_mask[None, :], other=0.0)
     if DR > 0:
         q_r = tl.load(q_base + DV + offs_r[None, :], mask=h_mask[:, None] & r_mask[None, :], other=0.0)
+    else:
+        q_r = tl.zeros((BLOCK_H, BLOCK_DR), dtype=q_v.dtype)
+    return q_v, q_r
 
+
+@triton.jit
+def _block_scores(q_v, q_r, rows_ptr, idx_ptr, valid_ptr, t, jb, K_SLOTS, scale, stride_r, stride_it, stride_vt,
+                  offs_v, v_mask, offs_r, r_mask, DV: tl.constexpr, DR: tl.constexpr, BLOCK_N: tl.constexpr,
+                  IEEE: tl.constexpr):
+    """Slot block jb of query t: scaled scores [BLOCK_H, BLOCK_N] (-inf at invalid slots), the slots'
+    validity and indices, and their gathered value columns [BLOCK_N, BLOCK_DV] in q's dtype."""
+    offs_j = jb * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_range = offs_j < K_SLOTS
+    # idx and valid load side by side (the gather waits on both, not on a chain of three)
+    ok = tl.load(valid_ptr + t * stride_vt + offs_j, mask=in_range, other=0) != 0
+    idx = tl.load(idx_ptr + t * stride_it + offs_j, mask=in_range, other=0)
+    row = rows_ptr + idx[:, None] * stride_r  # int64 indices: int64 offsets
+    kv_v = tl.load(row + offs_v[None, :], mask=ok[:, None] & v_mask[None, :], other=0.0).to(q_v.dtype)
+    if IEEE:
+        s = tl.dot(q_v, tl.trans(kv_v), input_precision="ieee")
+    else:
+        s = tl.dot(q_v, tl.trans(kv_v))
+    if DR > 0:
+        kv_r = tl.load(row + DV + offs_r[None, :], mask=ok[:, None] & r_mask[None, :], other=0.0).to(q_v.dtype)
+        if IEEE:
+            s = tl.dot(q_r, tl.trans(kv_r), s, input_precision="ieee")
+        else:
+            s = tl.dot(q_r, tl.trans(kv_r), s)
+    s = tl.where(ok[None, :], s * scale, float("-inf"))
+    return s, ok, idx, kv_v
+
+
+@triton.jit
+def _softmax_step(m, l, acc, s, ok, kv, ones, IEEE: tl.constexpr):
+    """One block of the online softmax: (m, l, acc) after scores s [BLOCK_H, BLOCK_N] over values kv
+    [BLOCK_N, columns]; l is [BLOCK_H, SUM_COLS], every column the same sum."""
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    seen = m_new > float("-inf")  # else no valid slot so far: alpha 1, p 0, all stays exactly 0
+    alpha = tl.where(seen, tl.exp(m - m_new), 1.0)
+    p = tl.where(ok[None, :] & seen[:, None], tl.exp(s - tl.where(seen, m_new, 0.0)[:, None]), 0.0)
+    if IEEE:
+        l = tl.dot(p, ones, l * alpha[:, None], input_precision="ieee")
+        acc = tl.dot(p, kv, acc * alpha[:, None], input_precision="ieee")
+    else:
+        p_hi = p.to(kv.dtype)
+        p_lo = (p - p_hi.to(tl.float32)).to(kv.dtype)  # hi + lo holds p to ~16 bits
+        l = tl.dot(p_lo, ones, tl.dot(p_hi, ones, l * alpha[:, None]))
+        acc = tl.dot(p_hi, kv, acc * alpha[:, None])
+    return m_new, l, acc
+
+
+@triton.jit
+def _store_result(out_ptr, lse_ptr, t, stride_ot, stride_oh, stride_lt, acc, l, m, offs_h, h_mask, offs_c, c_mask,
+                  WRITE_LSE: tl.constexpr):
+    total = tl.max(l, axis=1)  # the SUM_COLS columns are equal: max picks that value, exactly
+    has = total > 0.0
+    out = tl.where(has[:, None], acc / tl.where(has, total, 1.0)[:, None], 0.0)
+    out_ptrs = out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_c[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & c_mask[None, :])
+    if WRITE_LSE:
+        lse = tl.where(has, m + tl.log(tl.where(has, total, 1.0)), float("-inf"))
+        tl.store(lse_ptr + t * stride_lt + offs_h, lse, mask=h_mask)
+
+
+# ---- prefill: one program per (query, head block) --------------------------------------------------
+@triton.jit(do_not_specialize=["T", "K_SLOTS"])
+def _latent_attention_kernel(q_ptr, rows_ptr, idx_ptr, valid_ptr, end_ptr, out_ptr, lse_ptr, T, K_SLOTS, H, scale,
+                             stride_qt, stride_qh, stride_r, stride_it, stride_vt, stride_ot, stride_oh, stride_lt,
+                             DV: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr,
+                             BLOCK_DR: tl.constexpr, BLOCK_N: tl.constexpr, SUMS: tl.constexpr, IEEE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_v = tl.arange(0, BLOCK_DV)
+    offs_r = tl.arange(0, BLOCK_DR)
+    h_mask, v_mask, r_mask = offs_h < H, offs_v < DV, offs_r < DR
+    q_v, q_r = _load_queries(q_ptr, t, stride_qt, stride_qh, offs_h, h_mask, offs_v, v_mask, offs_r, r_mask,
+                             DV, DR, BLOCK_H, BLOCK_DR)
+    ones = tl.full((BLOCK_N, SUMS), 1.0, dtype=q_v.dtype)
     m = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
-    l = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    l = tl.zeros((BLOCK_H, SUMS), dtype=tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_DV), dtype=tl.float32)
     end = tl.load(end_ptr + t)  # one past the query's last valid slot: later blocks are no-ops
     for jb in range(0, tl.cdiv(end, BLOCK_N)):  # slots in ascending order, fixed blocks
+        s, ok, idx, kv_v = _block_scores(q_v, q_r, rows_ptr, idx_ptr, valid_ptr, t, jb, K_SLOTS, scale, stride_r,
+                                         stride_it, stride_vt, offs_v, v_mask, offs_r, r_mask, DV, DR, BLOCK_N, IEEE)
+        m, l, acc = _softmax_step(m, l, acc, s, ok, kv_v, ones, IEEE)
+    _store_result(out_ptr, lse_ptr, t, stride_ot, stride_oh, stride_lt, acc, l, m, offs_h, h_mask, offs_v, v_mask,
+                  True)
+
+
+# ---- short windows: scores of all slot blocks at once, then the softmax per column block --------
+@triton.jit(do_not_specialize=["T", "K_SLOTS"])
+def _latent_scores_kernel(q_ptr, rows_ptr, idx_ptr, valid_ptr, end_ptr, s_ptr, T, K_SLOTS, H, scale,
+                          stride_qt, stride_qh, stride_r, stride_it, stride_vt, stride_st, stride_sh,
+                          DV: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr,
+                          BLOCK_DR: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    jb = tl.program_id(1)
+    offs_h = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
+    if jb * BLOCK_N < tl.load(end_ptr + t):  # blocks past the last valid slot: never read
+        offs_v = tl.arange(0, BLOCK_DV)
+        offs_r = tl.arange(0, BLOCK_DR)
+        h_mask, v_mask, r_mask = offs_h < H, offs_v < DV, offs_r < DR
+        q_v, q_r = _load_queries(q_ptr, t, stride_qt, stride_qh, offs_h, h_mask, offs_v, v_mask, offs_r, r_mask,
+                                 DV, DR, BLOCK_H, BLOCK_DR)
+        s, ok, idx, kv_v = _block_scores(q_v, q_r, rows_ptr, idx_ptr, valid_ptr, t, jb, K_SLOTS, scale, stride_r,
+                                         stride_it, stride_vt, offs_v, v_mask, offs_r, r_mask, DV, DR, BLOCK_N, IEEE)
+        offs_j = jb * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(s_ptr + t * stride_st + offs_h[:, None] * stride_sh + offs_j[None, :], s, mask=h_mask[:, None])
+
+
+@triton.jit(do_not_specialize=["T", "K_SLOTS"])
+def _latent_values_kernel(s_ptr, rows_ptr, idx_ptr, valid_ptr, end_ptr, out_ptr, lse_ptr, T, K_SLOTS, H,
+                          stride_st, stride_sh, stride_r, stride_it, stride_vt, stride_ot, stride_oh, stride_lt,
+                          DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_N: tl.constexpr,
+                          SUMS: tl.constexpr, IEEE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cb = tl.program_id(1)
+    offs_h = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_c = cb * BLOCK_V + tl.arange(0, BLOCK_V)
+    h_mask, c_mask = offs_h < H, offs_c < DV
+    ones = tl.full((BLOCK_N, SUMS), 1.0, dtype=out_ptr.dtype.element_ty)
+    m = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+    l = tl.zeros((BLOCK_H, SUMS), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_V), dtype=tl.float32)
+    s_rows = s_ptr + t * stride_st + offs_h[:, None] * stride_sh
+    end = tl.load(end_ptr + t)
+    for jb in range(0, tl.cdiv(end, BLOCK_N)):
         offs_j = jb * BLOCK_N + tl.arange(0, BLOCK_N)
         in_range = offs_j < K_SLOTS
-        # idx and valid load side by side (the gather waits on both, not on a chain of three)
         ok = tl.load(valid_ptr + t * stride_vt + offs_j, mask=in_range, other=0) != 0
         idx = tl.load(idx_ptr + t * stride_it + offs_j, mask=in_range, other=0)
-        row = rows_ptr + idx[:, None] * stride_r  # int64 indices: int64 offsets
-        kv_v = tl.load(row + offs_v[None, :], mask=ok[:, None] & v_mask[None, :], other=0.0)
-        kv_v = kv_v.to(q_ptr.dtype.element_ty)
-        if IEEE:
-            s = tl.dot(q_v, tl.trans(kv_v), input_precision="ieee")
-        else:
-            s = tl.dot(q_v, tl.trans(kv_v))
-        if DR > 0:
-            kv_r = tl.load(row + DV + offs_r[None, :], mask=ok[:, None] & r_mask[None, :], other=0.0)
-            kv_r = kv_r.to(q_ptr.dtype.element_ty)
-            if IEEE:
-                s = tl.dot(q_r, tl.trans(kv_r), s, input_precision="ieee")
-            else:
-                s = tl.dot(q_r, tl.trans(kv_r), s)
-        s = tl.where(ok[None, :], s * scale, float("-inf"))
-
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        seen = m_new > float("-inf")  # else no valid slot so far: alpha 1, p 0, all stays exactly 0
-        alpha = tl.where(seen, tl.exp(m - m_new), 1.0)
-        p = tl.where(ok[None, :] & seen[:, None], tl.exp(s - tl.where(seen, m_new, 0.0)[:, None]), 0.0)
-        l = l * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            acc = tl.dot(p, kv_v, acc * alpha[:, None], input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(kv_v.dtype), kv_v, acc * alpha[:, None])
-        m = m_new
-
-    has = l > 0.0
-    out = tl.where(has[:, None], acc / tl.where(has, l, 1.0)[:, None], 0.0)
-    lse = tl.where(has, m + tl.log(tl.where(has, l, 1.0)), float("-inf"))
-    out_ptrs = out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_v[None, :]
-    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & v_mask[None, :])
-    tl.store(lse_ptr + t * stride_lt + offs_h, lse, mask=h_mask)
+        s = tl.load(s_rows + offs_j[None, :], mask=h_mask[:, None], other=float("-inf"))
+        kv = tl.load(rows_ptr + idx[:, None] * stride_r + offs_c[None, :], mask=ok[:, None] & c_mask[None, :],
+                     other=0.0).to(out_ptr.dtype.element_ty)
+        m, l, acc = _softmax_step(m, l, acc, s, ok, kv, ones, IEEE)
+    _store_result(out_ptr, lse_ptr, t, stride_ot, stride_oh, stride_lt, acc, l, m, offs_h, h_mask, offs_c, c_mask,
+                  cb == 0)
 
 
-def latent_attention(q: torch.Tensor, rows: torch.Tensor, indices: torch.Tensor, valid: torch.Tensor,
-                     scale: float, value_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T, H, D], rows [N, D], indices [T, k] int64, valid [T, k] bool -> (out [T, H, value_dim] in q's
-    dtype, lse [T, H] fp32); a query with no valid slot gets out 0 and lse -inf."""
-    t, heads = q.shape[0], q.shape[1]
-    if indices.shape != valid.shape or indices.dim() != 2 or indices.shape[0] != t:
-        raise ValueError(f"indices {tuple(indices.shape)} and valid {tuple(valid.shape)} must both be [T={t}, k]")
-    if q.dim() != 3 or rows.dim() != 2 or rows.shape[1] != q.shape[2] or not 0 < value_dim <= q.shape[2]:
-        raise ValueError(f"latent_attention: q {tuple(q.shape)} [T, H, D], rows {tuple(rows.shape)} [N, D], "
-                         f"value_dim {value_dim} do not fit")
-    d, k = q.shape[2], indices.shape[1]
-    if t == 0 or heads == 0 or rows.shape[0] == 0 or k == 0:
-        return (torch.zeros(t, heads, value_dim, dtype=q.dtype, device=q.device),
-                torch.full((t, heads), float("-inf"), dtype=torch.float32, device=q.device))
-    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"latent_attention: q dtype {q.dtype} not supported")
+# ---- entry points ---------------------------------------------------------------------------------
+def _prepared(q: torch.Tensor, rows: torch.Tensor, indices: torch.Tensor, valid: torch.Tensor):
     if q.stride(2) != 1:
         q = q.contiguous()
     if rows.stride(1) != 1:
         rows = rows.contiguous()
     indices = indices.to(torch.int64).contiguous()
     valid = valid.contiguous()
-    slots = torch.arange(1, k + 1, device=valid.device, dtype=torch.int32)
+    slots = torch.arange(1, indices.shape[1] + 1, device=valid.device, dtype=torch.int32)
     end = torch.where(valid, slots, 0).amax(dim=1).to(torch.int32)  # [T]: one past the last valid slot
-    valid = valid.view(torch.uint8)  # bool as bytes: 0 / 1
-    out = torch.empty(t, heads, value_dim, dtype=q.dtype, device=q.device)  # every element is written
-    lse = torch.empty(t, heads, dtype=torch.float32, device=q.device)
+    return q, rows, indices, valid.view(torch.uint8), end  # valid as bytes: 0 / 1
+
+
+def _run_prefill(q, rows, indices, valid, end, out, lse, scale: float, value_dim: int) -> None:
+    t, heads, d = q.shape
     block_h, block_n, warps, stages = attention_config(heads, d, value_dim, q.dtype)
     dr = d - value_dim
     grid = (t, triton.cdiv(heads, block_h))
-    _latent_attention_kernel[grid](q, rows, indices, valid, end, out, lse, t, k, heads, float(scale),
+    _latent_attention_kernel[grid](q, rows, indices, valid, end, out, lse, t, indices.shape[1], heads, float(scale),
                                    q.stride(0), q.stride(1), rows.stride(0), indices.stride(0), valid.stride(0),
                                    out.stride(0), out.stride(1), lse.stride(0),
                                    DV=value_dim, DR=dr, BLOCK_H=block_h,
                                    BLOCK_DV=max(16, triton.next_power_of_2(value_dim)),
                                    BLOCK_DR=max(16, triton.next_power_of_2(max(dr, 1))), BLOCK_N=block_n,
-                                   IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages)
+                                   SUMS=SUM_COLS, IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages)
+
+
+def _run_split(q, rows, indices, valid, end, out, lse, scale: float, value_dim: int,
+               config: tuple[int, int, int] | None = None) -> None:
+    t, heads, d = q.shape
+    k = indices.shape[1]
+    block_h, block_n, warps, stages = attention_config(heads, d, value_dim, q.dtype)
+    block_v, warps_v, stages_v = config or split_config(heads, d, value_dim, q.dtype)
+    dr = d - value_dim
+    ieee = q.dtype == torch.float32
+    scores = torch.empty(t, heads, triton.cdiv(k, block_n) * block_n, dtype=torch.float32, device=q.device)
+    head_blocks = triton.cdiv(heads, block_h)
+    _latent_scores_kernel[(t, triton.cdiv(k, block_n), head_blocks)](
+        q, rows, indices, valid, end, scores, t, k, heads, float(scale),
+        q.stride(0), q.stride(1), rows.stride(0), indices.stride(0), valid.stride(0), scores.stride(0),
+        scores.stride(1), DV=value_dim, DR=dr, BLOCK_H=block_h, BLOCK_DV=max(16, triton.next_power_of_2(value_dim)),
+        BLOCK_DR=max(16, triton.next_power_of_2(max(dr, 1))), BLOCK_N=block_n, IEEE=ieee,
+        num_warps=warps, num_stages=stages)
+    _latent_values_kernel[(t, triton.cdiv(value_dim, block_v), head_blocks)](
+        scores, rows, indices, valid, end, out, lse, t, k, heads,
+        scores.stride(0), scores.stride(1), rows.stride(0), indices.stride(0), valid.stride(0),
+        out.stride(0), out.stride(1), lse.stride(0), DV=value_dim, BLOCK_H=block_h, BLOCK_V=block_v,
+        BLOCK_N=block_n, SUMS=SUM_COLS, IEEE=ieee, num_warps=warps_v, num_stages=stages_v)
+
+
+def _check(q, rows, indices, valid, value_dim: int) -> None:
+    t = q.shape[0]
+    if indices.shape != valid.shape or indices.dim() != 2 or indices.shape[0] != t:
+        raise ValueError(f"indices {tuple(indices.shape)} and valid {tuple(valid.shape)} must both be [T={t}, k]")
+    if q.dim() != 3 or rows.dim() != 2 or rows.shape[1] != q.shape[2] or not 0 < value_dim <= q.shape[2]:
+        raise ValueError(f"latent_attention: q {tuple(q.shape)} [T, H, D], rows {tuple(rows.shape)} [N, D], "
+                         f"value_dim {value_dim} do not fit")
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"latent_attention: q dtype {q.dtype} not supported")
+
+
+def latent_attention(q: torch.Tensor, rows: torch.Tensor, indices: torch.Tensor, valid: torch.Tensor,
+                     scale: float, value_dim: int, *, split: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, H, D], rows [N, D], indices [T, k] int64, valid [T, k] bool -> (out [T, H, value_dim] in q's
+    dtype, lse [T, H] fp32); a query with no valid slot gets out 0 and lse -inf. `split` forces a way
+    (tests, benches); None: the split kernels for T <= SPLIT_ROWS where `split_agrees`."""
+    _check(q, rows, indices, valid, value_dim)
+    t, heads, d = q.shape
+    k = indices.shape[1]
+    if t == 0 or heads == 0 or rows.shape[0] == 0 or k == 0:
+        return (torch.zeros(t, heads, value_dim, dtype=q.dtype, device=q.device),
+                torch.full((t, heads), float("-inf"), dtype=torch.float32, device=q.device))
+    if split is None:
+        split = t <= SPLIT_ROWS and split_agrees(heads, d, value_dim, q.dtype, rows.dtype, q.device)
+    q, rows, indices, valid, end = _prepared(q, rows, indices, valid)
+    out = torch.empty(t, heads, value_dim, dtype=q.dtype, device=q.device)  # every element is written
+    lse = torch.empty(t, heads, dtype=torch.float32, device=q.device)
+    (_run_split if split else _run_prefill)(q, rows, indices, valid, end, out, lse, scale, value_dim)
     return out, lse
+
+
+# ---- the check that the split gives the prefill kernel's bits ------------------------------------
+_AGREES: dict[tuple, bool] = {}
+CHECK_QUERIES, CHECK_ROWS = 3, 700
+
+
+def split_agrees(heads: int, d: int, value_dim: int, dtype: torch.dtype, rows_dtype: torch.dtype,
+                 device: torch.device) -> bool:
+    """Whether the split kernels give the prefill kernel's bits for this shape key on this device,
+    found once (random queries and rows, slots spanning several blocks, invalid ones among them).
+    Inside a graph capture an unchecked key answers False (no check can run there): the prefill
+    kernel is exact, only slower."""
+    key = (heads, d, value_dim, dtype, rows_dtype, str(device))
+    if key in _AGREES:
+        return _AGREES[key]
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return False
+    _AGREES[key] = agreement(heads, d, value_dim, dtype, rows_dtype, device)
+    if not _AGREES[key]:
+        print(f"glm53: latent_attention's split kernels differ from the prefill kernel in their bits for "
+              f"{heads} heads x {d} ({dtype}, rows {rows_dtype}) on this device; short windows run the "
+              "prefill kernel (exact, slower)", file=sys.stderr)
+    return _AGREES[key]
+
+
+def agreement(heads: int, d: int, value_dim: int, dtype: torch.dtype, rows_dtype: torch.dtype,
+              device: torch.device, split_cfg: tuple[int, int, int] | None = None) -> bool:
+    """Both ways on one random case, compared with torch.equal (out and lse)."""
+    g = torch.Generator(device=device).manual_seed(20261201)
+    _, block_n, _, _ = attention_config(heads, d, value_dim, dtype)
+    k = 3 * block_n + 5  # several blocks, the last one partial
+    q = (torch.randn(CHECK_QUERIES, heads, d, generator=g, device=device) * d ** -0.5).to(dtype)
+    rows = torch.randn(CHECK_ROWS, d, generator=g, device=device).to(rows_dtype)
+    indices = torch.randint(0, CHECK_ROWS, (CHECK_QUERIES, k), generator=g, device=device)
+    valid = torch.rand(CHECK_QUERIES, k, generator=g, device=device) < 0.8
+    valid[1, 2 * block_n:] = False  # a query whose last blocks are all invalid
+    args = _prepared(q, rows, indices, valid)
+    results = []
+    for run in (_run_prefill, lambda *a: _run_split(*a, config=split_cfg)):
+        out = torch.empty(CHECK_QUERIES, heads, value_dim, dtype=dtype, device=device)
+        lse = torch.empty(CHECK_QUERIES, heads, dtype=torch.float32, device=device)
+        run(*args, out, lse, d ** -0.5, value_dim)
+        results.append((out, lse))
+    (o1, l1), (o2, l2) = results
+    return bool(torch.equal(o1, o2) and torch.equal(l1, l2))

@@ -234,6 +234,36 @@ def test_latent_attention_matches_torch_and_is_invariant(k, dtype, heads, d, dv,
     assert torch.equal(o, out) and torch.equal(s, lse), "not deterministic"
 
 
+@pytest.mark.parametrize("heads,d,dv,dtype", [(64, 576, 512, torch.bfloat16), (64, 576, 512, torch.float32),
+                                              (4, 80, 64, torch.bfloat16), (16, 576, 512, torch.bfloat16)],
+                         ids=["glm53-bf16", "glm53-fp32", "tiny-bf16", "dcp4-heads-bf16"])
+def test_latent_attention_split_gives_the_prefill_bits(k, heads, d, dv, dtype):
+    """Short windows (decode, verification) run the split kernels: on this device they must agree with
+    the prefill kernel bit for bit (else the engine falls back to the slower prefill kernel: this
+    test says so), for T = 1..16 queries, dense and sparse selections, at any offset."""
+    ta = k.attention
+    assert ta.split_agrees(heads, d, dv, dtype, dtype, torch.device("cuda")), "split kernels disagree here"
+    g = _gen(heads + d)
+    t, n_rows, slots = 40, 6000, 2048
+    q = _randn(g, t, heads, d, std=d ** -0.5, dtype=dtype)
+    rows = _randn(g, n_rows, d, dtype=dtype)
+    for every in (1, 4):  # every 4th slot valid: a DCP rank's share of the selection
+        idx, valid = _selection(g, t, n_rows, slots, 1.0)
+        keep = torch.zeros(slots, dtype=torch.bool, device="cuda")
+        keep[::every] = True
+        valid &= keep
+        valid[7, 1000:] = False  # a short context: its loop stops early
+        idx = idx.clamp(min=0)
+        whole = ta.latent_attention(q, rows, idx, valid, d ** -0.5, dv, split=False)
+        for n in (1, 2, 5, 16):
+            for o in (0, 3, 7, t - n):
+                part = ta.latent_attention(q[o:o + n], rows, idx[o:o + n], valid[o:o + n], d ** -0.5, dv, split=True)
+                assert torch.equal(part[0], whole[0][o:o + n]) and torch.equal(part[1], whole[1][o:o + n]), \
+                    f"split != prefill kernel: T={n} at {o}, every {every}"
+                auto = ta.latent_attention(q[o:o + n], rows, idx[o:o + n], valid[o:o + n], d ** -0.5, dv)
+                assert torch.equal(auto[0], part[0]) and torch.equal(auto[1], part[1])
+
+
 def test_latent_attention_all_invalid_and_empty(k):
     g = _gen(11)
     q = _randn(g, 3, 64, 576, dtype=torch.bfloat16)
