@@ -4,20 +4,21 @@ A query's arithmetic, whichever kernel runs it: its k selection slots in blocks 
 ascending slot order, gathering rows[indices[t, j]] (masked by valid, so an invalid slot's index is
 never dereferenced); per block the scaled scores (two tl.dots: the value part [0, value_dim) and the
 rest; GLM-5.3 512 latent + 64 rope, the tiny model 64 + 16, each padded to a power of two with
-masks), then one online-softmax step: running max m, sum l and fp32 accumulator. The block's row
-sum of probabilities goes through tl.dot with a ones matrix (the fp32 p as bf16 hi + lo halves; fp32
-inputs run ieee dots), not tl.sum: a dot fixes each element's order by its instruction, tl.sum's
-tree follows the register layout, which differs between kernels. `_block_scores` and
-`_softmax_step` are that arithmetic, shared by the kernels below.
+masks), then one online-softmax step: running max m, sum l and fp32 accumulator. `_block_scores`
+and `_softmax_step` are that arithmetic, shared by the kernels below.
 
 Two ways to run it, chosen by the query count T alone:
   * T > SPLIT_ROWS (prefill): grid (query, block of BLOCK_H heads); one program walks all slots.
   * T <= SPLIT_ROWS (decode, verification, a one-word extension): one program per query leaves the
-    GPU idle (~190 us a GLM-5.3 layer at T = 1, one SM busy), so the same steps are spread out:
-    _latent_scores_kernel computes every slot block's scores at once (grid: query, slot block,
-    heads) into an fp32 scratch, then _latent_values_kernel runs the online softmax over them, each
-    program for BLOCK_V of the value columns (grid: query, column block, heads). The max, the exps
-    and the sums are the prefill program's; the column split only narrows the PV dot.
+    GPU idle (~225 us a GLM-5.3 layer at T = 1 on the H200, one SM busy), so the same steps are
+    spread out: _latent_scores_kernel computes every slot block's scores at once (grid: query, slot
+    block, heads) into an fp32 scratch, then _latent_values_kernel runs the online softmax over them,
+    each program for BLOCK_V of the value columns (grid: query, column block, heads): ~77 us. The
+    max, the exps and the sums are the prefill program's; the column split only narrows the PV dot.
+    One thing differs: the row sum tl.sum(p) reduces in an order set by the register layout, and
+    the prefill kernel's scores come out of a tensor-core dot. So the values kernel passes the
+    scores it reads back through a dot with zero operands (s + 0, exact; RELAYOUT) with the prefill
+    kernel's warps: they land in that layout, and the sum takes that order.
 That the two agree bit for bit is a property of the compiled code, not of the source alone, so it
 is checked once per shape key on the device (`split_agrees`: random inputs, both ways,
 torch.equal) before a short window uses the split; where it fails (another GPU or compiler), short
@@ -39,7 +40,7 @@ import triton
 import triton.language as tl
 
 SPLIT_ROWS = 16  # up to this many queries a call takes the split kernels (where they agree bitwise)
-SUM_COLS = 16  # columns of the ones matrix the row sums are dotted with (tl.dot's smallest N)
+_ZEROS: dict[tuple[str, torch.dtype], torch.Tensor] = {}  # the re-layout's zero operand, per device and dtype
 
 
 def attention_config(heads: int, d: int, value_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
@@ -53,9 +54,14 @@ def attention_config(heads: int, d: int, value_dim: int, dtype: torch.dtype) -> 
     return block_h, 64, 8, 2
 
 
-def split_config(heads: int, d: int, value_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """(BLOCK_V, num_warps, num_stages) of the values kernel (the scores kernel runs attention_config)."""
-    return min(64, max(16, triton.next_power_of_2(value_dim))), 4, 2
+def split_config(heads: int, d: int, value_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_V, num_warps, num_stages, RELAYOUT) of the values kernel (its scores kernel runs
+    attention_config). num_warps is the prefill kernel's: the re-layout must land on its layout.
+    H200 (bench/probe_split_attention.py): GLM-5.3 bf16 T = 1: ~77 us against the prefill kernel's 225."""
+    warps = attention_config(heads, d, value_dim, dtype)[2]
+    if dtype == torch.float32:
+        return 32, warps, 1, 2
+    return (64 if value_dim > 64 else 32), warps, 1, 2
 
 
 # ---- the arithmetic every kernel shares ----------------------------------------------------------
@@ -99,34 +105,30 @@ def _block_scores(q_v, q_r, rows_ptr, idx_ptr, valid_ptr, t, jb, K_SLOTS, scale,
 
 
 @triton.jit
-def _softmax_step(m, l, acc, s, ok, kv, ones, IEEE: tl.constexpr):
+def _softmax_step(m, l, acc, s, ok, kv, IEEE: tl.constexpr):
     """One block of the online softmax: (m, l, acc) after scores s [BLOCK_H, BLOCK_N] over values kv
-    [BLOCK_N, columns]; l is [BLOCK_H, SUM_COLS], every column the same sum."""
+    [BLOCK_N, columns]."""
     m_new = tl.maximum(m, tl.max(s, axis=1))
     seen = m_new > float("-inf")  # else no valid slot so far: alpha 1, p 0, all stays exactly 0
     alpha = tl.where(seen, tl.exp(m - m_new), 1.0)
     p = tl.where(ok[None, :] & seen[:, None], tl.exp(s - tl.where(seen, m_new, 0.0)[:, None]), 0.0)
+    l = l * alpha + tl.sum(p, axis=1)
     if IEEE:
-        l = tl.dot(p, ones, l * alpha[:, None], input_precision="ieee")
         acc = tl.dot(p, kv, acc * alpha[:, None], input_precision="ieee")
     else:
-        p_hi = p.to(kv.dtype)
-        p_lo = (p - p_hi.to(tl.float32)).to(kv.dtype)  # hi + lo holds p to ~16 bits
-        l = tl.dot(p_lo, ones, tl.dot(p_hi, ones, l * alpha[:, None]))
-        acc = tl.dot(p_hi, kv, acc * alpha[:, None])
+        acc = tl.dot(p.to(kv.dtype), kv, acc * alpha[:, None])
     return m_new, l, acc
 
 
 @triton.jit
 def _store_result(out_ptr, lse_ptr, t, stride_ot, stride_oh, stride_lt, acc, l, m, offs_h, h_mask, offs_c, c_mask,
                   WRITE_LSE: tl.constexpr):
-    total = tl.max(l, axis=1)  # the SUM_COLS columns are equal: max picks that value, exactly
-    has = total > 0.0
-    out = tl.where(has[:, None], acc / tl.where(has, total, 1.0)[:, None], 0.0)
+    has = l > 0.0
+    out = tl.where(has[:, None], acc / tl.where(has, l, 1.0)[:, None], 0.0)
     out_ptrs = out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_c[None, :]
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & c_mask[None, :])
     if WRITE_LSE:
-        lse = tl.where(has, m + tl.log(tl.where(has, total, 1.0)), float("-inf"))
+        lse = tl.where(has, m + tl.log(tl.where(has, l, 1.0)), float("-inf"))
         tl.store(lse_ptr + t * stride_lt + offs_h, lse, mask=h_mask)
 
 
@@ -135,7 +137,7 @@ def _store_result(out_ptr, lse_ptr, t, stride_ot, stride_oh, stride_lt, acc, l, 
 def _latent_attention_kernel(q_ptr, rows_ptr, idx_ptr, valid_ptr, end_ptr, out_ptr, lse_ptr, T, K_SLOTS, H, scale,
                              stride_qt, stride_qh, stride_r, stride_it, stride_vt, stride_ot, stride_oh, stride_lt,
                              DV: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr,
-                             BLOCK_DR: tl.constexpr, BLOCK_N: tl.constexpr, SUMS: tl.constexpr, IEEE: tl.constexpr):
+                             BLOCK_DR: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_v = tl.arange(0, BLOCK_DV)
@@ -143,15 +145,14 @@ def _latent_attention_kernel(q_ptr, rows_ptr, idx_ptr, valid_ptr, end_ptr, out_p
     h_mask, v_mask, r_mask = offs_h < H, offs_v < DV, offs_r < DR
     q_v, q_r = _load_queries(q_ptr, t, stride_qt, stride_qh, offs_h, h_mask, offs_v, v_mask, offs_r, r_mask,
                              DV, DR, BLOCK_H, BLOCK_DR)
-    ones = tl.full((BLOCK_N, SUMS), 1.0, dtype=q_v.dtype)
     m = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
-    l = tl.zeros((BLOCK_H, SUMS), dtype=tl.float32)
+    l = tl.zeros((BLOCK_H,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_DV), dtype=tl.float32)
     end = tl.load(end_ptr + t)  # one past the query's last valid slot: later blocks are no-ops
     for jb in range(0, tl.cdiv(end, BLOCK_N)):  # slots in ascending order, fixed blocks
         s, ok, idx, kv_v = _block_scores(q_v, q_r, rows_ptr, idx_ptr, valid_ptr, t, jb, K_SLOTS, scale, stride_r,
                                          stride_it, stride_vt, offs_v, v_mask, offs_r, r_mask, DV, DR, BLOCK_N, IEEE)
-        m, l, acc = _softmax_step(m, l, acc, s, ok, kv_v, ones, IEEE)
+        m, l, acc = _softmax_step(m, l, acc, s, ok, kv_v, IEEE)
     _store_result(out_ptr, lse_ptr, t, stride_ot, stride_oh, stride_lt, acc, l, m, offs_h, h_mask, offs_v, v_mask,
                   True)
 
@@ -178,18 +179,25 @@ def _latent_scores_kernel(q_ptr, rows_ptr, idx_ptr, valid_ptr, end_ptr, s_ptr, T
 
 
 @triton.jit(do_not_specialize=["T", "K_SLOTS"])
-def _latent_values_kernel(s_ptr, rows_ptr, idx_ptr, valid_ptr, end_ptr, out_ptr, lse_ptr, T, K_SLOTS, H,
+def _latent_values_kernel(s_ptr, rows_ptr, idx_ptr, valid_ptr, end_ptr, zeros_ptr, out_ptr, lse_ptr, T, K_SLOTS, H,
                           stride_st, stride_sh, stride_r, stride_it, stride_vt, stride_ot, stride_oh, stride_lt,
                           DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_N: tl.constexpr,
-                          SUMS: tl.constexpr, IEEE: tl.constexpr):
+                          RELAYOUT: tl.constexpr, IEEE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     cb = tl.program_id(1)
     offs_h = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_c = cb * BLOCK_V + tl.arange(0, BLOCK_V)
     h_mask, c_mask = offs_h < H, offs_c < DV
-    ones = tl.full((BLOCK_N, SUMS), 1.0, dtype=out_ptr.dtype.element_ty)
+    if RELAYOUT > 0:  # zero operands of the scores' re-layout (below); 2: loaded, so nothing folds them away
+        offs_z = tl.arange(0, 16)
+        if RELAYOUT == 2:
+            zero_a = tl.load(zeros_ptr + offs_h[:, None] * 0 + offs_z[None, :])
+            zero_b = tl.load(zeros_ptr + offs_z[:, None] + tl.arange(0, BLOCK_N)[None, :] * 0)
+        else:
+            zero_a = tl.zeros((BLOCK_H, 16), dtype=out_ptr.dtype.element_ty)
+            zero_b = tl.zeros((16, BLOCK_N), dtype=out_ptr.dtype.element_ty)
     m = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
-    l = tl.zeros((BLOCK_H, SUMS), dtype=tl.float32)
+    l = tl.zeros((BLOCK_H,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_V), dtype=tl.float32)
     s_rows = s_ptr + t * stride_st + offs_h[:, None] * stride_sh
     end = tl.load(end_ptr + t)
@@ -199,9 +207,16 @@ def _latent_values_kernel(s_ptr, rows_ptr, idx_ptr, valid_ptr, end_ptr, out_ptr,
         ok = tl.load(valid_ptr + t * stride_vt + offs_j, mask=in_range, other=0) != 0
         idx = tl.load(idx_ptr + t * stride_it + offs_j, mask=in_range, other=0)
         s = tl.load(s_rows + offs_j[None, :], mask=h_mask[:, None], other=float("-inf"))
+        if RELAYOUT > 0:
+            # s + 0 (exact) out of a tensor-core dot: the scores then sit in the register layout of the
+            # prefill kernel's (a dot's output), so tl.sum(p) reduces them in the same order there
+            if IEEE:
+                s = tl.dot(zero_a, zero_b, s, input_precision="ieee")
+            else:
+                s = tl.dot(zero_a, zero_b, s)
         kv = tl.load(rows_ptr + idx[:, None] * stride_r + offs_c[None, :], mask=ok[:, None] & c_mask[None, :],
                      other=0.0).to(out_ptr.dtype.element_ty)
-        m, l, acc = _softmax_step(m, l, acc, s, ok, kv, ones, IEEE)
+        m, l, acc = _softmax_step(m, l, acc, s, ok, kv, IEEE)
     _store_result(out_ptr, lse_ptr, t, stride_ot, stride_oh, stride_lt, acc, l, m, offs_h, h_mask, offs_c, c_mask,
                   cb == 0)
 
@@ -230,15 +245,22 @@ def _run_prefill(q, rows, indices, valid, end, out, lse, scale: float, value_dim
                                    DV=value_dim, DR=dr, BLOCK_H=block_h,
                                    BLOCK_DV=max(16, triton.next_power_of_2(value_dim)),
                                    BLOCK_DR=max(16, triton.next_power_of_2(max(dr, 1))), BLOCK_N=block_n,
-                                   SUMS=SUM_COLS, IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages)
+                                   IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages)
+
+
+def _zeros(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    key = (str(device), dtype)
+    if key not in _ZEROS:
+        _ZEROS[key] = torch.zeros(16, dtype=dtype, device=device)
+    return _ZEROS[key]
 
 
 def _run_split(q, rows, indices, valid, end, out, lse, scale: float, value_dim: int,
-               config: tuple[int, int, int] | None = None) -> None:
+               config: tuple[int, int, int, int] | None = None) -> None:
     t, heads, d = q.shape
     k = indices.shape[1]
     block_h, block_n, warps, stages = attention_config(heads, d, value_dim, q.dtype)
-    block_v, warps_v, stages_v = config or split_config(heads, d, value_dim, q.dtype)
+    block_v, warps_v, stages_v, relayout = config or split_config(heads, d, value_dim, q.dtype)
     dr = d - value_dim
     ieee = q.dtype == torch.float32
     scores = torch.empty(t, heads, triton.cdiv(k, block_n) * block_n, dtype=torch.float32, device=q.device)
@@ -250,10 +272,10 @@ def _run_split(q, rows, indices, valid, end, out, lse, scale: float, value_dim: 
         BLOCK_DR=max(16, triton.next_power_of_2(max(dr, 1))), BLOCK_N=block_n, IEEE=ieee,
         num_warps=warps, num_stages=stages)
     _latent_values_kernel[(t, triton.cdiv(value_dim, block_v), head_blocks)](
-        scores, rows, indices, valid, end, out, lse, t, k, heads,
+        scores, rows, indices, valid, end, _zeros(q.device, q.dtype), out, lse, t, k, heads,
         scores.stride(0), scores.stride(1), rows.stride(0), indices.stride(0), valid.stride(0),
         out.stride(0), out.stride(1), lse.stride(0), DV=value_dim, BLOCK_H=block_h, BLOCK_V=block_v,
-        BLOCK_N=block_n, SUMS=SUM_COLS, IEEE=ieee, num_warps=warps_v, num_stages=stages_v)
+        BLOCK_N=block_n, RELAYOUT=relayout, IEEE=ieee, num_warps=warps_v, num_stages=stages_v)
 
 
 def _check(q, rows, indices, valid, value_dim: int) -> None:
@@ -312,7 +334,7 @@ def split_agrees(heads: int, d: int, value_dim: int, dtype: torch.dtype, rows_dt
 
 
 def agreement(heads: int, d: int, value_dim: int, dtype: torch.dtype, rows_dtype: torch.dtype,
-              device: torch.device, split_cfg: tuple[int, int, int] | None = None) -> bool:
+              device: torch.device, split_cfg: tuple[int, int, int, int] | None = None) -> bool:
     """Both ways on one random case, compared with torch.equal (out and lse)."""
     g = torch.Generator(device=device).manual_seed(20261201)
     _, block_n, _, _ = attention_config(heads, d, value_dim, dtype)
