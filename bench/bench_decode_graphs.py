@@ -3,7 +3,9 @@
     python bench/bench_decode_graphs.py --real-dims      # H200: GLM-5.3 layer dimensions, 4 dense layers
     python bench/bench_decode_graphs.py                  # the tiny checkpoint (MoE layers), CUDA
 
-One engine per arm (TF_GLM53_CUDA_GRAPHS=1 and 0), the same weights. Per sample: a fresh prompt of
+One engine per arm, the same weights: TF_GLM53_CUDA_GRAPHS=1, the same with short windows' attention on
+the prefill kernel (glm53/ops/triton_attention.py's split kernels off: SPLIT_ROWS = 0 during its
+calls, its own graphs), and TF_GLM53_CUDA_GRAPHS=0. Per sample: a fresh prompt of
 `--context` tokens, then `--tokens` greedy tokens (ignore_eos, no drafting); arms interleaved sample
 by sample, the order alternating. Per-token decode time = decode_s / (tokens - 1) (the first token
 comes from the prefill). Every pair must give the same tokens and bitwise the same logits at every
@@ -31,13 +33,20 @@ from bench.benchmeta import result_header, summary, write_json  # noqa: E402
 from glm53.engine import Glm53Engine  # noqa: E402
 
 
-def decode(engine: Glm53Engine, prompt: list[int], tokens: int) -> dict[str, Any]:
+def decode(engine: Glm53Engine, prompt: list[int], tokens: int, split: bool = True) -> dict[str, Any]:
+    from glm53.ops import triton_attention
+
     engine.state, engine.trace = None, []
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    reply = engine.generate(prompt, tokens, {"temperature": 0.0, "ignore_eos": True, "draft": False})
-    torch.cuda.synchronize()
-    wall = time.perf_counter() - t0
+    split_rows = triton_attention.SPLIT_ROWS
+    triton_attention.SPLIT_ROWS = split_rows if split else 0
+    try:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        reply = engine.generate(prompt, tokens, {"temperature": 0.0, "ignore_eos": True, "draft": False})
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    finally:
+        triton_attention.SPLIT_ROWS = split_rows
     trace, engine.trace = engine.trace, None
     s = engine.last_stats
     return {"wall_s": wall, "ttft_s": s["ttft_s"], "decode_s": s["decode_s"],
@@ -74,25 +83,26 @@ def main() -> int:
     try:
         model_dir = real_dims_checkpoint(work, args.layers, args.vocab) if args.real_dims else tiny_checkpoint(work)
         arms = {"graphs": Glm53Engine(model_dir, device="cuda", cuda_graphs="1"),
+                "graphs_unsplit": Glm53Engine(model_dir, device="cuda", cuda_graphs="1"),
                 "eager": Glm53Engine(model_dir, device="cuda", cuda_graphs="0")}
+        split = {name: name != "graphs_unsplit" for name in arms}
         rng = random.Random(41)
         vocab = arms["eager"].vocab_size
-        decode(arms["graphs"], [rng.randrange(3, vocab) for _ in range(64)], 8)  # warm-up (compiles), discarded
-        decode(arms["eager"], [rng.randrange(3, vocab) for _ in range(64)], 8)
+        for name in arms:  # warm-up (compiles), discarded
+            decode(arms[name], [rng.randrange(3, vocab) for _ in range(64)], 8, split[name])
         samples: dict[str, list[dict]] = {name: [] for name in arms}
         mismatches: list[int] = []
         for i in range(args.repeats):
             prompt = [rng.randrange(3, vocab) for _ in range(args.context)]
             order = list(arms) if i % 2 == 0 else list(reversed(arms))
-            got = {name: decode(arms[name], prompt, args.tokens) for name in order}
-            a, b = got["graphs"], got["eager"]
-            if a["reply"] != b["reply"] or not torch.equal(a.pop("_logits").view(torch.int32),
-                                                         b.pop("_logits").view(torch.int32)):
+            got = {name: decode(arms[name], prompt, args.tokens, split[name]) for name in order}
+            a = got["graphs"]
+            logits = {name: got[name].pop("_logits").view(torch.int32) for name in arms}
+            if any(got[name]["reply"] != a["reply"] or not torch.equal(logits[name], logits["graphs"]) for name in arms):
                 mismatches.append(i)
             for name in arms:
-                got[name].pop("_logits", None)
                 samples[name].append(got[name])
-            log(f"sample {i}: per token graphs {a['per_token_s'] * 1e3:.2f} ms, eager {b['per_token_s'] * 1e3:.2f} ms")
+            log(f"sample {i}: per token " + ", ".join(f"{name} {got[name]['per_token_s'] * 1e3:.2f} ms" for name in arms))
         per_token = {name: summary([s["per_token_s"] for s in samples[name]]) for name in arms}
         stats = arms["graphs"].graphs.stats
         settings = {"model_dir": str(model_dir), "real_dims": args.real_dims,
@@ -102,15 +112,17 @@ def main() -> int:
         result = {**result_header("decode_graphs", settings, device=arms["eager"].device),
                   "mismatches": mismatches, "samples": samples, "per_token_s": per_token,
                   "speedup": per_token["eager"]["median"] / per_token["graphs"]["median"],
+                  "split_speedup": per_token["graphs_unsplit"]["median"] / per_token["graphs"]["median"],
                   "graph_stats": {"captures": stats.captures, "replays": stats.replays, "eager": stats.eager,
                                   "first_runs": stats.first_runs,
                                   "evictions": stats.evictions, "reasons": stats.reasons}}
         write_json(args.out, result)
-        print(f"{'arm':8} {'per token (median)':>20} {'min':>10} {'max':>10}")
+        print(f"{'arm':14} {'per token (median)':>20} {'min':>10} {'max':>10}")
         for name in arms:
             s = per_token[name]
-            print(f"{name:8} {s['median'] * 1e3:17.2f} ms {s['min'] * 1e3:7.2f} ms {s['max'] * 1e3:7.2f} ms")
-        print(f"speedup (eager / graphs): {result['speedup']:.2f}x; bitwise equal: {not mismatches}")
+            print(f"{name:14} {s['median'] * 1e3:17.2f} ms {s['min'] * 1e3:7.2f} ms {s['max'] * 1e3:7.2f} ms")
+        print(f"speedup (eager / graphs): {result['speedup']:.2f}x; split attention (graphs_unsplit / graphs): "
+              f"{result['split_speedup']:.2f}x; bitwise equal: {not mismatches}")
         print(f"full results: {args.out}")
         return 1 if mismatches else 0
     finally:

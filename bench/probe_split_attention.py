@@ -49,7 +49,7 @@ def probe_case(name: str, heads: int, d: int, dv: int, dtype: torch.dtype, dev: 
     scale = d ** -0.5
     dense, sparse = inputs(heads, d, dtype, dev), inputs(heads, d, dtype, dev, every=4)
     out = []
-    saved = ta.split_config
+    saved = ta.split_candidates
     try:
         base = {}
         for label, (q, rows, idx, valid) in (("dense", dense), ("every4", sparse)):
@@ -58,7 +58,8 @@ def probe_case(name: str, heads: int, d: int, dv: int, dtype: torch.dtype, dev: 
                     q[o:o + t], rows, idx[o:o + t], valid[o:o + t], scale, dv, split=False)
                     for o in range(0, 64 - t, 4)])
         for cfg in configs:
-            ta.split_config = lambda *a, c=cfg: c  # noqa: E731
+            ta.split_candidates = lambda *a, c=cfg: [c]  # noqa: E731
+            ta._CHOSEN.clear()
             row: dict[str, Any] = {"case": name, "config": list(cfg)}
             try:
                 row["agreement"] = ta.agreement(heads, d, dv, dtype, dtype, dev, cfg)
@@ -85,7 +86,8 @@ def probe_case(name: str, heads: int, d: int, dv: int, dtype: torch.dtype, dev: 
                   f"{row.get('us_every4_t1', float('nan')):.1f} vs {base['every4', 1]:.1f} us "
                   f"{row.get('error', '')}", flush=True)
     finally:
-        ta.split_config = saved
+        ta.split_candidates = saved
+        ta._CHOSEN.clear()
     return out
 
 

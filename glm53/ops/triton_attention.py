@@ -20,8 +20,8 @@ Two ways to run it, chosen by the query count T alone:
     scores it reads back through a dot with zero operands (s + 0, exact; RELAYOUT) with the prefill
     kernel's warps: they land in that layout, and the sum takes that order.
 That the two agree bit for bit is a property of the compiled code, not of the source alone, so it
-is checked once per shape key on the device (`split_agrees`: random inputs, both ways,
-torch.equal) before a short window uses the split; where it fails (another GPU or compiler), short
+is checked once per shape key on the device (`split_choice`: random inputs, both ways, torch.equal,
+for each candidate config) before a short window uses the split; where none agrees (another GPU or compiler), short
 windows run the prefill kernel, slower and still exact.
 
 Invariance: a program sees one query only, in a fixed order, with configs from (H, D, value_dim,
@@ -54,14 +54,17 @@ def attention_config(heads: int, d: int, value_dim: int, dtype: torch.dtype) -> 
     return block_h, 64, 8, 2
 
 
-def split_config(heads: int, d: int, value_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(BLOCK_V, num_warps, num_stages, RELAYOUT) of the values kernel (its scores kernel runs
-    attention_config). num_warps is the prefill kernel's: the re-layout must land on its layout.
-    H200 (bench/probe_split_attention.py): GLM-5.3 bf16 T = 1: ~77 us against the prefill kernel's 225."""
+def split_candidates(heads: int, d: int, value_dim: int, dtype: torch.dtype) -> list[tuple[int, int, int, int]]:
+    """(BLOCK_V, num_warps, num_stages, RELAYOUT) configs of the values kernel, fastest first (its scores
+    kernel runs attention_config). num_warps is the prefill kernel's: the re-layout must land on its
+    layout (the tiny model's 4 heads with 4 warps differ in bits). RELAYOUT 1 dots constant zeros
+    (fastest; a compiler could fold them away, then the check fails), 2 loaded zeros.
+    H200 (bench/probe_split_attention.py, bench/results/split_attention_h200.json), T = 1 over 2048
+    slots: GLM-5.3 bf16 60 us against the prefill kernel's 182, fp32 133 against 1725, the tiny
+    model 45 against 55."""
     warps = attention_config(heads, d, value_dim, dtype)[2]
-    if dtype == torch.float32:
-        return 32, warps, 1, 2
-    return (64 if value_dim > 64 else 32), warps, 1, 2
+    stages = 1 if dtype == torch.float32 else 2
+    return [(32, warps, stages, 1), (32, warps, stages, 2)]
 
 
 # ---- the arithmetic every kernel shares ----------------------------------------------------------
@@ -260,7 +263,7 @@ def _run_split(q, rows, indices, valid, end, out, lse, scale: float, value_dim: 
     t, heads, d = q.shape
     k = indices.shape[1]
     block_h, block_n, warps, stages = attention_config(heads, d, value_dim, q.dtype)
-    block_v, warps_v, stages_v, relayout = config or split_config(heads, d, value_dim, q.dtype)
+    block_v, warps_v, stages_v, relayout = config or split_candidates(heads, d, value_dim, q.dtype)[0]
     dr = d - value_dim
     ieee = q.dtype == torch.float32
     scores = torch.empty(t, heads, triton.cdiv(k, block_n) * block_n, dtype=torch.float32, device=q.device)
@@ -293,62 +296,76 @@ def latent_attention(q: torch.Tensor, rows: torch.Tensor, indices: torch.Tensor,
                      scale: float, value_dim: int, *, split: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, H, D], rows [N, D], indices [T, k] int64, valid [T, k] bool -> (out [T, H, value_dim] in q's
     dtype, lse [T, H] fp32); a query with no valid slot gets out 0 and lse -inf. `split` forces a way
-    (tests, benches); None: the split kernels for T <= SPLIT_ROWS where `split_agrees`."""
+    (tests, benches); None: the split kernels for T <= SPLIT_ROWS with the config `split_choice` found."""
     _check(q, rows, indices, valid, value_dim)
     t, heads, d = q.shape
     k = indices.shape[1]
     if t == 0 or heads == 0 or rows.shape[0] == 0 or k == 0:
         return (torch.zeros(t, heads, value_dim, dtype=q.dtype, device=q.device),
                 torch.full((t, heads), float("-inf"), dtype=torch.float32, device=q.device))
-    if split is None:
-        split = t <= SPLIT_ROWS and split_agrees(heads, d, value_dim, q.dtype, rows.dtype, q.device)
+    config = None
+    if split is None and t <= SPLIT_ROWS:
+        config = split_choice(heads, d, value_dim, q.dtype, rows.dtype, q.device)
+    elif split:
+        config = split_choice(heads, d, value_dim, q.dtype, rows.dtype, q.device) \
+            or split_candidates(heads, d, value_dim, q.dtype)[0]
     q, rows, indices, valid, end = _prepared(q, rows, indices, valid)
     out = torch.empty(t, heads, value_dim, dtype=q.dtype, device=q.device)  # every element is written
     lse = torch.empty(t, heads, dtype=torch.float32, device=q.device)
-    (_run_split if split else _run_prefill)(q, rows, indices, valid, end, out, lse, scale, value_dim)
+    if config is None:
+        _run_prefill(q, rows, indices, valid, end, out, lse, scale, value_dim)
+    else:
+        _run_split(q, rows, indices, valid, end, out, lse, scale, value_dim, config)
     return out, lse
 
 
 # ---- the check that the split gives the prefill kernel's bits ------------------------------------
-_AGREES: dict[tuple, bool] = {}
-CHECK_QUERIES, CHECK_ROWS = 3, 700
+_CHOSEN: dict[tuple, tuple[int, int, int, int] | None] = {}
+CHECK_QUERIES, CHECK_ROWS, CHECK_SLOTS = 16, 4096, 2053
 
 
-def split_agrees(heads: int, d: int, value_dim: int, dtype: torch.dtype, rows_dtype: torch.dtype,
-                 device: torch.device) -> bool:
-    """Whether the split kernels give the prefill kernel's bits for this shape key on this device,
-    found once (random queries and rows, slots spanning several blocks, invalid ones among them).
-    Inside a graph capture an unchecked key answers False (no check can run there): the prefill
-    kernel is exact, only slower."""
+def split_choice(heads: int, d: int, value_dim: int, dtype: torch.dtype, rows_dtype: torch.dtype,
+                 device: torch.device) -> tuple[int, int, int, int] | None:
+    """The first of `split_candidates` whose split kernels give the prefill kernel's bits for this
+    shape key on this device (`agreement`), found once; None if none does. Inside a graph capture
+    an unchecked key answers None (no check can run there): the prefill kernel is exact, only slower."""
+    if device.type != "cuda":  # Triton's interpreter (tests): the prefill kernel unless a call forces the split
+        return None
     key = (heads, d, value_dim, dtype, rows_dtype, str(device))
-    if key in _AGREES:
-        return _AGREES[key]
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return False
-    _AGREES[key] = agreement(heads, d, value_dim, dtype, rows_dtype, device)
-    if not _AGREES[key]:
+    if key in _CHOSEN:
+        return _CHOSEN[key]
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    found = next((c for c in split_candidates(heads, d, value_dim, dtype)
+                  if agreement(heads, d, value_dim, dtype, rows_dtype, device, c)), None)
+    _CHOSEN[key] = found
+    if found is None:
         print(f"glm53: latent_attention's split kernels differ from the prefill kernel in their bits for "
               f"{heads} heads x {d} ({dtype}, rows {rows_dtype}) on this device; short windows run the "
               "prefill kernel (exact, slower)", file=sys.stderr)
-    return _AGREES[key]
+    return found
 
 
 def agreement(heads: int, d: int, value_dim: int, dtype: torch.dtype, rows_dtype: torch.dtype,
-              device: torch.device, split_cfg: tuple[int, int, int, int] | None = None) -> bool:
-    """Both ways on one random case, compared with torch.equal (out and lse)."""
+              device: torch.device, split_cfg: tuple[int, int, int, int] | None = None, *,
+              queries: int = CHECK_QUERIES, slots: int = CHECK_SLOTS, n_rows: int = CHECK_ROWS) -> bool:
+    """Both ways on random cases, compared with torch.equal (out and lse): CHECK_QUERIES queries over
+    CHECK_SLOTS slots (a full selection and a few more; the last block partial) of CHECK_ROWS rows,
+    half of the queries with every slot valid, half with a random 80%, one with its last blocks
+    invalid. (A small case, 3 queries over 197 slots, passed configs whose bits differ here.)"""
     g = torch.Generator(device=device).manual_seed(20261201)
-    _, block_n, _, _ = attention_config(heads, d, value_dim, dtype)
-    k = 3 * block_n + 5  # several blocks, the last one partial
-    q = (torch.randn(CHECK_QUERIES, heads, d, generator=g, device=device) * d ** -0.5).to(dtype)
-    rows = torch.randn(CHECK_ROWS, d, generator=g, device=device).to(rows_dtype)
-    indices = torch.randint(0, CHECK_ROWS, (CHECK_QUERIES, k), generator=g, device=device)
-    valid = torch.rand(CHECK_QUERIES, k, generator=g, device=device) < 0.8
-    valid[1, 2 * block_n:] = False  # a query whose last blocks are all invalid
+    n, k = queries, slots
+    q = (torch.randn(n, heads, d, generator=g, device=device) * d ** -0.5).to(dtype)
+    rows = torch.randn(n_rows, d, generator=g, device=device).to(rows_dtype)
+    indices = torch.randint(0, n_rows, (n, k), generator=g, device=device)
+    valid = torch.rand(n, k, generator=g, device=device) < 0.8
+    valid[: n // 2] = True
+    valid[1, k // 3:] = False
     args = _prepared(q, rows, indices, valid)
     results = []
     for run in (_run_prefill, lambda *a: _run_split(*a, config=split_cfg)):
-        out = torch.empty(CHECK_QUERIES, heads, value_dim, dtype=dtype, device=device)
-        lse = torch.empty(CHECK_QUERIES, heads, dtype=torch.float32, device=device)
+        out = torch.empty(n, heads, value_dim, dtype=dtype, device=device)
+        lse = torch.empty(n, heads, dtype=torch.float32, device=device)
         run(*args, out, lse, d ** -0.5, value_dim)
         results.append((out, lse))
     (o1, l1), (o2, l2) = results
