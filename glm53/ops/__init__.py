@@ -21,7 +21,10 @@ So every op of the forward with a reduction goes through here:
 
 On CUDA the Triton kernels (glm53/ops/triton_*.py) are row-invariant by construction: a fixed tile
 configuration per op and shape, a sequential reduction over K in fixed blocks, no split-K, no
-atomics, each (row, column) computed by the same instructions whatever M. On the CPU the torch path
+atomics, each (row, column) computed by the same instructions whatever M. Two places use another
+tile or kernel for few rows, where the H200 measured the same bits: linear's M <= 16 tiles
+(CONFIG_BY_ROWS) and latent_attention's split kernels for T <= 16 (checked again on every device
+at first use, falling back to the one-program kernel where the bits differ). On the CPU the torch path
 (glm53/ops/torch_ops.py) runs each row of a projection as its own one-row product, pads the
 indexer's counts, and computes sigmoid/silu through exp (measured on MKL, AVX2, 1 or 2 threads:
 tests/test_row_invariance.py); torch's last-dim reductions on the CPU are sequential per row. TF_GLM53_KERNELS=torch forces the torch path on CUDA (debugging); it is not

@@ -10,10 +10,10 @@ and `_softmax_step` are that arithmetic, shared by the kernels below.
 Two ways to run it, chosen by the query count T alone:
   * T > SPLIT_ROWS (prefill): grid (query, block of BLOCK_H heads); one program walks all slots.
   * T <= SPLIT_ROWS (decode, verification, a one-word extension): one program per query leaves the
-    GPU idle (~225 us a GLM-5.3 layer at T = 1 on the H200, one SM busy), so the same steps are
+    GPU idle (~182 us a GLM-5.3 layer at T = 1 on the H200, one SM busy), so the same steps are
     spread out: _latent_scores_kernel computes every slot block's scores at once (grid: query, slot
     block, heads) into an fp32 scratch, then _latent_values_kernel runs the online softmax over them,
-    each program for BLOCK_V of the value columns (grid: query, column block, heads): ~77 us. The
+    each program for BLOCK_V of the value columns (grid: query, column block, heads): ~60 us. The
     max, the exps and the sums are the prefill program's; the column split only narrows the PV dot.
     One thing differs: the row sum tl.sum(p) reduces in an order set by the register layout, and
     the prefill kernel's scores come out of a tensor-core dot. So the values kernel passes the
@@ -237,18 +237,22 @@ def _prepared(q: torch.Tensor, rows: torch.Tensor, indices: torch.Tensor, valid:
     return q, rows, indices, valid.view(torch.uint8), end  # valid as bytes: 0 / 1
 
 
+def _query_blocks(d: int, value_dim: int) -> dict[str, int]:
+    """The constexprs of a query row's two parts: the value part [0, value_dim) and the rest."""
+    dr = d - value_dim
+    return {"DV": value_dim, "DR": dr, "BLOCK_DV": max(16, triton.next_power_of_2(value_dim)),
+            "BLOCK_DR": max(16, triton.next_power_of_2(max(dr, 1)))}
+
+
 def _run_prefill(q, rows, indices, valid, end, out, lse, scale: float, value_dim: int) -> None:
     t, heads, d = q.shape
     block_h, block_n, warps, stages = attention_config(heads, d, value_dim, q.dtype)
-    dr = d - value_dim
     grid = (t, triton.cdiv(heads, block_h))
     _latent_attention_kernel[grid](q, rows, indices, valid, end, out, lse, t, indices.shape[1], heads, float(scale),
                                    q.stride(0), q.stride(1), rows.stride(0), indices.stride(0), valid.stride(0),
-                                   out.stride(0), out.stride(1), lse.stride(0),
-                                   DV=value_dim, DR=dr, BLOCK_H=block_h,
-                                   BLOCK_DV=max(16, triton.next_power_of_2(value_dim)),
-                                   BLOCK_DR=max(16, triton.next_power_of_2(max(dr, 1))), BLOCK_N=block_n,
-                                   IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages)
+                                   out.stride(0), out.stride(1), lse.stride(0), **_query_blocks(d, value_dim),
+                                   BLOCK_H=block_h, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
+                                   num_warps=warps, num_stages=stages)
 
 
 def _zeros(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -264,15 +268,13 @@ def _run_split(q, rows, indices, valid, end, out, lse, scale: float, value_dim: 
     k = indices.shape[1]
     block_h, block_n, warps, stages = attention_config(heads, d, value_dim, q.dtype)
     block_v, warps_v, stages_v, relayout = config or split_candidates(heads, d, value_dim, q.dtype)[0]
-    dr = d - value_dim
     ieee = q.dtype == torch.float32
     scores = torch.empty(t, heads, triton.cdiv(k, block_n) * block_n, dtype=torch.float32, device=q.device)
     head_blocks = triton.cdiv(heads, block_h)
     _latent_scores_kernel[(t, triton.cdiv(k, block_n), head_blocks)](
         q, rows, indices, valid, end, scores, t, k, heads, float(scale),
         q.stride(0), q.stride(1), rows.stride(0), indices.stride(0), valid.stride(0), scores.stride(0),
-        scores.stride(1), DV=value_dim, DR=dr, BLOCK_H=block_h, BLOCK_DV=max(16, triton.next_power_of_2(value_dim)),
-        BLOCK_DR=max(16, triton.next_power_of_2(max(dr, 1))), BLOCK_N=block_n, IEEE=ieee,
+        scores.stride(1), **_query_blocks(d, value_dim), BLOCK_H=block_h, BLOCK_N=block_n, IEEE=ieee,
         num_warps=warps, num_stages=stages)
     _latent_values_kernel[(t, triton.cdiv(value_dim, block_v), head_blocks)](
         scores, rows, indices, valid, end, _zeros(q.device, q.dtype), out, lse, t, k, heads,
