@@ -9,14 +9,17 @@ Three scenarios, cache on and cache off interleaved sample by sample in one proc
             per-turn wall time of generate() (prefill + `--reply` tokens), prompt and cached
             tokens, speedup; goal: on, turn 6 / turn 1 <= 1.2
   one-word  a ~19k-token prompt, then the same prompt + one word: cold (cache off) against
-            reused (live rows); goal >= 100x
+            reused (live rows); goal >= 100x. On CUDA the reused request also runs without CUDA
+            graphs and with short windows on the prefill attention kernel (its own graphs), side by side
   disk      a long prompt stored to the disk tier (TF_GLM53_DISK_CACHE), then a restart of the
             cache (new index from the files, empty host tier, no live rows, the files' pages
             dropped from the OS page cache with posix_fadvise) and the prompt + one word: disk
             resume against cold; goal >= 50x
 Every on/off pair also checks that the replies and the prompt's last logits are bitwise identical.
-  profile   (--profile) one cold prefill of the one-word prompt and one reused one-word extension under
-            torch.profiler: the top ops by device and by host time, written next to --out (.profile.txt)
+  profile   (--profile) one cold prefill of the one-word prompt, one reused one-word extension, and
+            turns 1 and 6 of a fresh conversation under torch.profiler: the top ops by device and by
+            host time; the reused one-word request's host timeline (perf_counter around its steps, no
+            profiler); a disk resume under cProfile; written next to --out (.profile.txt)
 
 --real-dims writes (to a temp folder, once) a checkpoint with GLM-5.3's layer dimensions (hidden
 6144, 64 heads, q/kv LoRA 2048/512, qk 192+64, v 256, indexer 32x128 top-k 2048, dense MLP 12288),
