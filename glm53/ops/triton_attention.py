@@ -85,7 +85,7 @@ def _block_scores(q_v, q_r, rows_ptr, idx_ptr, valid_ptr, t, jb, K_SLOTS, scale,
                   offs_v, v_mask, offs_r, r_mask, DV: tl.constexpr, DR: tl.constexpr, BLOCK_N: tl.constexpr,
                   IEEE: tl.constexpr):
     """Slot block jb of query t: scaled scores [BLOCK_H, BLOCK_N] (-inf at invalid slots), the slots'
-    validity and indices, and their gathered value columns [BLOCK_N, BLOCK_DV] in q's dtype."""
+    validity, and their gathered value columns [BLOCK_N, BLOCK_DV] in q's dtype."""
     offs_j = jb * BLOCK_N + tl.arange(0, BLOCK_N)
     in_range = offs_j < K_SLOTS
     # idx and valid load side by side (the gather waits on both, not on a chain of three)
@@ -104,7 +104,7 @@ def _block_scores(q_v, q_r, rows_ptr, idx_ptr, valid_ptr, t, jb, K_SLOTS, scale,
         else:
             s = tl.dot(q_r, tl.trans(kv_r), s)
     s = tl.where(ok[None, :], s * scale, float("-inf"))
-    return s, ok, idx, kv_v
+    return s, ok, kv_v
 
 
 @triton.jit
@@ -153,8 +153,8 @@ def _latent_attention_kernel(q_ptr, rows_ptr, idx_ptr, valid_ptr, end_ptr, out_p
     acc = tl.zeros((BLOCK_H, BLOCK_DV), dtype=tl.float32)
     end = tl.load(end_ptr + t)  # one past the query's last valid slot: later blocks are no-ops
     for jb in range(0, tl.cdiv(end, BLOCK_N)):  # slots in ascending order, fixed blocks
-        s, ok, idx, kv_v = _block_scores(q_v, q_r, rows_ptr, idx_ptr, valid_ptr, t, jb, K_SLOTS, scale, stride_r,
-                                         stride_it, stride_vt, offs_v, v_mask, offs_r, r_mask, DV, DR, BLOCK_N, IEEE)
+        s, ok, kv_v = _block_scores(q_v, q_r, rows_ptr, idx_ptr, valid_ptr, t, jb, K_SLOTS, scale, stride_r,
+                                    stride_it, stride_vt, offs_v, v_mask, offs_r, r_mask, DV, DR, BLOCK_N, IEEE)
         m, l, acc = _softmax_step(m, l, acc, s, ok, kv_v, IEEE)
     _store_result(out_ptr, lse_ptr, t, stride_ot, stride_oh, stride_lt, acc, l, m, offs_h, h_mask, offs_v, v_mask,
                   True)
@@ -175,8 +175,8 @@ def _latent_scores_kernel(q_ptr, rows_ptr, idx_ptr, valid_ptr, end_ptr, s_ptr, T
         h_mask, v_mask, r_mask = offs_h < H, offs_v < DV, offs_r < DR
         q_v, q_r = _load_queries(q_ptr, t, stride_qt, stride_qh, offs_h, h_mask, offs_v, v_mask, offs_r, r_mask,
                                  DV, DR, BLOCK_H, BLOCK_DR)
-        s, ok, idx, kv_v = _block_scores(q_v, q_r, rows_ptr, idx_ptr, valid_ptr, t, jb, K_SLOTS, scale, stride_r,
-                                         stride_it, stride_vt, offs_v, v_mask, offs_r, r_mask, DV, DR, BLOCK_N, IEEE)
+        s, ok, kv_v = _block_scores(q_v, q_r, rows_ptr, idx_ptr, valid_ptr, t, jb, K_SLOTS, scale, stride_r,
+                                    stride_it, stride_vt, offs_v, v_mask, offs_r, r_mask, DV, DR, BLOCK_N, IEEE)
         offs_j = jb * BLOCK_N + tl.arange(0, BLOCK_N)
         tl.store(s_ptr + t * stride_st + offs_h[:, None] * stride_sh + offs_j[None, :], s, mask=h_mask[:, None])
 
