@@ -10,9 +10,10 @@ head_linear input, invalid slots, an all-invalid query, an empty selection.
 Agreement with glm53.ops.torch_ops: within INTERP_TOL (fp32; the kernels sum in another order).
 Row invariance (bitwise): slices of a big call equal the same rows computed alone or in smaller
 calls; index_scores also over a key prefix; latent_attention also with invalid slots appended to
-the selection, and its short-window (split) kernels against torch and the prefill kernel. The interpreter's tl.dot is numpy's matmul, whose bits for a row depend on the row's
-position inside the block (OpenBLAS micro-kernels), so the matrix-product slices here start on a
-tile boundary; tests/gpu/test_triton_cuda.py checks arbitrary offsets on the real kernels.
+the selection, and its short-window (split) kernels against torch and the prefill kernel. The
+interpreter's tl.dot is numpy's matmul, whose bits for a row depend on the row's position inside
+the block (OpenBLAS micro-kernels), so the matrix-product slices here start on a tile boundary;
+tests/gpu/test_triton_cuda.py checks arbitrary offsets on the real kernels.
 """
 from __future__ import annotations
 

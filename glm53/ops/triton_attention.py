@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 SPLIT_ROWS = 16  # up to this many queries a call takes the split kernels (where they agree bitwise)
-_ZEROS: dict[tuple[str, torch.dtype], torch.Tensor] = {}  # the re-layout's zero operand, per device and dtype
+_ZEROS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}  # the re-layout's zero operand, per device and dtype
 
 
 def attention_config(heads: int, d: int, value_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
@@ -256,7 +256,7 @@ def _run_prefill(q, rows, indices, valid, end, out, lse, scale: float, value_dim
 
 
 def _zeros(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    key = (str(device), dtype)
+    key = (device, dtype)
     if key not in _ZEROS:
         _ZEROS[key] = torch.zeros(16, dtype=dtype, device=device)
     return _ZEROS[key]
@@ -333,7 +333,7 @@ def split_choice(heads: int, d: int, value_dim: int, dtype: torch.dtype, rows_dt
     an unchecked key answers None (no check can run there): the prefill kernel is exact, only slower."""
     if device.type != "cuda":  # Triton's interpreter (tests): the prefill kernel unless a call forces the split
         return None
-    key = (heads, d, value_dim, dtype, rows_dtype, str(device))
+    key = (heads, d, value_dim, dtype, rows_dtype, device)  # per call on short windows: no string building
     if key in _CHOSEN:
         return _CHOSEN[key]
     if torch.cuda.is_current_stream_capturing():

@@ -237,12 +237,15 @@ def test_latent_attention_matches_torch_and_is_invariant(k, dtype, heads, d, dv,
 @pytest.mark.parametrize("heads,d,dv,dtype", [(64, 576, 512, torch.bfloat16), (64, 576, 512, torch.float32),
                                               (4, 80, 64, torch.bfloat16), (16, 576, 512, torch.bfloat16)],
                          ids=["glm53-bf16", "glm53-fp32", "tiny-bf16", "dcp4-heads-bf16"])
-def test_latent_attention_split_gives_the_prefill_bits(k, heads, d, dv, dtype):
+def test_latent_attention_split_gives_the_prefill_bits(k, heads, d, dv, dtype, monkeypatch):
     """Short windows (decode, verification) run the split kernels: on this device they must agree with
     the prefill kernel bit for bit (else the engine falls back to the slower prefill kernel: this
     test says so), for T = 1..16 queries, dense and sparse selections, at any offset."""
     ta = k.attention
     assert ta.split_choice(heads, d, dv, dtype, dtype, torch.device("cuda")) is not None, "no split config agrees here"
+    split_calls = []
+    run_split = ta._run_split
+    monkeypatch.setattr(ta, "_run_split", lambda *a, **kw: (split_calls.append(a[0].shape[0]), run_split(*a, **kw)))
     g = _gen(heads + d)
     t, n_rows, slots = 40, 6000, 2048
     q = _randn(g, t, heads, d, std=d ** -0.5, dtype=dtype)
@@ -260,8 +263,14 @@ def test_latent_attention_split_gives_the_prefill_bits(k, heads, d, dv, dtype):
                 part = ta.latent_attention(q[o:o + n], rows, idx[o:o + n], valid[o:o + n], d ** -0.5, dv, split=True)
                 assert torch.equal(part[0], whole[0][o:o + n]) and torch.equal(part[1], whole[1][o:o + n]), \
                     f"split != prefill kernel: T={n} at {o}, every {every}"
+                split_calls.clear()
                 auto = ta.latent_attention(q[o:o + n], rows, idx[o:o + n], valid[o:o + n], d ** -0.5, dv)
                 assert torch.equal(auto[0], part[0]) and torch.equal(auto[1], part[1])
+                assert split_calls == [n], f"T={n}: the default dispatch did not take the split kernels"
+        split_calls.clear()
+        ta.latent_attention(q[:ta.SPLIT_ROWS + 1], rows, idx[:ta.SPLIT_ROWS + 1], valid[:ta.SPLIT_ROWS + 1],
+                            d ** -0.5, dv)
+        assert split_calls == [], "a prefill-sized call took the split kernels"
 
 
 def test_latent_attention_all_invalid_and_empty(k):
