@@ -1,6 +1,7 @@
 """Decode steps with CUDA graphs (glm53.cuda_graphs) against eager, through the real glm53 engine.
 
     python bench/bench_decode_graphs.py --real-dims      # H200: GLM-5.3 layer dimensions, 4 dense layers
+    python bench/bench_decode_graphs.py --real-dims --depth 78   # the same 4 layers repeated to GLM-5.3's depth
     python bench/bench_decode_graphs.py                  # the tiny checkpoint (MoE layers), CUDA
 
 One engine per arm, the same weights: TF_GLM53_CUDA_GRAPHS=1, the same with short windows' attention on
@@ -28,7 +29,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.bench_prefix_cache import log, real_dims_checkpoint, tiny_checkpoint  # noqa: E402
+from bench.bench_prefix_cache import deepen, log, real_dims_checkpoint, tiny_checkpoint  # noqa: E402
 from bench.benchmeta import result_header, summary, write_json  # noqa: E402
 from glm53.engine import Glm53Engine  # noqa: E402
 
@@ -61,6 +62,8 @@ def graph_bench_args(doc: str, context: int, tokens: int, repeats: int, out: str
     p.add_argument("--real-dims", action="store_true", help="GLM-5.3 layer dimensions (dense layers)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=32768)
+    p.add_argument("--depth", type=int, default=None, help="run this many layers, the checkpoint's repeated "
+                   "with shared weights (GLM-5.3 has 78; bench_prefix_cache.deepen)")
     p.add_argument("--context", type=int, default=context, help=f"prompt tokens per sample (default {context})")
     p.add_argument("--tokens", type=int, default=tokens, help=f"tokens decoded per sample (default {tokens})")
     p.add_argument("--repeats", type=int, default=repeats)
@@ -71,6 +74,9 @@ def graph_bench_args(doc: str, context: int, tokens: int, repeats: int, out: str
         return None
     if min(args.context, args.tokens - 1, args.repeats, args.layers) <= 0:
         print("error: --context, --repeats, --layers must be positive and --tokens at least 2", file=sys.stderr)
+        return None
+    if args.depth is not None and args.depth < args.layers:
+        print(f"error: --depth {args.depth} is below --layers {args.layers}", file=sys.stderr)
         return None
     return args
 
@@ -85,6 +91,8 @@ def main() -> int:
         arms = {"graphs": Glm53Engine(model_dir, device="cuda", cuda_graphs="1"),
                 "graphs_unsplit": Glm53Engine(model_dir, device="cuda", cuda_graphs="1"),
                 "eager": Glm53Engine(model_dir, device="cuda", cuda_graphs="0")}
+        for engine in arms.values():
+            deepen(engine, args.depth or 0)
         split = {name: name != "graphs_unsplit" for name in arms}
         rng = random.Random(41)
         vocab = arms["eager"].vocab_size
@@ -106,7 +114,7 @@ def main() -> int:
         per_token = {name: summary([s["per_token_s"] for s in samples[name]]) for name in arms}
         stats = arms["graphs"].graphs.stats
         settings = {"model_dir": str(model_dir), "real_dims": args.real_dims,
-                    "layers": len(arms["eager"].model.w.layers), "compute_dtype": arms["eager"].dtype_name,
+                    "layers": len(arms["eager"].model.w.layers), "depth_from_repeats": args.depth, "compute_dtype": arms["eager"].dtype_name,
                     "kv_dtype": arms["eager"].kv_dtype, "context": args.context, "tokens": args.tokens,
                     "repeats": args.repeats, "timing": "decode_s of generate() / (tokens - 1), interleaved"}
         result = {**result_header("decode_graphs", settings, device=arms["eager"].device),

@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.bench_decode_graphs import decode, graph_bench_args  # noqa: E402
-from bench.bench_prefix_cache import log, real_dims_checkpoint, tiny_checkpoint  # noqa: E402
+from bench.bench_prefix_cache import deepen, log, real_dims_checkpoint, tiny_checkpoint  # noqa: E402
 from bench.benchmeta import result_header, summary, write_json  # noqa: E402
 from glm53.cuda_graphs import WindowGraphs  # noqa: E402
 from glm53.engine import Glm53Engine  # noqa: E402
@@ -75,6 +75,7 @@ def main() -> int:
     try:
         model_dir = real_dims_checkpoint(work, args.layers, args.vocab) if args.real_dims else tiny_checkpoint(work)
         engine = Glm53Engine(model_dir, device="cuda", cuda_graphs="1")
+        deepen(engine, args.depth or 0)
         arms = {"kit": TimedCaptures(engine.model), "torch_graph": TorchGraphCaptures(engine.model)}
         rng = random.Random(43)
         vocab = engine.vocab_size
@@ -107,7 +108,7 @@ def main() -> int:
                 f"{b['decode_s'] * 1e3:.1f} ms")
         capture = {name: summary([s["capture_s"] for s in samples[name]]) for name in arms}
         decode_s = {name: summary([s["decode_s"] for s in samples[name]]) for name in arms}
-        settings = {"model_dir": str(model_dir), "real_dims": args.real_dims, "layers": len(engine.model.w.layers),
+        settings = {"model_dir": str(model_dir), "real_dims": args.real_dims, "layers": len(engine.model.w.layers), "depth_from_repeats": args.depth,
                     "compute_dtype": engine.dtype_name, "kv_dtype": engine.kv_dtype, "context": args.context,
                     "tokens": args.tokens, "repeats": args.repeats,
                     "timing": "capture: synchronized around _capture; decode: decode_s of generate(); interleaved"}

@@ -2,10 +2,13 @@
 # One lent-GPU session: the CUDA tests of the row-invariant forward, the CUDA graphs and the prefix
 # cache, then the prefix-cache and decode (graphs vs eager) benchmarks at GLM-5.3 layer dimensions. Logs and JSON go to $OUT (the device tool's
 # folder) or ./gpu_out. The copy on the GPU machine has no .git: pass the commit as the first argument.
-#   bash bench/run_h200.sh <commit> [tests|bench|all]
+#   bash bench/run_h200.sh <commit> [tests|bench|all|depth|disk]
+# depth: the prefix cache (turns, one-word) and decode at GLM-5.3's 78 layers (4 distinct layers
+# repeated, bench_prefix_cache.deepen); disk: the disk resume at 78 layers and at 4, each also
+# from the page cache (both ~5 minutes).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-commit="${1:?usage: bash bench/run_h200.sh <commit> [tests|bench|all]}"
+commit="${1:?usage: bash bench/run_h200.sh <commit> [tests|bench|all|depth|disk]}"
 what="${2:-all}"
 out="${OUT:-gpu_out}"
 mkdir -p "$out"
@@ -23,6 +26,22 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
     status=$(( status | ${PIPESTATUS[0]} ))
     python3 bench/bench_decode_graphs.py --real-dims --out "$out/decode_graphs_h200.json" 2>&1 \
         | tee "$out/decode_graphs_h200.log"
+    status=$(( status | ${PIPESTATUS[0]} ))
+fi
+if [ "$what" = depth ]; then
+    python3 bench/bench_prefix_cache.py --real-dims --device cuda --depth 78 --repeats 3 --scenarios turns one-word \
+        --out "$out/prefix_cache_h200_depth78.json" 2>&1 | tee "$out/prefix_cache_h200_depth78.log"
+    status=$(( status | ${PIPESTATUS[0]} ))
+    python3 bench/bench_decode_graphs.py --real-dims --depth 78 --tokens 32 --repeats 2 \
+        --out "$out/decode_graphs_h200_depth78.json" 2>&1 | tee "$out/decode_graphs_h200_depth78.log"
+    status=$(( status | ${PIPESTATUS[0]} ))
+fi
+if [ "$what" = disk ]; then
+    python3 bench/bench_prefix_cache.py --real-dims --device cuda --repeats 3 --scenarios disk \
+        --out "$out/prefix_cache_h200_disk4.json" 2>&1 | tee "$out/prefix_cache_h200_disk4.log"
+    status=$(( status | ${PIPESTATUS[0]} ))
+    python3 bench/bench_prefix_cache.py --real-dims --device cuda --depth 78 --repeats 2 --scenarios disk \
+        --out "$out/prefix_cache_h200_disk_depth78.json" 2>&1 | tee "$out/prefix_cache_h200_disk_depth78.log"
     status=$(( status | ${PIPESTATUS[0]} ))
 fi
 exit "$status"
