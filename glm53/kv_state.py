@@ -189,6 +189,14 @@ class KVState:
                 out[f"index_scale.{i}"] = self.index_scale[i][a:b]
         return out
 
+    def position_bytes(self) -> int:
+        """Bytes of one local slot's rows over every layer, as export_rows gives them (what a
+        store copies per position this rank holds)."""
+        size = KV_DTYPES[self.kv_dtype].itemsize
+        scale = 4 if self.fp8 else 0  # one fp32 scale per row
+        return (self.n_layers * (self.latent_dim * size + scale)
+                + len(self.indexed_layers) * (self.index_dim * size + scale))
+
     def slots(self, start: int, stop: int) -> tuple[int, int]:
         """The local slots [a, b) that hold positions [start, stop) (here: the positions
         themselves; a cache split by position holds only its own, consecutively)."""

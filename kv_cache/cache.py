@@ -34,7 +34,7 @@ from .hit import Hit, Piece
 from .keys import CacheKey, Tokens, block_hash, chain_hashes, common_prefix, root_hash, token_array
 from .node import Node
 from .rows import Rows, rows_to_host
-from .staging import DEFAULT_CUDA_STAGING_BYTES, Staging
+from .staging import Staging, default_capacity
 from .store import HostStore
 from .writer import BackgroundWriter
 
@@ -164,17 +164,18 @@ class PrefixCache:
 
     @classmethod
     def from_env(cls, key: CacheKey, agree: Callable[[int], int] | None = None, environ: dict | None = None,
-                 *, boundary: int | None = None, on_gpu: bool = False) -> "PrefixCache":
+                 *, boundary: int | None = None, on_gpu: bool = False, position_bytes: int = 0) -> "PrefixCache":
         """TF_GLM53_PREFIX_CACHE (1/0), TF_GLM53_HOST_CACHE_BYTES, TF_GLM53_DISK_CACHE (a
         directory; unset = no disk tier), TF_GLM53_DISK_CACHE_BYTES, TF_GLM53_DISK_CACHE_THREADS
         (disk read threads, default min(8, CPUs)), TF_GLM53_STORE_STAGING_BYTES (the background
-        store's buffer; default 128M where the rows live on a GPU (`on_gpu`), else 0: stores copy
-        inside the call). `boundary` is the engine's decision."""
+        store's buffer; default where the rows live on a GPU (`on_gpu`): staging.default_capacity
+        of the engine's `position_bytes`, else 0: stores copy inside the call). `boundary` is the
+        engine's decision."""
         env = os.environ if environ is None else environ
         enabled = env_flag("TF_GLM53_PREFIX_CACHE", True, env)
         host_bytes = parse_bytes("TF_GLM53_HOST_CACHE_BYTES", env.get("TF_GLM53_HOST_CACHE_BYTES") or str(DEFAULT_HOST_BYTES))
         staging = parse_bytes("TF_GLM53_STORE_STAGING_BYTES", env.get("TF_GLM53_STORE_STAGING_BYTES")
-                              or str(DEFAULT_CUDA_STAGING_BYTES if on_gpu else 0))
+                              or str(default_capacity(position_bytes) if on_gpu else 0))
         disk = None
         disk_dir = env.get("TF_GLM53_DISK_CACHE")
         if enabled and disk_dir:

@@ -97,6 +97,7 @@ def attach_prefix_cache(engine: Any, *, revision: str | None = None, group: Any 
     cache = PrefixCache.from_env(cache_key_for(engine, revision), agree=agree,
                                  environ=os.environ if environ is None else environ,
                                  boundary=engine.reuse_boundary,
-                                 on_gpu=torch.device(engine.device).type == "cuda")
+                                 on_gpu=torch.device(engine.device).type == "cuda",
+                                 position_bytes=engine.model.new_state(engine.kv_dtype).position_bytes())
     engine.prefix_cache = cache
     return cache

@@ -12,8 +12,11 @@ read what prefill wrote. The staging buffer is reused only after the previous co
 done. Rows on the CPU are copied into the buffer before `copy` returns (no stream orders them).
 
 The buffer is pinned at its full capacity when the cache is built for a GPU; rows on the CPU grow
-an ordinary buffer by powers of two up to `capacity`. A store that needs more is the caller's to
-copy synchronously (a long cold prompt). Node rows are pageable on purpose: the host budget
+an ordinary buffer by powers of two up to `capacity`. A store that needs more (a long cold prompt,
+a long turn of a deep model) goes through the buffer in rounds of whole nodes: the call waits for
+all but the last round's fill, which lands in the background like a small store. The default
+capacity follows the model (`default_capacity`: 8192 positions of this rank's rows, within 128 MiB
+and 2 GiB), so a typical turn is one round. Node rows are pageable on purpose: the host budget
 counts their exact bytes (rows.py).
 """
 from __future__ import annotations
@@ -30,11 +33,47 @@ from .rows import Rows
 log = logging.getLogger("kv_cache")
 
 ALIGN = 64  # bytes: every tensor's view into the buffer starts aligned for any dtype
-DEFAULT_CUDA_STAGING_BYTES = 128 << 20
+DEFAULT_CUDA_STAGING_BYTES = 128 << 20  # the least a GPU cache pins
+MAX_DEFAULT_STAGING_BYTES = 2 << 30
+STAGING_POSITIONS = 8192  # positions of rows the default buffer holds (4 prefill chunks at C = 2048)
+
+
+def default_capacity(position_bytes: int) -> int:
+    """The pinned buffer for rows of `position_bytes` a position (all layers, this rank): room for
+    STAGING_POSITIONS of them, within [128 MiB, 2 GiB]. At GLM-5.3's 78 layers in bf16 a position
+    is ~98 KB: ~800 MB, a turn of up to 8192 new tokens in one round at one rank."""
+    return max(DEFAULT_CUDA_STAGING_BYTES, min(MAX_DEFAULT_STAGING_BYTES, position_bytes * STAGING_POSITIONS))
+
+
+# (node, start, stop) spans of consecutive positions, each block's row counts, the run's rows
+_Run = tuple[list[tuple[Node, int, int]], list[dict[str, int]], Rows]
 
 
 def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _needed(runs: list[_Run]) -> int:
+    return sum(_aligned(t.numel() * t.element_size()) for _, _, rows in runs for t in rows.values())
+
+
+def _rounds(runs: list[_Run], capacity: int) -> list[list[tuple[Node, int, int]]] | None:
+    """The runs' spans in consecutive rounds whose rows fit `capacity` (each span counted with its
+    own alignment: a bound on what its round needs); None if one span alone does not fit."""
+    rounds: list[list[tuple[Node, int, int]]] = [[]]
+    used = 0
+    for run, counts, rows in runs:
+        row_bytes = {name: t[0].numel() * t.element_size() if t.shape[0] else 0 for name, t in rows.items()}
+        for item, count in zip(run, counts):
+            size = sum(_aligned(count[name] * row_bytes[name]) for name in rows)
+            if size > capacity:
+                return None
+            if rounds[-1] and used + size > capacity:
+                rounds.append([])
+                used = 0
+            rounds[-1].append(item)
+            used += size
+    return rounds
 
 
 def runs_of(todo: list[tuple[Node, int, int]]) -> list[list[tuple[Node, int, int]]]:
@@ -59,11 +98,34 @@ class Staging:
         if pinned and torch.cuda.is_available():
             self._buf = torch.empty(capacity_bytes, dtype=torch.uint8, pin_memory=True)
         self._busy: Future | None = None
+        self.rounds = 0  # buffer fills queued (a store larger than the buffer takes several)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv_cache-store")
 
     def copy(self, todo: list[tuple[Node, int, int]], rows_for: Callable[[int, int], Rows]) -> Future | None:
         """Start copying rows_for(start, stop) of every (node, start, stop) into node.rows; None
-        (nothing queued) when the rows do not fit the capacity."""
+        (nothing queued) when one node's rows alone exceed the capacity. Rows that together exceed
+        it go through the buffer in rounds of whole nodes: each round after the first waits for the
+        previous round's fill, the last one lands in the background. The future is the last
+        round's (the worker runs rounds in order); a failed round ends the store with its future."""
+        runs = self._plan(todo, rows_for)
+        need = _needed(runs)
+        if need <= self.capacity:
+            return self._stage(runs, need)
+        rounds = _rounds(runs, self.capacity)
+        if rounds is None:
+            return None
+        done: Future | None = None
+        for batch in rounds:
+            if done is not None:
+                wait([done])
+                if done.exception() is not None:
+                    return done
+            runs = self._plan(batch, rows_for)
+            done = self._stage(runs, _needed(runs))
+        return done
+
+    def _plan(self, todo: list[tuple[Node, int, int]], rows_for: Callable[[int, int], Rows]) -> list[_Run]:
+        """Each run of consecutive spans with its rows and each block's row counts, checked."""
         runs = []
         for run in runs_of(todo):
             rows = rows_for(run[0][1], run[-1][2])
@@ -76,14 +138,15 @@ class Staging:
                                      "must be its blocks' rows in order (the state's slots must be "
                                      "contiguous and increasing: KVState.slots)")
             runs.append((run, counts, rows))
-        need = sum(_aligned(t.numel() * t.element_size()) for _, _, rows in runs for t in rows.values())
-        if need > self.capacity:
-            return None
+        return runs
+
+    def _stage(self, runs: list[_Run], need: int) -> Future:
+        """Queue the runs' copies into the buffer and their fill into nodes on the worker."""
         if self._busy is not None:  # the facade settles first (and reports failures); this keeps
             wait([self._busy])     # the buffer safe regardless
         on_gpu = any(t.is_cuda for _, _, rows in runs for t in rows.values())
         buf = self._buffer(need, pinned=on_gpu)
-        staged: list[tuple[list[tuple[Node, int, int]], list[dict[str, int]], dict[str, torch.Tensor]]] = []
+        staged: list[_Run] = []
         offset = 0
         for run, counts, rows in runs:
             views = {}
@@ -99,6 +162,7 @@ class Staging:
             event = torch.cuda.Event()
             event.record()
         self._busy = self._pool.submit(_fill_nodes, staged, event)
+        self.rounds += 1
         return self._busy
 
     def _buffer(self, need: int, pinned: bool) -> torch.Tensor:
@@ -113,8 +177,7 @@ class Staging:
         self._buf = None
 
 
-def _fill_nodes(staged: list[tuple[list[tuple[Node, int, int]], list[dict[str, int]], dict[str, torch.Tensor]]],
-                event: "torch.cuda.Event | None") -> None:
+def _fill_nodes(staged: list[_Run], event: "torch.cuda.Event | None") -> None:
     """The background half: wait for the device copies, then give every node its own rows."""
     if event is not None:
         event.synchronize()

@@ -137,6 +137,37 @@ def test_reuse_is_bitwise_with_background_stores(engine):
     assert engine.prefix_cache._staging is not None
 
 
+def rounds_env(engine: Glm53Engine) -> dict[str, str]:
+    """A staging buffer of about two blocks' rows: stores of several blocks go in rounds."""
+    block_bytes = B * engine.model.new_state(engine.kv_dtype).position_bytes()
+    return {"TF_GLM53_STORE_STAGING_BYTES": str(2 * block_bytes + 4096)}
+
+
+def assert_rounds(engine: Glm53Engine) -> None:
+    staging = engine.prefix_cache._staging
+    stores = engine.prefix_cache.stats.stored_chunks
+    assert staging is not None and stores > 0
+    assert staging.rounds > 0 and staging._buf.numel() <= staging.capacity
+    requests = len(conversation(random.Random(0), 10, [[]]))  # one store each
+    assert staging.rounds > requests, f"{staging.rounds} rounds for {requests} stores: none took several"
+
+
+def test_reuse_is_bitwise_with_stores_in_rounds(engine):
+    """Stores larger than the staging buffer go through it in rounds (a long turn of a deep model)."""
+    run_patterns(engine, 20261202, rounds_env(engine))
+    assert_rounds(engine)
+
+
+@pytest.mark.gpu
+def test_reuse_is_bitwise_on_cuda_with_stores_in_rounds(tiny_dirs):  # noqa: F811
+    """The same on CUDA: each round's copies queued on the stream into the pinned buffer."""
+    gpu_engine = Glm53Engine(tiny_dirs.model, device="cuda", prefill_chunk=C)
+    for seed in (4, 5):
+        run_patterns(gpu_engine, seed, rounds_env(gpu_engine))
+        assert_rounds(gpu_engine)
+        assert gpu_engine.prefix_cache._staging._buf.is_pinned()
+
+
 @pytest.mark.gpu
 def test_reuse_is_bitwise_on_cuda(tiny_dirs):  # noqa: F811
     """The same patterns with the engine's GPU defaults (bf16 compute, bf16 cache)."""

@@ -128,14 +128,49 @@ def test_a_new_store_settles_the_previous_one_first():
     cache.close()
 
 
-def test_a_store_larger_than_the_staging_buffer_is_copied_inside_the_call():
+def test_a_store_larger_than_the_staging_buffer_goes_through_it_in_rounds():
     row_bytes = 3 * 8 + 2
-    cache = PrefixCache(key(), staging_bytes=20 * row_bytes)  # holds 20 rows, the prompt has 45
-    assert cache.store(P, len(P), view_of(source(P))) == 6 and cache._pending is None
-    small = PrefixCache(key(), staging_bytes=1 << 20)
-    assert small.store(P, len(P), view_of(source(P))) == 0 and small._pending is not None
+    capacity = 20 * row_bytes  # two aligned 8-row blocks a round; the prompt has 5 blocks and a tail
+    cache = PrefixCache(key(), staging_bytes=capacity)
+    buffers = source(P)
+    want = {n: v.clone() for n, v in buffers.items()}
+    assert cache.store(P, len(P), view_of(buffers)) == 0 and cache._pending is not None  # the last round lands later
+    assert cache._staging.rounds == 3 and cache._staging._buf.numel() <= capacity
+    for v in buffers.values():  # the engine writes again right after the call
+        v.fill_(0)
+    hit = cache.lookup(P + [1])
+    assert hit.reused_tokens == 45 and hit.sources == ["host"] * 6
+    got = restored(hit)
+    assert all(torch.equal(got[n], want[n]) for n in want)
     cache.close()
-    small.close()
+
+
+def test_a_block_larger_than_the_staging_buffer_is_copied_inside_the_call():
+    cache = PrefixCache(key(), staging_bytes=100)  # less than one 8-row block's rows
+    assert cache.store(P, len(P), view_of(source(P))) == 6 and cache._pending is None
+    assert cache._staging.rounds == 0
+    assert cache.lookup(P + [1]).reused_tokens == 45
+    cache.close()
+
+
+def test_a_failed_round_drops_the_whole_store(monkeypatch, caplog):
+    import kv_cache.staging as staging_mod
+
+    real, calls = staging_mod._fill_nodes, []
+
+    def first_fails(staged, event):
+        calls.append(len(staged))
+        if len(calls) == 1:
+            raise RuntimeError("device copy failed (stands in for a CUDA error)")
+        real(staged, event)
+    monkeypatch.setattr(staging_mod, "_fill_nodes", first_fails)
+    cache = PrefixCache(key(), staging_bytes=20 * (3 * 8 + 2))
+    cache.store(P, len(P), view_of(source(P)))
+    assert len(calls) == 1  # the rounds after the failed one were never queued
+    with caplog.at_level(logging.ERROR, logger="kv_cache"):
+        assert cache.lookup(P + [1]).reused_tokens == 0  # a miss, never half a chain or wrong rows
+    assert "copying rows to host memory failed" in caplog.text and len(cache.host) == 0
+    cache.close()
 
 
 def test_the_staging_buffer_grows_by_powers_of_two_up_to_its_capacity():
@@ -172,6 +207,15 @@ def test_a_failed_background_copy_is_logged_and_dropped(monkeypatch, caplog):
 def test_staging_size_from_the_environment():
     on_gpu = PrefixCache.from_env(key(), environ={}, on_gpu=True)
     assert on_gpu._staging is not None and on_gpu._staging.capacity == 128 << 20
+    # the default follows the model: 8192 positions of its rows, within 128 MiB and 2 GiB
+    deep = PrefixCache.from_env(key(), environ={}, on_gpu=True, position_bytes=99840)  # 78 GLM-5.3 layers
+    assert deep._staging.capacity == 99840 * 8192
+    huge = PrefixCache.from_env(key(), environ={}, on_gpu=True, position_bytes=1 << 20)
+    assert huge._staging.capacity == 2 << 30
+    deep.close()
+    huge.close()
+    assert PrefixCache.from_env(key(), environ={"TF_GLM53_STORE_STAGING_BYTES": "8M"}, on_gpu=True,
+                                position_bytes=99840)._staging.capacity == 8 << 20  # the variable wins
     assert PrefixCache.from_env(key(), environ={})._staging is None  # CPU rows: copied in the call
     env = {"TF_GLM53_STORE_STAGING_BYTES": "0"}
     assert PrefixCache.from_env(key(), environ=env, on_gpu=True)._staging is None

@@ -127,3 +127,16 @@ def test_kv_state_export_import_is_bitwise_and_checked() -> None:
         raise AssertionError("import_rows accepted rows missing index.0")
     a.truncate(4)
     assert a.length == 4 and a.frontier == 4
+
+
+def test_position_bytes_are_what_export_rows_gives_a_position() -> None:
+    for kv_dtype in ("fp8", "bf16", "fp32"):
+        s = KVState(n_layers=3, latent_dim=8, index_dim=4, indexed_layers=frozenset({0, 2}), kv_dtype=kv_dtype)
+        s.reserve(5)
+        for layer in range(3):
+            s.write_latent(layer, 0, torch.randn(5, 8))
+        for layer in (0, 2):
+            s.write_index(layer, 0, torch.randn(5, 4))
+        s.tokens.extend(range(5))
+        rows = s.export_rows(1, 4)
+        assert s.position_bytes() * 3 == sum(t.numel() * t.element_size() for t in rows.values()), kv_dtype
