@@ -28,8 +28,14 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
         | tee "$out/decode_graphs_h200.log"
     status=$(( status | ${PIPESTATUS[0]} ))
 fi
+if [ "$what" = depth ] || [ "$what" = disk ]; then  # one 4-layer checkpoint for every run below
+    ckpt="$(mktemp -d)"
+    python3 -c "import sys; from pathlib import Path; sys.path.insert(0, '.'); \
+from bench.bench_prefix_cache import real_dims_checkpoint; real_dims_checkpoint(Path('$ckpt'), 4, 32768)"
+    real=(--real-dims --model-dir "$ckpt/real_dims" --device cuda)
+fi
 if [ "$what" = depth ]; then
-    python3 bench/bench_prefix_cache.py --real-dims --device cuda --depth 78 --repeats 3 --scenarios turns one-word \
+    python3 bench/bench_prefix_cache.py "${real[@]}" --depth 78 --repeats 3 --scenarios turns one-word \
         --out "$out/prefix_cache_h200_depth78.json" 2>&1 | tee "$out/prefix_cache_h200_depth78.log"
     status=$(( status | ${PIPESTATUS[0]} ))
     python3 bench/bench_decode_graphs.py --real-dims --depth 78 --tokens 32 --repeats 2 \
@@ -37,11 +43,12 @@ if [ "$what" = depth ]; then
     status=$(( status | ${PIPESTATUS[0]} ))
 fi
 if [ "$what" = disk ]; then
-    python3 bench/bench_prefix_cache.py --real-dims --device cuda --repeats 3 --scenarios disk \
+    python3 bench/bench_prefix_cache.py "${real[@]}" --repeats 3 --scenarios disk \
         --out "$out/prefix_cache_h200_disk4.json" 2>&1 | tee "$out/prefix_cache_h200_disk4.log"
     status=$(( status | ${PIPESTATUS[0]} ))
-    python3 bench/bench_prefix_cache.py --real-dims --device cuda --depth 78 --repeats 2 --scenarios disk \
+    python3 bench/bench_prefix_cache.py "${real[@]}" --depth 78 --repeats 2 --scenarios disk \
         --out "$out/prefix_cache_h200_disk_depth78.json" 2>&1 | tee "$out/prefix_cache_h200_disk_depth78.log"
     status=$(( status | ${PIPESTATUS[0]} ))
 fi
+[ -n "${ckpt:-}" ] && rm -rf "$ckpt"
 exit "$status"
