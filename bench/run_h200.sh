@@ -16,7 +16,8 @@ export GLM53_KIT_COMMIT="$commit" PYTHONUNBUFFERED=1
 status=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
     python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_graph_replays_cuda.py tests/gpu/test_triton_cuda.py \
-        tests/test_row_invariance.py tests/test_kv_cache_engine.py tests/test_drafter_glm53.py tests/test_serve_gpu.py \
+        tests/gpu/test_select_topk_cuda.py tests/test_row_invariance.py tests/test_kv_cache_engine.py \
+        tests/test_drafter_glm53.py tests/test_serve_gpu.py \
         2>&1 | tee "$out/gpu_tests.log"
     status=$(( status | ${PIPESTATUS[0]} ))
 fi

@@ -143,6 +143,31 @@ def test_select_topk_ties_toward_the_lower_position(k: int) -> None:
         assert sel.indices[t][~sel.valid[t]].eq(0).all()
 
 
+@pytest.mark.parametrize("n", [39, 40, 41, 42, 43, 80])
+def test_select_topk_at_every_width_around_k_with_ties_at_above_and_below_the_kth(n: int) -> None:
+    """k = 40 over n keys: rows whose k-th score ties with the (k+1)-th (the packed keys decide),
+    whose (k+1)-th ties with the (k+2)-th only (the plain top-k+1 decides), ties above the k-th,
+    -0.0 against 0.0, fewer than k finite keys: always the brute-force rule's set."""
+    k, t = 40, 24
+    g = torch.Generator().manual_seed(n)
+    scores = torch.randint(-6, 7, (t, n), generator=g).float()  # few values: ties everywhere
+    scores[:, :n // 3] += torch.rand(t, n // 3, generator=g)  # some rows' head distinct
+    order = scores.sort(dim=1, descending=True).values
+    if n > k + 1:
+        scores[0] = torch.arange(n, 0, -1).float()
+        scores[0, k] = scores[0, k - 1]  # k-th == (k+1)-th: a boundary tie
+        scores[1] = torch.arange(n, 0, -1).float()
+        scores[1, k + 1] = scores[1, k]  # (k+1)-th == (k+2)-th only: no boundary tie
+    scores[2] = torch.where(scores[2] == 0, torch.full_like(scores[2], -0.0), scores[2])
+    scores[3, : n - 5] = float("-inf")  # five finite keys
+    scores[4] = order[4]  # already sorted, ties in runs
+    scores[5] = 0.0
+    sel = select_topk(scores, k)
+    want = brute_force_topk(scores, k)
+    for row in range(t):
+        assert sel.indices[row][sel.valid[row]].tolist() == want[row], row
+
+
 def test_select_topk_without_ties_takes_the_plain_topk_and_the_same_set(monkeypatch) -> None:
     """Continuous scores (no tie at any row's k-th score): the fp32 top-k path alone (the packed
     keys are never built) gives the brute-force set; one planted boundary tie sends that row, and

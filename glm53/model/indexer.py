@@ -101,9 +101,10 @@ def select_topk(scores: torch.Tensor, k: int, nan_flag: torch.Tensor | None = No
     """Each row's k best finite scores, ties toward the lower position, as ascending indices.
 
     The rule is the one of packed (score, -position) int64 keys, which cannot tie, so the set is
-    unique. Most rows have no tie at their k-th score: for those a plain fp32 top-k already gives
-    that set (half the bits to sort, no int64 copies of the [T, N] scores); only rows where the k-th
-    finite score ties with an unselected one go through the packed keys. A window of at most
+    unique. Most rows have no tie at their k-th score: for those a plain fp32 top-(k + 1) less its
+    least score gives that set (half the bits to sort, no int64 copies of the [T, N] scores, and
+    the tie shows in those k + 1 scores); only rows where the k-th finite score ties with an
+    unselected one go through the packed keys. A window of at most
     SMALL_WINDOW_ROWS rows (decode, verification) takes the packed keys directly: the same set,
     and no host sync, so the call can be captured in a CUDA graph.
 
@@ -126,11 +127,18 @@ def select_topk(scores: torch.Tensor, k: int, nan_flag: torch.Tensor | None = No
     width = min(k, tk)
     if tq <= SMALL_WINDOW_ROWS:
         return _as_selection(scores, _packed_topk(scores, width), indices, valid)
-    top = scores.topk(width, dim=1, sorted=False)
-    threshold = top.values.amin(dim=1)
-    # a finite k-th score equal to an unselected one: the plain top-k chose among ties arbitrarily
-    tied = torch.isfinite(threshold) & ((scores == threshold[:, None]).sum(1) > (top.values == threshold[:, None]).sum(1))
-    chosen = top.indices
+    if width == tk:  # every column is chosen (the non-finite ones end invalid): nothing to rank
+        return _as_selection(scores, torch.arange(tk, device=scores.device).expand(tq, tk), indices, valid)
+    # one score more than the width: the k-th score ties with an unselected one exactly when it
+    # equals the (k+1)-th, the least of these, which then occurs twice. A test over [T, k + 1]
+    # instead of counting the k-th score over the whole row ([T, N], twice)
+    top = scores.topk(width + 1, dim=1, sorted=False)
+    floor = top.values.amin(dim=1, keepdim=True)
+    tied = torch.isfinite(floor[:, 0]) & ((top.values == floor).sum(1) > 1)
+    # untied rows: the k best are these less their least, which is unique; drop it by moving the
+    # last column into its place
+    least = top.values.argmin(dim=1, keepdim=True)
+    chosen = top.indices.scatter(1, least, top.indices[:, -1:])[:, :width]
     if bool(tied.any()):
         rows = tied.nonzero().squeeze(1)
         chosen = chosen.clone()
