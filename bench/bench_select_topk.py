@@ -2,6 +2,7 @@
 side by side on one device.
 
     python bench/bench_select_topk.py            # CUDA when present, else CPU (small sizes)
+    python bench/bench_select_topk.py --engine   # both forms inside the engine's turns (CUDA)
 
 The previous form counted each row's k-th score over the whole row twice ([T, N] eq and sum) to
 find rows whose k-th score ties with an unselected one; the current one reads the top k + 1 scores
@@ -70,14 +71,91 @@ def timed(fn, scores: torch.Tensor) -> tuple[float, Selection]:
     return time.perf_counter() - t0, sel
 
 
+def engine_turns(args: argparse.Namespace) -> int:
+    """Both forms inside the engine: a turn of --turn-tokens new tokens after `history` cached
+    positions (4 layers at GLM-5.3 dims, the live rows reused), arms alternating on one engine."""
+    import random
+    import shutil
+    import tempfile
+
+    import glm53.model.indexer as indexer
+    from bench.bench_prefix_cache import real_dims_checkpoint
+    from glm53.engine import Glm53Engine
+    from kv_cache.engine_adapter import attach_prefix_cache
+
+    work = Path(tempfile.mkdtemp(prefix="bench_select_topk."))
+    try:
+        engine = Glm53Engine(real_dims_checkpoint(work, 4, 32768), device="cuda")
+        attach_prefix_cache(engine, revision="bench", environ={})
+        rng = random.Random(7)
+        current = indexer.select_topk
+        arms = {"previous": lambda scores, k, nan_flag=None: (
+                    current(scores, k, nan_flag) if nan_flag is not None or scores.shape[0] <= 16
+                    else previous_select_topk(scores, k)),
+                "now": current}
+        rows, mismatches = [], []
+        for history in args.histories:
+            base = [rng.randrange(3, 32768) for _ in range(history)]
+            if base:
+                engine.generate(base, 1, {"temperature": 0.0})  # the history's rows, kept live
+            samples: dict[str, list[float]] = {name: [] for name in arms}
+            for i in range(args.repeats + 1):  # the first round warms up
+                new = [rng.randrange(3, 32768) for _ in range(args.turn_tokens)]
+                order = list(arms) if i % 2 == 0 else list(reversed(arms))
+                replies = {}
+                for name in order:
+                    indexer.select_topk = arms[name]
+                    try:
+                        torch.cuda.synchronize()
+                        t0 = time.perf_counter()
+                        replies[name] = engine.generate(base + new, 1, {"temperature": 0.0})
+                        torch.cuda.synchronize()
+                        dt = time.perf_counter() - t0
+                    finally:
+                        indexer.select_topk = current
+                    if engine.last_stats["cached_tokens"] != history:
+                        raise RuntimeError(f"expected {history} reused tokens, got {engine.last_stats['cached_tokens']}")
+                    if i:
+                        samples[name].append(dt)
+                if replies["previous"] != replies["now"]:
+                    mismatches.append(f"history={history} sample {i}")
+            row = {"history": history, "new_tokens": args.turn_tokens,
+                   **{f"{name}_s": summary(samples[name]) for name in arms}}
+            row["speedup"] = row["previous_s"]["median"] / row["now_s"]["median"]
+            rows.append(row)
+            print(f"history {history}: previous {row['previous_s']['median'] * 1e3:.2f} ms, now "
+                  f"{row['now_s']['median'] * 1e3:.2f} ms", file=sys.stderr, flush=True)
+        settings = {"k": K, "repeats": args.repeats, "layers": 4, "turn_tokens": args.turn_tokens,
+                    "timing": "wall of generate() (1 token), device synchronized, arms alternating"}
+        result = {**result_header("select_topk_engine", settings, device=engine.device), "cases": rows,
+                  "mismatches": mismatches}
+        write_json(args.out, result)
+        print(f"{'history':>8} {'previous (ms)':>14} {'now (ms)':>10} {'speedup':>8}")
+        for r in rows:
+            print(f"{r['history']:8d} {r['previous_s']['median'] * 1e3:14.2f} {r['now_s']['median'] * 1e3:10.2f} "
+                  f"{r['speedup']:7.3f}x")
+        print(f"same replies in every sample: {not mismatches}")
+        return 1 if mismatches else 0
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--engine", action="store_true", help="both forms inside the engine's turns (CUDA)")
+    p.add_argument("--histories", type=int, nargs="*", default=[0, 13504], help="--engine: cached positions")
+    p.add_argument("--turn-tokens", type=int, default=2701, help="--engine: new tokens a turn")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "select_topk.json")
     args = p.parse_args()
     if args.repeats < 1:
         print("error: --repeats must be positive", file=sys.stderr)
         return 2
+    if args.engine:
+        if not torch.cuda.is_available():
+            print("error: --engine needs a CUDA device", file=sys.stderr)
+            return 2
+        return engine_turns(args)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cases = CUDA_CASES if device.type == "cuda" else CPU_CASES
     arms = {"previous": previous_select_topk, "now": select_topk}

@@ -139,7 +139,7 @@ def test_reuse_is_bitwise_with_background_stores(engine):
 
 def rounds_env(engine: Glm53Engine) -> dict[str, str]:
     """A staging buffer of about two blocks' rows: stores of several blocks go in rounds."""
-    block_bytes = B * engine.model.new_state(engine.kv_dtype).position_bytes()
+    block_bytes = engine.cache_block * engine.model.new_state(engine.kv_dtype).position_bytes()
     return {"TF_GLM53_STORE_STAGING_BYTES": str(2 * block_bytes + 4096)}
 
 
@@ -161,7 +161,7 @@ def test_reuse_is_bitwise_with_stores_in_rounds(engine):
 @pytest.mark.gpu
 def test_reuse_is_bitwise_on_cuda_with_stores_in_rounds(tiny_dirs):  # noqa: F811
     """The same on CUDA: each round's copies queued on the stream into the pinned buffer."""
-    gpu_engine = Glm53Engine(tiny_dirs.model, device="cuda", prefill_chunk=C)
+    gpu_engine = Glm53Engine(tiny_dirs.model, device="cuda", prefill_chunk=C, cache_block=B)
     for seed in (4, 5):
         run_patterns(gpu_engine, seed, rounds_env(gpu_engine))
         assert_rounds(gpu_engine)
