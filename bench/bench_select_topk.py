@@ -73,7 +73,8 @@ def timed(fn, scores: torch.Tensor) -> tuple[float, Selection]:
 
 def engine_turns(args: argparse.Namespace) -> int:
     """Both forms inside the engine: a turn of --turn-tokens new tokens after `history` cached
-    positions (4 layers at GLM-5.3 dims, the live rows reused), arms alternating on one engine."""
+    positions (4 layers at GLM-5.3 dims, the live rows reused, truncated back to the history
+    before each arm), arms alternating on one engine."""
     import random
     import shutil
     import tempfile
@@ -81,12 +82,10 @@ def engine_turns(args: argparse.Namespace) -> int:
     import glm53.model.indexer as indexer
     from bench.bench_prefix_cache import real_dims_checkpoint
     from glm53.engine import Glm53Engine
-    from kv_cache.engine_adapter import attach_prefix_cache
 
     work = Path(tempfile.mkdtemp(prefix="bench_select_topk."))
     try:
-        engine = Glm53Engine(real_dims_checkpoint(work, 4, 32768), device="cuda")
-        attach_prefix_cache(engine, revision="bench", environ={})
+        engine = Glm53Engine(real_dims_checkpoint(work, 4, 32768), device="cuda")  # live rows only, no cache
         rng = random.Random(7)
         current = indexer.select_topk
         arms = {"previous": lambda scores, k, nan_flag=None: (
@@ -104,6 +103,8 @@ def engine_turns(args: argparse.Namespace) -> int:
                 order = list(arms) if i % 2 == 0 else list(reversed(arms))
                 replies = {}
                 for name in order:
+                    if engine.state is not None:
+                        engine.state.truncate(history)  # each arm computes the same new tokens
                     indexer.select_topk = arms[name]
                     try:
                         torch.cuda.synchronize()
