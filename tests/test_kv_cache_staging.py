@@ -145,6 +145,28 @@ def test_a_store_larger_than_the_staging_buffer_goes_through_it_in_rounds():
     cache.close()
 
 
+def test_layers_of_one_dtype_and_shape_share_a_copy_and_each_node_owns_its_rows():
+    """Rows as a deep model's: many tensors of one dtype and shape (one view and one copy call
+    for them), others alone; every node gets exactly its rows, in storage of its own."""
+    n = len(P)
+    g = torch.Generator().manual_seed(11)
+    buffers = {**{f"latent.{i}": torch.randn(n, 6, generator=g).to(torch.bfloat16) for i in range(5)},
+               **{f"index.{i}": torch.randn(n, 4, generator=g) for i in (0, 2, 4)},
+               "scale.0": torch.rand(n, generator=g)}
+    want = {name: v.clone() for name, v in buffers.items()}
+    cache = PrefixCache(key(), staging_bytes=1 << 20)
+    assert cache.store(P, n, view_of(buffers)) == 0
+    for v in buffers.values():
+        v.fill_(0)
+    hit = cache.lookup(P + [1])
+    assert hit.reused_tokens == n
+    got = restored(hit)
+    assert got.keys() == want.keys() and all(torch.equal(got[name], want[name]) for name in want)
+    for node_rows in (piece.rows for piece in hit.pieces):
+        assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in node_rows.values())
+    cache.close()
+
+
 def test_a_block_larger_than_the_staging_buffer_is_copied_inside_the_call():
     cache = PrefixCache(key(), staging_bytes=100)  # less than one 8-row block's rows
     assert cache.store(P, len(P), view_of(source(P))) == 6 and cache._pending is None
