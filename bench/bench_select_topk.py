@@ -71,6 +71,27 @@ def timed(fn, scores: torch.Tensor) -> tuple[float, Selection]:
     return time.perf_counter() - t0, sel
 
 
+def arm_row(fields: dict, samples: dict[str, list[float]]) -> dict:
+    """A case's fields, each arm's summary and previous / now; logged as it finishes."""
+    row = {**fields, **{f"{name}_s": summary(times) for name, times in samples.items()}}
+    row["speedup"] = row["previous_s"]["median"] / row["now_s"]["median"]
+    print(", ".join(f"{k} {v}" for k, v in fields.items()) + f": previous {row['previous_s']['median'] * 1e3:.3f} ms, "
+          f"now {row['now_s']['median'] * 1e3:.3f} ms", file=sys.stderr, flush=True)
+    return row
+
+
+def finish(out: Path, result: dict, columns: list[str], what: str) -> int:
+    """Write the JSON, print the table; exit code 1 if the arms ever disagreed."""
+    write_json(out, result)
+    print(" ".join(f"{c:>8}" for c in columns) + f" {'previous (ms)':>14} {'now (ms)':>10} {'speedup':>8}")
+    for r in result["cases"]:
+        print(" ".join(f"{r[c]:8d}" for c in columns) + f" {r['previous_s']['median'] * 1e3:14.3f} "
+              f"{r['now_s']['median'] * 1e3:10.3f} {r['speedup']:7.3f}x")
+    print(f"same {what} in every sample: {not result['mismatches']}")
+    print(f"full results: {out}")
+    return 1 if result["mismatches"] else 0
+
+
 def engine_turns(args: argparse.Namespace) -> int:
     """Both forms inside the engine: a turn of --turn-tokens new tokens after `history` cached
     positions (4 layers at GLM-5.3 dims, the live rows reused, truncated back to the history
@@ -120,23 +141,12 @@ def engine_turns(args: argparse.Namespace) -> int:
                         samples[name].append(dt)
                 if replies["previous"] != replies["now"]:
                     mismatches.append(f"history={history} sample {i}")
-            row = {"history": history, "new_tokens": args.turn_tokens,
-                   **{f"{name}_s": summary(samples[name]) for name in arms}}
-            row["speedup"] = row["previous_s"]["median"] / row["now_s"]["median"]
-            rows.append(row)
-            print(f"history {history}: previous {row['previous_s']['median'] * 1e3:.2f} ms, now "
-                  f"{row['now_s']['median'] * 1e3:.2f} ms", file=sys.stderr, flush=True)
+            rows.append(arm_row({"history": history, "new_tokens": args.turn_tokens}, samples))
         settings = {"k": K, "repeats": args.repeats, "layers": 4, "turn_tokens": args.turn_tokens,
                     "timing": "wall of generate() (1 token), device synchronized, arms alternating"}
         result = {**result_header("select_topk_engine", settings, device=engine.device), "cases": rows,
                   "mismatches": mismatches}
-        write_json(args.out, result)
-        print(f"{'history':>8} {'previous (ms)':>14} {'now (ms)':>10} {'speedup':>8}")
-        for r in rows:
-            print(f"{r['history']:8d} {r['previous_s']['median'] * 1e3:14.2f} {r['now_s']['median'] * 1e3:10.2f} "
-                  f"{r['speedup']:7.3f}x")
-        print(f"same replies in every sample: {not mismatches}")
-        return 1 if mismatches else 0
+        return finish(args.out, result, ["history"], "replies")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -175,24 +185,11 @@ def main() -> int:
             a, b = got["previous"], got["now"]
             if not (torch.equal(a.indices, b.indices) and torch.equal(a.valid, b.valid)):
                 mismatches.append(f"T={t} history={history} sample {i}")
-        row = {"t": t, "history": history, "keys": history + t,
-               **{f"{name}_s": summary(samples[name]) for name in arms}}
-        row["speedup"] = row["previous_s"]["median"] / row["now_s"]["median"]
-        rows.append(row)
-        print(f"T={t} keys={history + t}: previous {row['previous_s']['median'] * 1e3:.3f} ms, "
-              f"now {row['now_s']['median'] * 1e3:.3f} ms", file=sys.stderr, flush=True)
+        rows.append(arm_row({"t": t, "keys": history + t}, samples))
         del scores
     settings = {"k": K, "repeats": args.repeats, "timing": "wall of each call, device synchronized, arms alternating"}
     result = {**result_header("select_topk", settings, device=device), "cases": rows, "mismatches": mismatches}
-    write_json(args.out, result)
-    print(f"{'T':>5} {'keys':>7} {'previous (ms)':>14} {'now (ms)':>10} {'speedup':>8}")
-    for r in rows:
-        print(f"{r['t']:5d} {r['keys']:7d} {r['previous_s']['median'] * 1e3:14.3f} {r['now_s']['median'] * 1e3:10.3f} "
-              f"{r['speedup']:7.2f}x")
-    print(f"same selection in every sample: {not mismatches}")
-    print(f"full results: {args.out}")
-    return 1 if mismatches else 0
-
+    return finish(args.out, result, ["t", "keys"], "selection")
 
 if __name__ == "__main__":
     sys.exit(main())
