@@ -210,6 +210,8 @@ class Glm53Engine:
             ids = prompt_ids if prompt_ids is not None else prompt
             hit = self.prefix_cache.lookup(ids, live_tokens=state.token_ids(), live_frontier=state.frontier)
             state.truncate(hit.live_tokens)
+            if hit.reused_tokens > hit.live_tokens:  # room for the prompt at once, not a doubling per restored block
+                state.reserve(len(prompt))
             hit.restore(lambda start, n, rows: state.import_rows(start, rows, prompt[start:start + n]))
             state.truncate(hit.reused_tokens)
             return state, hit.reused_tokens

@@ -18,6 +18,7 @@ import torch
 
 from front.chat import ChatText
 from glm53.engine import Glm53Engine
+from glm53.kv_state import KVState
 from kv_cache.engine_adapter import attach_prefix_cache, cache_key_for
 from tests.fixtures_tiny import tiny_dirs  # noqa: F401  (the session's one tiny checkpoint)
 
@@ -135,6 +136,30 @@ def test_reuse_is_bitwise_with_background_stores(engine):
     comes back from the host tier."""
     run_patterns(engine, 20261201, {"TF_GLM53_STORE_STAGING_BYTES": "4M"})
     assert engine.prefix_cache._staging is not None
+
+
+def test_a_restore_reserves_room_for_the_prompt_once(engine, monkeypatch):
+    """600 tokens (75 blocks) back from the host tier into a fresh state: the cache grows once,
+    to the prompt's length, not by doubling as blocks arrive (each doubling copies every row so
+    far: 2.3x slower at 78 layers on the CPU); the rows and logits are still a cold run's."""
+    attach_prefix_cache(engine, revision="tiny-test", environ={})
+    rng = random.Random(6)
+    prompt = [rng.randrange(3, engine.vocab_size) for _ in range(600)]
+    engine.state = None
+    Run(engine, prompt, 1, GREEDY)  # stored in the host tier
+    engine.state = None  # another conversation's state: everything comes from the host tier
+    grown, real = [], KVState.reserve
+
+    def spy(self, n):
+        before = self.capacity
+        real(self, n)
+        if self.capacity != before:
+            grown.append(self.capacity)
+    monkeypatch.setattr(KVState, "reserve", spy)
+    warm = Run(engine, prompt + [7], 1, GREEDY)
+    monkeypatch.undo()
+    assert warm.cached == 600 and grown == [601]
+    assert_exact(warm, cold(engine, prompt + [7], 1, GREEDY), "restore into a fresh state")
 
 
 def rounds_env(engine: Glm53Engine) -> dict[str, str]:
