@@ -75,8 +75,8 @@ def graph_bench_args(doc: str, context: int, tokens: int, repeats: int, out: str
     if min(args.context, args.tokens - 1, args.repeats, args.layers) <= 0:
         print("error: --context, --repeats, --layers must be positive and --tokens at least 2", file=sys.stderr)
         return None
-    if args.depth is not None and args.depth < args.layers:
-        print(f"error: --depth {args.depth} is below --layers {args.layers}", file=sys.stderr)
+    if args.depth is not None and args.depth <= 0:
+        print("error: --depth must be positive (GLM-5.3 has 78 layers)", file=sys.stderr)
         return None
     return args
 
@@ -91,8 +91,13 @@ def main() -> int:
         arms = {"graphs": Glm53Engine(model_dir, device="cuda", cuda_graphs="1"),
                 "graphs_unsplit": Glm53Engine(model_dir, device="cuda", cuda_graphs="1"),
                 "eager": Glm53Engine(model_dir, device="cuda", cuda_graphs="0")}
-        for engine in arms.values():
-            deepen(engine, args.depth or 0)
+        distinct_layers = len(arms["eager"].model.w.layers)
+        try:
+            for engine in arms.values():
+                deepen(engine, args.depth)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         split = {name: name != "graphs_unsplit" for name in arms}
         rng = random.Random(41)
         vocab = arms["eager"].vocab_size
@@ -114,7 +119,8 @@ def main() -> int:
         per_token = {name: summary([s["per_token_s"] for s in samples[name]]) for name in arms}
         stats = arms["graphs"].graphs.stats
         settings = {"model_dir": str(model_dir), "real_dims": args.real_dims,
-                    "layers": len(arms["eager"].model.w.layers), "depth_from_repeats": args.depth, "compute_dtype": arms["eager"].dtype_name,
+                    "layers": len(arms["eager"].model.w.layers), "distinct_layers": distinct_layers,
+                    "compute_dtype": arms["eager"].dtype_name,
                     "kv_dtype": arms["eager"].kv_dtype, "context": args.context, "tokens": args.tokens,
                     "repeats": args.repeats, "timing": "decode_s of generate() / (tokens - 1), interleaved"}
         result = {**result_header("decode_graphs", settings, device=arms["eager"].device),

@@ -75,7 +75,12 @@ def main() -> int:
     try:
         model_dir = real_dims_checkpoint(work, args.layers, args.vocab) if args.real_dims else tiny_checkpoint(work)
         engine = Glm53Engine(model_dir, device="cuda", cuda_graphs="1")
-        deepen(engine, args.depth or 0)
+        distinct_layers = len(engine.model.w.layers)
+        try:
+            deepen(engine, args.depth)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         arms = {"kit": TimedCaptures(engine.model), "torch_graph": TorchGraphCaptures(engine.model)}
         rng = random.Random(43)
         vocab = engine.vocab_size
@@ -108,7 +113,8 @@ def main() -> int:
                 f"{b['decode_s'] * 1e3:.1f} ms")
         capture = {name: summary([s["capture_s"] for s in samples[name]]) for name in arms}
         decode_s = {name: summary([s["decode_s"] for s in samples[name]]) for name in arms}
-        settings = {"model_dir": str(model_dir), "real_dims": args.real_dims, "layers": len(engine.model.w.layers), "depth_from_repeats": args.depth,
+        settings = {"model_dir": str(model_dir), "real_dims": args.real_dims, "layers": len(engine.model.w.layers),
+                    "distinct_layers": distinct_layers,
                     "compute_dtype": engine.dtype_name, "kv_dtype": engine.kv_dtype, "context": args.context,
                     "tokens": args.tokens, "repeats": args.repeats,
                     "timing": "capture: synchronized around _capture; decode: decode_s of generate(); interleaved"}

@@ -110,18 +110,19 @@ def real_dims_checkpoint(root: Path, layers: int, vocab: int) -> Path:
     return out
 
 
-def deepen(engine: Glm53Engine, depth: int) -> None:
-    """Run the engine's model at `depth` layers: the checkpoint's layers repeated in order, each
-    repeat its own KV cache layer but the same weight tensors. GLM-5.3's 78 layers at its layer
-    dimensions do not fit this machine's disk as a checkpoint (~67 GB of bf16); shared tensors
-    cost the same time per layer, since a layer's weights (~0.86 GB) are far larger than L2 and are
-    read again from memory by every layer that uses them."""
+def deepen(engine: Glm53Engine, depth: int | None) -> None:
+    """Run the engine's model at `depth` layers (None: as loaded): the checkpoint's layers repeated
+    in order, each repeat its own KV cache layer but the same weight tensors. GLM-5.3's 78 layers at
+    its layer dimensions do not fit this machine's disk as a checkpoint (~67 GB of bf16); shared
+    tensors cost the same time per layer, since a layer's weights (~0.86 GB) are far larger than L2
+    and are read again from memory by every layer that uses them. (Layer 0 runs its own indexer,
+    the config guarantees it, so every repeat's 'shared' layers follow a 'full' one.)"""
     w, cfg = engine.model.w, engine.cfg
     n = len(w.layers)
-    if depth <= n:
+    if depth is not None and depth < n:
+        raise ValueError(f"--depth {depth} is below the checkpoint's {n} layers")
+    if depth is None or depth == n:
         return
-    if cfg.indexer_types and cfg.indexer_types[0] != "full":
-        raise ValueError("--depth: the first layer must run its own indexer ('full') to be repeated")
     pick = [i % n for i in range(depth)]
     layers = [dataclasses.replace(w.layers[j], index=i) for i, j in enumerate(pick)]
     engine.cfg = dataclasses.replace(cfg, num_hidden_layers=depth,
@@ -540,12 +541,13 @@ def main() -> int:
         engine = Glm53Engine(model_dir, device=args.device, prefill_chunk=args.chunk, cache_block=args.block,
                              prefix_reuse_boundary=args.boundary)
         distinct_layers = len(engine.model.w.layers)
-        if args.depth is not None and args.depth < distinct_layers:
-            print(f"error: --depth {args.depth} is below the checkpoint's {distinct_layers} layers", file=sys.stderr)
-            return 2
         if args.depth:
             log(f"running {args.depth} layers: the checkpoint's {distinct_layers} repeated (shared weights) ...")
+        try:
             deepen(engine, args.depth)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         rng = random.Random(1129)
         mismatches: list[str] = []
         warm = Side(engine, "warmup", {"TF_GLM53_PREFIX_CACHE": "0"})
