@@ -73,21 +73,27 @@ def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor], non_blocking: 
         dst.copy_(src, non_blocking=non_blocking)
 
 
-def _rounds(runs: list[_Run], capacity: int) -> list[list[tuple[Node, int, int]]] | None:
+def _rounds(runs: list[_Run], capacity: int) -> list[list[tuple[list[tuple[Node, int, int]], list[dict[str, int]]]]] | None:
     """The runs' spans in consecutive rounds whose rows fit `capacity` (each span counted with its
-    own alignment: a bound on what its round needs); None if one span alone does not fit."""
-    rounds: list[list[tuple[Node, int, int]]] = [[]]
+    own alignment: a bound on what its round needs), a round as (spans, their row counts) per
+    segment of a run; None if one span alone does not fit."""
+    rounds: list[list[tuple[list[tuple[Node, int, int]], list[dict[str, int]]]]] = [[]]
     used = 0
     for run, counts, rows in runs:
         row_bytes = {name: t[0].numel() * t.element_size() if t.shape[0] else 0 for name, t in rows.items()}
+        segment: tuple[list, list] | None = None
         for item, count in zip(run, counts):
             size = sum(_aligned(count[name] * row_bytes[name]) for name in rows)
             if size > capacity:
                 return None
             if rounds[-1] and used + size > capacity:
                 rounds.append([])
-                used = 0
-            rounds[-1].append(item)
+                used, segment = 0, None
+            if segment is None:
+                segment = ([], [])
+                rounds[-1].append(segment)
+            segment[0].append(item)
+            segment[1].append(count)
             used += size
     return rounds
 
@@ -136,7 +142,8 @@ class Staging:
                 wait([done])
                 if done.exception() is not None:
                     return done
-            runs = self._plan(batch, rows_for)
+            # the counts are the whole store's, checked once; each segment's rows are read again
+            runs = [(spans, counts, rows_for(spans[0][1], spans[-1][2])) for spans, counts in batch]
             done = self._stage(runs, _needed(runs))
         return done
 

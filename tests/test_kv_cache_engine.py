@@ -141,7 +141,8 @@ def test_reuse_is_bitwise_with_background_stores(engine):
 def test_a_restore_reserves_room_for_the_prompt_once(engine, monkeypatch):
     """600 tokens (75 blocks) back from the host tier into a fresh state: the cache grows once,
     to the prompt's length, not by doubling as blocks arrive (each doubling copies every row so
-    far: 2.3x slower at 78 layers on the CPU); the rows and logits are still a cold run's."""
+    far: 1.85x slower at 78 layers on the CPU, bench/bench_restore.py); the rows and logits are
+    still a cold run's."""
     attach_prefix_cache(engine, revision="tiny-test", environ={})
     rng = random.Random(6)
     prompt = [rng.randrange(3, engine.vocab_size) for _ in range(600)]

@@ -258,16 +258,17 @@ def test_token_array_of_the_pending_prefix_is_a_copy():
     cache.close()
 
 
-def test_blocks_under_dcp_take_their_own_slots_from_a_run():
+@pytest.mark.parametrize("staging_bytes", [1 << 20, 400])  # 400: two blocks' rows a round
+def test_blocks_under_dcp_take_their_own_slots_from_a_run(staging_bytes: int):
     """A DCP rank's rows of [a, b) are its own positions (p % world == rank): a run's rows are split
-    by each block's slot count, not by position offsets."""
+    by each block's slot count, not by position offsets, in one round or in several."""
     world = 3
     buffers = source(P)
     for rank in range(world):
         def rows_for(a, b, rank=rank):
             pos = torch.arange(a, b)
             return {n: v[a:b][pos % world == rank] for n, v in buffers.items()}
-        staged = PrefixCache(key(), staging_bytes=1 << 20)
+        staged = PrefixCache(key(), staging_bytes=staging_bytes)
         inline = PrefixCache(key())
         staged.store(P, len(P), rows_for)
         inline.store(P, len(P), rows_for)
@@ -277,6 +278,7 @@ def test_blocks_under_dcp_take_their_own_slots_from_a_run():
         for a, b in zip(got.pieces, want.pieces):
             assert a.rows.keys() == b.rows.keys()
             assert all(torch.equal(a.rows[n], b.rows[n]) for n in a.rows), f"rank {rank}, piece at {a.start}"
+        assert staged._staging.rounds == (1 if staging_bytes == 1 << 20 else 3)
         staged.close()
 
 
