@@ -212,9 +212,11 @@ class Glm53Engine:
             state.truncate(hit.live_tokens)
             if hit.reused_tokens > hit.live_tokens:  # room for the prompt at once, not a doubling per restored block
                 state.reserve(len(prompt))
-            hit.restore(lambda start, n, rows: state.import_rows(start, rows, prompt[start:start + n]))
-            state.truncate(hit.reused_tokens)
-            return state, hit.reused_tokens
+            # disk rows are read as they are restored; a file that fails verification ends them early
+            reused = hit.restore(lambda start, n, rows: state.import_rows(start, rows, prompt[start:start + n]),
+                                 device=state.device)
+            state.truncate(reused)
+            return state, reused
         if not self.reuse_live:
             state.truncate(0)
             return state, 0

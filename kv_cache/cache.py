@@ -33,6 +33,7 @@ from .disk import DiskTier
 from .hit import Hit, Piece
 from .keys import CacheKey, Tokens, block_hash, chain_hashes, common_prefix, root_hash, token_array
 from .node import Node
+from .restore import Restorer
 from .rows import Rows, rows_to_host
 from .staging import Staging, default_capacity
 from .store import HostStore
@@ -154,6 +155,9 @@ class PrefixCache:
         self._pending: _Pending | None = None
         # serving writes the disk tier on a background thread (flushed at exit); tests may write inline
         self._writer = BackgroundWriter(disk) if disk is not None and disk_async else None
+        # disk nodes are read when the engine restores them (restore.py), through pinned buffers
+        # where the rows go to a GPU
+        self._restorer = Restorer(disk, pinned=staging_pinned) if disk is not None else None
         # a stopping server lands its last store, then finishes its disk writes (atexit runs these
         # in reverse order). The cache itself is held weakly: one dropped without close() (a test,
         # a re-attached engine) is freed with its pinned buffer instead of living until exit
@@ -212,7 +216,6 @@ class PrefixCache:
         path = self._walk(toks, hashes, live // self.block)
         if not path or self._floor(min(_end(path), n - 1)) <= live:
             path = []  # live serves at least as much: read nothing
-        path = self._load(path)
         stored = min(_end(path), n - 1) if path else 0
         # any length up to max(live, stored) is servable here, so one round of agreement is enough
         reuse = self._floor(max(live, stored))
@@ -221,11 +224,41 @@ class PrefixCache:
             raise RuntimeError(f"kv_cache: ranks disagree on reusable rows (agreed {agreed}, this rank "
                                f"can serve {reuse}); agree() must be a min over all ranks")
         used = [s for s in path if s.start < agreed] if agreed > live else []
-        pieces = [Piece(s.start, min(s.start + s.usable, agreed) - s.start, s.node.rows, s.source) for s in used]
+        pieces = [Piece(s.start, min(s.start + s.usable, agreed) - s.start, s.node.rows, s.source, s.node.hash)
+                  for s in used]
         hit = Hit(agreed, used[0].start if used else agreed, pieces)
-        self._promote(hashes, hit, used)
+        if self.disk is not None:  # disk pieces are read by restore, which may end early
+            hit.reader = self._restorer.restore if any(p.source == "disk" for p in pieces) else None
+            hit.settle = self._restored
+        self._touch(hashes[:used[0].start // self.block] + [s.node.hash for s in used] if used
+                    else hashes[:agreed // self.block])
         self._count(hit, n)
         return hit
+
+    def _restored(self, hit: Hit, end: int) -> int:
+        """After a restore: the length every rank restored (a rank whose disk file failed
+        verification restored less), with the stats corrected. Called on every rank whenever the
+        agreed hit is not empty (a disk tier is configured on all ranks or none), so the extra
+        agreement is collective."""
+        if not hit.reused_tokens:
+            return 0
+        agreed = self.agree(end)
+        if not 0 <= agreed <= end:
+            raise RuntimeError(f"kv_cache: ranks disagree on restored rows (agreed {agreed}, this rank restored "
+                               f"{end}); agree() must be a min over all ranks")
+        short = hit.reused_tokens - agreed
+        if short:
+            with self._lock:
+                s = self.stats
+                s.cached_tokens -= short
+                s.disk_tokens -= sum(max(0, min(p.start + p.length, hit.reused_tokens) - max(p.start, agreed))
+                                     for p in hit.pieces if p.source == "disk")
+                s.host_tokens -= sum(max(0, min(p.start + p.length, hit.reused_tokens) - max(p.start, agreed))
+                                     for p in hit.pieces if p.source == "host")
+                s.live_tokens -= max(0, hit.live_tokens - agreed)
+            log.info("kv_cache restore: %d of %d reused tokens restored (a disk file was a miss here or "
+                     "on another rank); the rest is prefilled", agreed, hit.reused_tokens)
+        return agreed
 
     def _remember(self, toks: Tokens, hashes: list[bytes]) -> None:
         """Keep a copy of the prompt and its hashes, in a buffer reused across lookups (a fresh
@@ -282,28 +315,6 @@ class PrefixCache:
             if lcp and (best is None or (lcp, source == "host") > (best[0], best[2] == "host")):
                 best = (lcp, node, source)
         return best
-
-    def _load(self, path: list[_Step]) -> list[_Step]:
-        """Read the path's disk nodes in parallel; a miss (failed or corrupt file) ends the path
-        there (later nodes hang off it)."""
-        on_disk = [s for s in path if s.source == "disk"]
-        if on_disk:
-            for s, rows in zip(on_disk, self.disk.load_many([s.node.hash for s in on_disk])):
-                s.node.rows = rows
-        for i, s in enumerate(path):
-            if s.node.rows is None:
-                return path[:i]
-        return path
-
-    def _promote(self, hashes: list[bytes], hit: Hit, used: list[_Step]) -> None:
-        """Disk hits move into the host tier; the used chain becomes most recent in both."""
-        if used:
-            chain = hashes[:used[0].start // self.block] + [s.node.hash for s in used]
-            if any(s.source == "disk" for s in used):
-                self.host.put_chain(self._root, [s.node for s in used])
-        else:
-            chain = hashes[:hit.reused_tokens // self.block]
-        self._touch(chain)
 
     def _count(self, hit: Hit, n: int) -> None:
         s = self.stats
@@ -388,15 +399,16 @@ class PrefixCache:
         self._keep(p.held, p.nodes, len(p.tokens))
 
     def _nodes_of(self, toks: Tokens, stop: int) -> tuple[list[bytes], list[Node], list[tuple[Node, int, int]]]:
-        """The chain of [0, stop) in two parts: the hashes of its leading full blocks that every
-        tier holds (no node made: a long conversation's store costs its new blocks), then nodes
+        """The chain of [0, stop) in two parts: the hashes of its leading full blocks already
+        held (on disk where there is a disk tier, else in host: no node made, so a long
+        conversation's store costs its new blocks), then nodes
         from the first block a tier lacks: full blocks, then the tail. And the (node, start, stop)
         whose rows must be exported (nodes a tier lacks and that no stored sibling dominates); the
         other nodes carry None or the host's rows."""
         hashes = self._chain(toks[:stop])
         disk = self.disk
-        k0 = 0
-        while k0 < len(hashes) and hashes[k0] in self.host and (disk is None or hashes[k0] in disk):
+        k0 = 0  # held: on disk where there is a disk tier (the host tier takes only new nodes), else in host
+        while k0 < len(hashes) and (hashes[k0] in disk if disk is not None else hashes[k0] in self.host):
             k0 += 1
         nodes: list[Node] = []
         todo: list[tuple[Node, int, int]] = []
@@ -406,8 +418,11 @@ class PrefixCache:
             t = np.array(toks[a:b])  # its own copy: the node outlives the prompt
             tail = b - a < self.block
             h = block_hash(parent, t) if tail else hashes[a // self.block]
-            want_host = h not in self.host and not (tail and self.host.dominated(parent, t))
-            want_disk = (disk is not None and h not in disk and not (tail and disk.dominated(parent, t)))
+            on_disk = disk is not None and (h in disk or (tail and disk.dominated(parent, t)))
+            # rows a tier already holds are not copied again: a node on disk stays there (a resumed
+            # chain is not copied back into host memory after its prefill)
+            want_host = not on_disk and h not in self.host and not (tail and self.host.dominated(parent, t))
+            want_disk = disk is not None and not on_disk
             node = Node(h, parent, t)
             if want_host or want_disk:
                 held = self.host.get(h)
@@ -437,8 +452,8 @@ class PrefixCache:
             atexit.unregister(self._writer.flush)
             self._writer = None
         atexit.unregister(self._at_exit)
-        if self.disk is not None:
-            self.disk.close()
+        if self._restorer is not None:
+            self._restorer.close()
 
     @property
     @_locked

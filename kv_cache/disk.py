@@ -22,7 +22,6 @@ import os
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -75,7 +74,6 @@ class DiskTier:
         self.index: dict[bytes, _Entry] = {}
         self._children: dict[bytes, set[bytes]] = {}
         self._lock = threading.RLock()  # index, children and byte count; file I/O runs outside it
-        self._pool: ThreadPoolExecutor | None = None
         self.used_bytes = 0
         self.evictions = 0
         self.replaced = 0  # removed because a sibling dominates them
@@ -165,49 +163,42 @@ class DiskTier:
 
     # ---- reads ----------------------------------------------------------------------------
     def load(self, h: bytes) -> Rows | None:
-        """The node's rows, fully verified, or None (a miss)."""
-        return self.load_many([h])[0]
+        """The node's rows, fully verified, as views of a buffer of their own, or None (a miss)."""
+        got = self.read(h)
+        return None if got is None else diskfile.views(*got)
 
-    def load_many(self, hashes: Sequence[bytes]) -> list[Rows | None]:
-        """Each node's rows, fully verified, or None (a miss), read in parallel."""
-        with self._lock:
-            entries = [self.index.get(h) for h in hashes]
-        jobs = [(h, e.path) for h, e in zip(hashes, entries) if e is not None]
-        if len(jobs) > 1:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="kv_cache-disk-read")
-            results = list(self._pool.map(_read_safely, jobs, [self] * len(jobs)))
-        else:
-            results = [_read_safely(job, self) for job in jobs]
-        out: list[Rows | None] = []
-        got = iter(results)
-        for h, e in zip(hashes, entries):
-            if e is None:
-                out.append(None)
-                continue
-            rows, err = next(got)
-            if isinstance(err, (FileNotFoundError, CorruptEntry)):
-                with self._lock:
-                    if self.index.get(h) is not e:
-                        pass  # rewritten meanwhile: the new file is not the one that failed
-                    elif isinstance(err, FileNotFoundError):  # evicted meanwhile
-                        self._drop(h)
-                    else:
-                        self._drop(h)
-                        self._quarantine(e.path, str(err))
-            elif err is not None:
-                log.warning("kv_cache disk: cannot read %s (%s); a miss", e.path, err)
-            out.append(rows)
-        return out
+    def read(self, h: bytes, buf: torch.Tensor | None = None) -> tuple[diskfile.Header, torch.Tensor] | None:
+        """Read node h's file with one readinto into `buf` (uint8, at least the file's size; None:
+        a new buffer of its size) and verify it there: (header, buffer), or None (a miss: the file
+        is gone, or it failed verification and was quarantined). Safe on any thread."""
+        e = self.entry(h)
+        if e is None:
+            return None
+        try:
+            return self._read(h, e.path, buf)
+        except (FileNotFoundError, CorruptEntry) as err:
+            with self._lock:
+                if self.index.get(h) is not e:
+                    pass  # rewritten meanwhile: the new file is not the one that failed
+                elif isinstance(err, FileNotFoundError):  # evicted meanwhile
+                    self._drop(h)
+                else:
+                    self._drop(h)
+                    self._quarantine(e.path, str(err))
+        except OSError as err:
+            log.warning("kv_cache disk: cannot read %s (%s); a miss", e.path, err)
+        return None
 
-    def _read(self, h: bytes, path: Path) -> Rows:
-        """One file: one readinto into a buffer of its size, then verify and decode in place."""
+    def _read(self, h: bytes, path: Path, buf: torch.Tensor | None) -> tuple[diskfile.Header, torch.Tensor]:
         with open(path, "rb", buffering=0) as f:
             size = os.fstat(f.fileno()).st_size
             if size < diskfile.PREAMBLE.size:
                 raise CorruptEntry("short file: preamble cut off")
-            buf = torch.empty(size, dtype=torch.uint8)
-            view = memoryview(buf.numpy())
+            if buf is None:
+                buf = torch.empty(size, dtype=torch.uint8)
+            elif buf.numel() < size:
+                raise CorruptEntry(f"file is {size} bytes, larger than the index said")
+            view = memoryview(buf.numpy())[:size]
             got = 0
             while got < size:  # one call in practice; a loop in case the kernel returns short
                 n = f.readinto(view[got:])
@@ -218,7 +209,8 @@ class DiskTier:
             raise CorruptEntry("short read: the file shrank while it was read")
         hdr = diskfile.parse(view, size)
         diskfile.check_identity(hdr, self._key_json, h, self.key.chunk_size)
-        return diskfile.decode(hdr, buf)
+        diskfile.verify(hdr, buf)
+        return hdr, buf
 
     def touch_chain(self, hashes: Sequence[bytes]) -> None:
         with self._lock:
@@ -323,20 +315,6 @@ class DiskTier:
             e.path.unlink(missing_ok=True)
             removed += 1
         return removed
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-
-
-def _read_safely(job: tuple[bytes, Path], tier: DiskTier) -> tuple[Rows | None, Exception | None]:
-    """A pool task: rows or the reason there are none (handled on the caller's thread)."""
-    h, path = job
-    try:
-        return tier._read(h, path), None
-    except (CorruptEntry, OSError) as e:
-        return None, e
 
 
 def _name_hash(p: Path) -> bytes:

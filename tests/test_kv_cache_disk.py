@@ -65,13 +65,23 @@ def tail_hash(k: CacheKey, prompt=PROMPT) -> bytes:
     return block_hash(parent, prompt[full * C:])
 
 
-def piece_bytes(hit) -> list[bytes]:
-    return [rows_bytes(p.rows) for p in hit.pieces]
+def restore_all(hit) -> tuple[int, list[tuple[int, int, dict]]]:
+    """Restore the hit (disk files are read here): where it ends, and each piece's rows (copied:
+    a disk piece's rows are valid during the call only)."""
+    got = []
+    end = hit.restore(lambda start, n, rows: got.append((start, n, {k: v.clone() for k, v in rows.items()})))
+    return end, got
 
 
-def want_bytes(hit, prompt=PROMPT) -> list[bytes]:
+def exact(hit, prompt=PROMPT) -> int:
+    """Restore the hit, check every piece's rows (the whole node) are the prompt's, and return
+    where the restored rows end."""
+    end, got = restore_all(hit)
     rows_for = rows_for_prompt(prompt)
-    return [rows_bytes(rows_for(p.start, p.start + p.rows["scale.0"].shape[0])) for p in hit.pieces]
+    for start, n, rows in got:
+        assert rows_bytes(rows) == rows_bytes(rows_for(start, start + rows["scale.0"].shape[0])), start
+    assert end == (got[-1][0] + got[-1][1] if got else hit.live_tokens if hit.pieces else hit.reused_tokens)
+    return end
 
 
 # runs after ROWS_SRC in the child
@@ -147,7 +157,7 @@ def _fresh(tier_dir: Path, k: CacheKey, budget=1 << 30) -> PrefixCache:
     return PrefixCache(k, host_bytes=1 << 20, disk=DiskTier(tier_dir, k, budget))
 
 
-def test_restart_with_tails_partial_matches_and_promotion(tmp_path):
+def test_restart_with_tails_partial_matches_and_no_copy_back(tmp_path):
     k = key()
     _store(tmp_path, k)
     cache = _fresh(tmp_path, k)  # a new DiskTier over the same folder
@@ -157,26 +167,33 @@ def test_restart_with_tails_partial_matches_and_promotion(tmp_path):
     for p, want in ((PROMPT + [1], 83), (PROMPT[:82] + [1, 2], 82), (PROMPT[:37] + [0] * 9, 37)):
         hit = _fresh(tmp_path, k).lookup(p)
         assert hit.reused_tokens == want and set(hit.sources) == {"disk"}, p[-5:]
-        assert piece_bytes(hit) == want_bytes(hit)
+        assert all(piece.rows is None for piece in hit.pieces)  # found by the index: read by restore
+        assert exact(hit) == want
     hit = cache.lookup(PROMPT + [1])
-    assert hit.sources == ["disk"] * 6 and len(cache.host) == 6  # promoted into the host tier
-    hit = cache.lookup(PROMPT + [1])
-    assert hit.sources == ["host"] * 6 and piece_bytes(hit) == want_bytes(hit)
+    assert hit.sources == ["disk"] * 6 and exact(hit) == 83
+    # the rows stay on disk: not copied into host memory by the lookup, nor by the store after the
+    # prefill, which exports only the new tail [80, 84) (for the disk: its parent is not in host)
+    exported = []
+    cache.store(PROMPT + [1], 84, lambda a, b: exported.append((a, b)) or rows_for_prompt(PROMPT + [1])(a, b))
+    cache.flush()
+    assert len(cache.host) == 0 and exported == [(80, 84)]
+    hit = cache.lookup(PROMPT + [1, 2])
+    assert hit.sources == ["disk"] * 6 and exact(hit, PROMPT + [1]) == 84  # the longer tail, from disk
     s = cache.stats_dict()
-    assert (s["disk_tokens"], s["host_tokens"]) == (83, 83)
+    assert (s["disk_tokens"], s["host_tokens"]) == (83 + 84, 0)
 
 
 def test_live_rows_that_serve_as_much_read_no_file(tmp_path, monkeypatch):
     k = key()
     _store(tmp_path, k)
     cache = _fresh(tmp_path, k)
-    reads: list[int] = []
-    real = DiskTier.load_many
-    monkeypatch.setattr(DiskTier, "load_many", lambda self, hs: reads.append(len(hs)) or real(self, hs))
+    reads: list[bytes] = []
+    real = DiskTier.read
+    monkeypatch.setattr(DiskTier, "read", lambda self, h, buf=None: reads.append(h) or real(self, h, buf))
     hit = cache.lookup(PROMPT + [1], live_tokens=PROMPT, live_frontier=len(PROMPT))
-    assert (hit.reused_tokens, hit.pieces, reads) == (83, [], [])
+    assert (hit.reused_tokens, hit.pieces, exact(hit), reads) == (83, [], 83, [])
     hit = cache.lookup(PROMPT + [1], live_tokens=PROMPT[:70], live_frontier=70)
-    assert hit.live_tokens == 64 and reads == [2] and piece_bytes(hit) == want_bytes(hit)  # block 4, tail
+    assert hit.live_tokens == 64 and exact(hit) == 83 and len(reads) == 2  # block 4, tail
 
 
 def test_a_dominated_tail_file_is_replaced_and_not_written_again(tmp_path):
@@ -192,7 +209,7 @@ def test_a_dominated_tail_file_is_replaced_and_not_written_again(tmp_path):
     fresh.store(PROMPT, len(PROMPT), rows_for_prompt(PROMPT))  # the shorter tail again: dominated
     assert len(entry_files(tmp_path, k)) == 6 and fresh.stats.disk_written_chunks == 0 and before == 7
     hit = _fresh(tmp_path, k).lookup(PROMPT + [0])
-    assert hit.reused_tokens == 83 and piece_bytes(hit)[-1] == rows_bytes(rows_for_prompt(longer)(80, 88))
+    assert hit.reused_tokens == 83 and exact(hit, longer) == 83  # its rows are the longer tail's
 
 
 def test_corrupted_payload_is_a_miss_and_ends_the_chain_there(tmp_path):
@@ -204,11 +221,14 @@ def test_corrupted_payload_is_a_miss_and_ends_the_chain_there(tmp_path):
     data[-5] ^= 0x40  # one bit in the payload: header and size still look fine
     victim.write_bytes(bytes(data))
     cache = _fresh(tmp_path, k)
-    assert len(cache.disk.index) == 6  # the header verifies; the payload is checked on load
+    assert len(cache.disk.index) == 6  # the header verifies; the payload is checked when it is read
     hit = cache.lookup(PROMPT + [1])
-    assert hit.reused_tokens == 2 * C  # blocks 0 and 1 only: the rest hangs off block 2
-    assert piece_bytes(hit) == want_bytes(hit)
+    assert hit.reused_tokens == 83  # the index's view: the payloads are read by the restore
+    assert exact(hit) == 2 * C  # blocks 0 and 1 only: the rest hangs off block 2
+    s = cache.stats_dict()
+    assert (s["cached_tokens"], s["disk_tokens"]) == (2 * C, 2 * C)  # counted as restored
     assert not victim.exists() and cache.disk.quarantined == 1
+    assert cache.lookup(PROMPT + [1]).reused_tokens == 2 * C  # and the next lookup knows it
     assert len(list((tmp_path / k.digest().hex() / QUARANTINE).iterdir())) == 1
 
 
@@ -226,7 +246,7 @@ def test_corrupted_header_and_truncated_file_are_misses(tmp_path):
     cache = _fresh(tmp_path, k)
     assert cache.disk.quarantined == 2 and len(cache.disk.index) == 4
     hit = cache.lookup(PROMPT + [1])
-    assert hit.reused_tokens == C and piece_bytes(hit) == want_bytes(hit)
+    assert hit.reused_tokens == C and exact(hit) == C
     # block 1 gone: a prompt diverging inside block 1 finds no child of block 0 either
     assert cache.lookup(PROMPT[:20] + [0] * 20).reused_tokens == C
 
@@ -287,7 +307,18 @@ def test_old_format_files_are_quarantined_never_misread(tmp_path, caplog):
     # the new kit writes its own files over the same names, and those are used
     cache.store(PROMPT, len(PROMPT), rows_for)
     hit = _fresh(tmp_path, k).lookup(PROMPT + [1])
-    assert hit.reused_tokens == 83 and piece_bytes(hit) == want_bytes(hit)
+    assert hit.reused_tokens == 83 and exact(hit) == 83
+    # format 2 (SHA-256 payloads) is refused the same way: its version, not its digest, says so
+    d2 = tmp_path / "v2"
+    _store(d2, k)
+    for f in entry_files(d2, k):
+        data = bytearray(f.read_bytes())
+        data[8:12] = struct.pack("<I", 2)
+        f.write_bytes(bytes(data))
+    with caplog.at_level("WARNING", logger="kv_cache"):
+        cache = _fresh(d2, k)
+    assert cache.disk.quarantined == 6 and len(cache.disk.index) == 0
+    assert any("format version 2" in r.message for r in caplog.records)
 
 
 def test_disk_budget_evicts_least_recently_used_chains(tmp_path):

@@ -19,6 +19,8 @@ import torch
 from front.chat import ChatText
 from glm53.engine import Glm53Engine
 from glm53.kv_state import KVState
+from kv_cache import chain_hashes
+from kv_cache.disk import SUFFIX
 from kv_cache.engine_adapter import attach_prefix_cache, cache_key_for
 from tests.fixtures_tiny import tiny_dirs  # noqa: F401  (the session's one tiny checkpoint)
 
@@ -265,6 +267,51 @@ def test_disk_tier_restores_exact_rows_after_a_restart(engine, tmp_path):
     other = attach_prefix_cache(engine, revision="another-model", environ=env)
     engine.state = None
     assert Run(engine, longer, 1, GREEDY).cached == 0 and other.stats.misses == 1
+
+
+def disk_resume(engine, folder, corrupt_block: int | None) -> tuple[Run, object]:
+    """Fill a disk tier with a 70-token prompt (8 blocks of 8 and a tail), restart the cache, flip
+    one payload bit of block `corrupt_block`'s file (None: none), and resume a longer prompt with
+    one reader thread (a ring of two buffers for nine files): the reply, rows and logits must be
+    a cold run's."""
+    env = {"TF_GLM53_DISK_CACHE": str(folder), "TF_GLM53_DISK_CACHE_BYTES": "64M", "TF_GLM53_DISK_CACHE_THREADS": "1"}
+    first = attach_prefix_cache(engine, revision="tiny-test", environ=env)
+    engine.state = None
+    rng = random.Random(21)
+    prompt = [rng.randrange(3, engine.vocab_size) for _ in range(70)]
+    Run(engine, prompt, 2, GREEDY)
+    first.close()
+    if corrupt_block is not None:
+        victim = folder / first.key.digest().hex() / (chain_hashes(first.key, prompt)[corrupt_block].hex() + SUFFIX)
+        data = bytearray(victim.read_bytes())
+        data[-3] ^= 0x20
+        victim.write_bytes(bytes(data))
+    cache = attach_prefix_cache(engine, revision="tiny-test", environ=env)
+    engine.state = None
+    longer = prompt + [5, 6]
+    warm = Run(engine, longer, 3, GREEDY)
+    assert_exact(warm, cold(engine, longer, 3, GREEDY), f"disk resume, block {corrupt_block} corrupt")
+    return warm, cache
+
+
+def test_a_disk_file_failing_verification_at_restore_is_prefilled_instead(engine, tmp_path):
+    """Disk files are read while the rows are restored: a bad one ends the restore at its block and
+    the engine prefills from there, bitwise a cold run, reporting what it really reused."""
+    warm, cache = disk_resume(engine, tmp_path, corrupt_block=3)
+    # warm.cached is the request's own cached_tokens (what the response reports)
+    assert warm.cached == 3 * B and cache.stats.disk_tokens == 3 * B and cache.disk.quarantined == 1
+
+
+@pytest.mark.gpu
+def test_disk_resume_is_bitwise_on_cuda(tiny_dirs, tmp_path):  # noqa: F811
+    """On CUDA the files go through pinned buffers and one transfer each into a device scratch
+    buffer; the ring of two is refilled only after each transfer has finished."""
+    gpu_engine = Glm53Engine(tiny_dirs.model, device="cuda", prefill_chunk=C, cache_block=B)
+    warm, cache = disk_resume(gpu_engine, tmp_path / "whole", corrupt_block=None)
+    assert warm.cached == 70 and cache._restorer.files_read == 9
+    assert all(b.is_pinned() for b in cache._restorer._buffers if b is not None)
+    warm, cache = disk_resume(gpu_engine, tmp_path / "corrupt", corrupt_block=5)
+    assert warm.cached == 5 * B and cache.disk.quarantined == 1
 
 
 def test_key_follows_engine_settings(engine):

@@ -1,6 +1,7 @@
-"""The disk tier's parallel read path and file format: every byte written comes back exactly
-(any dtype and shape, views aligned in one buffer per file), across threads; a corrupt or vanished
-file is a miss at its own index only; the header pads the payload to alignment."""
+"""The disk tier's streamed read path (restore.py) and file format: every byte written comes back
+exactly (any dtype and shape, views aligned in one buffer per file), across threads, through a
+bounded ring of buffers; a corrupt or vanished file is a miss at its own node and ends a restore
+there; the header pads the payload to alignment."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,10 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from kv_cache import CacheKey, DiskTier, Node, block_hash
+from kv_cache import CacheKey, DiskTier, Node, Piece, block_hash
 from kv_cache import diskfile
 from kv_cache.disk import SUFFIX
 from kv_cache.keys import root_hash
+from kv_cache.restore import Restorer
 
 B = 32
 
@@ -53,21 +55,43 @@ def same(a: dict, b: dict) -> bool:
         a[n].dtype == b[n].dtype and a[n].shape == b[n].shape and raw(a[n]) == raw(b[n]) for n in a)
 
 
+def pieces_of(nodes: list[Node]) -> list[Piece]:
+    out, start = [], 0
+    for n in nodes:
+        out.append(Piece(start, len(n.tokens), None, "disk", n.hash))
+        start += len(n.tokens)
+    return out
+
+
+def restore_all(restorer: Restorer, pieces: list[Piece]) -> tuple[int, list[tuple[int, int, dict]]]:
+    got = []
+    end = restorer.restore(pieces, lambda a, n, rows: got.append((a, n, {k: v.clone() for k, v in rows.items()})),
+                           None)
+    return end, got
+
+
 @pytest.mark.parametrize("threads", [1, 4])
-def test_parallel_loader_returns_exactly_the_bytes_written(tmp_path, threads):
+def test_streamed_restore_returns_exactly_the_bytes_written(tmp_path, threads):
     k = key()
     nodes = chain(k, 12, tail=5)
     assert DiskTier(tmp_path, k, 1 << 30).put_chain(root_hash(k), nodes) == 13
     tier = DiskTier(tmp_path, k, 1 << 30, threads=threads)  # a restart
-    got = tier.load_many([n.hash for n in nodes])
-    assert all(g is not None and same(g, n.rows) for g, n in zip(got, nodes))
-    for rows in got:  # zero-copy views into one buffer per file, aligned for their dtype
-        assert all(t.data_ptr() % diskfile.ALIGN == 0 for t in rows.values() if t.numel())
+    restorer = Restorer(tier, pinned=False)
+    for _ in range(2):  # the second time through the same ring
+        end, got = restore_all(restorer, pieces_of(nodes))
+        assert end == 12 * B + 5 and [(a, n) for a, n, _ in got] == [(p.start, p.length) for p in pieces_of(nodes)]
+        assert all(same(rows, n.rows) for (_, _, rows), n in zip(got, nodes))
+    # 13 files through a ring of 2 x threads buffers, each of one file's size: memory stays the ring's
+    buffers = [b for b in restorer._buffers if b is not None]
+    assert len(buffers) == min(2 * threads, 13) and restorer.files_read == 26
+    assert all(b.numel() == max(f.stat().st_size for f in (tmp_path / k.digest().hex()).iterdir()) for b in buffers)
+    rows = tier.load(nodes[3].hash)  # one file on its own: zero-copy views, aligned for their dtype
+    assert same(rows, nodes[3].rows) and all(t.data_ptr() % diskfile.ALIGN == 0 for t in rows.values() if t.numel())
     assert tier.quarantined == 0
-    tier.close()
+    restorer.close()
 
 
-def test_loads_run_on_several_threads(tmp_path, monkeypatch):
+def test_reads_run_on_several_threads(tmp_path, monkeypatch):
     k = key()
     nodes = chain(k, 8)
     DiskTier(tmp_path, k, 1 << 30).put_chain(root_hash(k), nodes)
@@ -75,19 +99,21 @@ def test_loads_run_on_several_threads(tmp_path, monkeypatch):
     seen, lock, gate = set(), threading.Lock(), threading.Barrier(2, timeout=10)
     real = DiskTier._read
 
-    def spy(self, h, path):
+    def spy(self, h, path, buf):
         with lock:
             seen.add(threading.current_thread().name)
         if path.name == nodes[0].hash.hex() + SUFFIX or path.name == nodes[1].hash.hex() + SUFFIX:
             gate.wait()  # blocks 0 and 1 must be read at the same time
-        return real(self, h, path)
+        return real(self, h, path, buf)
     monkeypatch.setattr(DiskTier, "_read", spy)
-    assert all(r is not None for r in tier.load_many([n.hash for n in nodes]))
+    restorer = Restorer(tier, pinned=False)
+    end, got = restore_all(restorer, pieces_of(nodes))
+    assert end == 8 * B and all(same(rows, n.rows) for (_, _, rows), n in zip(got, nodes))
     assert len(seen) >= 2 and all(name.startswith("kv_cache-disk-read") for name in seen)
-    tier.close()
+    restorer.close()
 
 
-def test_a_bad_file_is_a_miss_at_its_own_index_only(tmp_path):
+def test_a_bad_file_is_a_miss_at_its_own_node_and_ends_a_restore_there(tmp_path):
     k = key()
     nodes = chain(k, 6)
     DiskTier(tmp_path, k, 1 << 30).put_chain(root_hash(k), nodes)
@@ -98,12 +124,16 @@ def test_a_bad_file_is_a_miss_at_its_own_index_only(tmp_path):
     bad.write_bytes(bytes(data))
     tier = DiskTier(tmp_path, k, 1 << 30, threads=3)
     (d / (nodes[4].hash.hex() + SUFFIX)).unlink()  # evicted by another process meanwhile
-    got = tier.load_many([n.hash for n in nodes] + [b"\0" * 16])
-    assert [g is None for g in got] == [False, False, True, False, True, False, True]
-    assert same(got[3], nodes[3].rows) and same(got[5], nodes[5].rows)
-    assert tier.quarantined == 1 and not bad.exists()
-    assert nodes[2].hash not in tier and nodes[4].hash not in tier  # both dropped from the index
-    tier.close()
+    restorer = Restorer(tier, pinned=False)
+    end, got = restore_all(restorer, pieces_of(nodes))
+    assert end == 2 * B and len(got) == 2  # blocks 0 and 1; nothing past the bad file is written
+    assert tier.quarantined == 1 and not bad.exists() and nodes[2].hash not in tier
+    end, got = restore_all(restorer, pieces_of(nodes)[3:])  # from block 3: ends at the vanished file
+    assert end == 4 * B and len(got) == 1 and same(got[0][2], nodes[3].rows)
+    assert nodes[4].hash not in tier  # dropped from the index
+    assert [tier.read(n.hash) is None for n in nodes] == [False, False, True, False, True, False]
+    assert tier.read(b"\0" * 16) is None
+    restorer.close()
 
 
 def test_file_layout_aligns_the_payload_and_records_tokens():

@@ -291,3 +291,52 @@ def test_dcp_hit_is_the_minimum_over_real_ranks():
     assert all(res[r][1] == 5 for r in range(world))
     # each rank restored its own rows only
     assert res[1][2] == [[float(p) for p in range(C) if p % world == 1]]
+
+
+def _dcp_disk_worker(rank: int, world: int, port: int, folder: str, out: dict) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        def agree(n: int) -> int:
+            t = torch.tensor([n], dtype=torch.int64)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+            return int(t.item())
+
+        from pathlib import Path
+
+        from kv_cache import DiskTier
+        from kv_cache.disk import SUFFIX
+        k = key(ranks=world, rank=rank, dcp=True)
+        prompt = list(range(3, 3 + 8 * C))
+
+        def rows_for(a: int, b: int):
+            pos = torch.arange(a, b)
+            return {"latent.0": pos[pos % world == rank].to(torch.bfloat16)[:, None]}
+
+        PrefixCache(k, host_bytes=1 << 20, disk=DiskTier(folder, k, 1 << 30)).store(prompt, len(prompt), rows_for)
+        if rank == 1:  # one bit of rank 1's block 5 rots while the server is down
+            victim = Path(folder) / k.digest().hex() / (chain_hashes(k, prompt)[5].hex() + SUFFIX)
+            data = bytearray(victim.read_bytes())
+            data[-1] ^= 1
+            victim.write_bytes(bytes(data))
+        cache = PrefixCache(k, host_bytes=1 << 20, disk=DiskTier(folder, k, 1 << 30), agree=agree)  # a restart
+        hit = cache.lookup(prompt + [1])
+        got: list[float] = []
+        end = hit.restore(lambda a, n, rows: got.extend(rows["latent.0"].flatten().tolist()))
+        out[rank] = (hit.reused_tokens, end, got[:3], cache.stats.cached_tokens)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_dcp_restore_agrees_on_what_every_rank_restored(tmp_path):
+    """Disk files are verified while they are restored: a rank whose file fails restores less, and
+    every rank then keeps only what all of them restored (a second MIN over the ranks)."""
+    world = 3
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_dcp_disk_worker, args=(world, _free_port(), str(tmp_path), out), nprocs=world, join=True)
+        res = dict(out)
+    assert {r: res[r][0] for r in range(world)} == {r: 8 * C for r in range(world)}  # the index's view
+    assert {r: res[r][1] for r in range(world)} == {r: 5 * C for r in range(world)}  # rank 1's block 5 failed
+    assert {r: res[r][3] for r in range(world)} == {r: 5 * C for r in range(world)}  # stats say so too
+    assert res[2][2] == [float(p) for p in range(2, 9, world)]  # rank 2's own positions
