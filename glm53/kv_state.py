@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -212,25 +213,33 @@ class KVState:
         n = len(tokens)
         self.reserve(start + n)
         a, b = self.slots(start, start + n)
-        expected = set(self.export_names())
-        if set(rows) != expected:
-            missing, extra = expected - set(rows), set(rows) - expected
+        places = self._places
+        if rows.keys() != places.keys():
+            missing, extra = places.keys() - rows.keys(), rows.keys() - places.keys()
             raise ValueError(f"restored rows do not match this cache: missing {sorted(missing)[:4]}, extra {sorted(extra)[:4]}")
-        targets = {}
-        for name, t in rows.items():
-            kind, layer = name.rsplit(".", 1)
-            target = {"latent": self.latent, "latent_scale": self.latent_scale,
-                      "index": self.index_keys, "index_scale": self.index_scale}[kind][int(layer)]
-            if t.shape[0] < b - a or t.dtype != target.dtype or tuple(t.shape[1:]) != tuple(target.shape[1:]):
+        dsts, srcs = [], []
+        for name, t in rows.items():  # every tensor checked first: nothing half-written
+            kind, layer = places[name]
+            target = getattr(self, kind)[layer]
+            if t.shape[0] < b - a or t.dtype != target.dtype or t.shape[1:] != target.shape[1:]:
                 raise ValueError(f"restored {name}: {tuple(t.shape)} {t.dtype}, expected at least [{b - a}, ...] {target.dtype}")
-            targets[name] = target
-        # every tensor checked first: nothing half-written; then straight into the cache, one
-        # grouped copy (a 78-layer node is ~117 tensors)
-        names = list(rows)
-        torch._foreach_copy_([targets[n][a:b] for n in names], [rows[n][: b - a] for n in names])
+            dsts.append(target[a:b])
+            srcs.append(t if t.shape[0] == b - a else t[: b - a])
+        # straight into the cache, one grouped copy (a 78-layer node is ~117 tensors)
+        torch._foreach_copy_(dsts, srcs)
         self.tokens.extend(tokens)
         if self.frontier == start:
             self.frontier = start + n
+
+    @cached_property
+    def _places(self) -> dict[str, tuple[str, int]]:
+        """export_names' tensors: name -> (attribute, layer); the names are fixed for a state."""
+        attrs = {"latent": "latent", "latent_scale": "latent_scale", "index": "index_keys", "index_scale": "index_scale"}
+        places = {}
+        for name in self.export_names():
+            kind, layer = name.rsplit(".", 1)
+            places[name] = (attrs[kind], int(layer))
+        return places
 
     def export_names(self) -> list[str]:
         names = [f"latent.{i}" for i in range(self.n_layers)]

@@ -8,9 +8,8 @@ file I/O); stale temp files of dead writers are deleted. Anything that does not 
 version, header digest, key, chain hash vs. name, parent and tokens, sizes, payload checksum on
 load) is a miss and is moved to DIR/<key digest>/quarantine/, never returned.
 
-Reads: `load_many` reads a chain's files in parallel on a thread pool, each file with one
-readinto into a buffer of its size, verified there (SHA-256 releases the GIL) and decoded into
-views of that buffer. Eviction is LRU by mtime (loads and stores set it explicitly, tip of a
+Reads: `read` reads one file with one readinto into a buffer the caller gives (restore.py's ring)
+or one of its size, and verifies it there (diskfile.py); `load` returns its rows as views. Eviction is LRU by mtime (loads and stores set it explicitly, tip of a
 chain first, so parents stay newer than children); evicting a node deletes its descendants.
 """
 from __future__ import annotations
@@ -167,10 +166,11 @@ class DiskTier:
         got = self.read(h)
         return None if got is None else diskfile.views(*got)
 
-    def read(self, h: bytes, buf: torch.Tensor | None = None) -> tuple[diskfile.Header, torch.Tensor] | None:
+    def read(self, h: bytes, buf: torch.Tensor | None = None) -> tuple[diskfile.Header, torch.Tensor, list] | None:
         """Read node h's file with one readinto into `buf` (uint8, at least the file's size; None:
-        a new buffer of its size) and verify it there: (header, buffer), or None (a miss: the file
-        is gone, or it failed verification and was quarantined). Safe on any thread."""
+        a new buffer of its size) and verify it there: (header, buffer, the tensors' layout), or
+        None (a miss: the file is gone, or it failed verification and was quarantined). Safe on
+        any thread."""
         e = self.entry(h)
         if e is None:
             return None
@@ -189,7 +189,7 @@ class DiskTier:
             log.warning("kv_cache disk: cannot read %s (%s); a miss", e.path, err)
         return None
 
-    def _read(self, h: bytes, path: Path, buf: torch.Tensor | None) -> tuple[diskfile.Header, torch.Tensor]:
+    def _read(self, h: bytes, path: Path, buf: torch.Tensor | None) -> tuple[diskfile.Header, torch.Tensor, list]:
         with open(path, "rb", buffering=0) as f:
             size = os.fstat(f.fileno()).st_size
             if size < diskfile.PREAMBLE.size:
@@ -210,7 +210,7 @@ class DiskTier:
         hdr = diskfile.parse(view, size)
         diskfile.check_identity(hdr, self._key_json, h, self.key.chunk_size)
         diskfile.verify(hdr, buf)
-        return hdr, buf
+        return hdr, buf, diskfile.layout(hdr)
 
     def touch_chain(self, hashes: Sequence[bytes]) -> None:
         with self._lock:

@@ -2,7 +2,8 @@
 
 The engine (glm53/engine.py) takes a `prefix_cache` object and calls, per request,
 `lookup(prompt, live_tokens=state.tokens, live_frontier=state.frontier)`, truncates its state to
-`hit.live_tokens`, `Hit.restore` into `KVState.import_rows`, prefills [hit.reused_tokens, n),
+`hit.live_tokens`, `Hit.restore` into `KVState.import_rows` (disk files are read there; it
+returns the reused length, less where a file failed verification), prefills from that length,
 then `store(prompt, frontier, rows_for)` with `KVState.export_rows(start, stop)`. This module
 builds that cache with the engine's cache block size (`engine.cache_block`) and reuse boundary
 (`engine.reuse_boundary`: None where the kernels are row-invariant) and the right key:

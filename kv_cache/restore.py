@@ -85,8 +85,9 @@ class Restorer:
             self._pool = ThreadPoolExecutor(self.disk.threads, thread_name_prefix="kv_cache-disk-read")
         return self._pool
 
-    def _fill(self, slot: int, h: bytes, need: int) -> tuple[diskfile.Header, torch.Tensor] | None:
-        """A reader's task: node h's file, verified, in ring buffer `slot` (None: a miss)."""
+    def _fill(self, slot: int, h: bytes, need: int) -> tuple[diskfile.Header, torch.Tensor, list] | None:
+        """A reader's task: node h's file, verified, in ring buffer `slot`, and its tensors'
+        layout (worked out here, off the thread that copies: DiskTier.read); None: a miss."""
         copied = self._copied[slot]
         if copied is not None:
             copied.synchronize()
@@ -95,12 +96,13 @@ class Restorer:
             buf = self._buffers[slot] = torch.empty(need, dtype=torch.uint8, pin_memory=self.pinned)
         return self.disk.read(h, buf)
 
-    def _on_device(self, hdr: diskfile.Header, buf: torch.Tensor, *, slot: int, device: torch.device) -> Rows:
+    def _on_device(self, hdr: diskfile.Header, buf: torch.Tensor, runs: list, *, slot: int,
+                   device: torch.device) -> Rows:
         """The file's rows where the cache is: views of the ring buffer on the CPU; on a GPU, views
         of a scratch buffer the whole file went to in one transfer (the cache's copies out of it
         follow on the same stream, so the next transfer into it waits for them)."""
         if device.type == "cpu":
-            return diskfile.views(hdr, buf)
+            return diskfile.views(hdr, buf, runs)
         scratch = self._scratch.get(device)
         if scratch is None or scratch.numel() < hdr.file_size:
             scratch = self._scratch[device] = torch.empty(buf.numel(), dtype=torch.uint8, device=device)
@@ -108,7 +110,7 @@ class Restorer:
         if device.type == "cuda":
             event = self._copied[slot] = torch.cuda.Event()
             event.record(torch.cuda.current_stream(device))
-        return diskfile.views(hdr, scratch)
+        return diskfile.views(hdr, scratch, runs)
 
     def close(self) -> None:
         if self._pool is not None:

@@ -144,7 +144,9 @@ def test_file_layout_aligns_the_payload_and_records_tokens():
     hdr = diskfile.parse(memoryview(blob), len(blob))
     assert hdr.payload_start % diskfile.ALIGN == 0 and hdr.file_size == len(blob)
     assert hdr.tokens.tolist() == node.tokens.tolist() and hdr.parent == node.parent
-    assert all(t["offset"] % diskfile.ALIGN == 0 for t in hdr.tensors)
+    assert all(r["offset"] % diskfile.ALIGN == 0 for r in hdr.runs)
+    # the five tensors differ in dtype or shape: five runs; views of them are exact
+    assert [r["names"] for r in hdr.runs] == [[n] for n in sorted(node.rows)]
     buf = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
     assert same(diskfile.decode(hdr, buf), node.rows)
     # a header that lies about its tokens fails the identity check (the hash is recomputed)
@@ -154,3 +156,29 @@ def test_file_layout_aligns_the_payload_and_records_tokens():
         diskfile.check_identity(liar, json.loads(k.to_json()), node.hash, B)
     with pytest.raises(diskfile.CorruptEntry, match="file name does not match"):
         diskfile.check_identity(hdr, json.loads(k.to_json()), b"\1" * 16, B)
+
+
+def test_tensors_of_one_dtype_and_shape_are_one_run_and_a_bad_run_is_refused():
+    k = key()
+    g = torch.Generator().manual_seed(2)
+    rows = {f"latent.{i}": torch.randn(4, 6, generator=g).to(torch.bfloat16) for i in range(12)}  # 48 bytes: padded
+    rows |= {f"index.{i}": torch.randn(4, 16, generator=g).to(torch.bfloat16) for i in range(5)}  # 128 bytes
+    toks = np.arange(4, dtype=np.int64)
+    node = Node(block_hash(root_hash(k), toks), root_hash(k), toks, rows)
+    blob = b"".join(bytes(p) for p in diskfile.encode(json.loads(k.to_json()), node))
+    hdr = diskfile.parse(memoryview(blob), len(blob))
+    # the 128-byte index rows lie back to back: one run; the 48-byte latents need padding: one each
+    assert [len(r["names"]) for r in hdr.runs] == [5] + [1] * 12
+    buf = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    assert same(diskfile.decode(hdr, buf), rows)
+    for i, change, why in [
+        (0, {"names": hdr.runs[0]["names"] + ["index.9"] * 40}, "outside the payload"),
+        (0, {"shape": [4, 15]}, "does not fit"),
+        (0, {"offset": 8}, "outside the payload"),
+        (1, {"names": ["index.0"]}, "appears twice"),
+        (0, {"dtype": "nonsense"}, "unknown dtype"),
+    ]:
+        runs = list(hdr.runs)
+        runs[i] = {**runs[i], **change}
+        with pytest.raises(diskfile.CorruptEntry, match=why):
+            diskfile.layout(dataclasses.replace(hdr, runs=tuple(runs)))
