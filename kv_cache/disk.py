@@ -141,6 +141,12 @@ class DiskTier:
         with self._lock:
             return self.index.get(h)
 
+    def largest_file(self) -> int:
+        """The size of the largest file in the index (0 when empty): what a read buffer must hold
+        (a full block's node; tails are smaller)."""
+        with self._lock:
+            return max((e.size for e in self.index.values()), default=0)
+
     def dominated(self, parent: bytes, tokens: Tokens) -> bool:
         return any(dominates(t, tokens) for _, t in self.children(parent))
 

@@ -38,6 +38,10 @@ class Restorer:
         self._scratch: dict[torch.device, torch.Tensor] = {}
         self._lock = threading.Lock()  # one restore at a time: the ring is shared
         self.files_read = 0
+        if self.pinned:  # pinned memory is slow to allocate: at start-up, not in the first resume
+            biggest = disk.largest_file()
+            if biggest:
+                self._buffers = [torch.empty(biggest, dtype=torch.uint8, pin_memory=True) for _ in range(self.depth)]
 
     def restore(self, pieces: Sequence[Piece], write_rows: WriteRows, device: torch.device | str | None) -> int:
         """write_rows(start, length, rows) for each piece in order (a disk piece's rows are valid
