@@ -155,9 +155,9 @@ class PrefixCache:
         self._pending: _Pending | None = None
         # serving writes the disk tier on a background thread (flushed at exit); tests may write inline
         self._writer = BackgroundWriter(disk) if disk is not None and disk_async else None
-        # disk nodes are read when the engine restores them (restore.py), through pinned buffers
-        # where the rows go to a GPU
-        self._restorer = Restorer(disk, pinned=staging_pinned) if disk is not None else None
+        # disk nodes are read when the engine restores them (restore.py); disk and host nodes go to
+        # a GPU through a ring of pinned buffers, one transfer a node
+        self._restorer = Restorer(disk, pinned=staging_pinned)
         # a stopping server lands its last store, then finishes its disk writes (atexit runs these
         # in reverse order). The cache itself is held weakly: one dropped without close() (a test,
         # a re-attached engine) is freed with its pinned buffer instead of living until exit
@@ -227,8 +227,9 @@ class PrefixCache:
         pieces = [Piece(s.start, min(s.start + s.usable, agreed) - s.start, s.node.rows, s.source, s.node.hash)
                   for s in used]
         hit = Hit(agreed, used[0].start if used else agreed, pieces)
+        if pieces:
+            hit.reader = self._restorer.restore
         if self.disk is not None:  # disk pieces are read by restore, which may end early
-            hit.reader = self._restorer.restore if any(p.source == "disk" for p in pieces) else None
             hit.settle = self._restored
         self._touch(hashes[:used[0].start // self.block] + [s.node.hash for s in used] if used
                     else hashes[:agreed // self.block])
@@ -452,8 +453,7 @@ class PrefixCache:
             atexit.unregister(self._writer.flush)
             self._writer = None
         atexit.unregister(self._at_exit)
-        if self._restorer is not None:
-            self._restorer.close()
+        self._restorer.close()
 
     @property
     @_locked

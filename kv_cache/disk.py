@@ -170,7 +170,7 @@ class DiskTier:
     def load(self, h: bytes) -> Rows | None:
         """The node's rows, fully verified, as views of a buffer of their own, or None (a miss)."""
         got = self.read(h)
-        return None if got is None else diskfile.views(*got)
+        return None if got is None else diskfile.views(got[2], got[1])
 
     def read(self, h: bytes, buf: torch.Tensor | None = None) -> tuple[diskfile.Header, torch.Tensor, list] | None:
         """Read node h's file with one readinto into `buf` (uint8, at least the file's size; None:

@@ -75,34 +75,58 @@ def _raw(t: torch.Tensor) -> memoryview:
     return memoryview(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
+def plan(rows: Rows) -> tuple[list["Run"], int]:
+    """Where each tensor of `rows` goes in a payload (or a restore buffer), by sorted name: at a
+    64-byte aligned offset (relative to the payload's start), consecutive tensors of one dtype and
+    shape that lie back to back forming one run. Returns the runs and the payload's size."""
+    runs: list[Run] = []
+    offset = 0
+    for name in sorted(rows):
+        t = rows[name]
+        n, shape = t.numel() * t.element_size(), tuple(t.shape)
+        offset += -offset % ALIGN
+        last = runs[-1] if runs else None
+        if (last is not None and (last.dtype, last.shape) == (t.dtype, shape)
+                and offset == last.start + len(last.names) * n):
+            runs[-1] = Run(last.names + (name,), last.start, n, t.dtype, shape)
+        else:
+            runs.append(Run((name,), offset, n, t.dtype, shape))
+        offset += n
+    return runs, offset
+
+
+def pack(rows: Rows, runs: list["Run"], buf: torch.Tensor) -> None:
+    """Copy `rows` into `buf` where `plan(rows)` put them (one grouped copy per run)."""
+    for r in runs:
+        if r.nbytes:
+            block = buf[r.start:r.start + len(r.names) * r.nbytes].view(r.dtype).reshape((len(r.names),) + r.shape)
+            torch._foreach_copy_(list(block.unbind(0)), [rows[name] for name in r.names])
+
+
 def encode(key_json: dict, node: Node) -> list[bytes | memoryview]:
     """The file's bytes as a list of pieces (tensor pieces are views, not copies)."""
     assert node.rows is not None
-    runs: list[dict] = []  # tensors of one dtype and shape, back to back: one entry
+    runs, size = plan(node.rows)
     pieces: list[bytes | memoryview] = []
     payload = xxhash.xxh3_128()
     offset = 0
-    for name in sorted(node.rows):
-        raw = _raw(node.rows[name])
-        pad = -offset % ALIGN
-        if pad:
-            pieces.append(bytes(pad))
-            payload.update(bytes(pad))
-            offset += pad
-        t = node.rows[name]
-        spec = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "nbytes": raw.nbytes}
-        last = runs[-1] if runs else None
-        if last is not None and all(last[k] == v for k, v in spec.items()) \
-                and offset == last["offset"] + len(last["names"]) * raw.nbytes:
-            last["names"].append(name)
-        else:
-            runs.append({"names": [name], "offset": offset, **spec})
-        payload.update(raw)
-        pieces.append(raw)
-        offset += raw.nbytes
+    for r in runs:
+        for i, name in enumerate(r.names):
+            pad = r.start + i * r.nbytes - offset
+            if pad:
+                pieces.append(bytes(pad))
+                payload.update(bytes(pad))
+            raw = _raw(node.rows[name])
+            payload.update(raw)
+            pieces.append(raw)
+            offset = r.start + (i + 1) * r.nbytes
+    assert offset == size
     header = json.dumps({"key": key_json, "hash": node.hash.hex(), "parent": node.parent.hex(),
                          "length": int(node.length), "tokens": [int(x) for x in node.tokens],
-                         "runs": runs, "payload_bytes": offset, "payload_xxh3": payload.hexdigest()},
+                         "runs": [{"names": list(r.names), "offset": r.start, "nbytes": r.nbytes,
+                                   "dtype": str(r.dtype).removeprefix("torch."), "shape": list(r.shape)}
+                                  for r in runs],
+                         "payload_bytes": size, "payload_xxh3": payload.hexdigest()},
                         sort_keys=True, separators=(",", ":")).encode()
     header += b" " * (-(PREAMBLE.size + len(header)) % ALIGN)
     pre = PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(header), header_digest(header))
@@ -187,7 +211,7 @@ class Run:
     """Tensors of one dtype and shape that lie back to back in a file: one view, split by unbind."""
 
     names: tuple[str, ...]
-    start: int  # absolute offset in the file
+    start: int  # offset of the first tensor (in a file: from its start; in a plan: from the payload's)
     nbytes: int  # of each tensor
     dtype: torch.dtype
     shape: tuple[int, ...]
@@ -214,11 +238,11 @@ def layout(h: Header) -> list[Run]:
     return runs
 
 
-def views(h: Header, buf: torch.Tensor, runs: list[Run] | None = None) -> Rows:
-    """The rows of a file whose bytes are in `buf` (a uint8 tensor on any device), as views
-    (`runs`: layout(h), when the caller has it)."""
+def views(runs: list[Run], buf: torch.Tensor) -> Rows:
+    """The rows laid out by `runs` (layout() of a file, plan() of rows) in `buf`, a uint8 tensor on
+    any device, as views."""
     rows: Rows = {}
-    for r in layout(h) if runs is None else runs:
+    for r in runs:
         if r.nbytes == 0:
             rows.update((name, torch.empty(r.shape, dtype=r.dtype, device=buf.device)) for name in r.names)
             continue
@@ -230,4 +254,4 @@ def views(h: Header, buf: torch.Tensor, runs: list[Run] | None = None) -> Rows:
 def decode(h: Header, buf: torch.Tensor) -> Rows:
     """Verify the payload of a whole file read into `buf` (uint8) and return its rows as views."""
     verify(h, buf)
-    return views(h, buf)
+    return views(layout(h), buf)

@@ -3,13 +3,15 @@
 A lookup finds disk nodes through the index alone; their files are read here, when the engine
 restores the hit. Reader threads read each file with one readinto into one of a ring of reused
 buffers (pinned where the cache lives on a GPU) and verify it there (diskfile.py); the caller's
-thread takes the nodes in order, copies each file to the device in one transfer into a scratch
-buffer and from there into the cache's tensors. At most `depth` files are in flight, so the
-memory a resume needs is the ring's whatever its size (a 94k-token resume of GLM-5.3 is 8.7 GiB,
-the ring 16 buffers of ~25 MB), and no page of it is new (fresh buffers per file cost their page
-faults). A buffer is refilled only after the transfer out of it has finished (an event per
-buffer). A file that fails verification ends the restore at its node; the caller continues from
-there (the engine prefills the rest; ranks agree again on what all of them restored).
+thread takes the nodes in order, copies each to the device in one transfer into a scratch buffer
+and from there into the cache's tensors. Host-tier nodes take the same path: a reader packs the
+node's tensors into a ring buffer (diskfile.plan), so a node is one pinned transfer, not ~117
+pageable ones (3.5-4 GB/s on the H200 host, against 55 GB/s pinned). At most `depth` nodes are in flight, so the memory a resume
+needs is the ring's whatever its size (a 94k-token resume of GLM-5.3 is 8.7 GiB, the ring 16
+buffers of ~25 MB), and no page of it is new (fresh buffers per file cost their page faults).
+A buffer is refilled only after the transfer out of it has finished (an event per buffer). A
+file that fails verification ends the restore at its node; the caller continues from there (the
+engine prefills the rest; ranks agree again on what all of them restored).
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from typing import Callable, Sequence
 import torch
 
 from . import diskfile
-from .disk import DiskTier
+from .disk import DiskTier, default_threads
 from .hit import Piece
 from .rows import Rows
 
@@ -28,50 +30,55 @@ WriteRows = Callable[[int, int, Rows], None]
 
 
 class Restorer:
-    def __init__(self, disk: DiskTier, pinned: bool) -> None:
+    def __init__(self, disk: DiskTier | None, pinned: bool, threads: int | None = None) -> None:
         self.disk = disk
         self.pinned = pinned and torch.cuda.is_available()
-        self.depth = 2 * disk.threads  # a file in each reader's hands and one waiting per reader
+        self.threads = threads or (disk.threads if disk is not None else default_threads())
+        self.depth = 2 * self.threads  # a node in each reader's hands and one waiting per reader
         self._pool: ThreadPoolExecutor | None = None
         self._buffers: list[torch.Tensor | None] = [None] * self.depth
         self._copied: list[torch.cuda.Event | None] = [None] * self.depth  # the transfer out of each buffer
         self._scratch: dict[torch.device, torch.Tensor] = {}
         self._lock = threading.Lock()  # one restore at a time: the ring is shared
         self.files_read = 0
-        if self.pinned:  # pinned memory is slow to allocate: at start-up, not in the first resume
+        self.nodes_packed = 0
+        if self.pinned and disk is not None:  # pinned memory: allocated at start-up, not in the first resume
             biggest = disk.largest_file()
             if biggest:
                 self._buffers = [torch.empty(biggest, dtype=torch.uint8, pin_memory=True) for _ in range(self.depth)]
 
     def restore(self, pieces: Sequence[Piece], write_rows: WriteRows, device: torch.device | str | None) -> int:
-        """write_rows(start, length, rows) for each piece in order (a disk piece's rows are valid
-        only during the call: they live in the ring). Returns where the restored rows end: the
-        last piece's end, or the start of the first disk piece whose file was a miss."""
+        """write_rows(start, length, rows) for each piece in order (rows that went through the ring
+        are valid only during the call). Returns where the restored rows end: the last piece's
+        end, or the start of the first disk piece whose file was a miss."""
         if not pieces:
             return 0
         dev = torch.device(device) if device is not None else torch.device("cpu")
-        sizes = {i: self._size(p) for i, p in enumerate(pieces) if p.source == "disk"}
-        need = max((s for s in sizes.values() if s is not None), default=0)
+        plans = [self._plan(p) for p in pieces]
+        need = max((plan[0] for plan in plans if plan is not None), default=0)
         with self._lock:
             futures: dict[int, Future] = {}
 
             def submit(i: int) -> None:
-                if i < len(pieces) and sizes.get(i) is not None:
-                    futures[i] = self._readers().submit(self._fill, i % self.depth, pieces[i].node, need)
+                if i < len(pieces) and plans[i] is not None:
+                    futures[i] = self._readers().submit(self._fill, i % self.depth, pieces[i], plans[i][1], need)
 
             for i in range(self.depth):
                 submit(i)
             end = pieces[0].start
             try:
                 for i, piece in enumerate(pieces):
-                    if piece.source == "disk":
-                        got = futures.pop(i).result() if i in futures else None
+                    if i in futures:
+                        got = futures.pop(i).result()
                         if got is None:
                             break
-                        self.files_read += 1
+                        if piece.source == "disk":
+                            self.files_read += 1
+                        else:
+                            self.nodes_packed += 1
                         rows = self._on_device(*got, slot=i % self.depth, device=dev)
-                    else:
-                        rows = piece.rows
+                    else:  # a disk node gone from the index since the lookup
+                        break
                     write_rows(piece.start, piece.length, rows)
                     end = piece.start + piece.length
                     submit(i + self.depth)
@@ -80,41 +87,51 @@ class Restorer:
                     f.result()
             return end
 
-    def _size(self, piece: Piece) -> int | None:
-        e = self.disk.entry(piece.node)
-        return None if e is None else e.size
+    def _plan(self, piece: Piece) -> tuple[int, list | None] | None:
+        """(bytes the piece needs in the ring, a host piece's layout); None for a disk node gone
+        from the index. Every piece takes the ring, to a CPU cache too: one path for all, which
+        the CPU tests then run whole (a CPU cache pays one more copy of its host rows)."""
+        if piece.source == "disk":
+            e = self.disk.entry(piece.node) if self.disk is not None else None
+            return None if e is None else (e.size, None)
+        runs, size = diskfile.plan(piece.rows)
+        return size, runs
 
     def _readers(self) -> ThreadPoolExecutor:
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.disk.threads, thread_name_prefix="kv_cache-disk-read")
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="kv_cache-disk-read")
         return self._pool
 
-    def _fill(self, slot: int, h: bytes, need: int) -> tuple[diskfile.Header, torch.Tensor, list] | None:
-        """A reader's task: node h's file, verified, in ring buffer `slot`, and its tensors'
-        layout (worked out here, off the thread that copies: DiskTier.read); None: a miss."""
+    def _fill(self, slot: int, piece: Piece, runs: list | None, need: int) -> tuple[int, torch.Tensor, list] | None:
+        """A reader's task: the piece's node in ring buffer `slot`, as (bytes, buffer, layout): a
+        disk node's file read and verified (its layout worked out here, off the thread that
+        copies: DiskTier.read), a host node's rows packed; None: a miss."""
         copied = self._copied[slot]
         if copied is not None:
             copied.synchronize()
         buf = self._buffers[slot]
         if buf is None or buf.numel() < need:
             buf = self._buffers[slot] = torch.empty(need, dtype=torch.uint8, pin_memory=self.pinned)
-        return self.disk.read(h, buf)
+        if piece.source == "disk":
+            got = self.disk.read(piece.node, buf)
+            return None if got is None else (got[0].file_size, got[1], got[2])
+        diskfile.pack(piece.rows, runs, buf)
+        return runs[-1].start + len(runs[-1].names) * runs[-1].nbytes if runs else 0, buf, runs
 
-    def _on_device(self, hdr: diskfile.Header, buf: torch.Tensor, runs: list, *, slot: int,
-                   device: torch.device) -> Rows:
-        """The file's rows where the cache is: views of the ring buffer on the CPU; on a GPU, views
-        of a scratch buffer the whole file went to in one transfer (the cache's copies out of it
-        follow on the same stream, so the next transfer into it waits for them)."""
+    def _on_device(self, nbytes: int, buf: torch.Tensor, runs: list, *, slot: int, device: torch.device) -> Rows:
+        """The node's rows where the cache is: views of the ring buffer on the CPU; on a GPU, views
+        of a scratch buffer the node went to in one transfer (the cache's copies out of it follow
+        on the same stream, so the next transfer into it waits for them)."""
         if device.type == "cpu":
-            return diskfile.views(hdr, buf, runs)
+            return diskfile.views(runs, buf)
         scratch = self._scratch.get(device)
-        if scratch is None or scratch.numel() < hdr.file_size:
+        if scratch is None or scratch.numel() < nbytes:
             scratch = self._scratch[device] = torch.empty(buf.numel(), dtype=torch.uint8, device=device)
-        scratch[:hdr.file_size].copy_(buf[:hdr.file_size], non_blocking=True)
+        scratch[:nbytes].copy_(buf[:nbytes], non_blocking=True)
         if device.type == "cuda":
             event = self._copied[slot] = torch.cuda.Event()
             event.record(torch.cuda.current_stream(device))
-        return diskfile.views(hdr, scratch, runs)
+        return diskfile.views(runs, scratch)
 
     def close(self) -> None:
         if self._pool is not None:

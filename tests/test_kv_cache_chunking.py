@@ -120,7 +120,8 @@ def reuse_mismatches(planner: Planner, trials: int = 8, c: int = 32) -> int:
         assert hit.reused_tokens > 0 or pattern == 3 and len(base) // 2 < c
         assert hit.reused_tokens % c == 0
         restored = {n: [] for n in first_cache}
-        hit.restore(lambda start, length, rows: [restored[n].append(rows[n][:length]) for n in rows])
+        # rows are valid during the call only (they may live in the restore's ring): copy them
+        hit.restore(lambda start, length, rows: [restored[n].append(rows[n][:length].clone()) for n in rows])
         warm_rows = {n: torch.cat(v) if v else first_cache[n][:0] for n, v in restored.items()}
         warm, warm_logits = prefill(w, new, planner, c, warm_rows, hit.reused_tokens)
         cold, cold_logits = prefill(w, new, planner, c)

@@ -182,3 +182,25 @@ def test_tensors_of_one_dtype_and_shape_are_one_run_and_a_bad_run_is_refused():
         runs[i] = {**runs[i], **change}
         with pytest.raises(diskfile.CorruptEntry, match=why):
             diskfile.layout(dataclasses.replace(hdr, runs=tuple(runs)))
+
+
+def test_host_and_disk_pieces_share_the_ring_exactly(tmp_path):
+    """Host-tier nodes take the ring too (packed by a reader: one transfer a node on a GPU):
+    any dtype, empty tensors, a node of zero rows (a DCP rank may own no slot of a short tail),
+    mixed with disk nodes, more nodes than buffers."""
+    k = key()
+    nodes = chain(k, 5, tail=3)
+    DiskTier(tmp_path, k, 1 << 30).put_chain(root_hash(k), nodes[:3])  # blocks 0-2 on disk
+    tier = DiskTier(tmp_path, k, 1 << 30, threads=1)
+    empty = {name: t[:0] for name, t in nodes[4].rows.items()}
+    pieces = pieces_of(nodes[:3]) + [Piece(3 * B, B, nodes[3].rows, "host"), Piece(4 * B, 0, empty, "host"),
+                                     Piece(4 * B, 3, nodes[5].rows, "host")]
+    for restorer in (Restorer(tier, pinned=False), Restorer(None, pinned=False, threads=1)):
+        todo = pieces if restorer.disk is not None else pieces[3:]
+        end, got = restore_all(restorer, todo)
+        assert end == 4 * B + 3 and len(got) == len(todo)
+        for (a, n, rows), piece, node in zip(got, todo, [*nodes[:3], nodes[3], None, nodes[5]][-len(todo):]):
+            assert (a, n) == (piece.start, piece.length)
+            assert same(rows, node.rows if node is not None else empty)
+        assert restorer.nodes_packed == 3 and restorer.files_read == (3 if restorer.disk is not None else 0)
+        restorer.close()

@@ -34,7 +34,7 @@ def restored(hit, prompt: list[int], live: list[int] | None = None) -> torch.Ten
 
     def write(start: int, n: int, rows):
         assert start == sum(len(p) for p in parts)
-        parts.append(rows["latent.0"][:n])
+        parts.append(rows["latent.0"][:n].clone())  # valid during the call only
     hit.restore(write)
     return torch.cat(parts)
 
@@ -250,7 +250,7 @@ def test_dcp_agreement_is_the_extent_every_rank_can_serve():
         cache.store(P, frontiers[r], dcp_rows(world, r, P))
         hit = cache.lookup(prompt)
         got = []
-        hit.restore(lambda s, n, rows: got.append(rows["latent.0"][:own(s, n, r, world)]))
+        hit.restore(lambda s, n, rows: got.append(rows["latent.0"][:own(s, n, r, world)].clone()))
         want = dcp_rows(world, r, prompt)(0, hit.reused_tokens)["latent.0"]
         return hit.reused_tokens, spans(hit), torch.equal(torch.cat(got), want)
     res = run_ranks(group, body)

@@ -47,7 +47,7 @@ def restored(hit, live: dict[str, torch.Tensor] | None = None) -> dict[str, torc
 
     def write(start, n, rows):
         for name, t in rows.items():
-            parts.setdefault(name, []).append(t[:n])
+            parts.setdefault(name, []).append(t[:n].clone())  # valid during the call only
     hit.restore(write)
     return {n: torch.cat(v) for n, v in parts.items()}
 

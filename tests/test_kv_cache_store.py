@@ -46,7 +46,7 @@ def replay(hit, prompt: list[int], live: list[int] | None = None):
     def write(start: int, n: int, rows):
         assert start == at[0] and 0 < n <= rows["scale.0"].shape[0]
         for name, t in rows.items():
-            got[name].append(t[:n])
+            got[name].append(t[:n].clone())  # valid during the call only
         at[0] += n
     hit.restore(write)
     assert at[0] == hit.reused_tokens
