@@ -61,7 +61,7 @@ class Restorer:
 
             def submit(i: int) -> None:
                 if i < len(pieces) and plans[i] is not None:
-                    futures[i] = self._readers().submit(self._fill, i % self.depth, pieces[i], plans[i][1], need)
+                    futures[i] = self._readers().submit(self._fill, i % self.depth, pieces[i], plans[i], need)
 
             for i in range(self.depth):
                 submit(i)
@@ -102,7 +102,7 @@ class Restorer:
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="kv_cache-disk-read")
         return self._pool
 
-    def _fill(self, slot: int, piece: Piece, runs: list | None, need: int) -> tuple[int, torch.Tensor, list] | None:
+    def _fill(self, slot: int, piece: Piece, plan: tuple[int, list | None], need: int) -> tuple[int, torch.Tensor, list] | None:
         """A reader's task: the piece's node in ring buffer `slot`, as (bytes, buffer, layout): a
         disk node's file read and verified (its layout worked out here, off the thread that
         copies: DiskTier.read), a host node's rows packed; None: a miss."""
@@ -115,8 +115,9 @@ class Restorer:
         if piece.source == "disk":
             got = self.disk.read(piece.node, buf)
             return None if got is None else (got[0].file_size, got[1], got[2])
+        size, runs = plan
         diskfile.pack(piece.rows, runs, buf)
-        return runs[-1].start + len(runs[-1].names) * runs[-1].nbytes if runs else 0, buf, runs
+        return size, buf, runs
 
     def _on_device(self, nbytes: int, buf: torch.Tensor, runs: list, *, slot: int, device: torch.device) -> Rows:
         """The node's rows where the cache is: views of the ring buffer on the CPU; on a GPU, views
