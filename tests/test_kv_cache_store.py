@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import socket
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,8 +12,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kv_cache import CacheKey, HostStore, Node, PrefixCache, block_hash, chain_hashes
+from kv_cache import CacheKey, DiskTier, HostStore, Node, PrefixCache, block_hash, chain_hashes
 from kv_cache.cache import CacheConfigError, parse_bytes
+from kv_cache.disk import SUFFIX
 from kv_cache.keys import root_hash
 
 C = 8  # the cache block size B
@@ -253,25 +255,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _min_over_ranks(n: int) -> int:
+    t = torch.tensor([n], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def _own_rows(world: int, rank: int):
+    """rows_for(a, b): this rank's positions of [a, b) (p % world == rank), each its own value."""
+    def rows_for(a: int, b: int):
+        pos = torch.arange(a, b)
+        return {"latent.0": pos[pos % world == rank].to(torch.bfloat16)[:, None]}
+    return rows_for
+
+
 def _dcp_worker(rank: int, world: int, port: int, out: dict) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        def agree(n: int) -> int:
-            t = torch.tensor([n], dtype=torch.int64)
-            dist.all_reduce(t, op=dist.ReduceOp.MIN)
-            return int(t.item())
-
         k = key(ranks=world, rank=rank, dcp=True)
-        cache = PrefixCache(k, host_bytes=1 << 20, agree=agree)
+        cache = PrefixCache(k, host_bytes=1 << 20, agree=_min_over_ranks)
         prompt = list(range(3, 3 + 8 * C))
         # rank r holds its rows of the first 8 - 2r blocks + 3 tokens (as if the rest were evicted)
         held = (8 - 2 * rank) * C + 3
-
-        def rows_for(a: int, b: int):  # this rank's positions of [a, b): p % world == rank
-            pos = torch.arange(a, b)
-            return {"latent.0": pos[pos % world == rank].to(torch.bfloat16)[:, None]}
-
-        cache.store(prompt, held, rows_for)
+        cache.store(prompt, held, _own_rows(world, rank))
         hit = cache.lookup(prompt + [1])
         out[rank] = (hit.reused_tokens, len(hit.pieces),
                      [p.rows["latent.0"].flatten().tolist() for p in hit.pieces[:1]])
@@ -296,29 +302,16 @@ def test_dcp_hit_is_the_minimum_over_real_ranks():
 def _dcp_disk_worker(rank: int, world: int, port: int, folder: str, out: dict) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        def agree(n: int) -> int:
-            t = torch.tensor([n], dtype=torch.int64)
-            dist.all_reduce(t, op=dist.ReduceOp.MIN)
-            return int(t.item())
-
-        from pathlib import Path
-
-        from kv_cache import DiskTier
-        from kv_cache.disk import SUFFIX
         k = key(ranks=world, rank=rank, dcp=True)
         prompt = list(range(3, 3 + 8 * C))
-
-        def rows_for(a: int, b: int):
-            pos = torch.arange(a, b)
-            return {"latent.0": pos[pos % world == rank].to(torch.bfloat16)[:, None]}
-
-        PrefixCache(k, host_bytes=1 << 20, disk=DiskTier(folder, k, 1 << 30)).store(prompt, len(prompt), rows_for)
+        writer = PrefixCache(k, host_bytes=1 << 20, disk=DiskTier(folder, k, 1 << 30))
+        writer.store(prompt, len(prompt), _own_rows(world, rank))
         if rank == 1:  # one bit of rank 1's block 5 rots while the server is down
             victim = Path(folder) / k.digest().hex() / (chain_hashes(k, prompt)[5].hex() + SUFFIX)
             data = bytearray(victim.read_bytes())
             data[-1] ^= 1
             victim.write_bytes(bytes(data))
-        cache = PrefixCache(k, host_bytes=1 << 20, disk=DiskTier(folder, k, 1 << 30), agree=agree)  # a restart
+        cache = PrefixCache(k, host_bytes=1 << 20, disk=DiskTier(folder, k, 1 << 30), agree=_min_over_ranks)  # a restart
         hit = cache.lookup(prompt + [1])
         got: list[float] = []
         end = hit.restore(lambda a, n, rows: got.extend(rows["latent.0"].flatten().tolist()))
