@@ -99,7 +99,7 @@ class Restorer:
 
     def _readers(self) -> ThreadPoolExecutor:
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="kv_cache-disk-read")
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="kv_cache-restore")
         return self._pool
 
     def _fill(self, slot: int, piece: Piece, plan: tuple[int, list | None], need: int) -> tuple[int, torch.Tensor, list] | None:

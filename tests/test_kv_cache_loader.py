@@ -109,7 +109,7 @@ def test_reads_run_on_several_threads(tmp_path, monkeypatch):
     restorer = Restorer(tier, pinned=False)
     end, got = restore_all(restorer, pieces_of(nodes))
     assert end == 8 * B and all(same(rows, n.rows) for (_, _, rows), n in zip(got, nodes))
-    assert len(seen) >= 2 and all(name.startswith("kv_cache-disk-read") for name in seen)
+    assert len(seen) >= 2 and all(name.startswith("kv_cache-restore") for name in seen)
     restorer.close()
 
 
