@@ -133,6 +133,13 @@ def test_a_bad_file_is_a_miss_at_its_own_node_and_ends_a_restore_there(tmp_path)
     assert nodes[4].hash not in tier  # dropped from the index
     assert [tier.read(n.hash) is None for n in nodes] == [False, False, True, False, True, False]
     assert tier.read(b"\0" * 16) is None
+    # a file cut short after the index was read (a disk error, an outside hand): a miss there too
+    victim = d / (nodes[1].hash.hex() + SUFFIX)
+    with victim.open("r+b") as f:
+        f.truncate(victim.stat().st_size // 2)
+    end, got = restore_all(restorer, pieces_of(nodes))
+    assert end == B and len(got) == 1 and same(got[0][2], nodes[0].rows)
+    assert tier.quarantined == 2 and nodes[1].hash not in tier
     restorer.close()
 
 
