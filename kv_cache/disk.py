@@ -9,8 +9,9 @@ version, header digest, key, chain hash vs. name, parent and tokens, sizes, payl
 load) is a miss and is moved to DIR/<key digest>/quarantine/, never returned.
 
 Reads: `read` reads one file with one readinto into a buffer the caller gives (restore.py's ring)
-or one of its size, and verifies it there (diskfile.py); `load` returns its rows as views. Eviction is LRU by mtime (loads and stores set it explicitly, tip of a
-chain first, so parents stay newer than children); evicting a node deletes its descendants.
+or one of its size, and verifies it there (diskfile.py); `load` returns its rows as views.
+Eviction is LRU by mtime (loads and stores set it explicitly, tip of a chain first, so parents
+stay newer than children); evicting a node deletes its descendants.
 """
 from __future__ import annotations
 
