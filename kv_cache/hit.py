@@ -33,8 +33,8 @@ class Hit:
     reused_tokens: int = 0
     live_tokens: int = 0
     pieces: list[Piece] = field(default_factory=list)
-    # set by the cache: reads disk pieces while writing (restore.Restorer.restore), and settles the
-    # result (every rank's minimum, the stats); None where every piece's rows are at hand
+    # set by the cache: writes the pieces, reading disk nodes as it goes (restore.Restorer.restore;
+    # always set when there are pieces), and settles the result (every rank's minimum, the stats)
     reader: Callable[[list[Piece], WriteRows, object], int] | None = field(default=None, repr=False, compare=False)
     settle: Callable[["Hit", int], int] | None = field(default=None, repr=False, compare=False)
 
@@ -43,14 +43,7 @@ class Hit:
         copy them; `device`: where the engine's cache lives, so disk rows go there in one transfer
         per file). Returns the reused length the engine keeps: reused_tokens, or less where a disk
         file was a miss (agreed over ranks)."""
-        if not self.pieces:
-            end = self.reused_tokens
-        elif self.reader is not None:
-            end = self.reader(self.pieces, write_rows, device)
-        else:
-            for p in self.pieces:
-                write_rows(p.start, p.length, p.rows)
-            end = self.reused_tokens
+        end = self.reader(self.pieces, write_rows, device) if self.pieces else self.reused_tokens
         return self.settle(self, end) if self.settle is not None else end
 
     @property
