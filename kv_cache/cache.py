@@ -249,13 +249,13 @@ class PrefixCache:
                                f"{end}); agree() must be a min over all ranks")
         short = hit.reused_tokens - agreed
         if short:
+            def lost(source: str) -> int:  # the source's tokens past what was kept
+                return sum(max(0, p.start + p.length - max(p.start, agreed)) for p in hit.pieces if p.source == source)
             with self._lock:
                 s = self.stats
                 s.cached_tokens -= short
-                s.disk_tokens -= sum(max(0, min(p.start + p.length, hit.reused_tokens) - max(p.start, agreed))
-                                     for p in hit.pieces if p.source == "disk")
-                s.host_tokens -= sum(max(0, min(p.start + p.length, hit.reused_tokens) - max(p.start, agreed))
-                                     for p in hit.pieces if p.source == "host")
+                s.disk_tokens -= lost("disk")
+                s.host_tokens -= lost("host")
                 s.live_tokens -= max(0, hit.live_tokens - agreed)
             log.info("kv_cache restore: %d of %d reused tokens restored (a disk file was a miss here or "
                      "on another rank); the rest is prefilled", agreed, hit.reused_tokens)

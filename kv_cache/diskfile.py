@@ -15,9 +15,8 @@ folder (they could write a consistent file under any digest). xxhash releases th
 reader threads verify in parallel.
 
 Version 3 (this one) changed the payload digest from SHA-256 to XXH3-128 and lists tensors as
-runs; version 2 added the
-tokens and the alignment. Files of any other version are refused (the tier quarantines them),
-never misread.
+runs; version 2 added the tokens and the alignment. Files of any other version are refused (the
+tier quarantines them), never misread.
 """
 from __future__ import annotations
 
@@ -99,8 +98,7 @@ def pack(rows: Rows, runs: list["Run"], buf: torch.Tensor) -> None:
     """Copy `rows` into `buf` where `plan(rows)` put them (one grouped copy per run)."""
     for r in runs:
         if r.nbytes:
-            block = buf[r.start:r.start + len(r.names) * r.nbytes].view(r.dtype).reshape((len(r.names),) + r.shape)
-            torch._foreach_copy_(list(block.unbind(0)), [rows[name] for name in r.names])
+            torch._foreach_copy_(list(_block(r, buf).unbind(0)), [rows[name] for name in r.names])
 
 
 def encode(key_json: dict, node: Node) -> list[bytes | memoryview]:
@@ -246,9 +244,13 @@ def views(runs: list[Run], buf: torch.Tensor) -> Rows:
         if r.nbytes == 0:
             rows.update((name, torch.empty(r.shape, dtype=r.dtype, device=buf.device)) for name in r.names)
             continue
-        block = buf[r.start:r.start + len(r.names) * r.nbytes].view(r.dtype).reshape((len(r.names),) + r.shape)
-        rows.update(zip(r.names, block.unbind(0)))
+        rows.update(zip(r.names, _block(r, buf).unbind(0)))
     return rows
+
+
+def _block(r: Run, buf: torch.Tensor) -> torch.Tensor:
+    """Run r's bytes in `buf` as one [count, *shape] tensor of its dtype."""
+    return buf[r.start:r.start + len(r.names) * r.nbytes].view(r.dtype).reshape((len(r.names),) + r.shape)
 
 
 def decode(h: Header, buf: torch.Tensor) -> Rows:
