@@ -5,14 +5,16 @@ rows differ from the same rows in a larger product, or change with the thread co
 column count below 16. So:
 
 - `linear` and `head_linear` run every row as its own one-row product (one batched call of M
-  one-row products: MKL's GEMV kernel for each), the same instructions whatever M is, and the
-  cheapest form for a decode step. Their weights never change shape, so column counts do not matter.
+  one-row products: MKL's GEMV kernel for each, in fp32, never a batch of one: `_row_products`), the
+  same instructions whatever M is, and the cheapest form for a decode step. Their weights never
+  change shape, so column counts do not matter.
 - `index_scores` multiplies queries by a growing set of keys, so it needs invariance in both counts:
   there rows are padded to a multiple of ROW_PAD (8) and keys to a multiple of COL_PAD (16), which
   MKL computes with the same bits for any such counts.
 
-tests/test_row_invariance.py sweeps shapes, counts, offsets and threads (AVX2 here; the first
-session saw counts 1..7 differ on AVX-512). Everything else here reduces along a row with the same
+tests/test_row_invariance.py sweeps shapes, counts, offsets and threads; it passes on an AVX2 host
+and on an AVX-512 + AMX host (where, before `_row_products` and `_matmul32`, one-row fp32 products split over two
+threads and one-row bf16 head projections changed bits). Everything else here reduces along a row with the same
 length whatever the row count (torch's CPU reductions are sequential per row), or is elementwise.
 """
 from __future__ import annotations
@@ -30,10 +32,32 @@ def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
     return F.pad(x, (0, 0) * (x.dim() - 1) + (0, pad)) if pad else x
 
 
+def _matmul32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Batched torch.matmul ([B, M, K] @ [B, K, N]) whose batch elements get the same bits whatever
+    B is, the thread count, or what ran before; on the CPU in fp32 (a bf16 product is exact in fp32,
+    so this is the ops' fp32 accumulation). Two dispatches inside torch/MKL differ with the batch
+    (both measured on an AVX-512 + AMX host, torch 2.13): a batch of one runs as one product spread
+    over the threads (fp32 GEMV rows at N = 1900, and attention's per-query products once the thread
+    count had been set, changed bits), so it goes as two, both operands broadcast; and bf16 batched
+    products go to oneDNN only above a size threshold on the whole call (B * M * K * N > 16^3), to
+    torch's own loops below it (one-row bf16 head projections changed bits), so none stay bf16."""
+    if a.device.type == "cpu":
+        a, b = a.to(torch.float32), b.to(torch.float32)
+    if a.shape[0] == 1:
+        return torch.matmul(a.expand(2, *a.shape[1:]), b.expand(2, *b.shape[1:]))[:1]
+    return torch.matmul(a, b)
+
+
+def _row_products(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """out[r] = x[r] @ w[r] for x [M, K], w [M, K, N] -> [M, N] in x's dtype: M one-row products in
+    one batched call (MKL's GEMV for each)."""
+    return _matmul32(x[:, None, :], w)[:, 0].to(x.dtype)
+
+
 def _one_row_products(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ w[N, K]^T as M one-row products (w broadcast, not copied)."""
+    """x [M, K] @ w[N, K]^T as M one-row products (w broadcast, not copied), in x's dtype."""
     m, k = x.shape
-    return torch.bmm(x[:, None, :], w.T.expand(m, k, w.shape[0]))[:, 0]
+    return _row_products(x, w.T.expand(m, k, w.shape[0]))
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -48,7 +72,7 @@ def expert_linear(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.
     # each row its own one-row product with its expert's matrix, laid out as linear() lays w out
     if x.shape[0] == 0:
         return x.new_empty(0, w.shape[1])
-    return torch.bmm(x[:, None, :], w[ids].transpose(1, 2))[:, 0]
+    return _row_products(x, w[ids].transpose(1, 2))
 
 
 def head_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -102,11 +126,11 @@ def latent_attention(q: torch.Tensor, rows: torch.Tensor, indices: torch.Tensor,
         # [B, k, D]: every query its own k rows (fixed width k), so each batch element of the two
         # products below has the same shape whatever B is
         picked = rows[indices[blk]].to(q.dtype)
-        scores = torch.matmul(q[blk], picked.transpose(1, 2)).to(torch.float32) * scale  # [B, H, k]
+        scores = _matmul32(q[blk], picked.transpose(1, 2)).to(torch.float32) * scale  # [B, H, k]
         scores = scores.masked_fill(~valid[blk, None, :], float("-inf"))
         block_lse = torch.logsumexp(scores, dim=-1)
         safe = torch.where(torch.isfinite(block_lse), block_lse, torch.zeros_like(block_lse))
         probs = torch.exp(scores - safe[..., None]).to(q.dtype)
-        out[blk] = torch.matmul(probs, picked[..., :value_dim])
+        out[blk] = _matmul32(probs, picked[..., :value_dim]).to(q.dtype)
         lse[blk] = block_lse
     return out, lse
