@@ -1,22 +1,23 @@
-"""The indexer's top-k selection (glm53/model/indexer.py select_topk) against its previous tie test,
-side by side on one device.
+"""The indexer's top-k selection on CUDA: the Triton kernel (glm53/ops/triton_topk.py) against the
+torch form it replaced for prefill pieces (glm53/model/indexer.py select_topk_torch), side by side.
 
-    python bench/bench_select_topk.py            # CUDA when present, else CPU (small sizes)
-    python bench/bench_select_topk.py --engine   # both forms inside the engine's turns (CUDA)
+    python bench/bench_select_topk.py            # per call, prefill-sized cases (CUDA)
+    python bench/bench_select_topk.py --engine   # both inside the engine's turns (CUDA, 4 layers)
 
-The previous form counted each row's k-th score over the whole row twice ([T, N] eq and sum) to
-find rows whose k-th score ties with an unselected one; the current one reads the top k + 1 scores
-instead (the tie shows there), and skips the top-k where a row has no more keys than k. Cases are
-prefill chunks of T queries after `history` cached positions, causal (future keys -inf), scores
-rounded on a quarter of the rows so that ties occur. Per case: both arms alternate, wall time of
-each call with the device synchronized around it (the selection syncs the host itself), median of
---repeats; both arms must return the same selection (exit 1 otherwise). Prints a table; JSON
-(bench/benchmeta.py header) to --out. Exit codes: 0 done, 1 a selection differed, 2 bad arguments.
+The torch form takes a top-(k + 1) per row, tests the k-th score for a tie (a host sync), takes
+packed int64 keys for tied rows and sorts the chosen columns; the kernel does a radix select per
+row and writes the chosen columns in order. Cases are prefill chunks of T queries after `history`
+cached positions, causal (future keys -inf), scores rounded on a quarter of the rows so that ties
+occur. Per case: both arms alternate, wall time of each call with the device synchronized around
+it, median of --repeats; both arms must return the same selection (exit 1 otherwise). --engine: a
+turn of --turn-tokens new tokens after each of --histories cached positions, arms alternating on
+one engine, the same replies required; the table also gives each arm's last / first history ratio
+(the turn ratio's share that the selection moves). Prints a table; JSON (bench/benchmeta.py header)
+to --out. Exit codes: 0 done, 1 a selection or reply differed, 2 bad arguments or no CUDA.
 """
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -27,30 +28,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.benchmeta import result_header, summary, write_json  # noqa: E402
-from glm53.model.indexer import Selection, _as_selection, _packed_topk, select_topk  # noqa: E402
+from glm53.model.indexer import Selection, select_topk, select_topk_torch  # noqa: E402
 
 K = 2048  # GLM-5.3's index_topk
-CUDA_CASES = [(2048, 0), (652, 2048), (2048, 14157), (2048, 63488), (2048, 260096)]  # (T, history)
-CPU_CASES = [(64, 0), (64, 4096)]
-
-
-def previous_select_topk(scores: torch.Tensor, k: int) -> Selection:
-    """The tie test as it was before the top-(k+1) form (rows above SMALL_WINDOW_ROWS)."""
-    tq, tk = scores.shape
-    indices = torch.zeros(tq, k, dtype=torch.long, device=scores.device)
-    valid = torch.zeros(tq, k, dtype=torch.bool, device=scores.device)
-    if torch.isnan(scores).any():
-        raise ValueError("NaN")
-    width = min(k, tk)
-    top = scores.topk(width, dim=1, sorted=False)
-    threshold = top.values.amin(dim=1)
-    tied = torch.isfinite(threshold) & ((scores == threshold[:, None]).sum(1) > (top.values == threshold[:, None]).sum(1))
-    chosen = top.indices
-    if bool(tied.any()):
-        rows = tied.nonzero().squeeze(1)
-        chosen = chosen.clone()
-        chosen[rows] = _packed_topk(scores[rows], width)
-    return _as_selection(scores, chosen, indices, valid)
+# (T, history): turn 1's two pieces (2700 new tokens on the 2048 grid), turn 6's two (13504 cached),
+# a 19k prompt's last full chunk, and long contexts
+CASES = [(2048, 0), (652, 2048), (832, 13504), (1869, 14336), (2048, 14157), (2048, 63488), (2048, 260096)]
+ARMS = ("torch", "triton")
 
 
 def chunk_scores(t: int, history: int, device: torch.device, seed: int) -> torch.Tensor:
@@ -72,28 +56,30 @@ def timed(fn, scores: torch.Tensor) -> tuple[float, Selection]:
 
 
 def arm_row(fields: dict, samples: dict[str, list[float]]) -> dict:
-    """A case's fields, each arm's summary and previous / now; logged as it finishes."""
+    """A case's fields, each arm's summary and torch / triton; logged as it finishes."""
     row = {**fields, **{f"{name}_s": summary(times) for name, times in samples.items()}}
-    row["speedup"] = row["previous_s"]["median"] / row["now_s"]["median"]
-    print(", ".join(f"{k} {v}" for k, v in fields.items()) + f": previous {row['previous_s']['median'] * 1e3:.3f} ms, "
-          f"now {row['now_s']['median'] * 1e3:.3f} ms", file=sys.stderr, flush=True)
+    row["speedup"] = row["torch_s"]["median"] / row["triton_s"]["median"]
+    print(", ".join(f"{k} {v}" for k, v in fields.items()) + f": torch {row['torch_s']['median'] * 1e3:.3f} ms, "
+          f"triton {row['triton_s']['median'] * 1e3:.3f} ms", file=sys.stderr, flush=True)
     return row
 
 
 def finish(out: Path, result: dict, columns: list[str], what: str) -> int:
     """Write the JSON, print the table; exit code 1 if the arms ever disagreed."""
     write_json(out, result)
-    print(" ".join(f"{c:>8}" for c in columns) + f" {'previous (ms)':>14} {'now (ms)':>10} {'speedup':>8}")
+    print(" ".join(f"{c:>8}" for c in columns) + f" {'torch (ms)':>11} {'triton (ms)':>12} {'speedup':>8}")
     for r in result["cases"]:
-        print(" ".join(f"{r[c]:8d}" for c in columns) + f" {r['previous_s']['median'] * 1e3:14.3f} "
-              f"{r['now_s']['median'] * 1e3:10.3f} {r['speedup']:7.3f}x")
+        print(" ".join(f"{r[c]:8d}" for c in columns) + f" {r['torch_s']['median'] * 1e3:11.3f} "
+              f"{r['triton_s']['median'] * 1e3:12.3f} {r['speedup']:7.3f}x")
+    for name, ratio in result.get("last_over_first", {}).items():
+        print(f"{name}: last / first history = {ratio:.3f}")
     print(f"same {what} in every sample: {not result['mismatches']}")
     print(f"full results: {out}")
     return 1 if result["mismatches"] else 0
 
 
 def engine_turns(args: argparse.Namespace) -> int:
-    """Both forms inside the engine: a turn of --turn-tokens new tokens after `history` cached
+    """Both arms inside the engine: a turn of --turn-tokens new tokens after `history` cached
     positions (4 layers at GLM-5.3 dims, the live rows reused, truncated back to the history
     before each arm), arms alternating on one engine."""
     import random
@@ -109,10 +95,7 @@ def engine_turns(args: argparse.Namespace) -> int:
         engine = Glm53Engine(real_dims_checkpoint(work, 4, 32768), device="cuda")  # live rows only, no cache
         rng = random.Random(7)
         current = indexer.select_topk
-        arms = {"previous": lambda scores, k, nan_flag=None: (
-                    current(scores, k, nan_flag) if nan_flag is not None or scores.shape[0] <= 16
-                    else previous_select_topk(scores, k)),
-                "now": current}
+        arms = {"torch": select_topk_torch, "triton": current}
         rows, mismatches = [], []
         for history in args.histories:
             base = [rng.randrange(3, 32768) for _ in range(history)]
@@ -139,13 +122,15 @@ def engine_turns(args: argparse.Namespace) -> int:
                         raise RuntimeError(f"expected {history} reused tokens, got {engine.last_stats['cached_tokens']}")
                     if i:
                         samples[name].append(dt)
-                if replies["previous"] != replies["now"]:
+                if replies["torch"] != replies["triton"]:
                     mismatches.append(f"history={history} sample {i}")
             rows.append(arm_row({"history": history, "new_tokens": args.turn_tokens}, samples))
         settings = {"k": K, "repeats": args.repeats, "layers": 4, "turn_tokens": args.turn_tokens,
                     "timing": "wall of generate() (1 token), device synchronized, arms alternating"}
         result = {**result_header("select_topk_engine", settings, device=engine.device), "cases": rows,
-                  "mismatches": mismatches}
+                  "mismatches": mismatches,
+                  "last_over_first": {name: rows[-1][f"{name}_s"]["median"] / rows[0][f"{name}_s"]["median"]
+                                      for name in arms}}
         return finish(args.out, result, ["history"], "replies")
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -162,18 +147,18 @@ def main() -> int:
     if args.repeats < 1:
         print("error: --repeats must be positive", file=sys.stderr)
         return 2
+    if not torch.cuda.is_available():
+        print("error: this bench compares the Triton kernel with the torch form: it needs a CUDA device",
+              file=sys.stderr)
+        return 2
     if args.engine:
-        if not torch.cuda.is_available():
-            print("error: --engine needs a CUDA device", file=sys.stderr)
-            return 2
         return engine_turns(args)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cases = CUDA_CASES if device.type == "cuda" else CPU_CASES
-    arms = {"previous": previous_select_topk, "now": select_topk}
+    device = torch.device("cuda")
+    arms = {"torch": select_topk_torch, "triton": select_topk}
     rows, mismatches = [], []
-    for t, history in cases:
+    for t, history in CASES:
         scores = chunk_scores(t, history, device, seed=t + history)
-        for fn in arms.values():  # warm-up
+        for fn in arms.values():  # warm-up (the kernel compiles on its first call)
             timed(fn, scores)
         samples: dict[str, list[float]] = {name: [] for name in arms}
         for i in range(args.repeats):
@@ -182,7 +167,7 @@ def main() -> int:
             for name in order:
                 dt, got[name] = timed(arms[name], scores)
                 samples[name].append(dt)
-            a, b = got["previous"], got["now"]
+            a, b = got["torch"], got["triton"]
             if not (torch.equal(a.indices, b.indices) and torch.equal(a.valid, b.valid)):
                 mismatches.append(f"T={t} history={history} sample {i}")
         rows.append(arm_row({"t": t, "keys": history + t}, samples))
@@ -190,6 +175,7 @@ def main() -> int:
     settings = {"k": K, "repeats": args.repeats, "timing": "wall of each call, device synchronized, arms alternating"}
     result = {**result_header("select_topk", settings, device=device), "cases": rows, "mismatches": mismatches}
     return finish(args.out, result, ["t", "keys"], "selection")
+
 
 if __name__ == "__main__":
     sys.exit(main())

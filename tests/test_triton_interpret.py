@@ -5,7 +5,8 @@ file run as a script (`python tests/test_triton_interpret.py --worker`) executes
 prints a JSON verdict per check; the tests below assert them one by one. Inputs are fp32 (the
 interpreter of triton 3.9 with numpy 2.4 mis-loads bf16), shapes small and chosen to hit the masks:
 dims that are not powers of two, row counts that are not multiples of the tile, a non-contiguous
-head_linear input, invalid slots, an all-invalid query, an empty selection.
+head_linear input, invalid slots, an all-invalid query, an empty selection. The indexer's selection
+kernel (triton_topk) is checked exactly against the CPU rule.
 
 Agreement with glm53.ops.torch_ops: within INTERP_TOL (fp32; the kernels sum in another order).
 Row invariance (bitwise): slices of a big call equal the same rows computed alone or in smaller
@@ -29,7 +30,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 INTERP_TOL = dict(atol=1e-4, rtol=1e-4)
 CHECKS = ["linear", "linear_leading_dims", "head_linear_strided", "rms_norm", "layer_norm", "index_scores",
-          "latent_attention", "latent_attention_edge_cases", "latent_attention_split"]
+          "latent_attention", "latent_attention_edge_cases", "latent_attention_split", "select_topk"]
 WORKER_TIMEOUT_S = 300
 SKIP_KEY = "__skip__"
 
@@ -47,7 +48,8 @@ def _worker() -> dict[str, list]:
         return {SKIP_KEY: [False, f"triton is not importable: {type(exc).__name__}: {exc}"]}
     import torch
 
-    from glm53.ops import torch_ops, triton_attention, triton_indexer, triton_linear, triton_norm
+    from glm53.model.indexer import select_topk
+    from glm53.ops import torch_ops, triton_attention, triton_indexer, triton_linear, triton_norm, triton_topk
 
     g = torch.Generator().manual_seed(0)
 
@@ -184,12 +186,39 @@ def _worker() -> dict[str, list]:
                 assert triton_attention.agreement(h, d, dv, torch.float32, torch.float32, torch.device("cpu"),
                                                   queries=4, slots=37, n_rows=40)
 
+    def check_select_topk() -> None:
+        # the kernel against the CPU rule (select_topk on torch, which tests/test_attention.py checks
+        # against brute force): exact. Rows over several of the kernel's column blocks, k below,
+        # at and above N, ties at the threshold, -0.0 against 0.0, +-inf, all -inf, causal rows
+        for trial, (n, k) in enumerate([(1, 8), (5, 7), (8, 8), (9, 8), (40, 16), (100, 1), (1025, 40),
+                                         (2100, 3), (3000, 64), (2049, 2048)]):
+            s = randn(6, n)
+            s[0] = (s[0] * 2).round()  # few values: ties everywhere, also at the k-th
+            s[1] = 0.0
+            s[1, ::2] = -0.0
+            s[2] = torch.where(torch.rand(n, generator=g) < 0.5, s[2], torch.full((n,), float("-inf")))
+            if n > 3:
+                s[3, 1], s[3, 2] = float("inf"), float("-inf")
+            s[4] = torch.arange(n, 0, -1).float()
+            s[5] = float("-inf")
+            want = select_topk(s, k)
+            idx, valid, nans = triton_topk.select(s, k)
+            same(idx, want.indices, f"select_topk indices (N {n}, k {k})")
+            assert torch.equal(valid, want.valid), f"select_topk valid (N {n}, k {k})"
+            assert not nans.any()
+        s = randn(12, 300).masked_fill(torch.arange(300)[None, :] > (288 + torch.arange(12))[:, None],
+                                       float("-inf"))
+        want, (idx, valid, _) = select_topk(s, 32), triton_topk.select(s, 32)
+        assert torch.equal(idx, want.indices) and torch.equal(valid, want.valid), "select_topk causal rows"
+        s[3, 7] = float("nan")
+        assert triton_topk.select(s, 32)[2].tolist() == [0, 0, 0, 1] + [0] * 8, "NaN counted in its row only"
+
     checks = {"linear": check_linear, "linear_leading_dims": check_linear_leading_dims,
               "head_linear_strided": check_head_linear_strided, "rms_norm": check_rms_norm,
               "layer_norm": check_layer_norm, "index_scores": check_index_scores,
               "latent_attention": check_latent_attention,
               "latent_attention_edge_cases": check_latent_attention_edge_cases,
-              "latent_attention_split": check_latent_attention_split}
+              "latent_attention_split": check_latent_attention_split, "select_topk": check_select_topk}
     results: dict[str, list] = {}
     for name in CHECKS:
         try:

@@ -101,29 +101,39 @@ def select_topk(scores: torch.Tensor, k: int, nan_flag: torch.Tensor | None = No
     """Each row's k best finite scores, ties toward the lower position, as ascending indices.
 
     The rule is the one of packed (score, -position) int64 keys, which cannot tie, so the set is
-    unique. Most rows have no tie at their k-th score: for those a plain fp32 top-(k + 1) less its
-    least score gives that set (half the bits to sort, no int64 copies of the [T, N] scores, and
-    the tie shows in those k + 1 scores); only rows where the k-th finite score ties with an
-    unselected one go through the packed keys. A window of at most
-    SMALL_WINDOW_ROWS rows (decode, verification) takes the packed keys directly: the same set,
-    and no host sync, so the call can be captured in a CUDA graph.
+    unique. On CUDA, windows of more than SMALL_WINDOW_ROWS rows (prefill pieces) run it as one
+    Triton kernel (glm53/ops/triton_topk.py: a radix select per row, the chosen columns written in
+    ascending order; no sort, no tie test, no host sync but the NaN check); otherwise the torch
+    form below (`select_topk_torch`), which the kernel is tested against.
 
     NaN scores leave the selection undefined: raised here (a host sync), or, given `nan_flag` (a
     device bool), or-ed into it for the caller to check after the forward (glm53.cuda_graphs)."""
-    if scores.dim() != 2 or scores.dtype != torch.float32:
-        raise ValueError(f"scores must be fp32 [Tq, Tk] (index_scores), got {scores.dtype} {tuple(scores.shape)}")
-    if k < 1:
-        raise ValueError(f"k (index_topk) must be >= 1, got {k}")
+    _check_scores(scores, k)
+    if scores.shape[0] > SMALL_WINDOW_ROWS and scores.shape[1] and ops.triton_topk_for(scores):
+        from glm53.ops import triton_topk
+
+        indices, valid, nans = triton_topk.select(scores, k)
+        _check_nan(nans.any(), nan_flag)
+        return Selection(indices, valid)
+    return select_topk_torch(scores, k, nan_flag)
+
+
+def select_topk_torch(scores: torch.Tensor, k: int, nan_flag: torch.Tensor | None = None) -> Selection:
+    """select_topk's rule in torch ops (the CPU, and CUDA's short windows).
+
+    Most rows have no tie at their k-th score: for those a plain fp32 top-(k + 1) less its least
+    score gives the set (half the bits to sort, no int64 copies of the [T, N] scores, and the tie
+    shows in those k + 1 scores); only rows where the k-th finite score ties with an unselected one
+    go through the packed keys. A window of at most SMALL_WINDOW_ROWS rows (decode, verification)
+    takes the packed keys directly: the same set, and no host sync, so the call can be captured in
+    a CUDA graph."""
+    _check_scores(scores, k)
     tq, tk = scores.shape
     indices = torch.zeros(tq, k, dtype=torch.long, device=scores.device)
     valid = torch.zeros(tq, k, dtype=torch.bool, device=scores.device)
     if tq == 0 or tk == 0:
         return Selection(indices, valid)
-    if nan_flag is None:
-        if torch.isnan(scores).any():
-            raise ValueError("indexer scores contain NaN; the selection is undefined")
-    else:
-        nan_flag.logical_or_(torch.isnan(scores).any())
+    _check_nan(torch.isnan(scores).any(), nan_flag)
     width = min(k, tk)
     if tq <= SMALL_WINDOW_ROWS:
         return _as_selection(scores, _packed_topk(scores, width), indices, valid)
@@ -144,6 +154,22 @@ def select_topk(scores: torch.Tensor, k: int, nan_flag: torch.Tensor | None = No
         chosen = chosen.clone()
         chosen[rows] = _packed_topk(scores[rows], width)
     return _as_selection(scores, chosen, indices, valid)
+
+
+def _check_scores(scores: torch.Tensor, k: int) -> None:
+    if scores.dim() != 2 or scores.dtype != torch.float32:
+        raise ValueError(f"scores must be fp32 [Tq, Tk] (index_scores), got {scores.dtype} {tuple(scores.shape)}")
+    if k < 1:
+        raise ValueError(f"k (index_topk) must be >= 1, got {k}")
+
+
+def _check_nan(any_nan: torch.Tensor, nan_flag: torch.Tensor | None) -> None:
+    """NaN scores: raised at once (a host sync), or or-ed into the caller's device flag."""
+    if nan_flag is None:
+        if bool(any_nan):
+            raise ValueError("indexer scores contain NaN; the selection is undefined")
+    else:
+        nan_flag.logical_or_(any_nan)
 
 
 def _as_selection(scores: torch.Tensor, chosen: torch.Tensor, indices: torch.Tensor, valid: torch.Tensor

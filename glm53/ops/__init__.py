@@ -52,6 +52,11 @@ def _triton_for(t: torch.Tensor) -> bool:
     return t.is_cuda and kernel_choice() != "torch"
 
 
+def triton_topk_for(scores: torch.Tensor) -> bool:
+    """Whether the indexer's selection runs as the Triton kernel (glm53/ops/triton_topk.py) here."""
+    return _triton_for(scores)
+
+
 def row_invariant(device: torch.device | str) -> bool:
     """Whether this module's ops are row-invariant on `device` (so reuse may resume at any token)."""
     device = torch.device(device)

@@ -1,6 +1,7 @@
 """The indexer's top-k selection on CUDA equals the CPU's (which tests/test_attention.py checks
 against the brute-force rule), at GLM-5.3's k = 2048 over prefill-sized rows with exact ties at,
-above and below the k-th score, -0.0 against 0.0, and future (-inf) keys.
+above and below the k-th score, -0.0 against 0.0, and future (-inf) keys. More than 16 rows run the
+Triton kernel (glm53/ops/triton_topk.py); up to 16, the torch form.
 
     pytest -m gpu tests/gpu/test_select_topk_cuda.py
 """
@@ -15,16 +16,21 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from glm53.model.indexer import select_topk  # noqa: E402
+from glm53.model.indexer import SMALL_WINDOW_ROWS, select_topk, select_topk_torch  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("n", [2047, 2048, 2049, 2050, 6000])
-def test_cuda_selection_equals_the_cpu_rule(n: int) -> None:
+def _cuda() -> None:
     if not torch.cuda.is_available():
         pytest.skip("gpu: no CUDA device here; run on the lent H200 (see bench/results/README.md)")
-    k, t = 2048, 48
+
+
+@pytest.mark.parametrize("n,t", [(2047, 48), (2048, 48), (2049, 48), (2050, 48), (6000, 48), (70001, 40),
+                                 (3000, SMALL_WINDOW_ROWS)])
+def test_cuda_selection_equals_the_cpu_rule(n: int, t: int) -> None:
+    _cuda()
+    k = 2048
     g = torch.Generator().manual_seed(n)
     scores = torch.randn(t, n, generator=g)
     scores[: t // 2] = (scores[: t // 2] * 4).round()  # half the rows: few values, ties everywhere
@@ -39,3 +45,20 @@ def test_cuda_selection_equals_the_cpu_rule(n: int) -> None:
     got = select_topk(scores.cuda(), k)
     assert torch.equal(got.valid.cpu(), want.valid)
     assert torch.equal(got.indices.cpu(), want.indices)
+
+
+def test_kernel_and_torch_form_agree_on_cuda_and_nan_is_reported() -> None:
+    """The kernel against the torch form on the same device (prefill-sized, both tie kinds), and NaN:
+    raised without a flag, or-ed into the flag with one (nothing read on the host)."""
+    _cuda()
+    g = torch.Generator(device="cuda").manual_seed(5)
+    scores = torch.randn(700, 20000, generator=g, device="cuda")
+    scores[::3] = (scores[::3] * 6).round()
+    a, b = select_topk(scores, 2048), select_topk_torch(scores, 2048)
+    assert torch.equal(a.indices, b.indices) and torch.equal(a.valid, b.valid)
+    scores[11, 5] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        select_topk(scores, 2048)
+    flag = torch.zeros((), dtype=torch.bool, device="cuda")
+    select_topk(scores, 2048, flag)
+    assert bool(flag)

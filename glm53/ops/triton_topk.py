@@ -1,0 +1,108 @@
+"""The indexer's top-k selection on CUDA (Triton): one program per query row, no sort, no host sync.
+
+The rule is glm53.model.indexer.select_topk's: each row keeps the `width` largest keys (score,
+-position), where width = min(k, N); ties toward the lower position, -0.0 equal to +0.0; the chosen
+columns come out ascending, the non-finite ones among them invalid (after the valid ones, index 0).
+
+A row's program finds the width-th largest score by radix select, then writes the chosen columns:
+  * scores map to integer keys in [0, 2^32) with the same order (`_keys`);
+  * four passes over the row, one per byte of the key from the top: a histogram of that byte among
+    the elements that share the bytes found so far gives the next byte of the threshold key tau,
+    and how many of the still-needed elements lie above it. After the fourth, tau is the width-th
+    largest key and `need` (>= 1) is how many of the elements equal to tau the row keeps;
+  * a fifth pass walks the row in ascending column order: an element is chosen when its key is
+    above tau, or equal to tau and among the first `need` such columns (the lower positions, the
+    rule's tie-break); the finite chosen ones are written in that order through a running cumsum,
+    so the indices come out ascending without a sort.
+The first pass also counts NaN scores per row (the selection is undefined there: the caller raises,
+or or-s it into a device flag), so the call needs nothing from the host.
+
+What it replaces: torch.topk over k + 1 columns, a tie test (a host sync), a packed int64 top-k for
+tied rows and a sort of the chosen columns, ~15 kernels and two syncs per 'full' layer's prefill
+piece (bench/bench_select_topk.py measures both side by side). Short windows (decode steps,
+verification: at most SMALL_WINDOW_ROWS rows) keep the packed torch path, which spreads one row
+over the whole GPU where this kernel would run it on one multiprocessor.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 1024  # columns a program handles per step
+BINS = 512  # one byte's 256 values, and past them the bin of elements that no longer match
+
+
+@triton.jit
+def _keys(s):
+    """fp32 scores -> int64 keys in [0, 2^32) in the scores' order, -0.0 the same key as +0.0
+    (glm53.model.indexer.orderable_keys, shifted to be non-negative)."""
+    bits = s.to(tl.int32, bitcast=True)
+    bits = tl.where(bits == -2147483648, 0, bits)  # -0.0 -> +0.0
+    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    return ordered.to(tl.int64) + 2147483648
+
+
+@triton.jit(do_not_specialize=["N", "WIDTH"])
+def _select_kernel(s_ptr, idx_ptr, valid_ptr, nan_ptr, N, WIDTH, stride_s, stride_i, stride_v,
+                   BLOCK: tl.constexpr, BINS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = s_ptr + row * stride_s
+    offs = tl.arange(0, BLOCK)
+    bins = tl.arange(0, BINS)
+    prefix = tl.full([], 0, tl.int64)  # the threshold key's bytes found so far, in place
+    need = tl.full([], 0, tl.int64) + WIDTH  # how many of the elements matching prefix are still to keep
+    nans = tl.full([], 0, tl.int32)
+    for p in tl.static_range(4):
+        shift: tl.constexpr = 24 - 8 * p
+        hist = tl.zeros([BINS], dtype=tl.int32)
+        for start in range(0, N, BLOCK):
+            cols = start + offs
+            inside = cols < N
+            s = tl.load(base + cols, mask=inside, other=0.0)
+            key = _keys(s)
+            match = inside & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
+            digit = tl.where(match, (key >> shift) & 255, 256).to(tl.int32)
+            hist += tl.histogram(digit, BINS)
+            if p == 0:
+                nans += tl.sum((inside & (s != s)).to(tl.int32))
+        counts = tl.where(bins < 256, hist, 0).to(tl.int64)
+        at_or_above = tl.sum(counts) - tl.cumsum(counts, 0) + counts  # matching elements in bins >= b
+        byte = tl.sum(((bins < 256) & (at_or_above >= need)).to(tl.int64)) - 1
+        need -= tl.sum(tl.where(bins == byte, at_or_above - counts, 0))
+        prefix += byte << shift
+    tl.store(nan_ptr + row, nans)
+
+    ties_seen = tl.full([], 0, tl.int64)
+    written = tl.full([], 0, tl.int64)
+    for start in range(0, N, BLOCK):
+        cols = start + offs
+        inside = cols < N
+        s = tl.load(base + cols, mask=inside, other=0.0)
+        key = _keys(s)
+        tie = (inside & (key == prefix)).to(tl.int64)
+        tie_rank = ties_seen + tl.cumsum(tie, 0) - tie  # ties at lower columns, this row so far
+        chosen = inside & ((key > prefix) | ((tie != 0) & (tie_rank < need)))
+        ties_seen += tl.sum(tie)
+        kept = (chosen & (tl.abs(s) < float("inf"))).to(tl.int64)  # finite
+        slot = written + tl.cumsum(kept, 0) - kept
+        tl.store(idx_ptr + row * stride_i + slot, cols.to(tl.int64), mask=kept != 0)
+        tl.store(valid_ptr + row * stride_v + slot, tl.full([BLOCK], 1, tl.int8), mask=kept != 0)
+        written += tl.sum(kept)
+
+
+def select(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """scores fp32 [T, N] on CUDA -> (indices [T, k] int64, valid [T, k] bool, NaN count [T] int32):
+    each row's min(k, N) largest (score, -position) keys, ascending, the non-finite ones invalid."""
+    if scores.dim() != 2 or scores.dtype != torch.float32:
+        raise ValueError(f"scores must be fp32 [T, N], got {scores.dtype} {tuple(scores.shape)}")
+    t, n = scores.shape
+    if scores.stride(1) != 1:
+        scores = scores.contiguous()
+    indices = torch.zeros(t, k, dtype=torch.int64, device=scores.device)
+    valid = torch.zeros(t, k, dtype=torch.int8, device=scores.device)
+    nans = torch.zeros(t, dtype=torch.int32, device=scores.device)
+    if t and n and k:
+        _select_kernel[(t,)](scores, indices, valid, nans, n, min(k, n), scores.stride(0), indices.stride(0),
+                             valid.stride(0), BLOCK=BLOCK, BINS=BINS, num_warps=4)
+    return indices, valid.view(torch.bool), nans
