@@ -43,6 +43,31 @@ def _keys(s):
     return ordered.to(tl.int64) + 2147483648
 
 
+@triton.jit
+def _radix_pass(base, N, offs, bins, prefix, need, SHIFT: tl.constexpr, COUNT_NAN: tl.constexpr,
+                BLOCK: tl.constexpr, BINS: tl.constexpr):
+    """One byte of the threshold key: (prefix with the byte at SHIFT set, need less the elements above
+    it, the row's NaN count if COUNT_NAN). Elements that do not share prefix's higher bytes count in
+    bin 256."""
+    hist = tl.zeros([BINS], dtype=tl.int32)
+    nans = tl.full([], 0, tl.int32)
+    for start in range(0, N, BLOCK):
+        cols = start + offs
+        inside = cols < N
+        s = tl.load(base + cols, mask=inside, other=0.0)
+        key = _keys(s)
+        match = inside & ((key >> (SHIFT + 8)) == (prefix >> (SHIFT + 8)))
+        digit = tl.where(match, (key >> SHIFT) & 255, 256).to(tl.int32)
+        hist += tl.histogram(digit, BINS)
+        if COUNT_NAN:
+            nans += tl.sum((inside & (s != s)).to(tl.int32))
+    counts = tl.where(bins < 256, hist, 0).to(tl.int64)
+    at_or_above = tl.sum(counts) - tl.cumsum(counts, 0) + counts  # matching elements in bins >= b
+    byte = tl.sum(((bins < 256) & (at_or_above >= need)).to(tl.int64)) - 1
+    need -= tl.sum(tl.where(bins == byte, at_or_above - counts, 0))
+    return prefix + (byte << SHIFT), need, nans
+
+
 @triton.jit(do_not_specialize=["N", "WIDTH"])
 def _select_kernel(s_ptr, idx_ptr, valid_ptr, nan_ptr, N, WIDTH, stride_s, stride_i, stride_v,
                    BLOCK: tl.constexpr, BINS: tl.constexpr):
@@ -52,25 +77,10 @@ def _select_kernel(s_ptr, idx_ptr, valid_ptr, nan_ptr, N, WIDTH, stride_s, strid
     bins = tl.arange(0, BINS)
     prefix = tl.full([], 0, tl.int64)  # the threshold key's bytes found so far, in place
     need = tl.full([], 0, tl.int64) + WIDTH  # how many of the elements matching prefix are still to keep
-    nans = tl.full([], 0, tl.int32)
-    for p in tl.static_range(4):
-        shift: tl.constexpr = 24 - 8 * p
-        hist = tl.zeros([BINS], dtype=tl.int32)
-        for start in range(0, N, BLOCK):
-            cols = start + offs
-            inside = cols < N
-            s = tl.load(base + cols, mask=inside, other=0.0)
-            key = _keys(s)
-            match = inside & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
-            digit = tl.where(match, (key >> shift) & 255, 256).to(tl.int32)
-            hist += tl.histogram(digit, BINS)
-            if p == 0:
-                nans += tl.sum((inside & (s != s)).to(tl.int32))
-        counts = tl.where(bins < 256, hist, 0).to(tl.int64)
-        at_or_above = tl.sum(counts) - tl.cumsum(counts, 0) + counts  # matching elements in bins >= b
-        byte = tl.sum(((bins < 256) & (at_or_above >= need)).to(tl.int64)) - 1
-        need -= tl.sum(tl.where(bins == byte, at_or_above - counts, 0))
-        prefix += byte << shift
+    prefix, need, nans = _radix_pass(base, N, offs, bins, prefix, need, 24, True, BLOCK, BINS)
+    prefix, need, _ = _radix_pass(base, N, offs, bins, prefix, need, 16, False, BLOCK, BINS)
+    prefix, need, _ = _radix_pass(base, N, offs, bins, prefix, need, 8, False, BLOCK, BINS)
+    prefix, need, _ = _radix_pass(base, N, offs, bins, prefix, need, 0, False, BLOCK, BINS)
     tl.store(nan_ptr + row, nans)
 
     ties_seen = tl.full([], 0, tl.int64)
