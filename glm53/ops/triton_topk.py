@@ -29,26 +29,27 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 1024  # columns a program handles per step
-BINS = 512  # one byte's 256 values, and past them the bin of elements that no longer match
+BLOCK = 2048  # columns a program handles per step
+BINS = 512  # a byte's 256 values for the elements that share the bytes found so far; 256 more for the rest
 
 
 @triton.jit
 def _keys(s):
-    """fp32 scores -> int64 keys in [0, 2^32) in the scores' order, -0.0 the same key as +0.0
-    (glm53.model.indexer.orderable_keys, shifted to be non-negative)."""
-    bits = s.to(tl.int32, bitcast=True)
-    bits = tl.where(bits == -2147483648, 0, bits)  # -0.0 -> +0.0
-    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-    return ordered.to(tl.int64) + 2147483648
+    """fp32 scores -> uint32 keys in the scores' order (the sign flipped for positive scores, every bit
+    for negative ones), -0.0 the same key as +0.0 (glm53.model.indexer.orderable_keys' order)."""
+    bits = s.to(tl.uint32, bitcast=True)
+    sign = tl.full([], 0x80000000, tl.uint32)
+    bits = tl.where(bits == sign, 0, bits)  # -0.0 -> +0.0
+    return tl.where(bits >= sign, ~bits, bits | sign)
 
 
 @triton.jit
 def _radix_pass(base, N, offs, bins, prefix, need, SHIFT: tl.constexpr, COUNT_NAN: tl.constexpr,
                 BLOCK: tl.constexpr, BINS: tl.constexpr):
-    """One byte of the threshold key: (prefix with the byte at SHIFT set, need less the elements above
-    it, the row's NaN count if COUNT_NAN). Elements that do not share prefix's higher bytes count in
-    bin 256."""
+    """One byte of the threshold key. Returns (prefix with the byte at SHIFT set, need less the
+    elements above it, how many elements share the new prefix's bytes so far, the row's NaN count if
+    COUNT_NAN). Elements that do not share prefix's higher bytes count in bins 256 + their byte:
+    spread out, so that they do not all contend for one shared-memory counter."""
     hist = tl.zeros([BINS], dtype=tl.int32)
     nans = tl.full([], 0, tl.int32)
     for start in range(0, N, BLOCK):
@@ -56,49 +57,70 @@ def _radix_pass(base, N, offs, bins, prefix, need, SHIFT: tl.constexpr, COUNT_NA
         inside = cols < N
         s = tl.load(base + cols, mask=inside, other=0.0)
         key = _keys(s)
-        match = inside & ((key >> (SHIFT + 8)) == (prefix >> (SHIFT + 8)))
-        digit = tl.where(match, (key >> SHIFT) & 255, 256).to(tl.int32)
+        digit = ((key >> SHIFT) & 255).to(tl.int32)
+        if SHIFT < 24:
+            digit = tl.where(inside & ((key >> (SHIFT + 8)) == (prefix >> (SHIFT + 8))), digit, digit + 256)
+        else:
+            digit = tl.where(inside, digit, digit + 256)
         hist += tl.histogram(digit, BINS)
         if COUNT_NAN:
             nans += tl.sum((inside & (s != s)).to(tl.int32))
-    counts = tl.where(bins < 256, hist, 0).to(tl.int64)
+    counts = tl.where(bins < 256, hist, 0)
     at_or_above = tl.sum(counts) - tl.cumsum(counts, 0) + counts  # matching elements in bins >= b
-    byte = tl.sum(((bins < 256) & (at_or_above >= need)).to(tl.int64)) - 1
+    byte = tl.sum(((bins < 256) & (at_or_above >= need)).to(tl.int32)) - 1
     need -= tl.sum(tl.where(bins == byte, at_or_above - counts, 0))
-    return prefix + (byte << SHIFT), need, nans
+    sharing = tl.sum(tl.where(bins == byte, counts, 0))
+    return prefix | (byte.to(tl.uint32) << SHIFT), need, sharing, nans
 
 
-@triton.jit(do_not_specialize=["N", "WIDTH"])
+@triton.jit
 def _select_kernel(s_ptr, idx_ptr, valid_ptr, nan_ptr, N, WIDTH, stride_s, stride_i, stride_v,
                    BLOCK: tl.constexpr, BINS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = s_ptr + row * stride_s
     offs = tl.arange(0, BLOCK)
     bins = tl.arange(0, BINS)
-    prefix = tl.full([], 0, tl.int64)  # the threshold key's bytes found so far, in place
-    need = tl.full([], 0, tl.int64) + WIDTH  # how many of the elements matching prefix are still to keep
-    prefix, need, nans = _radix_pass(base, N, offs, bins, prefix, need, 24, True, BLOCK, BINS)
-    prefix, need, _ = _radix_pass(base, N, offs, bins, prefix, need, 16, False, BLOCK, BINS)
-    prefix, need, _ = _radix_pass(base, N, offs, bins, prefix, need, 8, False, BLOCK, BINS)
-    prefix, need, _ = _radix_pass(base, N, offs, bins, prefix, need, 0, False, BLOCK, BINS)
+    prefix = tl.full([], 0, tl.uint32)  # the threshold key's bytes found so far, in place
+    need = tl.full([], 0, tl.int32) + WIDTH  # how many of the elements sharing prefix are still to keep
+    prefix, need, _, nans = _radix_pass(base, N, offs, bins, prefix, need, 24, True, BLOCK, BINS)
+    prefix, need, _, _ = _radix_pass(base, N, offs, bins, prefix, need, 16, False, BLOCK, BINS)
+    prefix, need, _, _ = _radix_pass(base, N, offs, bins, prefix, need, 8, False, BLOCK, BINS)
+    prefix, need, ties, _ = _radix_pass(base, N, offs, bins, prefix, need, 0, False, BLOCK, BINS)
     tl.store(nan_ptr + row, nans)
 
-    ties_seen = tl.full([], 0, tl.int64)
-    written = tl.full([], 0, tl.int64)
-    for start in range(0, N, BLOCK):
-        cols = start + offs
-        inside = cols < N
-        s = tl.load(base + cols, mask=inside, other=0.0)
-        key = _keys(s)
-        tie = (inside & (key == prefix)).to(tl.int64)
-        tie_rank = ties_seen + tl.cumsum(tie, 0) - tie  # ties at lower columns, this row so far
-        chosen = inside & ((key > prefix) | ((tie != 0) & (tie_rank < need)))
-        ties_seen += tl.sum(tie)
-        kept = (chosen & (tl.abs(s) < float("inf"))).to(tl.int64)  # finite
-        slot = written + tl.cumsum(kept, 0) - kept
-        tl.store(idx_ptr + row * stride_i + slot, cols.to(tl.int64), mask=kept != 0)
-        tl.store(valid_ptr + row * stride_v + slot, tl.full([BLOCK], 1, tl.int8), mask=kept != 0)
-        written += tl.sum(kept)
+    # prefix is now the width-th largest key; `need` of the `ties` elements equal to it are kept, the
+    # lowest columns first. Most rows keep all of them: then a plain comparison decides
+    written = tl.full([], 0, tl.int32)
+    if need == ties:
+        for start in range(0, N, BLOCK):
+            cols = start + offs
+            inside = cols < N
+            s = tl.load(base + cols, mask=inside, other=0.0)
+            kept = inside & (_keys(s) >= prefix) & (tl.abs(s) < float("inf"))  # chosen and finite
+            written = _write(idx_ptr + row * stride_i, valid_ptr + row * stride_v, cols, kept, written)
+    else:
+        ties_seen = tl.full([], 0, tl.int32)
+        for start in range(0, N, BLOCK):
+            cols = start + offs
+            inside = cols < N
+            s = tl.load(base + cols, mask=inside, other=0.0)
+            key = _keys(s)
+            tie = (inside & (key == prefix)).to(tl.int32)
+            tie_rank = ties_seen + tl.cumsum(tie, 0) - tie  # ties at lower columns, this row so far
+            ties_seen += tl.sum(tie)
+            chosen = inside & ((key > prefix) | ((tie != 0) & (tie_rank < need)))
+            kept = chosen & (tl.abs(s) < float("inf"))
+            written = _write(idx_ptr + row * stride_i, valid_ptr + row * stride_v, cols, kept, written)
+
+
+@triton.jit
+def _write(idx_row, valid_row, cols, kept, written):
+    """The kept columns of a block at the row's next slots, in column order; returns the slots used."""
+    k = kept.to(tl.int32)
+    slot = written + tl.cumsum(k, 0) - k
+    tl.store(idx_row + slot, cols.to(tl.int64), mask=kept)
+    tl.store(valid_row + slot, tl.full(cols.shape, 1, tl.int8), mask=kept)
+    return written + tl.sum(k)
 
 
 def select(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
