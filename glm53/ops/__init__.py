@@ -53,8 +53,13 @@ def _triton_for(t: torch.Tensor) -> bool:
 
 
 def triton_topk_for(scores: torch.Tensor) -> bool:
-    """Whether the indexer's selection runs as the Triton kernel (glm53/ops/triton_topk.py) here."""
-    return _triton_for(scores)
+    """Whether the indexer's selection over these scores [T, N] runs as the Triton kernel
+    (glm53/ops/triton_topk.py): on CUDA, for rows of up to its MAX_KEYS keys."""
+    if not _triton_for(scores):
+        return False
+    from glm53.ops import triton_topk
+
+    return scores.shape[-1] <= triton_topk.MAX_KEYS
 
 
 def row_invariant(device: torch.device | str) -> bool:

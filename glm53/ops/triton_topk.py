@@ -5,23 +5,26 @@ The rule is glm53.model.indexer.select_topk's: each row keeps the `width` larges
 columns come out ascending, the non-finite ones among them invalid (after the valid ones, index 0).
 
 A row's program finds the width-th largest score by radix select, then writes the chosen columns:
-  * scores map to integer keys in [0, 2^32) with the same order (`_keys`);
+  * scores map to uint32 keys with the same order (`_keys`);
   * four passes over the row, one per byte of the key from the top: a histogram of that byte among
     the elements that share the bytes found so far gives the next byte of the threshold key tau,
     and how many of the still-needed elements lie above it. After the fourth, tau is the width-th
     largest key and `need` (>= 1) is how many of the elements equal to tau the row keeps;
   * a fifth pass walks the row in ascending column order: an element is chosen when its key is
     above tau, or equal to tau and among the first `need` such columns (the lower positions, the
-    rule's tie-break); the finite chosen ones are written in that order through a running cumsum,
-    so the indices come out ascending without a sort.
+    rule's tie-break; where the row keeps every such column, a plain key >= tau); the finite
+    chosen ones are written in that order through a running cumsum, so the indices come out
+    ascending without a sort.
 The first pass also counts NaN scores per row (the selection is undefined there: the caller raises,
 or or-s it into a device flag), so the call needs nothing from the host.
 
 What it replaces: torch.topk over k + 1 columns, a tie test (a host sync), a packed int64 top-k for
 tied rows and a sort of the chosen columns, ~15 kernels and two syncs per 'full' layer's prefill
-piece (bench/bench_select_topk.py measures both side by side). Short windows (decode steps,
-verification: at most SMALL_WINDOW_ROWS rows) keep the packed torch path, which spreads one row
-over the whole GPU where this kernel would run it on one multiprocessor.
+piece. H200, side by side (bench/bench_select_topk.py): 2.1x at 2048 rows x 2048 keys, 3.5x at
+652 x 2700, 1.6x at 2048 x 16205, 1.1x at 2048 x 65536, 0.91x at 2048 x 262144 (hence MAX_KEYS).
+Short windows (decode steps, verification: at most SMALL_WINDOW_ROWS rows) keep the packed torch
+path, which spreads one row over the whole GPU where this kernel would run it on one
+multiprocessor.
 """
 from __future__ import annotations
 
@@ -30,6 +33,10 @@ import triton
 import triton.language as tl
 
 BLOCK = 2048  # columns a program handles per step
+# rows longer than this keep the torch form: the kernel's five passes over a row lose to torch.topk's
+# radix select there (H200, 2048 rows: 1.10x faster at 65536 keys, 0.91x at 262144;
+# bench/results/select_topk_h200_session9.json)
+MAX_KEYS = 131072
 BINS = 512  # a byte's 256 values for the elements that share the bytes found so far; 256 more for the rest
 
 

@@ -1,7 +1,8 @@
 """The indexer's top-k selection on CUDA equals the CPU's (which tests/test_attention.py checks
 against the brute-force rule), at GLM-5.3's k = 2048 over prefill-sized rows with exact ties at,
 above and below the k-th score, -0.0 against 0.0, and future (-inf) keys. More than 16 rows run the
-Triton kernel (glm53/ops/triton_topk.py); up to 16, the torch form.
+Triton kernel (glm53/ops/triton_topk.py) where rows have at most its MAX_KEYS keys; up to 16 rows,
+or longer rows, the torch form.
 
     pytest -m gpu tests/gpu/test_select_topk_cuda.py
 """
@@ -27,7 +28,7 @@ def _cuda() -> None:
 
 
 @pytest.mark.parametrize("n,t", [(2047, 48), (2048, 48), (2049, 48), (2050, 48), (6000, 48), (70001, 40),
-                                 (3000, SMALL_WINDOW_ROWS)])
+                                 (140001, 20), (3000, SMALL_WINDOW_ROWS)])
 def test_cuda_selection_equals_the_cpu_rule(n: int, t: int) -> None:
     _cuda()
     k = 2048
