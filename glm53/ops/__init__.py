@@ -19,6 +19,10 @@ So every op of the forward with a reduction goes through here:
     index_scores(...)         the DSA indexer's score of every key for every query
     latent_attention(...)     absorbed MLA of each query over its own selected latent rows
 
+The indexer's top-k selection is not a reduction but has a kernel too: a prefill piece's on CUDA
+runs glm53/ops/triton_topk.py (`triton_topk_for` says where), the same rule as the torch form in
+glm53/model/indexer.py, one program per query row.
+
 On CUDA the Triton kernels (glm53/ops/triton_*.py) are row-invariant by construction: a fixed tile
 configuration per op and shape, a sequential reduction over K in fixed blocks, no split-K, no
 atomics, each (row, column) computed by the same instructions whatever M. Two places use another
@@ -27,7 +31,8 @@ tile or kernel for few rows, where the H200 measured the same bits: linear's M <
 at first use, falling back to the one-program kernel where the bits differ). On the CPU the torch path
 (glm53/ops/torch_ops.py) runs each row of a projection as its own one-row product, pads the
 indexer's counts, and computes sigmoid/silu through exp (measured on MKL, AVX2, 1 or 2 threads:
-tests/test_row_invariance.py); torch's last-dim reductions on the CPU are sequential per row. TF_GLM53_KERNELS=torch forces the torch path on CUDA (debugging); it is not
+tests/test_row_invariance.py; on AVX-512 + AMX hosts only with the batched products in fp32 and never a batch of one,
+torch_ops._matmul32); torch's last-dim reductions on the CPU are sequential per row. TF_GLM53_KERNELS=torch forces the torch path on CUDA (debugging); it is not
 row-invariant there, so the engine then reuses only at prefill-grid boundaries.
 """
 from __future__ import annotations
