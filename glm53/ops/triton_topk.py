@@ -51,6 +51,14 @@ def _keys(s):
 
 
 @triton.jit
+def _block(base, start, offs, N):
+    """The row's columns [start, start + BLOCK): (column numbers, which lie inside the row, scores)."""
+    cols = start + offs
+    inside = cols < N
+    return cols, inside, tl.load(base + cols, mask=inside, other=0.0)
+
+
+@triton.jit
 def _radix_pass(base, N, offs, bins, prefix, need, SHIFT: tl.constexpr, COUNT_NAN: tl.constexpr,
                 BLOCK: tl.constexpr, BINS: tl.constexpr):
     """One byte of the threshold key. Returns (prefix with the byte at SHIFT set, need less the
@@ -60,9 +68,7 @@ def _radix_pass(base, N, offs, bins, prefix, need, SHIFT: tl.constexpr, COUNT_NA
     hist = tl.zeros([BINS], dtype=tl.int32)
     nans = tl.full([], 0, tl.int32)
     for start in range(0, N, BLOCK):
-        cols = start + offs
-        inside = cols < N
-        s = tl.load(base + cols, mask=inside, other=0.0)
+        cols, inside, s = _block(base, start, offs, N)
         key = _keys(s)
         digit = ((key >> SHIFT) & 255).to(tl.int32)
         if SHIFT < 24:
@@ -100,17 +106,13 @@ def _select_kernel(s_ptr, idx_ptr, valid_ptr, nan_ptr, N, WIDTH, stride_s, strid
     written = tl.full([], 0, tl.int32)
     if need == ties:
         for start in range(0, N, BLOCK):
-            cols = start + offs
-            inside = cols < N
-            s = tl.load(base + cols, mask=inside, other=0.0)
+            cols, inside, s = _block(base, start, offs, N)
             kept = inside & (_keys(s) >= prefix) & (tl.abs(s) < float("inf"))  # chosen and finite
             written = _write(idx_ptr + row * stride_i, valid_ptr + row * stride_v, cols, kept, written)
     else:
         ties_seen = tl.full([], 0, tl.int32)
         for start in range(0, N, BLOCK):
-            cols = start + offs
-            inside = cols < N
-            s = tl.load(base + cols, mask=inside, other=0.0)
+            cols, inside, s = _block(base, start, offs, N)
             key = _keys(s)
             tie = (inside & (key == prefix)).to(tl.int32)
             tie_rank = ties_seen + tl.cumsum(tie, 0) - tie  # ties at lower columns, this row so far
