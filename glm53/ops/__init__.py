@@ -30,10 +30,11 @@ tile or kernel for few rows, where the H200 measured the same bits: linear's M <
 (CONFIG_BY_ROWS) and latent_attention's split kernels for T <= 16 (checked again on every device
 at first use, falling back to the one-program kernel where the bits differ). On the CPU the torch path
 (glm53/ops/torch_ops.py) runs each row of a projection as its own one-row product, pads the
-indexer's counts, and computes sigmoid/silu through exp (measured on MKL, AVX2, 1 or 2 threads:
-tests/test_row_invariance.py; on AVX-512 + AMX hosts only with the batched products in fp32 and never a batch of one,
-torch_ops._matmul32); torch's last-dim reductions on the CPU are sequential per row. TF_GLM53_KERNELS=torch forces the torch path on CUDA (debugging); it is not
-row-invariant there, so the engine then reuses only at prefill-grid boundaries.
+indexer's counts, and computes sigmoid/silu through exp (measured on MKL, AVX2 and AVX-512 + AMX,
+1 or 2 threads: tests/test_row_invariance.py; the latter only with the batched products in fp32 and
+never a batch of one, torch_ops._matmul32); torch's last-dim reductions on the CPU are sequential
+per row. TF_GLM53_KERNELS=torch forces the torch path on CUDA (debugging); it is not row-invariant
+there, so the engine then reuses only at prefill-grid boundaries.
 """
 from __future__ import annotations
 

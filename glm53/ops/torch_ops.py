@@ -13,9 +13,10 @@ column count below 16. So:
   MKL computes with the same bits for any such counts.
 
 tests/test_row_invariance.py sweeps shapes, counts, offsets and threads; it passes on an AVX2 host
-and on an AVX-512 + AMX host (where, before `_row_products` and `_matmul32`, one-row fp32 products split over two
-threads and one-row bf16 head projections changed bits). Everything else here reduces along a row with the same
-length whatever the row count (torch's CPU reductions are sequential per row), or is elementwise.
+and on an AVX-512 + AMX host (where, before `_matmul32`, one-row fp32 products split over two threads
+and one-row bf16 head projections changed bits). Everything else here reduces along a row with the
+same length whatever the row count (torch's CPU reductions are sequential per row), or is
+elementwise.
 """
 from __future__ import annotations
 
