@@ -34,7 +34,6 @@ K = 2048  # GLM-5.3's index_topk
 # (T, history): turn 1's two pieces (2700 new tokens on the 2048 grid), turn 6's two (13504 cached),
 # a 19k prompt's last full chunk, and long contexts
 CASES = [(2048, 0), (652, 2048), (832, 13504), (1869, 14336), (2048, 14157), (2048, 63488), (2048, 260096)]
-ARMS = ("torch", "triton")
 
 
 def chunk_scores(t: int, history: int, device: torch.device, seed: int) -> torch.Tensor:

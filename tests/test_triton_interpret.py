@@ -190,8 +190,8 @@ def _worker() -> dict[str, list]:
         # the kernel against the CPU rule (select_topk on torch, which tests/test_attention.py checks
         # against brute force): exact. Rows over several of the kernel's column blocks, k below,
         # at and above N, ties at the threshold, -0.0 against 0.0, +-inf, all -inf, causal rows
-        for trial, (n, k) in enumerate([(1, 8), (5, 7), (8, 8), (9, 8), (40, 16), (100, 1), (1025, 40),
-                                         (2100, 3), (3000, 64), (2049, 2048)]):
+        for n, k in [(1, 8), (5, 7), (8, 8), (9, 8), (40, 16), (100, 1), (1025, 40), (2100, 3), (3000, 64),
+                     (2049, 2048)]:
             s = randn(6, n)
             s[0] = (s[0] * 2).round()  # few values: ties everywhere, also at the k-th
             s[1] = 0.0

@@ -115,7 +115,7 @@ def select_topk(scores: torch.Tensor, k: int, nan_flag: torch.Tensor | None = No
         indices, valid, nans = triton_topk.select(scores, k)
         _check_nan(nans.any(), nan_flag)
         return Selection(indices, valid)
-    return select_topk_torch(scores, k, nan_flag)
+    return _select_torch(scores, k, nan_flag)
 
 
 def select_topk_torch(scores: torch.Tensor, k: int, nan_flag: torch.Tensor | None = None) -> Selection:
@@ -128,6 +128,10 @@ def select_topk_torch(scores: torch.Tensor, k: int, nan_flag: torch.Tensor | Non
     takes the packed keys directly: the same set, and no host sync, so the call can be captured in
     a CUDA graph."""
     _check_scores(scores, k)
+    return _select_torch(scores, k, nan_flag)
+
+
+def _select_torch(scores: torch.Tensor, k: int, nan_flag: torch.Tensor | None) -> Selection:
     tq, tk = scores.shape
     indices = torch.zeros(tq, k, dtype=torch.long, device=scores.device)
     valid = torch.zeros(tq, k, dtype=torch.bool, device=scores.device)

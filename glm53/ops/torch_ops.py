@@ -34,16 +34,17 @@ def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
 
 
 def _matmul32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Batched torch.matmul ([B, M, K] @ [B, K, N]) whose batch elements get the same bits whatever
-    B is, the thread count, or what ran before; on the CPU in fp32 (a bf16 product is exact in fp32,
+    """Batched torch.matmul ([B, M, K] @ [B, K, N]); on the CPU, batch elements get the same bits
+    whatever B is, the thread count, or what ran before, computed in fp32 (a bf16 product is exact in fp32,
     so this is the ops' fp32 accumulation). Two dispatches inside torch/MKL differ with the batch
     (both measured on an AVX-512 + AMX host, torch 2.13): a batch of one runs as one product spread
     over the threads (fp32 GEMV rows at N = 1900, and attention's per-query products once the thread
     count had been set, changed bits), so it goes as two, both operands broadcast; and bf16 batched
     products go to oneDNN only above a size threshold on the whole call (B * M * K * N > 16^3), to
     torch's own loops below it (one-row bf16 head projections changed bits), so none stay bf16."""
-    if a.device.type == "cpu":
-        a, b = a.to(torch.float32), b.to(torch.float32)
+    if a.device.type != "cpu":  # CUDA's torch path (debugging) is not row-invariant anyway
+        return torch.matmul(a, b)
+    a, b = a.to(torch.float32), b.to(torch.float32)
     if a.shape[0] == 1:
         return torch.matmul(a.expand(2, *a.shape[1:]), b.expand(2, *b.shape[1:]))[:1]
     return torch.matmul(a, b)
