@@ -62,7 +62,8 @@ class Ranks:
             err = open(tmp / f"stderr{r}.txt", "w")
             # each rank on one CPU (rank r on the r-th modulo the count): more ranks than cores wait
             # on each other's collectives at every hop, and unpinned they also migrate between cores
-            # (gloo all-reduce at four ranks on two cores: 4.9 ms unpinned, 2.3 ms pinned)
+            # (gloo all-reduce at four ranks on two cores: 4.9 ms unpinned, 2.1 ms pinned;
+            # bench/bench_gloo_pinning.py, bench/results/gloo_pinning_cpu.json)
             cpu = {cpus[r % len(cpus)]}
             self.procs[r] = subprocess.Popen(args, env=env, cwd=ROOT, stdout=err, stderr=subprocess.STDOUT,
                                              preexec_fn=lambda cpu=cpu: os.sched_setaffinity(0, cpu))
