@@ -8,8 +8,9 @@ file I/O); stale temp files of dead writers are deleted. Anything that does not 
 version, header digest, key, chain hash vs. name, parent and tokens, sizes, payload checksum on
 load) is a miss and is moved to DIR/<key digest>/quarantine/, never returned.
 
-Reads: `read` reads one file with one readinto into a buffer the caller gives (restore.py's ring)
-or one of its size, and verifies it there (diskfile.py); `load` returns its rows as views.
+Reads: `read` reads one file into a buffer the caller gives (restore.py's ring) or one of its
+size, a piece at a time, hashing each piece as it lands, and verifies it (diskfile.py); `load`
+returns its rows as views.
 Eviction is LRU by mtime (loads and stores set it explicitly, tip of a chain first, so parents
 stay newer than children); evicting a node deletes its descendants.
 """
@@ -40,6 +41,9 @@ SUFFIX = ".kvc"
 TMP_PREFIX = ".tmp."
 QUARANTINE = "quarantine"
 _KEEP_QUARANTINED = 16
+# bytes per readinto when a file is read: small enough that the piece is still in the CPU's cache
+# when it is hashed (bench/bench_disk_resume.py --read-chunk compares sizes side by side)
+READ_CHUNK = 1 << 20
 
 
 def default_threads() -> int:
@@ -174,7 +178,7 @@ class DiskTier:
         return None if got is None else diskfile.views(got[2], got[1])
 
     def read(self, h: bytes, buf: torch.Tensor | None = None) -> tuple[diskfile.Header, torch.Tensor, list] | None:
-        """Read node h's file with one readinto into `buf` (uint8, at least the file's size; None:
+        """Read node h's file into `buf` (uint8, at least the file's size; None:
         a new buffer of its size) and verify it there: (header, buffer, the tensors' layout), or
         None (a miss: the file is gone, or it failed verification and was quarantined). Safe on
         any thread."""
@@ -197,6 +201,10 @@ class DiskTier:
         return None
 
     def _read(self, h: bytes, path: Path, buf: torch.Tensor | None) -> tuple[diskfile.Header, torch.Tensor, list]:
+        """Read the file in READ_CHUNK pieces, hashing each piece of payload right after it lands
+        (while it is still in the CPU's cache: the hash does not read the buffer back from memory).
+        The header is checked as soon as it is in, so a foreign file is refused after its first
+        piece."""
         with open(path, "rb", buffering=0) as f:
             size = os.fstat(f.fileno()).st_size
             if size < diskfile.PREAMBLE.size:
@@ -206,18 +214,39 @@ class DiskTier:
             elif buf.numel() < size:
                 raise CorruptEntry(f"file is {size} bytes, larger than the index said")
             view = memoryview(buf.numpy())[:size]
-            got = 0
-            while got < size:  # one call in practice; a loop in case the kernel returns short
-                n = f.readinto(view[got:])
+            hdr: diskfile.Header | None = None
+            payload = diskfile.payload_hasher()
+            got = hashed = 0
+            while got < size:
+                n = f.readinto(view[got:min(size, got + READ_CHUNK)])
                 if not n:
                     break
                 got += n
+                if hdr is None:
+                    hdr = self._header_in(h, view, got, size)
+                    if hdr is None:
+                        continue
+                    hashed = hdr.payload_start
+                if got > hashed:
+                    payload.update(view[hashed:got])
+                    hashed = got
         if got != size:
             raise CorruptEntry("short read: the file shrank while it was read")
-        hdr = diskfile.parse(view, size)
-        diskfile.check_identity(hdr, self._key_json, h, self.key.chunk_size)
-        diskfile.verify(hdr, buf)
+        if hdr is None:  # not reached for a whole file (its header is in it); kept as a guard
+            raise CorruptEntry("short file: header cut off")
+        diskfile.check_payload(hdr, payload.hexdigest())
         return hdr, buf, diskfile.layout(hdr)
+
+    def _header_in(self, h: bytes, view: memoryview, got: int, size: int) -> diskfile.Header | None:
+        """The verified header once the first `got` bytes hold it, else None (read on)."""
+        if got < diskfile.PREAMBLE.size:
+            return None
+        hlen, _ = diskfile.read_preamble(view)
+        if got < diskfile.PREAMBLE.size + hlen and got < size:
+            return None
+        hdr = diskfile.parse(view[:got], size)
+        diskfile.check_identity(hdr, self._key_json, h, self.key.chunk_size)
+        return hdr
 
     def touch_chain(self, hashes: Sequence[bytes]) -> None:
         with self._lock:

@@ -50,6 +50,11 @@ def checksum(data: bytes | memoryview) -> str:
     return xxhash.xxh3_128_hexdigest(data)
 
 
+def payload_hasher() -> "xxhash.xxh3_128":
+    """A running payload checksum (update it piece by piece; check_payload compares its digest)."""
+    return xxhash.xxh3_128()
+
+
 def header_digest(data: bytes | memoryview) -> bytes:
     return hashlib.sha256(data).digest()[:16]
 
@@ -200,7 +205,12 @@ def _dtype(name: str) -> torch.dtype:
 
 def verify(h: Header, buf: torch.Tensor) -> None:
     """Check the payload of a whole file read into `buf` (uint8, at least the file's size)."""
-    if checksum(memoryview(buf.numpy())[h.payload_start:h.file_size]) != h.payload_xxh3:
+    check_payload(h, checksum(memoryview(buf.numpy())[h.payload_start:h.file_size]))
+
+
+def check_payload(h: Header, hexdigest: str) -> None:
+    """The payload's XXH3-128 (hex) against the header's."""
+    if hexdigest != h.payload_xxh3:
         raise CorruptEntry("payload checksum mismatch")
 
 

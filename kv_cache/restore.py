@@ -1,8 +1,8 @@
 """Putting a hit's rows back into the engine's cache, reading disk nodes while earlier ones copy.
 
 A lookup finds disk nodes through the index alone; their files are read here, when the engine
-restores the hit. Reader threads read each file with one readinto into one of a ring of reused
-buffers (pinned where the cache lives on a GPU) and verify it there (diskfile.py); the caller's
+restores the hit. Reader threads read each file into one of a ring of reused buffers (pinned
+where the cache lives on a GPU), hashing it piece by piece as it lands (disk.py); the caller's
 thread takes the nodes in order, copies each to the device in one transfer into a scratch buffer
 and from there into the cache's tensors. Host-tier nodes take the same path: a reader packs the
 node's tensors into a ring buffer (diskfile.plan), so a node is one pinned transfer, not ~117
@@ -16,6 +16,7 @@ engine prefills the rest; ranks agree again on what all of them restored).
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Sequence
 
@@ -42,6 +43,10 @@ class Restorer:
         self._lock = threading.Lock()  # one restore at a time: the ring is shared
         self.files_read = 0
         self.nodes_packed = 0
+        # the copying thread's time, summed over restores: blocked on the readers, and its own
+        # work (transfers queued, rows written); which one dominates says what bounds a resume
+        self.waited_s = 0.0
+        self.copying_s = 0.0
         if self.pinned and disk is not None:  # pinned memory: allocated at start-up, not in the first resume
             biggest = disk.largest_file()
             if biggest:
@@ -69,7 +74,10 @@ class Restorer:
             try:
                 for i, piece in enumerate(pieces):
                     if i in futures:
+                        t0 = time.perf_counter()
                         got = futures.pop(i).result()
+                        t1 = time.perf_counter()
+                        self.waited_s += t1 - t0
                         if got is None:
                             break
                         if piece.source == "disk":
@@ -82,6 +90,7 @@ class Restorer:
                     write_rows(piece.start, piece.length, rows)
                     end = piece.start + piece.length
                     submit(i + self.depth)
+                    self.copying_s += time.perf_counter() - t1
             finally:
                 for f in futures.values():  # reads past a miss: done before their buffers are reused
                     f.result()

@@ -232,6 +232,42 @@ def test_corrupted_payload_is_a_miss_and_ends_the_chain_there(tmp_path):
     assert len(list((tmp_path / k.digest().hex() / QUARANTINE).iterdir())) == 1
 
 
+@pytest.mark.parametrize("chunk", [7, 64, 1000, 1 << 20])
+def test_files_read_in_pieces_of_any_size_are_exact_and_checked_in_full(tmp_path, monkeypatch, chunk):
+    """A file is read in READ_CHUNK pieces and hashed piece by piece: whatever the piece size (one
+    smaller than the preamble, one cutting the header, one past the file), the rows are exact, and
+    a flipped bit anywhere in the payload, or a file changed after the index was built, is a miss."""
+    monkeypatch.setattr("kv_cache.disk.READ_CHUNK", chunk)
+    k = key()
+    _store(tmp_path, k)
+    assert exact(_fresh(tmp_path, k).lookup(PROMPT + [1])) == 83
+    h = chain_hashes(k, PROMPT)
+    d = tmp_path / k.digest().hex()
+    cache = _fresh(tmp_path, k)  # the index is built now; the files change under it below
+    for n, (i, where) in enumerate(((3, "first"), (2, "last"), (1, "middle")), 1):  # from the chain's end
+        f = d / (h[i].hex() + SUFFIX)
+        data = bytearray(f.read_bytes())
+        start = len(data) - diskfile_payload_bytes(data)
+        at = {"first": start, "last": len(data) - 1, "middle": (start + len(data)) // 2}[where]
+        data[at] ^= 0x10
+        f.write_bytes(bytes(data))
+        hit = cache.lookup(PROMPT + [1])
+        assert exact(hit) == i * C, where  # the chain ends at the bad file
+        assert not f.exists() and cache.disk.quarantined == n
+    # block 0 replaced by another key's file after the index was built: refused when read
+    other = key(kv_dtype="float8_e4m3fn")
+    _store(tmp_path / "other", other)
+    theirs = tmp_path / "other" / other.digest().hex() / (chain_hashes(other, PROMPT)[0].hex() + SUFFIX)
+    os.replace(theirs, d / (h[0].hex() + SUFFIX))
+    assert exact(cache.lookup(PROMPT + [1])) == 0 and cache.disk.quarantined == 4
+
+
+def diskfile_payload_bytes(data: bytes | bytearray) -> int:
+    """The payload's length, from a file's header."""
+    from kv_cache import diskfile
+    return diskfile.parse(bytes(data), len(data)).payload_bytes
+
+
 def test_corrupted_header_and_truncated_file_are_misses(tmp_path):
     k = key()
     _store(tmp_path, k)
