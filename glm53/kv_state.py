@@ -8,11 +8,17 @@ dtype: bf16 (default), fp32 (reference tests) or fp8 e4m3 with one fp32 scale pe
     latent[layer]      [capacity, latent_dim]      index_keys[layer]  [capacity, index_head_dim]
     latent_scale[layer][capacity] (fp8 only)       index_scale[layer] [capacity] (fp8 only)
 
+Each kind's per-layer tensors are views of one stacked tensor ([layers, capacity, ...], `stacks`),
+so a restored node whose rows arrive stacked in the same layer order (kv_cache.rows.StackedRows)
+is one strided copy per kind, not one per layer: at GLM-5.3's depth the ~117 per-tensor copies'
+Python was what bounded a resume from the page cache (bench/results/README.md, tenth session).
+
 `frontier` is how far rows were written by canonical prefill; rows written by decode or draft
 verification lie beyond it and are never offered for reuse.
 """
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -58,16 +64,15 @@ class KVState:
     latent_scale: list[torch.Tensor | None] = field(default_factory=list)
     index_keys: dict[int, torch.Tensor] = field(default_factory=dict)
     index_scale: dict[int, torch.Tensor | None] = field(default_factory=dict)
+    # kind -> [layers of that kind, capacity, ...]: the per-layer tensors above are its views
+    stacks: dict[str, torch.Tensor | None] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.tokens, TokenLog):
             self.tokens = TokenLog(self.tokens)
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype {self.kv_dtype!r}: choose one of {', '.join(KV_DTYPES)}")
-        self.latent = [self._alloc(0, self.latent_dim) for _ in range(self.n_layers)]
-        self.latent_scale = [self._alloc_scale(0) for _ in range(self.n_layers)]
-        self.index_keys = {i: self._alloc(0, self.index_dim) for i in sorted(self.indexed_layers)}
-        self.index_scale = {i: self._alloc_scale(0) for i in sorted(self.indexed_layers)}
+        self._set_stacks(self._new_stacks(0))
 
     # ---- storage -------------------------------------------------------------------------
     @property
@@ -83,33 +88,49 @@ class KVState:
     def fp8(self) -> bool:
         return self.kv_dtype == "fp8"
 
-    def _alloc(self, n: int, dim: int) -> torch.Tensor:
-        # zeros, never garbage: masked positions must contribute exact zeros (0 * NaN would not)
-        return torch.zeros(n, dim, dtype=KV_DTYPES[self.kv_dtype], device=self.device)
+    def _new_stacks(self, capacity: int) -> dict[str, torch.Tensor | None]:
+        """Fresh stacks for `capacity` positions: zeros, never garbage (masked positions must
+        contribute exact zeros: 0 * NaN would not); scales (fp8 only) ones."""
+        dtype, dev, n_idx = KV_DTYPES[self.kv_dtype], self.device, len(self.indexed_layers)
 
-    def _alloc_scale(self, n: int) -> torch.Tensor | None:
-        return torch.ones(n, dtype=torch.float32, device=self.device) if self.fp8 else None
+        def scales(layers: int) -> torch.Tensor | None:
+            return torch.ones(layers, capacity, dtype=torch.float32, device=dev) if self.fp8 else None
+
+        return {"latent": torch.zeros(self.n_layers, capacity, self.latent_dim, dtype=dtype, device=dev),
+                "latent_scale": scales(self.n_layers),
+                "index_keys": torch.zeros(n_idx, capacity, self.index_dim, dtype=dtype, device=dev),
+                "index_scale": scales(n_idx)}
+
+    def _set_stacks(self, stacks: dict[str, torch.Tensor | None]) -> None:
+        self.stacks = stacks
+        order = sorted(self.indexed_layers)
+
+        def layers(kind: str, count: int) -> list[torch.Tensor | None]:
+            t = stacks[kind]
+            return list(t.unbind(0)) if t is not None else [None] * count
+
+        self.latent = layers("latent", self.n_layers)
+        self.latent_scale = layers("latent_scale", self.n_layers)
+        self.index_keys = dict(zip(order, layers("index_keys", len(order))))
+        self.index_scale = dict(zip(order, layers("index_scale", len(order))))
+        self.capacity = stacks["latent"].shape[1]
 
     def reserve(self, n: int) -> None:
         """Room for n positions (grows geometrically; existing rows are kept)."""
         if n <= self.capacity:
             return
-        new_cap = max(n, 2 * self.capacity, 256)
+        new = self._new_stacks(max(n, 2 * self.capacity, 256))
+        for kind, old in self.stacks.items():
+            if old is not None:
+                new[kind][:, : old.shape[1]] = old
+        self._set_stacks(new)
 
-        def grow(t: torch.Tensor | None) -> torch.Tensor | None:
-            if t is None:
-                return None
-            out = torch.zeros((new_cap,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
-            if t.dim() == 1:
-                out.fill_(1.0)
-            out[: t.shape[0]] = t
-            return out
-
-        self.latent = [grow(t) for t in self.latent]
-        self.latent_scale = [grow(t) for t in self.latent_scale]
-        self.index_keys = {i: grow(t) for i, t in self.index_keys.items()}
-        self.index_scale = {i: grow(t) for i, t in self.index_scale.items()}
-        self.capacity = new_cap
+    def clone(self) -> "KVState":
+        """An independent copy: rows (its own stacks), tokens and frontier."""
+        other = copy.copy(self)
+        other.tokens = TokenLog(self.tokens)
+        other._set_stacks({k: t.clone() if t is not None else None for k, t in self.stacks.items()})
+        return other
 
     # ---- writes and reads (compute dtype in, compute dtype out) -----------------------------
     def write_latent(self, layer: int, start: int, rows: torch.Tensor) -> None:
@@ -217,15 +238,28 @@ class KVState:
         if rows.keys() != places.keys():
             missing, extra = places.keys() - rows.keys(), rows.keys() - places.keys()
             raise ValueError(f"restored rows do not match this cache: missing {sorted(missing)[:4]}, extra {sorted(extra)[:4]}")
-        dsts, srcs = [], []
+        dsts, srcs, stacked = [], [], set()
+        for names, stack in getattr(rows, "stacks", ()):  # a whole kind in layer order: one copy
+            kind = self._stack_kinds.get(names)
+            if kind is None:
+                continue
+            target = self.stacks[kind]
+            if stack.shape[1] < b - a or stack.dtype != target.dtype or stack.shape[2:] != target.shape[2:]:
+                raise ValueError(f"restored {names[0]}..{names[-1]}: {tuple(stack.shape)} {stack.dtype}, expected "
+                                 f"at least [{len(names)}, {b - a}, ...] {target.dtype}")
+            dsts.append(target[:, a:b])
+            srcs.append(stack[:, : b - a])
+            stacked.update(names)
         for name, t in rows.items():  # every tensor checked first: nothing half-written
+            if name in stacked:
+                continue
             kind, layer = places[name]
             target = getattr(self, kind)[layer]
             if t.shape[0] < b - a or t.dtype != target.dtype or t.shape[1:] != target.shape[1:]:
                 raise ValueError(f"restored {name}: {tuple(t.shape)} {t.dtype}, expected at least [{b - a}, ...] {target.dtype}")
             dsts.append(target[a:b])
             srcs.append(t if t.shape[0] == b - a else t[: b - a])
-        # straight into the cache, one grouped copy (a 78-layer node is ~117 tensors)
+        # straight into the cache: a few stacks, or one grouped copy of ~117 tensors
         torch._foreach_copy_(dsts, srcs)
         self.tokens.extend(tokens)
         if self.frontier == start:
@@ -240,6 +274,18 @@ class KVState:
             kind, layer = name.rsplit(".", 1)
             places[name] = (attrs[kind], int(layer))
         return places
+
+    @cached_property
+    def _stack_kinds(self) -> dict[tuple[str, ...], str]:
+        """The names of each stack's layers in order -> the stack (for import_rows)."""
+        kinds = {}
+        for kind, prefix, layers in (("latent", "latent", range(self.n_layers)),
+                                     ("latent_scale", "latent_scale", range(self.n_layers) if self.fp8 else ()),
+                                     ("index_keys", "index", sorted(self.index_keys)),
+                                     ("index_scale", "index_scale", sorted(self.index_keys) if self.fp8 else ())):
+            if layers:
+                kinds[tuple(f"{prefix}.{i}" for i in layers)] = kind
+        return kinds
 
     def export_names(self) -> list[str]:
         names = [f"latent.{i}" for i in range(self.n_layers)]

@@ -33,7 +33,7 @@ import xxhash
 
 from .keys import block_hash
 from .node import Node
-from .rows import Rows
+from .rows import Rows, StackedRows
 
 MAGIC = b"GLM53KVC"
 FORMAT_VERSION = 3
@@ -79,13 +79,22 @@ def _raw(t: torch.Tensor) -> memoryview:
     return memoryview(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
+def layer_order(name: str) -> tuple[str, int]:
+    """Sort key: "latent.10" after "latent.9" (kind, then layer number), so a run of one kind's
+    layers is in the engine's layer order and lands in its cache as one strided copy."""
+    kind, _, layer = name.rpartition(".")
+    return (kind, int(layer)) if layer.isdigit() else (name, -1)
+
+
 def plan(rows: Rows) -> tuple[list["Run"], int]:
-    """Where each tensor of `rows` goes in a payload (or a restore buffer), by sorted name: at a
+    """Where each tensor of `rows` goes in a payload (or a restore buffer), in layer_order: at a
     64-byte aligned offset (relative to the payload's start), consecutive tensors of one dtype and
-    shape that lie back to back forming one run. Returns the runs and the payload's size."""
+    shape that lie back to back forming one run. Returns the runs and the payload's size. (Files
+    written before the order changed list their runs by plain sorted name; they read the same,
+    their names being in the header.)"""
     runs: list[Run] = []
     offset = 0
-    for name in sorted(rows):
+    for name in sorted(rows, key=layer_order):
         t = rows[name]
         n, shape = t.numel() * t.element_size(), tuple(t.shape)
         offset += -offset % ALIGN
@@ -246,15 +255,18 @@ def layout(h: Header) -> list[Run]:
     return runs
 
 
-def views(runs: list[Run], buf: torch.Tensor) -> Rows:
+def views(runs: list[Run], buf: torch.Tensor) -> StackedRows:
     """The rows laid out by `runs` (layout() of a file, plan() of rows) in `buf`, a uint8 tensor on
-    any device, as views."""
-    rows: Rows = {}
+    any device, as views; each run is also one stack of them."""
+    rows, stacks = StackedRows(), []
     for r in runs:
         if r.nbytes == 0:
             rows.update((name, torch.empty(r.shape, dtype=r.dtype, device=buf.device)) for name in r.names)
             continue
-        rows.update(zip(r.names, _block(r, buf).unbind(0)))
+        block = _block(r, buf)
+        rows.update(zip(r.names, block.unbind(0)))
+        stacks.append((r.names, block))
+    rows.stacks = tuple(stacks)
     return rows
 
 

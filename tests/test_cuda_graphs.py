@@ -8,7 +8,6 @@ graph replays against eager run on the GPU (tests/gpu/test_graph_replays_cuda.py
 """
 from __future__ import annotations
 
-import copy
 import random
 
 import pytest
@@ -29,16 +28,6 @@ def test_key_bound_rounds_up_to_the_step_within_capacity() -> None:
     assert key_bound(9000, 9001, 4096) == 9001  # never past the capacity
 
 
-def state_copy(state):
-    other = copy.copy(state)
-    other.tokens = list(state.tokens)
-    other.latent = [t.clone() for t in state.latent]
-    other.latent_scale = [t.clone() if t is not None else None for t in state.latent_scale]
-    other.index_keys = {i: t.clone() for i, t in state.index_keys.items()}
-    other.index_scale = {i: t.clone() if t is not None else None for i, t in state.index_scale.items()}
-    return other
-
-
 @pytest.mark.parametrize("compute,kv", [("fp32", "fp32"), ("fp32", "fp8"), ("bf16", "bf16")])
 def test_window_form_equals_the_eager_forward_bitwise(tiny_dirs, compute: str, kv: str) -> None:  # noqa: F811
     """Windows of 1, 3 and 16 tokens after a 70-token prefill (past index_topk, MoE layers by
@@ -53,7 +42,7 @@ def test_window_form_equals_the_eager_forward_bitwise(tiny_dirs, compute: str, k
         for n in (1, 3, SMALL_WINDOW_ROWS):
             window = [rng.randrange(3, engine.vocab_size) for _ in range(n)]
             start = state.length
-            eager_state = state_copy(state)
+            eager_state = state.clone()
             want = model.forward(eager_state, window, start, taps=(1,))
             state.reserve(start + n + 200)
             bound = key_bound(start + n, state.capacity, 64)
@@ -165,6 +154,6 @@ def test_runner_raises_the_eager_error_on_nan_scores(tiny_engine) -> None:  # no
         layer = min(state.index_keys)
         state.index_keys[layer][7] = float("nan")
         with pytest.raises(ValueError, match="NaN"):
-            model.forward(state_copy(state), [6], state.length)
+            model.forward(state.clone(), [6], state.length)
         with pytest.raises(ValueError, match="NaN"):
             runner.forward(state, [6], state.length)  # a replay of the captured key

@@ -1,6 +1,7 @@
 """Units of the forward, each against an independent statement of what it must compute."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from glm53.config import Glm53Config
@@ -140,3 +141,62 @@ def test_position_bytes_are_what_export_rows_gives_a_position() -> None:
         s.tokens.extend(range(5))
         rows = s.export_rows(1, 4)
         assert s.position_bytes() * 3 == sum(t.numel() * t.element_size() for t in rows.values()), kv_dtype
+
+
+@pytest.mark.parametrize("kv_dtype,dcp", [("bf16", False), ("fp8", False), ("fp32", True)])
+def test_stacked_rows_land_in_one_copy_per_kind_exactly_as_tensor_by_tensor(monkeypatch, kv_dtype, dcp) -> None:
+    """A node read into one buffer (diskfile.plan / pack / views: StackedRows) is imported as one
+    strided copy per kind; the result equals importing the same rows tensor by tensor, bit for
+    bit. A stack in another order (a file written before layer_order: "latent.10" before
+    "latent.2") takes the tensor-by-tensor path; a bad stack is refused with nothing written."""
+    from glm53.dist.dcp import Ownership
+    from glm53.dist.parallel_engine import DcpKVState
+    from kv_cache import diskfile
+    from kv_cache.rows import StackedRows
+
+    def state() -> KVState:
+        kw = dict(n_layers=12, latent_dim=8, index_dim=4, indexed_layers=frozenset({0, 3, 10, 11}), kv_dtype=kv_dtype)
+        return DcpKVState(**kw, own=Ownership(1, 2)) if dcp else KVState(**kw)
+
+    src = state()
+    src.reserve(64)
+    g = torch.Generator().manual_seed(9)
+    for layer in range(12):
+        src.write_latent(layer, 0, torch.randn(64, 8, generator=g))
+    for layer in src.index_keys:
+        src.write_index(layer, 0, torch.randn(64, 4, generator=g))
+    src.tokens.extend(range(64))
+    first, block = src.export_rows(0, 16), src.export_rows(16, 48)  # import [16, 40): the block is longer
+    runs, size = diskfile.plan(block)
+    buf = torch.empty(size, dtype=torch.uint8)
+    diskfile.pack(block, runs, buf)
+    stacked = diskfile.views(runs, buf)
+    assert {len(names) for names, _ in stacked.stacks} == {12, 4}  # one run per kind, layers in order
+    lexical = StackedRows(stacked)  # the latents stacked in plain sorted-name order
+    names = tuple(sorted(n for n in block if n.startswith("latent.")))
+    lexical.stacks = ((names, torch.stack([block[n] for n in names])),)
+
+    copies: list[int] = []
+    real = torch._foreach_copy_
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda dst, s: copies.append(len(dst)) or real(dst, s))
+    got = {}
+    for arm, rows in (("stacked", stacked), ("plain", {k: v.clone() for k, v in block.items()}), ("lexical", lexical)):
+        s = state()
+        s.import_rows(0, {k: v.clone() for k, v in first.items()}, list(range(16)))
+        s.import_rows(16, rows, list(range(16, 40)))
+        got[arm] = s.export_rows(0, 40)
+    kinds = 4 if kv_dtype == "fp8" else 2
+    tensors = len(block)
+    assert copies == [tensors, kinds, tensors, tensors, tensors, tensors]  # lexical: no stack matches
+    want = src.export_rows(0, 40)
+    for arm, rows in got.items():
+        assert all(torch.equal(rows[k].view(torch.uint8), want[k].view(torch.uint8)) for k in want), arm
+    s = state()
+    s.import_rows(0, {k: v.clone() for k, v in first.items()}, list(range(16)))
+    before = s.stacks["latent"].clone()
+    bad = StackedRows(stacked)
+    bad.stacks = tuple((n, t.view(torch.uint8) if n[0].startswith("latent.") else t) for n, t in stacked.stacks)
+    with pytest.raises(ValueError, match="latent.0..latent.11"):
+        s.import_rows(16, bad, list(range(16, 40)))
+    assert s.length == 16 and torch.equal(s.stacks["latent"], before)
+    assert all(s.latent[i].data_ptr() == s.stacks["latent"][i].data_ptr() for i in range(12))
