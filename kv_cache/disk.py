@@ -41,9 +41,11 @@ SUFFIX = ".kvc"
 TMP_PREFIX = ".tmp."
 QUARANTINE = "quarantine"
 _KEEP_QUARANTINED = 16
-# bytes per readinto when a file is read: small enough that the piece is still in the CPU's cache
-# when it is hashed (bench/bench_disk_resume.py --read-chunk compares sizes side by side)
-READ_CHUNK = 1 << 20
+# bytes per readinto when a file is read, each piece hashed as it lands. Measured on the H200 host
+# (bench_disk_resume.py --read-chunks, side by side): 1 MiB and smaller pieces slowed a page-cache
+# resume (the readers' extra Python contends for the GIL with the thread that copies to the GPU),
+# so a node's file (~25 MB at GLM-5.3's depth) is one piece
+READ_CHUNK = 64 << 20
 
 
 def default_threads() -> int:
