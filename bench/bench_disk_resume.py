@@ -38,7 +38,6 @@ sys.path.insert(0, str(REPO))
 from bench.bench_prefix_cache import drop_page_cache  # noqa: E402
 from bench.bench_restore import new_state  # noqa: E402
 from bench.benchmeta import result_header, summary, write_json  # noqa: E402
-import kv_cache.disk  # noqa: E402
 from kv_cache import CacheKey, PrefixCache  # noqa: E402
 
 BLOCK = 256
@@ -103,20 +102,11 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=0, help="TF_GLM53_DISK_CACHE_THREADS (0: the default)")
     p.add_argument("--host-bytes", default="8G", help="TF_GLM53_HOST_CACHE_BYTES (the server's default: 8G)")
-    p.add_argument("--read-chunks", default="",
-                   help="comma-separated kv_cache.disk.READ_CHUNK sizes in bytes (0: a whole file in one "
-                        "readinto, hashed after), each an extra page-cache arm, side by side in one run")
     p.add_argument("--dir", type=Path, default=None, help="where the cache files go (default: a temp folder)")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "disk_resume.json")
     args = p.parse_args()
-    try:
-        args.read_chunks = [int(x) for x in args.read_chunks.split(",") if x.strip()]
-    except ValueError:
-        print(f"error: --read-chunks {args.read_chunks!r}: give sizes in bytes, comma-separated", file=sys.stderr)
-        return 2
-    if min(args.positions, args.layers, args.repeats) <= 0 or args.threads < 0 or min(args.read_chunks, default=0) < 0:
-        print("error: --positions, --layers and --repeats must be positive, --threads and --read-chunks >= 0",
-              file=sys.stderr)
+    if min(args.positions, args.layers, args.repeats) <= 0 or args.threads < 0:
+        print("error: --positions, --layers and --repeats must be positive, --threads >= 0", file=sys.stderr)
         return 2
     if args.device == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda but no CUDA device is visible", file=sys.stderr)
@@ -153,21 +143,14 @@ def run(args, work: Path) -> int:
     host_cache.store(prompt[:-1], args.positions, source.export_rows)
     host_cache.flush()
     host_held = host_cache.stats_dict()["host_bytes"] / 2**30
-    default_chunk = kv_cache.disk.READ_CHUNK
-    chunks = {"disk": default_chunk, "page_cache": default_chunk,
-              **{f"page_{c >> 10}k" if c else "page_whole": c or 1 << 62 for c in args.read_chunks}}
-    arms: dict[str, list] = {arm: [] for arm in (*chunks, "host")}
+    arms = {"disk": [], "page_cache": [], "host": []}
     same = True
     want = source.export_rows(0, args.positions)
     for i in range(args.repeats):
-        page = list(chunks)[1:]  # the page-cache arms take turns going first (the disk arm fills the cache)
-        order = ["disk", *page[i % len(page):], *page[:i % len(page)], "host"]
-        for arm in order:
+        for arm in arms:
             if arm == "disk":
                 drop_page_cache(work)
-            kv_cache.disk.READ_CHUNK = chunks.get(arm, default_chunk)
             times, state = resume(host_cache if arm == "host" else work, args, prompt, position_bytes)
-            kv_cache.disk.READ_CHUNK = default_chunk
             got = state.export_rows(0, args.positions)
             same &= all(torch.equal(want[k], got[k]) for k in want)
             del state, got
@@ -176,7 +159,6 @@ def run(args, work: Path) -> int:
             print(f"sample {i} {arm}: " + ", ".join(f"{k} {v:.3f}s" for k, v in times.items()),
                   file=sys.stderr, flush=True)
     settings = {"positions": args.positions, "layers": args.layers, "block": BLOCK, "repeats": args.repeats,
-                "read_chunk": default_chunk, "read_chunks_compared": args.read_chunks,
                 "gib": gib, "host_tier_gib": host_held, "host_bytes": args.host_bytes, "threads": args.threads or "default",
                 "timing": "perf_counter per phase, device synchronized after the restore"}
     result = {**result_header("disk_resume", settings, device=args.device), "fill_s": fill_s, "same_rows": same}

@@ -8,9 +8,9 @@ file I/O); stale temp files of dead writers are deleted. Anything that does not 
 version, header digest, key, chain hash vs. name, parent and tokens, sizes, payload checksum on
 load) is a miss and is moved to DIR/<key digest>/quarantine/, never returned.
 
-Reads: `read` reads one file into a buffer the caller gives (restore.py's ring) or one of its
-size, a piece at a time, hashing each piece as it lands, and verifies it (diskfile.py); `load`
-returns its rows as views.
+Reads: `read` reads one file with one readinto into a buffer the caller gives (restore.py's ring)
+or one of its size, and verifies it there (diskfile.py; a header verified at start-up is not
+parsed again, only matched); `load` returns its rows as views.
 Eviction is LRU by mtime (loads and stores set it explicitly, tip of a chain first, so parents
 stay newer than children); evicting a node deletes its descendants.
 """
@@ -41,11 +41,6 @@ SUFFIX = ".kvc"
 TMP_PREFIX = ".tmp."
 QUARANTINE = "quarantine"
 _KEEP_QUARANTINED = 16
-# bytes per readinto when a file is read, each piece hashed as it lands. Measured on the H200 host
-# (bench_disk_resume.py --read-chunks, side by side): 1 MiB and smaller pieces slowed a page-cache
-# resume (the readers' extra Python contends for the GIL with the thread that copies to the GPU),
-# so a node's file (~25 MB at GLM-5.3's depth) is one piece
-READ_CHUNK = 64 << 20
 
 
 def default_threads() -> int:
@@ -59,6 +54,7 @@ class _Entry:
     tokens: Tokens
     size: int
     mtime_ns: int
+    known: diskfile.Known | None = None  # the header as verified at start-up or at the first read
 
 
 class DiskTier:
@@ -78,6 +74,7 @@ class DiskTier:
             raise OSError(f"TF_GLM53_DISK_CACHE={root}: cannot create {self.dir}: {e.strerror}; "
                           "point it at a writable directory or unset it") from e
         self.index: dict[bytes, _Entry] = {}
+        self._names: dict[tuple[str, ...], tuple[str, ...]] = {}  # one copy of each run's names for all entries
         self._children: dict[bytes, set[bytes]] = {}
         self._lock = threading.RLock()  # index, children and byte count; file I/O runs outside it
         self.used_bytes = 0
@@ -104,7 +101,8 @@ class DiskTier:
                 except OSError as e:
                     log.warning("kv_cache disk: cannot read %s (%s); ignored", p, e)
                     continue
-                self._add(hdr.hash, _Entry(p, hdr.parent, hdr.tokens, st.st_size, st.st_mtime_ns))
+                self._add(hdr.hash, _Entry(p, hdr.parent, hdr.tokens, st.st_size, st.st_mtime_ns,
+                                           diskfile.Known.of(hdr, self._names)))
         log.info("kv_cache disk: %d chunks, %d bytes in %s", len(self.index), self.used_bytes, self.dir)
 
     def _remove_stale_tmp(self, p: Path) -> None:
@@ -179,16 +177,18 @@ class DiskTier:
         got = self.read(h)
         return None if got is None else diskfile.views(got[2], got[1])
 
-    def read(self, h: bytes, buf: torch.Tensor | None = None) -> tuple[diskfile.Header, torch.Tensor, list] | None:
-        """Read node h's file into `buf` (uint8, at least the file's size; None:
-        a new buffer of its size) and verify it there: (header, buffer, the tensors' layout), or
-        None (a miss: the file is gone, or it failed verification and was quarantined). Safe on
-        any thread."""
+    def read(self, h: bytes, buf: torch.Tensor | None = None) -> tuple[int, torch.Tensor, tuple[diskfile.Run, ...]] | None:
+        """Read node h's file with one readinto into `buf` (uint8, at least the file's size; None:
+        a new buffer of its size) and verify it there: (file size, buffer, the tensors' layout), or
+        None (a miss: the file is gone, or it failed verification and was quarantined). A header
+        verified before (the index scan at start-up, or an earlier read) is not parsed again: its
+        preamble, which carries the header's digest, must be byte for byte the one verified, and the
+        payload is checked against that header's checksum. Safe on any thread."""
         e = self.entry(h)
         if e is None:
             return None
         try:
-            return self._read(h, e.path, buf)
+            return self._read(h, e, buf)
         except (FileNotFoundError, CorruptEntry) as err:
             with self._lock:
                 if self.index.get(h) is not e:
@@ -202,12 +202,8 @@ class DiskTier:
             log.warning("kv_cache disk: cannot read %s (%s); a miss", e.path, err)
         return None
 
-    def _read(self, h: bytes, path: Path, buf: torch.Tensor | None) -> tuple[diskfile.Header, torch.Tensor, list]:
-        """Read the file in READ_CHUNK pieces, hashing each piece of payload right after it lands
-        (while it is still in the CPU's cache: the hash does not read the buffer back from memory).
-        The header is checked as soon as it is in, so a foreign file is refused after its first
-        piece."""
-        with open(path, "rb", buffering=0) as f:
+    def _read(self, h: bytes, e: _Entry, buf: torch.Tensor | None) -> tuple[int, torch.Tensor, tuple[diskfile.Run, ...]]:
+        with open(e.path, "rb", buffering=0) as f:
             size = os.fstat(f.fileno()).st_size
             if size < diskfile.PREAMBLE.size:
                 raise CorruptEntry("short file: preamble cut off")
@@ -216,39 +212,22 @@ class DiskTier:
             elif buf.numel() < size:
                 raise CorruptEntry(f"file is {size} bytes, larger than the index said")
             view = memoryview(buf.numpy())[:size]
-            hdr: diskfile.Header | None = None
-            payload = diskfile.payload_hasher()
-            got = hashed = 0
-            while got < size:
-                n = f.readinto(view[got:min(size, got + READ_CHUNK)])
+            got = 0
+            while got < size:  # one call in practice; a loop in case the kernel returns short
+                n = f.readinto(view[got:])
                 if not n:
                     break
                 got += n
-                if hdr is None:
-                    hdr = self._header_in(h, view, got, size)
-                    if hdr is None:
-                        continue
-                    hashed = hdr.payload_start
-                if got > hashed:
-                    payload.update(view[hashed:got])
-                    hashed = got
         if got != size:
             raise CorruptEntry("short read: the file shrank while it was read")
-        if hdr is None:  # not reached for a whole file (its header is in it); kept as a guard
-            raise CorruptEntry("short file: header cut off")
-        diskfile.check_payload(hdr, payload.hexdigest())
-        return hdr, buf, diskfile.layout(hdr)
-
-    def _header_in(self, h: bytes, view: memoryview, got: int, size: int) -> diskfile.Header | None:
-        """The verified header once the first `got` bytes hold it, else None (read on)."""
-        if got < diskfile.PREAMBLE.size:
-            return None
-        hlen, _ = diskfile.read_preamble(view)
-        if got < diskfile.PREAMBLE.size + hlen and got < size:
-            return None
-        hdr = diskfile.parse(view[:got], size)
-        diskfile.check_identity(hdr, self._key_json, h, self.key.chunk_size)
-        return hdr
+        known = e.known
+        if known is None or not known.same_header(view, size):
+            # not seen yet in this process (written here), or changed since: verified in full
+            hdr = diskfile.parse(view, size)
+            diskfile.check_identity(hdr, self._key_json, h, self.key.chunk_size)
+            known = e.known = diskfile.Known.of(hdr, self._names)
+        known.verify(view)
+        return size, buf, known.runs
 
     def touch_chain(self, hashes: Sequence[bytes]) -> None:
         with self._lock:

@@ -25,7 +25,7 @@ import json
 import struct
 from dataclasses import dataclass
 from math import prod
-from typing import BinaryIO
+from typing import BinaryIO, Sequence
 
 import numpy as np
 import torch
@@ -50,11 +50,6 @@ def checksum(data: bytes | memoryview) -> str:
     return xxhash.xxh3_128_hexdigest(data)
 
 
-def payload_hasher() -> "xxhash.xxh3_128":
-    """A running payload checksum (update it piece by piece; check_payload compares its digest)."""
-    return xxhash.xxh3_128()
-
-
 def header_digest(data: bytes | memoryview) -> bytes:
     return hashlib.sha256(data).digest()[:16]
 
@@ -69,6 +64,7 @@ class Header:
     payload_start: int  # absolute offset in the file
     payload_bytes: int
     payload_xxh3: str
+    preamble: bytes = b""  # the file's first PREAMBLE.size bytes (its digest covers the header)
 
     @property
     def file_size(self) -> int:
@@ -179,7 +175,8 @@ def parse(head: bytes | memoryview, file_size: int) -> Header:
         tokens = np.asarray(meta["tokens"], dtype=np.int64)
         h = Header(key=meta["key"], hash=bytes.fromhex(meta["hash"]), parent=bytes.fromhex(meta["parent"]),
                    tokens=tokens, runs=tuple(meta["runs"]), payload_start=PREAMBLE.size + len(raw),
-                   payload_bytes=int(meta["payload_bytes"]), payload_xxh3=str(meta["payload_xxh3"]))
+                   payload_bytes=int(meta["payload_bytes"]), payload_xxh3=str(meta["payload_xxh3"]),
+                   preamble=bytes(head[:PREAMBLE.size]))
         length = int(meta["length"])
     except (ValueError, KeyError, TypeError, OverflowError) as e:
         raise CorruptEntry(f"malformed header ({e})") from e
@@ -214,12 +211,11 @@ def _dtype(name: str) -> torch.dtype:
 
 def verify(h: Header, buf: torch.Tensor) -> None:
     """Check the payload of a whole file read into `buf` (uint8, at least the file's size)."""
-    check_payload(h, checksum(memoryview(buf.numpy())[h.payload_start:h.file_size]))
+    _check_payload(memoryview(buf.numpy())[h.payload_start:h.file_size], h.payload_xxh3)
 
 
-def check_payload(h: Header, hexdigest: str) -> None:
-    """The payload's XXH3-128 (hex) against the header's."""
-    if hexdigest != h.payload_xxh3:
+def _check_payload(payload: memoryview, xxh3: str) -> None:
+    if checksum(payload) != xxh3:
         raise CorruptEntry("payload checksum mismatch")
 
 
@@ -232,6 +228,36 @@ class Run:
     nbytes: int  # of each tensor
     dtype: torch.dtype
     shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Known:
+    """What reading a file needs of a header verified once (parsed, identity checked): a later read
+    of the file whose preamble is byte for byte this one (magic, version, header length and the
+    header's SHA-256 digest) has this header, so it is not parsed again; its payload is still
+    checked in full. At GLM-5.3's depth a resume reads ~370 files on 8 threads, and each header's
+    JSON, digest and identity check held the GIL that the thread copying to the GPU needs. (Header
+    bytes that rot after the scan go unnoticed until the next start's scan: the rows returned are
+    still exactly the verified header's layout over a payload that matches its checksum.)"""
+
+    preamble: bytes
+    file_size: int
+    payload_start: int
+    payload_xxh3: str
+    runs: tuple[Run, ...]
+
+    @classmethod
+    def of(cls, h: Header, names: dict[tuple[str, ...], tuple[str, ...]]) -> "Known":
+        """`names` keeps one copy of each run's names across a tier's entries (memory per entry)."""
+        runs = tuple(Run(names.setdefault(r.names, r.names), r.start, r.nbytes, r.dtype, r.shape) for r in layout(h))
+        return cls(h.preamble, h.file_size, h.payload_start, h.payload_xxh3, runs)
+
+    def same_header(self, view: memoryview, size: int) -> bool:
+        return size == self.file_size and view[:PREAMBLE.size] == self.preamble
+
+    def verify(self, view: memoryview) -> None:
+        """The payload of the whole file in `view` against the checksum."""
+        _check_payload(view[self.payload_start:self.file_size], self.payload_xxh3)
 
 
 def layout(h: Header) -> list[Run]:
@@ -255,7 +281,7 @@ def layout(h: Header) -> list[Run]:
     return runs
 
 
-def views(runs: list[Run], buf: torch.Tensor) -> StackedRows:
+def views(runs: Sequence[Run], buf: torch.Tensor) -> StackedRows:
     """The rows laid out by `runs` (layout() of a file, plan() of rows) in `buf`, a uint8 tensor on
     any device, as views; each run is also one stack of them."""
     rows, stacks = StackedRows(), []

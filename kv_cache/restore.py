@@ -123,7 +123,7 @@ class Restorer:
             buf = self._buffers[slot] = torch.empty(need, dtype=torch.uint8, pin_memory=self.pinned)
         if piece.source == "disk":
             got = self.disk.read(piece.node, buf)
-            return None if got is None else (got[0].file_size, got[1], got[2])
+            return got
         size, runs = plan
         diskfile.pack(piece.rows, runs, buf)
         return size, buf, runs

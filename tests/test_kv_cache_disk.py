@@ -232,15 +232,19 @@ def test_corrupted_payload_is_a_miss_and_ends_the_chain_there(tmp_path):
     assert len(list((tmp_path / k.digest().hex() / QUARANTINE).iterdir())) == 1
 
 
-@pytest.mark.parametrize("chunk", [7, 64, 1000, 1 << 20])
-def test_files_read_in_pieces_of_any_size_are_exact_and_checked_in_full(tmp_path, monkeypatch, chunk):
-    """A file is read in READ_CHUNK pieces and hashed piece by piece: whatever the piece size (one
-    smaller than the preamble, one cutting the header, one past the file), the rows are exact, and
-    a flipped bit anywhere in the payload, or a file changed after the index was built, is a miss."""
-    monkeypatch.setattr("kv_cache.disk.READ_CHUNK", chunk)
+def test_headers_verified_at_start_are_matched_not_reparsed_and_payloads_checked_in_full(tmp_path, monkeypatch):
+    """A header verified by the index scan is not parsed again when its file is read (only its
+    preamble matched); a flipped bit anywhere in a payload, or a file replaced after the scan
+    (another key's), is still a miss."""
+    from kv_cache import diskfile
     k = key()
     _store(tmp_path, k)
-    assert exact(_fresh(tmp_path, k).lookup(PROMPT + [1])) == 83
+    parsed = []
+    real_parse = diskfile.parse
+    monkeypatch.setattr(diskfile, "parse", lambda *a: parsed.append(1) or real_parse(*a))
+    fresh = _fresh(tmp_path, k)
+    assert len(parsed) == 6  # the scan
+    assert exact(fresh.lookup(PROMPT + [1])) == 83 and len(parsed) == 6  # the reads parsed nothing
     h = chain_hashes(k, PROMPT)
     d = tmp_path / k.digest().hex()
     cache = _fresh(tmp_path, k)  # the index is built now; the files change under it below

@@ -99,12 +99,12 @@ def test_reads_run_on_several_threads(tmp_path, monkeypatch):
     seen, lock, gate = set(), threading.Lock(), threading.Barrier(2, timeout=10)
     real = DiskTier._read
 
-    def spy(self, h, path, buf):
+    def spy(self, h, entry, buf):
         with lock:
             seen.add(threading.current_thread().name)
-        if path.name == nodes[0].hash.hex() + SUFFIX or path.name == nodes[1].hash.hex() + SUFFIX:
+        if entry.path.name == nodes[0].hash.hex() + SUFFIX or entry.path.name == nodes[1].hash.hex() + SUFFIX:
             gate.wait()  # blocks 0 and 1 must be read at the same time
-        return real(self, h, path, buf)
+        return real(self, h, entry, buf)
     monkeypatch.setattr(DiskTier, "_read", spy)
     restorer = Restorer(tier, pinned=False)
     end, got = restore_all(restorer, pieces_of(nodes))
