@@ -1,12 +1,16 @@
 """Row invariance on the CPU: the measurement behind glm53.ops' torch path, and the forward it gives.
 
 Bitwise throughout (torch.equal). If one of these fails on a new machine, that machine's BLAS
-breaks the padding rule (glm53/ops/torch_ops.py): run the engine with
+breaks the ops' rules (glm53/ops/torch_ops.py): run the engine with
 TF_GLM53_PREFIX_REUSE_BOUNDARY=1 there, and report the shapes that failed.
 """
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +26,24 @@ def threads():
     saved = torch.get_num_threads()
     yield lambda n: torch.set_num_threads(max(1, min(n, saved)))
     torch.set_num_threads(saved)
+
+
+OP_TESTS = "linear_rows_do_not_depend or index_scores_do_not_depend or head_linear_index_scores"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("MKL_ENABLE_INSTRUCTIONS") is not None, reason="already under a chosen MKL code path")
+@pytest.mark.parametrize("isa", ["AVX2", "SSE4_2"])
+def test_the_ops_stay_row_invariant_on_mkls_other_kernels(isa: str) -> None:
+    """The same op tests with MKL held to its AVX2 or SSE4.2 kernels, as on hosts without AVX-512
+    (MKL picks its kernels by the CPU, so this host stands in for those): the rule must not rest on
+    one instruction set's blocking (the indexer's first padded-GEMM rule failed under AVX2)."""
+    if not torch.backends.mkl.is_available():
+        pytest.skip("torch is built without MKL here: MKL_ENABLE_INSTRUCTIONS means nothing")
+    env = dict(os.environ, MKL_ENABLE_INSTRUCTIONS=isa)
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", OP_TESTS],
+                         env=env, capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0 and "3 passed" in out.stdout, out.stdout[-3000:] + out.stderr[-2000:]
 
 
 def test_plain_matmul_is_not_row_invariant() -> None:

@@ -8,13 +8,18 @@ column count below 16. So:
   one-row products: MKL's GEMV kernel for each, in fp32, never a batch of one: `_row_products`), the
   same instructions whatever M is, and the cheapest form for a decode step. Their weights never
   change shape, so column counts do not matter.
-- `index_scores` multiplies queries by a growing set of keys, so it needs invariance in both counts:
-  there rows are padded to a multiple of ROW_PAD (8) and keys to a multiple of COL_PAD (16), which
-  MKL computes with the same bits for any such counts.
+- `index_scores` multiplies queries by a growing set of keys, so it needs invariance in both counts.
+  Each query is its own product of its heads by the keys ([heads, d] @ [d, keys]: the heads, a
+  model constant, are the rows, so a score's row in its product never moves), batched over the
+  queries like `_row_products`, and keys are padded to a multiple of COL_PAD (16). The earlier form,
+  one GEMM of all queries padded to a multiple of 8, changed bits under MKL's AVX2 kernels
+  (MKL_ENABLE_INSTRUCTIONS=AVX2 on an AVX-512 host): a query's row in the product moved with the
+  query count and offset. This form costs 1.4-1.9x that GEMM on the CPU (faster for one query).
 
 tests/test_row_invariance.py sweeps shapes, counts, offsets and threads; it passes on an AVX2 host
 and on an AVX-512 + AMX host (where, before `_matmul32`, one-row fp32 products split over two threads
-and one-row bf16 head projections changed bits). Everything else here reduces along a row with the
+and one-row bf16 head projections changed bits), and on the latter with MKL held to its AVX2 or
+SSE4.2 kernels. Everything else here reduces along a row with the
 same length whatever the row count (torch's CPU reductions are sequential per row), or is
 elementwise.
 """
@@ -23,8 +28,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-ROW_PAD = 8  # index_scores: query rows padded to a multiple of this
-COL_PAD = 16  # and keys to a multiple of this
+COL_PAD = 16  # index_scores: keys padded to a multiple of this
+INDEX_BLOCK_FLOATS = 1 << 24  # index_scores: queries per product bounded so [queries, heads, keys] fits this
 QUERY_BLOCK = 256  # queries gathered per block in latent_attention (bounds the [block, k, D] gather)
 
 
@@ -104,13 +109,19 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
 
 
 def index_scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
-    q32, k32 = _pad_rows(q.to(torch.float32), ROW_PAD), _pad_rows(keys.to(torch.float32), COL_PAD)  # once, not per head
-    out = torch.zeros(q.shape[0], keys.shape[0], dtype=torch.float32, device=q.device)
-    if q.shape[0] == 0 or keys.shape[0] == 0:
+    m, n, heads = q.shape[0], keys.shape[0], q.shape[1]
+    out = torch.zeros(m, n, dtype=torch.float32, device=q.device)
+    if m == 0 or n == 0:
         return out
-    hw = head_weights.to(torch.float32)
-    for h in range(q.shape[1]):  # heads summed one at a time, in order: no reduction tree over heads
-        out += torch.relu((q32[:, h] @ k32.T)[:q.shape[0], :keys.shape[0]] * scale) * hw[:, h, None]
+    kt = _pad_rows(keys.to(torch.float32), COL_PAD).T  # once, not per block
+    q32, hw = q.to(torch.float32), head_weights.to(torch.float32)
+    step = max(1, INDEX_BLOCK_FLOATS // (heads * kt.shape[1]))
+    for a in range(0, m, step):
+        b = min(m, a + step)
+        scores = _matmul32(q32[a:b], kt.expand(b - a, *kt.shape))[..., :n]  # [queries, heads, keys]
+        block = out[a:b]
+        for h in range(heads):  # heads summed one at a time, in order: no reduction tree over heads
+            block += torch.relu(scores[:, h] * scale) * hw[a:b, h, None]
     return out
 
 
