@@ -14,7 +14,7 @@ column count below 16. So:
   queries like `_row_products`, and keys are padded to a multiple of COL_PAD (16). The earlier form,
   one GEMM of all queries padded to a multiple of 8, changed bits under MKL's AVX2 kernels
   (MKL_ENABLE_INSTRUCTIONS=AVX2 on an AVX-512 host): a query's row in the product moved with the
-  query count and offset. This form costs 1.4-1.9x that GEMM on the CPU (faster for one query).
+  query count and offset. This form costs 1.1-1.7x that GEMM on the CPU (bench/bench_index_scores.py).
 
 tests/test_row_invariance.py sweeps shapes, counts, offsets and threads; it passes on an AVX2 host
 and on an AVX-512 + AMX host (where, before `_matmul32`, one-row fp32 products split over two threads
