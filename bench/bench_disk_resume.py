@@ -86,9 +86,7 @@ def resume(cache_or_folder, args, prompt: list[int], position_bytes: int) -> tup
     t0 = time.perf_counter()
     cache.store(prompt[:-1], len(prompt) - 1, state.export_rows)
     times["store"] = time.perf_counter() - t0
-    r = cache._restorer
-    times["waited"], times["copying"] = r.waited_s, r.copying_s
-    r.waited_s = r.copying_s = 0.0
+    times["waited"], times["copying"] = cache.restore_times()
     if isinstance(cache_or_folder, Path):
         cache.close()
     return times, state

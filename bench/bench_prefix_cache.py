@@ -302,7 +302,7 @@ def scenario_disk(engine, args, rng, mismatches: list[str], disk_dir: Path) -> d
         advised = drop_page_cache(disk_dir)
         w, c = pair(on, off, base + word, args.reply, i)
         w["disk_tokens"] = on.cache.stats.disk_tokens
-        w.update(restore_split(on.cache))
+        w["restore_waited_s"], w["restore_copying_s"] = on.cache.restore_times()
         w["page_cache_dropped_bytes"] = advised
         # a process restart, not a reboot: the files' pages are still in the OS page cache (the
         # resume above just read them), so this one reads memory, not the disk (a few samples:
@@ -311,7 +311,7 @@ def scenario_disk(engine, args, rng, mismatches: list[str], disk_dir: Path) -> d
             on.restart()
             k = on.generate(base + word, args.reply)
             k["disk_tokens"] = on.cache.stats.disk_tokens
-            k.update(restore_split(on.cache))
+            k["restore_waited_s"], k["restore_copying_s"] = on.cache.restore_times()
             if not same(k, dict(c)):
                 mismatches.append(f"disk: page-cache sample {i}.{j}")
             kept.append(k)
@@ -320,11 +320,14 @@ def scenario_disk(engine, args, rng, mismatches: list[str], disk_dir: Path) -> d
         warm.append(w)
         cold.append(c)
         pages = kept[-args.page_cache_samples:]
+
+        def each(field: str, digits: int) -> str:  # one value per page-cache resume of this sample
+            return " / ".join(f"{r[field]:.{digits}f}" for r in pages)
+
         log(f"disk {i}: cold {c['wall_s']:.3f}s disk resume {w['wall_s']:.4f}s (from disk {w['disk_tokens']}), "
-            f"from the page cache " + " / ".join(f"{k['wall_s']:.4f}" for k in pages) + "s; the restore's copying "
-            f"thread waited on the readers {w['restore_waited_s']:.3f} / "
-            + " / ".join(f"{k['restore_waited_s']:.3f}" for k in pages) + f"s, worked {w['restore_copying_s']:.3f} / "
-            + " / ".join(f"{k['restore_copying_s']:.3f}" for k in pages) + "s (disk / page cache)")
+            f"from the page cache {each('wall_s', 4)}s; the restore's copying thread waited on the readers "
+            f"{w['restore_waited_s']:.3f} / {each('restore_waited_s', 3)}s, worked {w['restore_copying_s']:.3f} / "
+            f"{each('restore_copying_s', 3)}s (disk / page cache)")
     on.cache.close()  # finish background writes before the folder goes away
     cw, ww, kw = ([x["wall_s"] for x in arm] for arm in (cold, warm, kept))
     return {"prompt_tokens": len(base) + 1, "fill_s": first["wall_s"], "disk_bytes": disk_bytes,
@@ -332,15 +335,6 @@ def scenario_disk(engine, args, rng, mismatches: list[str], disk_dir: Path) -> d
             "speedup": statistics.median(cw) / statistics.median(ww),
             "page_cache_resume": kept, "page_cache_resume_s": summary(kw),
             "page_cache_speedup": statistics.median(cw) / statistics.median(kw)}
-
-
-def restore_split(cache) -> dict[str, float]:
-    """The restore's copying thread since the last call: blocked on the readers, and working
-    (kv_cache.restore.Restorer); which is larger says what bounds the resume."""
-    r = cache._restorer
-    split = {"restore_waited_s": r.waited_s, "restore_copying_s": r.copying_s}
-    r.waited_s = r.copying_s = 0.0
-    return split
 
 
 def scenario_profile(engine, args, rng, out: Path, disk_dir: Path) -> dict[str, Any]:

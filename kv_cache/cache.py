@@ -462,6 +462,11 @@ class PrefixCache:
         return self.host.evictions + (self.disk.evictions if self.disk is not None else 0)
 
     @_locked
+    def restore_times(self) -> tuple[float, float]:
+        """Seconds the restore's copying thread spent blocked on the disk readers and working since
+        the last call (which of the two is larger says what bounds a resume; the benches print it)."""
+        return self._restorer.take_times()
+
     def stats_dict(self) -> dict:
         self._settle(wait=True)
         d = dict(self.stats.__dict__)

@@ -64,7 +64,7 @@ class Header:
     payload_start: int  # absolute offset in the file
     payload_bytes: int
     payload_xxh3: str
-    preamble: bytes = b""  # the file's first PREAMBLE.size bytes (its digest covers the header)
+    preamble: bytes  # the file's first PREAMBLE.size bytes (its digest covers the header)
 
     @property
     def file_size(self) -> int:
@@ -209,16 +209,6 @@ def _dtype(name: str) -> torch.dtype:
     return dt
 
 
-def verify(h: Header, buf: torch.Tensor) -> None:
-    """Check the payload of a whole file read into `buf` (uint8, at least the file's size)."""
-    _check_payload(memoryview(buf.numpy())[h.payload_start:h.file_size], h.payload_xxh3)
-
-
-def _check_payload(payload: memoryview, xxh3: str) -> None:
-    if checksum(payload) != xxh3:
-        raise CorruptEntry("payload checksum mismatch")
-
-
 @dataclass(frozen=True)
 class Run:
     """Tensors of one dtype and shape that lie back to back in a file: one view, split by unbind."""
@@ -257,7 +247,8 @@ class Known:
 
     def verify(self, view: memoryview) -> None:
         """The payload of the whole file in `view` against the checksum."""
-        _check_payload(view[self.payload_start:self.file_size], self.payload_xxh3)
+        if checksum(view[self.payload_start:self.file_size]) != self.payload_xxh3:
+            raise CorruptEntry("payload checksum mismatch")
 
 
 def layout(h: Header) -> list[Run]:
@@ -299,9 +290,3 @@ def views(runs: Sequence[Run], buf: torch.Tensor) -> StackedRows:
 def _block(r: Run, buf: torch.Tensor) -> torch.Tensor:
     """Run r's bytes in `buf` as one [count, *shape] tensor of its dtype."""
     return buf[r.start:r.start + len(r.names) * r.nbytes].view(r.dtype).reshape((len(r.names),) + r.shape)
-
-
-def decode(h: Header, buf: torch.Tensor) -> Rows:
-    """Verify the payload of a whole file read into `buf` (uint8) and return its rows as views."""
-    verify(h, buf)
-    return views(layout(h), buf)

@@ -96,6 +96,12 @@ class Restorer:
                     f.result()
             return end
 
+    def take_times(self) -> tuple[float, float]:
+        """(waited, copying) seconds of the copying thread since the last call, then zeroed."""
+        times = self.waited_s, self.copying_s
+        self.waited_s = self.copying_s = 0.0
+        return times
+
     def _plan(self, piece: Piece) -> tuple[int, list | None] | None:
         """(bytes the piece needs in the ring, a host piece's layout); None for a disk node gone
         from the index. Every piece takes the ring, to a CPU cache too: one path for all, which

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kv_cache import CacheKey, DiskTier, PrefixCache, block_hash, chain_hashes
+from kv_cache import CacheKey, DiskTier, PrefixCache, block_hash, chain_hashes, diskfile
 from kv_cache.disk import QUARANTINE, SUFFIX, TMP_PREFIX
 from kv_cache.keys import root_hash
 
@@ -236,7 +236,6 @@ def test_headers_verified_at_start_are_matched_not_reparsed_and_payloads_checked
     """A header verified by the index scan is not parsed again when its file is read (only its
     preamble matched); a flipped bit anywhere in a payload, or a file replaced after the scan
     (another key's), is still a miss."""
-    from kv_cache import diskfile
     k = key()
     _store(tmp_path, k)
     parsed = []
@@ -251,7 +250,7 @@ def test_headers_verified_at_start_are_matched_not_reparsed_and_payloads_checked
     for n, (i, where) in enumerate(((3, "first"), (2, "last"), (1, "middle")), 1):  # from the chain's end
         f = d / (h[i].hex() + SUFFIX)
         data = bytearray(f.read_bytes())
-        start = len(data) - diskfile_payload_bytes(data)
+        start = len(data) - diskfile.parse(bytes(data), len(data)).payload_bytes
         at = {"first": start, "last": len(data) - 1, "middle": (start + len(data)) // 2}[where]
         data[at] ^= 0x10
         f.write_bytes(bytes(data))
@@ -264,12 +263,6 @@ def test_headers_verified_at_start_are_matched_not_reparsed_and_payloads_checked
     theirs = tmp_path / "other" / other.digest().hex() / (chain_hashes(other, PROMPT)[0].hex() + SUFFIX)
     os.replace(theirs, d / (h[0].hex() + SUFFIX))
     assert exact(cache.lookup(PROMPT + [1])) == 0 and cache.disk.quarantined == 4
-
-
-def diskfile_payload_bytes(data: bytes | bytearray) -> int:
-    """The payload's length, from a file's header."""
-    from kv_cache import diskfile
-    return diskfile.parse(bytes(data), len(data)).payload_bytes
 
 
 def test_corrupted_header_and_truncated_file_are_misses(tmp_path):

@@ -143,6 +143,13 @@ def test_a_bad_file_is_a_miss_at_its_own_node_and_ends_a_restore_there(tmp_path)
     restorer.close()
 
 
+def verified_rows(hdr: diskfile.Header, buf: torch.Tensor) -> dict:
+    """A whole file in `buf`, its payload checked and its rows as views, as a disk read does."""
+    known = diskfile.Known.of(hdr, {})
+    known.verify(memoryview(buf.numpy()))
+    return diskfile.views(known.runs, buf)
+
+
 def test_file_layout_aligns_the_payload_and_records_tokens():
     k = key()
     node = chain(k, 0, tail=3)[0]
@@ -155,7 +162,7 @@ def test_file_layout_aligns_the_payload_and_records_tokens():
     # the five tensors differ in dtype or shape: five runs; views of them are exact
     assert [r["names"] for r in hdr.runs] == [[n] for n in sorted(node.rows)]
     buf = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-    assert same(diskfile.decode(hdr, buf), node.rows)
+    assert same(verified_rows(hdr, buf), node.rows)
     # a header that lies about its tokens fails the identity check (the hash is recomputed)
     diskfile.check_identity(hdr, json.loads(k.to_json()), node.hash, B)
     liar = dataclasses.replace(hdr, tokens=hdr.tokens + 1)
@@ -177,7 +184,7 @@ def test_tensors_of_one_dtype_and_shape_are_one_run_and_a_bad_run_is_refused():
     # the 128-byte index rows lie back to back: one run; the 48-byte latents need padding: one each
     assert [len(r["names"]) for r in hdr.runs] == [5] + [1] * 12
     buf = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-    assert same(diskfile.decode(hdr, buf), rows)
+    assert same(verified_rows(hdr, buf), rows)
     for i, change, why in [
         (0, {"names": hdr.runs[0]["names"] + ["index.9"] * 40}, "outside the payload"),
         (0, {"shape": [4, 15]}, "does not fit"),

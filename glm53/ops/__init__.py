@@ -29,11 +29,12 @@ atomics, each (row, column) computed by the same instructions whatever M. Two pl
 tile or kernel for few rows, where the H200 measured the same bits: linear's M <= 16 tiles
 (CONFIG_BY_ROWS) and latent_attention's split kernels for T <= 16 (checked again on every device
 at first use, falling back to the one-program kernel where the bits differ). On the CPU the torch path
-(glm53/ops/torch_ops.py) runs each row of a projection as its own one-row product, pads the
-indexer's counts, and computes sigmoid/silu through exp (measured on MKL, AVX2 and AVX-512 + AMX,
-1 or 2 threads: tests/test_row_invariance.py; the latter only with the batched products in fp32 and
-never a batch of one, torch_ops._matmul32); torch's last-dim reductions on the CPU are sequential
-per row. TF_GLM53_KERNELS=torch forces the torch path on CUDA (debugging); it is not row-invariant
+(glm53/ops/torch_ops.py) runs each row of a projection as its own one-row product, each indexer
+query as its own product of its heads by the keys (keys padded to 16), and computes sigmoid/silu
+through exp (measured on MKL, AVX2 and AVX-512 + AMX, 1 or 2 threads, and on the latter with MKL
+held to its AVX2 and SSE4.2 kernels: tests/test_row_invariance.py; batched products run in fp32 and
+never as a batch of one, torch_ops._matmul32); torch's last-dim reductions on the CPU are
+sequential per row. TF_GLM53_KERNELS=torch forces the torch path on CUDA (debugging); it is not row-invariant
 there, so the engine then reuses only at prefill-grid boundaries.
 """
 from __future__ import annotations

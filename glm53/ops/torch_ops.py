@@ -17,11 +17,10 @@ column count below 16. So:
   query count and offset. This form costs 1.1-1.7x that GEMM on the CPU (bench/bench_index_scores.py).
 
 tests/test_row_invariance.py sweeps shapes, counts, offsets and threads; it passes on an AVX2 host
-and on an AVX-512 + AMX host (where, before `_matmul32`, one-row fp32 products split over two threads
-and one-row bf16 head projections changed bits), and on the latter with MKL held to its AVX2 or
-SSE4.2 kernels. Everything else here reduces along a row with the
-same length whatever the row count (torch's CPU reductions are sequential per row), or is
-elementwise.
+and on an AVX-512 + AMX host (where, before `_matmul32`, one-row fp32 products split over two
+threads and one-row bf16 head projections changed bits), and on the latter with MKL held to its
+AVX2 or SSE4.2 kernels. Everything else here reduces along a row with the same length whatever the
+row count (torch's CPU reductions are sequential per row), or is elementwise.
 """
 from __future__ import annotations
 
