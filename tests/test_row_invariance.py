@@ -28,10 +28,8 @@ def threads():
     torch.set_num_threads(saved)
 
 
-# the projections and the indexer (what MKL computes); not the attention test below, which fails at
-# times on any of MKL's kernels when it follows the indexer test in one process (found in the tenth
-# session's review, not yet explained: see bench/results/README.md, "What the numbers say")
-OP_TESTS = "linear_rows_do_not_depend or index_scores_do_not_depend"
+# the projections, the indexer and attention (what MKL computes)
+OP_TESTS = "linear_rows_do_not_depend or index_scores_do_not_depend or head_linear_index_scores"
 
 
 @pytest.mark.slow
@@ -46,7 +44,7 @@ def test_the_ops_stay_row_invariant_on_mkls_other_kernels(isa: str) -> None:
     env = dict(os.environ, MKL_ENABLE_INSTRUCTIONS=isa)
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", OP_TESTS],
                          env=env, capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[1])
-    assert out.returncode == 0 and "2 passed" in out.stdout, out.stdout[-3000:] + out.stderr[-2000:]
+    assert out.returncode == 0 and "3 passed" in out.stdout, out.stdout[-3000:] + out.stderr[-2000:]
 
 
 def test_plain_matmul_is_not_row_invariant() -> None:
@@ -159,3 +157,36 @@ def test_sigmoid_and_silu_give_an_element_the_same_bits_in_any_tensor() -> None:
         assert all(torch.equal(f(flat[a:a + 5]), f(flat)[a:a + 5]) for a in range(0, 150, 7))
     torch.testing.assert_close(ops.sigmoid(x), torch.sigmoid(x), rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(ops.silu(x), torch.nn.functional.silu(x), rtol=1e-6, atol=1e-6)
+
+
+# a fresh process's first parallel exp, after a batched product (the pattern of latent_attention);
+# prints the worst relative error against float64
+_FIRST_EXP = """
+import sys, torch
+if sys.argv[1] == "kit":
+    import glm53.ops  # noqa: F401  (settles MKL's vector math at import)
+g = torch.Generator().manual_seed(3)
+rows, q = torch.randn(500, 80, generator=g), torch.randn(256, 8, 80, generator=g)
+picked = rows[torch.randint(0, 500, (256, 32), generator=g)]
+scores = torch.matmul(q, picked.transpose(1, 2)) * 0.1
+d = scores - torch.amax(scores, -1)[..., None]
+e = torch.exp(d)
+exact = torch.exp(d.double())
+print(((e.double() - exact).abs() / exact).max().item())
+"""
+
+
+@pytest.mark.slow
+def test_a_fresh_processs_first_parallel_exp_is_accurate_once_the_kit_is_imported() -> None:
+    """MKL's vector math, initialised by two threads at once, computed one thread's share of the
+    first exp at ~12-bit accuracy in 10-50% of fresh processes on this host (the attention test's
+    flake, tenth session): an exact run and its cached continuation then differ. glm53.ops settles
+    it at import. Ten fresh processes one after another (the race needs both threads on a core at
+    once); without the settling call about nine runs of this test in ten fail (measured)."""
+    root = Path(__file__).resolve().parents[1]
+    errors = []
+    for _ in range(10):
+        out = subprocess.run([sys.executable, "-c", _FIRST_EXP, "kit"], cwd=root, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        errors.append(float(out.stdout.split()[-1]))
+    assert max(errors) < 1e-6, errors  # torch's exp is within 1 ulp (~6e-8) once settled
