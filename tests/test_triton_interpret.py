@@ -30,6 +30,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 INTERP_TOL = dict(atol=1e-4, rtol=1e-4)
 CHECKS = ["linear", "linear_leading_dims", "head_linear_strided", "rms_norm", "layer_norm", "index_scores",
+          "index_scores_causal",
           "latent_attention", "latent_attention_edge_cases", "latent_attention_split", "select_topk"]
 WORKER_TIMEOUT_S = 300
 SKIP_KEY = "__skip__"
@@ -124,6 +125,26 @@ def _worker() -> dict[str, list]:
                  f"index_scores keys[:{prefix}]")
         same(triton_indexer.index_scores(q[32:33], hw[32:33], keys[:3], 0.3), big[32:33, :3], "one query, 3 keys")
 
+    def check_index_scores_causal() -> None:
+        # the mask in the kernel, and tiles wholly in the future skipped: the other scores keep their bits
+        t, h, d, n = 45, 3, 24, 140
+        q, hw, keys = randn(t, h, d), randn(t, h), randn(n, d)
+        plain = triton_indexer.index_scores(q, hw, keys, 0.3)
+        for qpos, kpos in ((torch.arange(60, 60 + t), None),  # a prefill piece after 60 positions
+                           (torch.arange(t), None),  # the first piece: most tiles above the diagonal
+                           (torch.arange(100, 100 + t), torch.arange(2, 4 * n, 4)),  # a DCP rank's positions
+                           (torch.arange(t).flip(0), torch.arange(n).flip(0))):  # not ascending
+            got = triton_indexer.index_scores(q, hw, keys, 0.3, qpos, kpos)
+            kp = torch.arange(n) if kpos is None else kpos
+            want = plain.masked_fill(kp[None, :] > qpos[:, None], float("-inf"))
+            same(got, want, f"index_scores causal (queries from {int(qpos[0])}, keys {kpos is not None})")
+        try:
+            triton_indexer.index_scores(q, hw, keys, 0.3, None, torch.arange(n))
+        except ValueError as exc:
+            assert "key_positions without q_positions" in str(exc)
+        else:
+            raise AssertionError("key_positions without q_positions accepted")
+
     def selection(t: int, n_rows: int, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
         idx = torch.randint(0, n_rows, (t, slots), generator=g)
         valid = torch.rand(t, slots, generator=g) < 0.6
@@ -216,6 +237,7 @@ def _worker() -> dict[str, list]:
     checks = {"linear": check_linear, "linear_leading_dims": check_linear_leading_dims,
               "head_linear_strided": check_head_linear_strided, "rms_norm": check_rms_norm,
               "layer_norm": check_layer_norm, "index_scores": check_index_scores,
+              "index_scores_causal": check_index_scores_causal,
               "latent_attention": check_latent_attention,
               "latent_attention_edge_cases": check_latent_attention_edge_cases,
               "latent_attention_split": check_latent_attention_split, "select_topk": check_select_topk}

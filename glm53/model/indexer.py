@@ -80,11 +80,7 @@ def index_scores(w: IndexerWeights, q: torch.Tensor, x_norm: torch.Tensor, keys:
     """[Tq, Tk] fp32 scores of keys at key_positions (default [0, Tk); a DCP rank passes the
     positions it owns) for queries at q_positions; -inf where the key lies in the query's future."""
     head_weights = ops.linear(x_norm.to(torch.float32), w.weights_proj.to(torch.float32)) * (w.n_heads ** -0.5)
-    out = ops.index_scores(q, head_weights, keys, w.head_dim ** -0.5)
-    if key_positions is None:
-        key_positions = torch.arange(keys.shape[0], device=q.device)
-    future = key_positions[None, :] > q_positions[:, None]
-    return out.masked_fill(future, float("-inf"))
+    return ops.index_scores(q, head_weights, keys, w.head_dim ** -0.5, q_positions, key_positions)
 
 
 def orderable_keys(scores: torch.Tensor) -> torch.Tensor:

@@ -132,14 +132,21 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(x) if x.is_cuda else torch_ops.silu(x)
 
 
-def index_scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+def index_scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor, scale: float,
+                 q_positions: torch.Tensor | None = None, key_positions: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 [T, N]: sum over heads h = 0..H-1, in that order, of head_weights[t, h] * relu(scale * q[t, h] . keys[n]).
-    q [T, H, D], head_weights [T, H] fp32, keys [N, D]. No causal mask (the caller applies it)."""
+    q [T, H, D], head_weights [T, H] fp32, keys [N, D]. Given q_positions [T], -inf where the key lies in
+    the query's future (key n at key_positions[n], default n); on CUDA inside the kernel."""
     if _triton_for(q):
         from glm53.ops import triton_indexer
 
-        return triton_indexer.index_scores(q, head_weights, keys, scale)
-    return torch_ops.index_scores(q, head_weights, keys, scale)
+        return triton_indexer.index_scores(q, head_weights, keys, scale, q_positions, key_positions)
+    out = torch_ops.index_scores(q, head_weights, keys, scale)
+    if q_positions is None:
+        return out
+    if key_positions is None:
+        key_positions = torch.arange(keys.shape[0], device=q.device)
+    return out.masked_fill(key_positions[None, :] > q_positions[:, None], float("-inf"))
 
 
 def latent_attention(q: torch.Tensor, rows: torch.Tensor, indices: torch.Tensor, valid: torch.Tensor,

@@ -9,6 +9,11 @@ heads, with a tile configuration chosen from (H, D, dtype) only: neither the que
 key count N, nor where t or n sit in their tiles changes the instructions that produce it (T and N
 are do_not_specialize). bf16/fp16 products are exact in fp32, so the tensor-core dot with fp32
 accumulation gives the fp32 reference's value up to summation order; fp32 inputs use ieee dots.
+
+Given the positions of the queries and keys, the causal mask is applied in the kernel (-inf where a
+key lies in its query's future), and a tile whose keys all lie in the future of all its queries is
+written as -inf without its dots: the other scores are the same bits, and the prefill's diagonal
+tiles and two kernels over [T, N] (compare, masked_fill) are saved.
 """
 from __future__ import annotations
 
@@ -25,9 +30,10 @@ def index_config(heads: int, d: int, dtype: torch.dtype) -> tuple[int, int, int,
 
 
 @triton.jit(do_not_specialize=["T", "N"])
-def _index_scores_kernel(q_ptr, hw_ptr, k_ptr, out_ptr, T, N, H, D, scale,
+def _index_scores_kernel(q_ptr, hw_ptr, k_ptr, qpos_ptr, kpos_ptr, out_ptr, T, N, H, D, scale,
                          stride_qt, stride_qh, stride_hwt, stride_hwh, stride_kn, stride_ot,
-                         BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
+                         BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+                         CAUSAL: tl.constexpr, KEY_POSITIONS: tl.constexpr):
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -36,35 +42,57 @@ def _index_scores_kernel(q_ptr, hw_ptr, k_ptr, out_ptr, T, N, H, D, scale,
     t_mask = offs_t < T
     n_mask = offs_n < N
     d_mask = offs_d < D
-
-    keys = tl.load(k_ptr + offs_n.to(tl.int64)[:, None] * stride_kn + offs_d[None, :],
-                   mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-    keys_t = tl.trans(keys)  # [BLOCK_D, BLOCK_N]
-    q_rows = q_ptr + offs_t.to(tl.int64)[:, None] * stride_qt + offs_d[None, :]
-    hw_rows = hw_ptr + offs_t.to(tl.int64) * stride_hwt
-
-    acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-    for h in range(0, H):  # heads in order, summed in registers: no reduction tree over heads
-        qh = tl.load(q_rows + h * stride_qh, mask=t_mask[:, None] & d_mask[None, :], other=0.0)
-        if IEEE:
-            s = tl.dot(qh, keys_t, input_precision="ieee")
-        else:
-            s = tl.dot(qh, keys_t)
-        wh = tl.load(hw_rows + h * stride_hwh, mask=t_mask, other=0.0)
-        acc += tl.maximum(s * scale, 0.0) * wh[:, None]
-
     out = out_ptr + offs_t.to(tl.int64)[:, None] * stride_ot + offs_n[None, :]
-    tl.store(out, acc, mask=t_mask[:, None] & n_mask[None, :])
+    out_mask = t_mask[:, None] & n_mask[None, :]
+
+    if CAUSAL:
+        qpos = tl.load(qpos_ptr + offs_t, mask=t_mask, other=-1)
+        if KEY_POSITIONS:
+            kpos = tl.load(kpos_ptr + offs_n, mask=n_mask, other=0)
+        else:
+            kpos = offs_n.to(tl.int64)
+        all_future = tl.min(tl.where(n_mask, kpos, 1 << 62)) > tl.max(qpos)
+    else:
+        all_future = False
+    if all_future:  # every key after every query (the prefill's upper triangle): nothing to score
+        tl.store(out, tl.full((BLOCK_T, BLOCK_N), float("-inf"), tl.float32), mask=out_mask)
+    else:
+        keys = tl.load(k_ptr + offs_n.to(tl.int64)[:, None] * stride_kn + offs_d[None, :],
+                       mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        keys_t = tl.trans(keys)  # [BLOCK_D, BLOCK_N]
+        q_rows = q_ptr + offs_t.to(tl.int64)[:, None] * stride_qt + offs_d[None, :]
+        hw_rows = hw_ptr + offs_t.to(tl.int64) * stride_hwt
+
+        acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+        for h in range(0, H):  # heads in order, summed in registers: no reduction tree over heads
+            qh = tl.load(q_rows + h * stride_qh, mask=t_mask[:, None] & d_mask[None, :], other=0.0)
+            if IEEE:
+                s = tl.dot(qh, keys_t, input_precision="ieee")
+            else:
+                s = tl.dot(qh, keys_t)
+            wh = tl.load(hw_rows + h * stride_hwh, mask=t_mask, other=0.0)
+            acc += tl.maximum(s * scale, 0.0) * wh[:, None]
+        if CAUSAL:
+            acc = tl.where(kpos[None, :] > qpos[:, None], float("-inf"), acc)
+        tl.store(out, acc, mask=out_mask)
 
 
-def index_scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
-    """fp32 [T, N]: q [T, H, D], head_weights [T, H], keys [N, D]. No causal mask (the caller's)."""
+def index_scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor, scale: float,
+                 q_positions: torch.Tensor | None = None, key_positions: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 [T, N]: q [T, H, D], head_weights [T, H], keys [N, D]. Given q_positions [T] (int), -inf
+    where a key lies in the query's future: key n at key_positions[n] (ascending or not; default n)."""
     if q.dim() != 3 or keys.dim() != 2 or keys.shape[1] != q.shape[2] or head_weights.shape != q.shape[:2]:
         raise ValueError(f"index_scores: q {tuple(q.shape)} [T, H, D], head_weights {tuple(head_weights.shape)} "
                          f"[T, H], keys {tuple(keys.shape)} [N, D] do not fit")
     t, heads, d = q.shape
     n = keys.shape[0]
-    if t == 0 or n == 0 or heads == 0 or d == 0:
+    if q_positions is None and key_positions is not None:
+        raise ValueError("index_scores: key_positions without q_positions")
+    if q_positions is not None and q_positions.shape != (t,):
+        raise ValueError(f"index_scores: q_positions {tuple(q_positions.shape)} must be [T={t}]")
+    if key_positions is not None and key_positions.shape != (n,):
+        raise ValueError(f"index_scores: key_positions {tuple(key_positions.shape)} must be [N={n}]")
+    if t == 0 or n == 0:
         return torch.zeros(t, n, dtype=torch.float32, device=q.device)
     if q.dtype != keys.dtype or q.dtype not in (torch.bfloat16, torch.float16):
         q, keys = q.to(torch.float32), keys.to(torch.float32)  # mixed or fp32: exact fp32 (ieee) dots
@@ -73,12 +101,16 @@ def index_scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor
     if keys.stride(1) != 1:
         keys = keys.contiguous()
     hw = head_weights.to(torch.float32)
+    qpos = q.new_empty(0, dtype=torch.int64) if q_positions is None else q_positions.to(torch.int64).contiguous()
+    kpos = qpos if key_positions is None else key_positions.to(torch.int64).contiguous()
     out = torch.empty(t, n, dtype=torch.float32, device=q.device)  # every element is written
     block_t, block_n, warps, stages = index_config(heads, d, q.dtype)
     block_d = max(16, triton.next_power_of_2(d))
     grid = (triton.cdiv(t, block_t), triton.cdiv(n, block_n))
-    _index_scores_kernel[grid](q, hw, keys, out, t, n, heads, d, float(scale),
+    _index_scores_kernel[grid](q, hw, keys, qpos, kpos, out, t, n, heads, d, float(scale),
                                q.stride(0), q.stride(1), hw.stride(0), hw.stride(1), keys.stride(0), out.stride(0),
                                BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_D=block_d, IEEE=q.dtype == torch.float32,
+                               CAUSAL=q_positions is not None, KEY_POSITIONS=key_positions is not None,
                                num_warps=warps, num_stages=stages)
     return out
+

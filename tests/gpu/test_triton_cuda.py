@@ -193,6 +193,25 @@ def test_index_scores_matches_torch_and_is_invariant(k, dtype, heads, d):
     assert torch.equal(k.indexer.index_scores(q, hw, keys, scale), big)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
+def test_index_scores_causal_in_the_kernel_equals_the_mask_after_it(k, dtype):
+    """GLM-5.3's indexer (32 x 128): the mask in the kernel and the future tiles skipped give the
+    unmasked kernel's bits with -inf over the future: a turn after 13504 positions, a first piece,
+    a DCP rank's strided positions."""
+    g = _gen(77)
+    t, n, heads, d = 700, 3000, 32, 128
+    q = _randn(g, t, heads, d, dtype=dtype)
+    hw = _randn(g, t, heads, std=heads ** -0.5)
+    keys = _randn(g, n, d, dtype=dtype)
+    plain = k.indexer.index_scores(q, hw, keys, d ** -0.5)
+    dev = q.device
+    for qpos, kpos in ((torch.arange(2300, 2300 + t, device=dev), None), (torch.arange(t, device=dev), None),
+                       (torch.arange(9000, 9000 + t, device=dev), torch.arange(1, 4 * n, 4, device=dev))):
+        got = k.indexer.index_scores(q, hw, keys, d ** -0.5, qpos, kpos)
+        kp = torch.arange(n, device=dev) if kpos is None else kpos
+        assert torch.equal(got, plain.masked_fill(kp[None, :] > qpos[:, None], float("-inf")))
+
+
 # ---------------------------------------------------------------------------------------- attention
 
 def _selection(g: torch.Generator, t: int, n_rows: int, slots: int,

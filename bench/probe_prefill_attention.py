@@ -1,0 +1,150 @@
+"""latent_attention's prefill kernel: ways to schedule its gathers, their bits against the kernel in
+use, and their speed against it (GLM-5.3: 64 heads x 576, value 512, bf16, 2048 selected slots).
+
+    python bench/probe_prefill_attention.py --out bench/results/prefill_attention_h200.json     # GPU
+
+The kernel in use loads a slot block's indices and then gathers its rows in the same loop
+iteration: the gather's addresses come from a load of that iteration. The 'prefetch' form loads
+the next block's indices one iteration ahead, so the gather depends only on registers the loop
+carries; the arithmetic (glm53.ops.triton_attention._gathered_scores and _softmax_step) is the
+same. Each variant (form x pipeline stages x index dtype) runs T = 2048 queries of one prefill
+piece over a 16k-row and a 94k-row cache, every slot valid ('full') and a first piece's fill-up
+(query t sees min(t + 1, 2048) slots: 'fill'); bits against the kernel in use (torch.equal, out and
+lse), and the split kernels' agreement with the variant at T = 16. Time: a CUDA graph of 4 calls on
+rotating queries, replayed, CUDA events. Prints a table; JSON with every row.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.benchmeta import result_header, write_json  # noqa: E402
+from bench.probe_decode_tiles import graph_time_us  # noqa: E402
+from glm53.ops import triton_attention as ta  # noqa: E402
+
+HEADS, D, DV, SLOTS, T = 64, 576, 512, 2048, 2048
+
+
+@triton.jit(do_not_specialize=["T", "K_SLOTS"])
+def _prefetch_kernel(q_ptr, rows_ptr, idx_ptr, valid_ptr, end_ptr, out_ptr, lse_ptr, T, K_SLOTS, H, scale,
+                     stride_qt, stride_qh, stride_r, stride_it, stride_vt, stride_ot, stride_oh, stride_lt,
+                     DV: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr,
+                     BLOCK_DR: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_v = tl.arange(0, BLOCK_DV)
+    offs_r = tl.arange(0, BLOCK_DR)
+    h_mask, v_mask, r_mask = offs_h < H, offs_v < DV, offs_r < DR
+    q_v, q_r = ta._load_queries(q_ptr, t, stride_qt, stride_qh, offs_h, h_mask, offs_v, v_mask, offs_r, r_mask,
+                                DV, DR, BLOCK_H, BLOCK_DR)
+    m = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+    l = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_DV), dtype=tl.float32)
+    end = tl.load(end_ptr + t)
+    idx, ok = ta._block_slots(idx_ptr, valid_ptr, t, 0, K_SLOTS, stride_it, stride_vt, BLOCK_N)
+    for jb in range(0, tl.cdiv(end, BLOCK_N)):
+        idx_next, ok_next = ta._block_slots(idx_ptr, valid_ptr, t, jb + 1, K_SLOTS, stride_it, stride_vt, BLOCK_N)
+        s, kv_v = ta._gathered_scores(q_v, q_r, rows_ptr, idx, ok, scale, stride_r, offs_v, v_mask, offs_r, r_mask,
+                                      DV, DR, IEEE)
+        m, l, acc = ta._softmax_step(m, l, acc, s, ok, kv_v, IEEE)
+        idx, ok = idx_next, ok_next
+    ta._store_result(out_ptr, lse_ptr, t, stride_ot, stride_oh, stride_lt, acc, l, m, offs_h, h_mask, offs_v, v_mask,
+                     True)
+
+
+def run_variant(form: str, stages: int, q, rows, indices, valid, end, out, lse, scale: float) -> None:
+    t, heads, d = q.shape
+    block_h, block_n, warps, _ = ta.attention_config(heads, d, DV, q.dtype)
+    kernel = ta._latent_attention_kernel if form == "in use" else _prefetch_kernel
+    kernel[(t, triton.cdiv(heads, block_h))](
+        q, rows, indices, valid, end, out, lse, t, indices.shape[1], heads, float(scale),
+        q.stride(0), q.stride(1), rows.stride(0), indices.stride(0), valid.stride(0), out.stride(0), out.stride(1),
+        lse.stride(0), **ta._query_blocks(d, DV), BLOCK_H=block_h, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
+        num_warps=warps, num_stages=stages)
+
+
+def inputs(history: int, fill: bool, dev: torch.device, copies: int = 4):
+    """`copies` query sets (rotated in the timed graph) over one cache and selection."""
+    g = torch.Generator(device=dev).manual_seed(11)
+    rows = torch.randn(history, D, generator=g, device=dev).to(torch.bfloat16)
+    qs = [(torch.randn(T, HEADS, D, generator=g, device=dev) * D ** -0.5).to(torch.bfloat16) for _ in range(copies)]
+    # each query's selection: SLOTS distinct rows, ascending (the indexer's order)
+    idx = torch.rand(T, history, generator=g, device=dev).topk(SLOTS, dim=1).indices.sort(dim=1).values
+    valid = torch.ones(T, SLOTS, dtype=torch.bool, device=dev)
+    if fill:  # query t of a first piece sees positions [0, t]: its first min(t + 1, SLOTS) slots
+        seen = torch.arange(1, T + 1, device=dev).clamp(max=SLOTS)
+        valid = torch.arange(SLOTS, device=dev)[None, :] < seen[:, None]
+        idx = torch.where(valid, torch.arange(SLOTS, device=dev)[None, :].expand(T, SLOTS), 0)
+    return qs, rows, idx, valid
+
+
+def probe(dev: torch.device) -> list[dict[str, Any]]:
+    variants = [("in use", 2, torch.int64), ("in use", 1, torch.int64), ("in use", 3, torch.int64),
+                ("in use", 2, torch.int32), ("prefetch", 1, torch.int64), ("prefetch", 2, torch.int64),
+                ("prefetch", 3, torch.int64), ("prefetch", 2, torch.int32), ("prefetch", 3, torch.int32)]
+    scale = D ** -0.5
+    rows_out = []
+    for history, fill in ((16384, False), (94000, False), (16384, True)):
+        qs, rows, idx, valid = inputs(history, fill, dev)
+        q0, rows_p, idx64, valid_p, end = ta._prepared(qs[0], rows, idx, valid)
+        ref = None
+        base_us = None
+        for form, stages, idt in variants:
+            indices = idx64.to(idt)
+            out = torch.empty(T, HEADS, DV, dtype=torch.bfloat16, device=dev)
+            lse = torch.empty(T, HEADS, dtype=torch.float32, device=dev)
+            try:
+                run_variant(form, stages, q0, rows_p, indices, valid_p, end, out, lse, scale)
+            except Exception as exc:  # noqa: BLE001 - a config that does not compile is a result
+                rows_out.append({"history": history, "fill": fill, "form": form, "stages": stages,
+                                 "index_dtype": str(idt), "error": f"{type(exc).__name__}: {exc}"[:300]})
+                print(f"{history:>6} {'fill' if fill else 'full':>4} {form:>8} s{stages} {str(idt):>11}: {exc}"[:200])
+                continue
+            torch.cuda.synchronize()
+            if ref is None:
+                ref = (out.clone(), lse.clone())
+            same = bool(torch.equal(out, ref[0]) and torch.equal(lse, ref[1]))
+            split_same = None
+            if form == "prefetch" and history == 16384 and not fill:
+                o16, l16 = ta.latent_attention(q0[:16], rows_p, idx64[:16], valid[:16], scale, DV, split=True)
+                split_same = bool(torch.equal(o16, out[:16]) and torch.equal(l16, lse[:16]))
+            outs = [torch.empty_like(out) for _ in qs]
+            us = graph_time_us([lambda q=q, o=o: run_variant(form, stages, q, rows_p, indices, valid_p, end, o, lse,
+                                                             scale) for q, o in zip(qs, outs)], replays=5)
+            base_us = base_us or us
+            row = {"history": history, "fill": fill, "form": form, "stages": stages, "index_dtype": str(idt),
+                   "bitwise_as_in_use": same, "split_agrees": split_same, "us": round(us, 1),
+                   "speedup": round(base_us / us, 3)}
+            rows_out.append(row)
+            print(f"{history:>6} {'fill' if fill else 'full':>4} {form:>8} s{stages} {str(idt):>11}: "
+                  f"{us / 1e3:7.3f} ms  x{base_us / us:5.2f}  bitwise {same}  split {split_same}", flush=True)
+    return rows_out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "prefill_attention.json")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("probe_prefill_attention: needs a CUDA device", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
+    result = result_header("probe_prefill_attention", {"heads": HEADS, "d": D, "value_dim": DV, "slots": SLOTS,
+                                                       "queries": T}, dev)
+    result["rows"] = probe(dev)
+    write_json(args.out, result)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
