@@ -12,8 +12,11 @@ occur. Per case: both arms alternate, wall time of each call with the device syn
 it, median of --repeats; both arms must return the same selection (exit 1 otherwise). --engine: a
 turn of --turn-tokens new tokens after each of --histories cached positions, arms alternating on
 one engine, the same replies required; the table also gives each arm's last / first history ratio
-(the turn ratio's share that the selection moves). Prints a table; JSON (bench/benchmeta.py header)
-to --out. Exit codes: 0 done, 1 a selection or reply differed, 2 bad arguments or no CUDA.
+(the turn ratio's share that the selection moves). --against DIR adds a third arm, 'previous': the
+kernel of another kit checkout (e.g. `git archive <commit> | tar -x -C DIR`), for a change to the
+kernel side by side; --digit-bits B adds an arm running this kernel with B bits a pass. Prints a
+table; JSON (bench/benchmeta.py header) to --out. Exit codes: 0 done, 1 a selection or reply
+differed, 2 bad arguments or no CUDA.
 """
 from __future__ import annotations
 
@@ -58,18 +61,50 @@ def arm_row(fields: dict, samples: dict[str, list[float]]) -> dict:
     """A case's fields, each arm's summary and torch / triton; logged as it finishes."""
     row = {**fields, **{f"{name}_s": summary(times) for name, times in samples.items()}}
     row["speedup"] = row["torch_s"]["median"] / row["triton_s"]["median"]
-    print(", ".join(f"{k} {v}" for k, v in fields.items()) + f": torch {row['torch_s']['median'] * 1e3:.3f} ms, "
-          f"triton {row['triton_s']['median'] * 1e3:.3f} ms", file=sys.stderr, flush=True)
+    print(", ".join(f"{k} {v}" for k, v in fields.items()) + ": " + ", ".join(
+        f"{name} {row[f'{name}_s']['median'] * 1e3:.3f} ms" for name in samples), file=sys.stderr, flush=True)
     return row
+
+
+def extra_arms(args: argparse.Namespace) -> dict:
+    """--against: the kernel of another checkout ('previous'); --digit-bits: this kernel at other widths."""
+    import importlib.util
+
+    from glm53.ops import triton_topk
+
+    arms = {}
+    if args.against is not None:
+        path = args.against / "glm53" / "ops" / "triton_topk.py"
+        spec = importlib.util.spec_from_file_location("triton_topk_previous", path)
+        if spec is None or not path.is_file():
+            raise SystemExit(f"error: --against {args.against}: no {path}")
+        previous = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(previous)
+        arms["previous"] = lambda s, k: Selection(*previous.select(s, k)[:2])
+
+    def at_bits(bits: int):
+        def run(s, k):
+            saved, triton_topk.DIGIT_BITS = triton_topk.DIGIT_BITS, bits
+            try:
+                return Selection(*triton_topk.select(s, k)[:2])
+            finally:
+                triton_topk.DIGIT_BITS = saved
+        return run
+
+    for bits in args.digit_bits:
+        arms[f"bits{bits}"] = at_bits(bits)
+    return arms
 
 
 def finish(out: Path, result: dict, columns: list[str], what: str) -> int:
     """Write the JSON, print the table; exit code 1 if the arms ever disagreed."""
     write_json(out, result)
-    print(" ".join(f"{c:>8}" for c in columns) + f" {'torch (ms)':>11} {'triton (ms)':>12} {'speedup':>8}")
+    arms = [key[:-2] for key in result["cases"][0] if key.endswith("_s")]
+    print(" ".join(f"{c:>8}" for c in columns) + "".join(f" {name + ' (ms)':>14}" for name in arms)
+          + f" {'torch/triton':>13}")
     for r in result["cases"]:
-        print(" ".join(f"{r[c]:8d}" for c in columns) + f" {r['torch_s']['median'] * 1e3:11.3f} "
-              f"{r['triton_s']['median'] * 1e3:12.3f} {r['speedup']:7.3f}x")
+        print(" ".join(f"{r[c]:8d}" for c in columns) + "".join(f" {r[name + '_s']['median'] * 1e3:14.3f}"
+                                                              for name in arms) + f" {r['speedup']:12.3f}x")
     for name, ratio in result.get("last_over_first", {}).items():
         print(f"{name}: last / first history = {ratio:.3f}")
     print(f"same {what} in every sample: {not result['mismatches']}")
@@ -141,6 +176,9 @@ def main() -> int:
     p.add_argument("--engine", action="store_true", help="both forms inside the engine's turns (CUDA)")
     p.add_argument("--histories", type=int, nargs="*", default=[0, 13504], help="--engine: cached positions")
     p.add_argument("--turn-tokens", type=int, default=2701, help="--engine: new tokens a turn")
+    p.add_argument("--against", type=Path, help="another kit checkout: its kernel as a third arm")
+    p.add_argument("--digit-bits", type=int, nargs="*", default=[], choices=[1, 2, 4, 8, 16],
+                   help="arms running this kernel with these bits a pass")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "select_topk.json")
     args = p.parse_args()
     if args.repeats < 1:
@@ -153,7 +191,7 @@ def main() -> int:
     if args.engine:
         return engine_turns(args)
     device = torch.device("cuda")
-    arms = {"torch": select_topk_torch, "triton": select_topk}
+    arms = {"torch": select_topk_torch, "triton": select_topk, **extra_arms(args)}
     rows, mismatches = [], []
     for t, history in CASES:
         scores = chunk_scores(t, history, device, seed=t + history)
@@ -166,9 +204,10 @@ def main() -> int:
             for name in order:
                 dt, got[name] = timed(arms[name], scores)
                 samples[name].append(dt)
-            a, b = got["torch"], got["triton"]
-            if not (torch.equal(a.indices, b.indices) and torch.equal(a.valid, b.valid)):
-                mismatches.append(f"T={t} history={history} sample {i}")
+            a = got["torch"]
+            for name, b in got.items():
+                if not (torch.equal(a.indices, b.indices) and torch.equal(a.valid, b.valid)):
+                    mismatches.append(f"T={t} history={history} sample {i}: {name}")
         rows.append(arm_row({"t": t, "keys": history + t}, samples))
         del scores
     settings = {"k": K, "repeats": args.repeats, "timing": "wall of each call, device synchronized, arms alternating"}

@@ -37,7 +37,7 @@ BLOCK = 2048  # columns a program handles per step
 # radix select there (H200, 2048 rows: 1.10x faster at 65536 keys, 0.91x at 262144;
 # bench/results/select_topk_h200_session9.json)
 MAX_KEYS = 131072
-BINS = 512  # a byte's 256 values for the elements that share the bytes found so far; 256 more for the rest
+DIGIT_BITS = 4  # bits of the threshold key found per pass: 16 bins
 
 
 @triton.jit
@@ -59,57 +59,62 @@ def _block(base, start, offs, N):
 
 
 @triton.jit
-def _radix_pass(base, N, offs, bins, prefix, need, SHIFT: tl.constexpr, COUNT_NAN: tl.constexpr,
-                BLOCK: tl.constexpr, BINS: tl.constexpr):
-    """One byte of the threshold key. Returns (prefix with the byte at SHIFT set, need less the
-    elements above it, how many elements share the new prefix's bytes so far, the row's NaN count if
-    COUNT_NAN). Elements that do not share prefix's higher bytes count in bins 256 + their byte:
-    spread out, so that they do not all contend for one shared-memory counter."""
-    hist = tl.zeros([BINS], dtype=tl.int32)
+def _radix_pass(base, N, offs, bins, prefix, need, shift, COUNT_NAN: tl.constexpr, BLOCK: tl.constexpr,
+                BITS: tl.constexpr):
+    """The BITS bits of the threshold key at `shift`, among the elements whose bits above it equal
+    prefix's. Returns (prefix with those bits set, need less the elements above them, how many elements
+    share the new prefix, the row's NaN count if COUNT_NAN). Elements that do not share the prefix go to
+    bin 0 and are taken out of it after the pass: a histogram's cost grows with its bins, not with
+    what it counts."""
+    # the bits found so far (shifted in 64 bits: the first pass shifts by 32, undefined in 32)
+    high = (tl.full([], 0xFFFFFFFF, tl.uint64) << (shift + BITS).to(tl.uint64)).to(tl.uint32)
+    hist = tl.zeros([1 << BITS], dtype=tl.int32)
+    strangers = tl.full([], 0, tl.int32)
     nans = tl.full([], 0, tl.int32)
     for start in range(0, N, BLOCK):
         cols, inside, s = _block(base, start, offs, N)
         key = _keys(s)
-        digit = ((key >> SHIFT) & 255).to(tl.int32)
-        if SHIFT < 24:
-            digit = tl.where(inside & ((key >> (SHIFT + 8)) == (prefix >> (SHIFT + 8))), digit, digit + 256)
-        else:
-            digit = tl.where(inside, digit, digit + 256)
-        hist += tl.histogram(digit, BINS)
+        match = inside & ((key & high) == prefix)
+        digit = tl.where(match, ((key >> shift.to(tl.uint32)) & ((1 << BITS) - 1)).to(tl.int32), 0)
+        hist += tl.histogram(digit, 1 << BITS)
+        strangers += BLOCK - tl.sum(match.to(tl.int32))
         if COUNT_NAN:
             nans += tl.sum((inside & (s != s)).to(tl.int32))
-    counts = tl.where(bins < 256, hist, 0)
-    at_or_above = tl.sum(counts) - tl.cumsum(counts, 0) + counts  # matching elements in bins >= b
-    byte = tl.sum(((bins < 256) & (at_or_above >= need)).to(tl.int32)) - 1
-    need -= tl.sum(tl.where(bins == byte, at_or_above - counts, 0))
-    sharing = tl.sum(tl.where(bins == byte, counts, 0))
-    return prefix | (byte.to(tl.uint32) << SHIFT), need, sharing, nans
+    counts = tl.where(bins == 0, hist - strangers, hist)
+    at_or_above = tl.sum(counts) - tl.cumsum(counts, 0) + counts  # sharing elements in bins >= b
+    found = tl.sum((at_or_above >= need).to(tl.int32)) - 1
+    need -= tl.sum(tl.where(bins == found, at_or_above - counts, 0))
+    sharing = tl.sum(tl.where(bins == found, counts, 0))
+    return prefix | (found.to(tl.uint32) << shift.to(tl.uint32)), need, sharing, nans
 
 
 @triton.jit
 def _select_kernel(s_ptr, idx_ptr, valid_ptr, nan_ptr, N, WIDTH, stride_s, stride_i, stride_v,
-                   BLOCK: tl.constexpr, BINS: tl.constexpr):
+                   BLOCK: tl.constexpr, BITS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = s_ptr + row * stride_s
     offs = tl.arange(0, BLOCK)
-    bins = tl.arange(0, BINS)
-    prefix = tl.full([], 0, tl.uint32)  # the threshold key's bytes found so far, in place
+    bins = tl.arange(0, 1 << BITS)
+    prefix = tl.full([], 0, tl.uint32)  # the threshold key's bits found so far, in place
     need = tl.full([], 0, tl.int32) + WIDTH  # how many of the elements sharing prefix are still to keep
-    prefix, need, _, nans = _radix_pass(base, N, offs, bins, prefix, need, 24, True, BLOCK, BINS)
-    prefix, need, _, _ = _radix_pass(base, N, offs, bins, prefix, need, 16, False, BLOCK, BINS)
-    prefix, need, _, _ = _radix_pass(base, N, offs, bins, prefix, need, 8, False, BLOCK, BINS)
-    prefix, need, ties, _ = _radix_pass(base, N, offs, bins, prefix, need, 0, False, BLOCK, BINS)
+    shift = tl.full([], 32 - BITS, tl.int32)
+    prefix, need, sharing, nans = _radix_pass(base, N, offs, bins, prefix, need, shift, True, BLOCK, BITS)
     tl.store(nan_ptr + row, nans)
+    # until every bit is found, or every element sharing the prefix is kept (then the prefix with its
+    # lower bits zero is a threshold as good as the width-th key: nothing else lies between)
+    while (shift > 0) & (need < sharing):
+        shift -= BITS
+        prefix, need, sharing, _ = _radix_pass(base, N, offs, bins, prefix, need, shift, False, BLOCK, BITS)
 
-    # prefix is now the width-th largest key; `need` of the `ties` elements equal to it are kept, the
-    # lowest columns first. Most rows keep all of them: then a plain comparison decides
+    # `need` of the `sharing` elements at or above prefix that share its bits are kept, the lowest
+    # columns first. Most rows keep all of them: then a plain comparison decides
     written = tl.full([], 0, tl.int32)
-    if need == ties:
+    if need == sharing:
         for start in range(0, N, BLOCK):
             cols, inside, s = _block(base, start, offs, N)
             kept = inside & (_keys(s) >= prefix) & (tl.abs(s) < float("inf"))  # chosen and finite
             written = _write(idx_ptr + row * stride_i, valid_ptr + row * stride_v, cols, kept, written)
-    else:
+    else:  # every bit found: the elements sharing prefix are ties, equal to it
         ties_seen = tl.full([], 0, tl.int32)
         for start in range(0, N, BLOCK):
             cols, inside, s = _block(base, start, offs, N)
@@ -145,5 +150,5 @@ def select(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, to
     nans = torch.zeros(t, dtype=torch.int32, device=scores.device)
     if t and n and k:
         _select_kernel[(t,)](scores, indices, valid, nans, n, min(k, n), scores.stride(0), indices.stride(0),
-                             valid.stride(0), BLOCK=BLOCK, BINS=BINS, num_warps=4)
+                             valid.stride(0), BLOCK=BLOCK, BITS=DIGIT_BITS, num_warps=4)
     return indices, valid.view(torch.bool), nans
