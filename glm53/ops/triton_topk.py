@@ -6,11 +6,13 @@ columns come out ascending, the non-finite ones among them invalid (after the va
 
 A row's program finds the width-th largest score by radix select, then writes the chosen columns:
   * scores map to uint32 keys with the same order (`_keys`);
-  * four passes over the row, one per byte of the key from the top: a histogram of that byte among
-    the elements that share the bytes found so far gives the next byte of the threshold key tau,
-    and how many of the still-needed elements lie above it. After the fourth, tau is the width-th
-    largest key and `need` (>= 1) is how many of the elements equal to tau the row keeps;
-  * a fifth pass walks the row in ascending column order: an element is chosen when its key is
+  * up to four passes over the row, one per byte of the key from the top: a histogram of that byte
+    among the elements that share the bytes found so far (the others land in bin 0 and are taken
+    out of it: a histogram costs by its bins) gives the next byte of the threshold key tau, and how
+    many of the still-needed elements lie above it. The passes stop early once every element sharing
+    the bytes found is kept (a row that keeps all its keys: one pass); after the fourth, tau is the
+    width-th largest key and `need` (>= 1) is how many of the elements equal to tau the row keeps;
+  * a last pass walks the row in ascending column order: an element is chosen when its key is
     above tau, or equal to tau and among the first `need` such columns (the lower positions, the
     rule's tie-break; where the row keeps every such column, a plain key >= tau); the finite
     chosen ones are written in that order through a running cumsum, so the indices come out
@@ -20,8 +22,11 @@ or or-s it into a device flag), so the call needs nothing from the host.
 
 What it replaces: torch.topk over k + 1 columns, a tie test (a host sync), a packed int64 top-k for
 tied rows and a sort of the chosen columns, ~15 kernels and two syncs per 'full' layer's prefill
-piece. H200, side by side (bench/bench_select_topk.py): 2.1x at 2048 rows x 2048 keys, 3.5x at
-652 x 2700, 1.6x at 2048 x 16205, 1.1x at 2048 x 65536, 0.91x at 2048 x 262144 (hence MAX_KEYS).
+piece. H200, side by side (bench/bench_select_topk.py, bench/results/select_topk_h200_session11.json):
+4.8x the torch form at 2048 rows x 2048 keys, 6.4x at 652 x 2700, 2.4x at 2048 x 16205, 1.6x at
+2048 x 65536, 1.2x at 2048 x 262144. The ninth session's form (four full passes of 512-bin
+histograms, the non-matching elements spread over 256 of them) was 1.3-1.7x slower; 4 or 2 bits a
+pass (16 or 4 bins, more passes) were slower than 8.
 Short windows (decode steps, verification: at most SMALL_WINDOW_ROWS rows) keep the packed torch
 path, which spreads one row over the whole GPU where this kernel would run it on one
 multiprocessor.
@@ -33,11 +38,10 @@ import triton
 import triton.language as tl
 
 BLOCK = 2048  # columns a program handles per step
-# rows longer than this keep the torch form: the kernel's five passes over a row lose to torch.topk's
-# radix select there (H200, 2048 rows: 1.10x faster at 65536 keys, 0.91x at 262144;
-# bench/results/select_topk_h200_session9.json)
-MAX_KEYS = 131072
-DIGIT_BITS = 4  # bits of the threshold key found per pass: 16 bins
+# rows longer than this keep the torch form (measured up to here: the kernel 1.23x faster than
+# torch.topk at 2048 x 262144 on the H200, bench/results/select_topk_h200_session11.json)
+MAX_KEYS = 262144
+DIGIT_BITS = 8  # bits of the threshold key found per pass: 256 bins
 
 
 @triton.jit

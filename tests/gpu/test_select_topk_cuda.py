@@ -28,7 +28,7 @@ def _cuda() -> None:
 
 
 @pytest.mark.parametrize("n,t", [(2047, 48), (2048, 48), (2049, 48), (2050, 48), (6000, 48), (70001, 40),
-                                 (140001, 20), (3000, SMALL_WINDOW_ROWS)])
+                                 (140001, 20), (270001, 20), (3000, SMALL_WINDOW_ROWS)])
 def test_cuda_selection_equals_the_cpu_rule(n: int, t: int) -> None:
     _cuda()
     k = 2048
