@@ -61,15 +61,68 @@ def _prefetch_kernel(q_ptr, rows_ptr, idx_ptr, valid_ptr, end_ptr, out_ptr, lse_
                      True)
 
 
-def run_variant(form: str, stages: int, q, rows, indices, valid, end, out, lse, scale: float) -> None:
+@triton.jit(do_not_specialize=["T", "K_SLOTS"])
+def _unmasked_kernel(q_ptr, rows_ptr, idx_ptr, valid_ptr, end_ptr, out_ptr, lse_ptr, T, K_SLOTS, H, scale,
+                     stride_qt, stride_qh, stride_r, stride_it, stride_vt, stride_ot, stride_oh, stride_lt,
+                     DV: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr,
+                     BLOCK_DR: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """The gather without a mask from loaded values: an invalid slot reads row 0 (its score is -inf
+    and its probability 0 either way), so the gather can go straight to shared memory."""
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_v = tl.arange(0, BLOCK_DV)
+    offs_r = tl.arange(0, BLOCK_DR)
+    h_mask, v_mask, r_mask = offs_h < H, offs_v < DV, offs_r < DR
+    q_v, q_r = ta._load_queries(q_ptr, t, stride_qt, stride_qh, offs_h, h_mask, offs_v, v_mask, offs_r, r_mask,
+                                DV, DR, BLOCK_H, BLOCK_DR)
+    m = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+    l = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_DV), dtype=tl.float32)
+    end = tl.load(end_ptr + t)
+    for jb in range(0, tl.cdiv(end, BLOCK_N)):
+        idx, ok = ta._block_slots(idx_ptr, valid_ptr, t, jb, K_SLOTS, stride_it, stride_vt, BLOCK_N)
+        row = rows_ptr + tl.where(ok, idx, 0).to(tl.int64)[:, None] * stride_r
+        kv_v = tl.load(row + offs_v[None, :]).to(q_v.dtype)
+        s = tl.dot(q_v, tl.trans(kv_v))
+        kv_r = tl.load(row + DV + offs_r[None, :]).to(q_v.dtype)
+        s = tl.dot(q_r, tl.trans(kv_r), s)
+        s = tl.where(ok[None, :], s * scale, float("-inf"))
+        m, l, acc = ta._softmax_step(m, l, acc, s, ok, kv_v, IEEE)
+    ta._store_result(out_ptr, lse_ptr, t, stride_ot, stride_oh, stride_lt, acc, l, m, offs_h, h_mask, offs_v, v_mask,
+                     True)
+
+
+KERNELS = {"in use": ta._latent_attention_kernel, "prefetch": _prefetch_kernel, "unmasked": _unmasked_kernel}
+ASM: dict[str, dict] = {}
+
+
+def asm_stats(k) -> dict:
+    """What the compiler made of a variant: async copies, tensor-core dots, pipelined waits, memory."""
+    import re
+
+    asm = getattr(k, "asm", {}) or {}
+    ptx, ttgir = asm.get("ptx", ""), asm.get("ttgir", "")
+    meta = getattr(k, "metadata", None)
+    return {"cp_async": ptx.count("cp.async.cg") + ptx.count("cp.async.ca"), "wgmma": ptx.count("wgmma.mma_async"),
+            "st_shared": ptx.count("st.shared"), "waits_pending": len(re.findall(r"pendings = [1-9]", ttgir)),
+            "shared": getattr(meta, "shared", None), "regs": getattr(k, "n_regs", None),
+            "spills": getattr(k, "n_spills", None)}
+
+
+def run_variant(form: str, stages: int, q, rows, indices, valid, end, out, lse, scale: float,
+                block_n: int | None = None) -> None:
     t, heads, d = q.shape
-    block_h, block_n, warps, _ = ta.attention_config(heads, d, DV, q.dtype)
-    kernel = ta._latent_attention_kernel if form == "in use" else _prefetch_kernel
-    kernel[(t, triton.cdiv(heads, block_h))](
+    block_h, default_n, warps, _ = ta.attention_config(heads, d, DV, q.dtype)
+    block_n = block_n or default_n
+    kernel = KERNELS[form]
+    k = kernel[(t, triton.cdiv(heads, block_h))](
         q, rows, indices, valid, end, out, lse, t, indices.shape[1], heads, float(scale),
         q.stride(0), q.stride(1), rows.stride(0), indices.stride(0), valid.stride(0), out.stride(0), out.stride(1),
         lse.stride(0), **ta._query_blocks(d, DV), BLOCK_H=block_h, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
         num_warps=warps, num_stages=stages)
+    key = f"{form} s{stages} n{block_n}"
+    if key not in ASM:
+        ASM[key] = asm_stats(k)
 
 
 def inputs(history: int, fill: bool, dev: torch.device, copies: int = 4):
@@ -88,9 +141,8 @@ def inputs(history: int, fill: bool, dev: torch.device, copies: int = 4):
 
 
 def probe(dev: torch.device) -> list[dict[str, Any]]:
-    variants = [("in use", 2, torch.int64), ("in use", 1, torch.int64), ("in use", 3, torch.int64),
-                ("in use", 2, torch.int32), ("prefetch", 1, torch.int64), ("prefetch", 2, torch.int64),
-                ("prefetch", 3, torch.int64), ("prefetch", 2, torch.int32), ("prefetch", 3, torch.int32)]
+    variants = [("in use", 2, 64), ("in use", 1, 64), ("unmasked", 2, 64), ("unmasked", 3, 64),
+                ("in use", 2, 32), ("in use", 3, 32), ("in use", 4, 32), ("unmasked", 3, 32), ("unmasked", 4, 32)]
     scale = D ** -0.5
     rows_out = []
     for history, fill in ((16384, False), (94000, False), (16384, True)):
@@ -98,35 +150,37 @@ def probe(dev: torch.device) -> list[dict[str, Any]]:
         q0, rows_p, idx64, valid_p, end = ta._prepared(qs[0], rows, idx, valid)
         ref = None
         base_us = None
-        for form, stages, idt in variants:
-            indices = idx64.to(idt)
+        for form, stages, block_n in variants:
+            indices = idx64
             out = torch.empty(T, HEADS, DV, dtype=torch.bfloat16, device=dev)
             lse = torch.empty(T, HEADS, dtype=torch.float32, device=dev)
             try:
-                run_variant(form, stages, q0, rows_p, indices, valid_p, end, out, lse, scale)
+                run_variant(form, stages, q0, rows_p, indices, valid_p, end, out, lse, scale, block_n)
             except Exception as exc:  # noqa: BLE001 - a config that does not compile is a result
                 rows_out.append({"history": history, "fill": fill, "form": form, "stages": stages,
-                                 "index_dtype": str(idt), "error": f"{type(exc).__name__}: {exc}"[:300]})
-                print(f"{history:>6} {'fill' if fill else 'full':>4} {form:>8} s{stages} {str(idt):>11}: {exc}"[:200])
+                                 "block_n": block_n, "error": f"{type(exc).__name__}: {exc}"[:300]})
+                print(f"{history:>6} {'fill' if fill else 'full':>4} {form:>8} s{stages} n{block_n}: {exc}"[:200])
                 continue
             torch.cuda.synchronize()
             if ref is None:
                 ref = (out.clone(), lse.clone())
             same = bool(torch.equal(out, ref[0]) and torch.equal(lse, ref[1]))
             split_same = None
-            if form == "prefetch" and history == 16384 and not fill:
+            if form != "in use" and block_n == 64 and history == 16384 and not fill:
                 o16, l16 = ta.latent_attention(q0[:16], rows_p, idx64[:16], valid[:16], scale, DV, split=True)
                 split_same = bool(torch.equal(o16, out[:16]) and torch.equal(l16, lse[:16]))
             outs = [torch.empty_like(out) for _ in qs]
             us = graph_time_us([lambda q=q, o=o: run_variant(form, stages, q, rows_p, indices, valid_p, end, o, lse,
-                                                             scale) for q, o in zip(qs, outs)], replays=5)
+                                                             scale, block_n) for q, o in zip(qs, outs)], replays=5)
             base_us = base_us or us
-            row = {"history": history, "fill": fill, "form": form, "stages": stages, "index_dtype": str(idt),
+            row = {"history": history, "fill": fill, "form": form, "stages": stages, "block_n": block_n,
+                   "asm": ASM.get(f"{form} s{stages} n{block_n}"),
                    "bitwise_as_in_use": same, "split_agrees": split_same, "us": round(us, 1),
                    "speedup": round(base_us / us, 3)}
             rows_out.append(row)
-            print(f"{history:>6} {'fill' if fill else 'full':>4} {form:>8} s{stages} {str(idt):>11}: "
-                  f"{us / 1e3:7.3f} ms  x{base_us / us:5.2f}  bitwise {same}  split {split_same}", flush=True)
+            print(f"{history:>6} {'fill' if fill else 'full':>4} {form:>8} s{stages} n{block_n}: "
+                  f"{us / 1e3:7.3f} ms  x{base_us / us:5.2f}  bitwise {same}  split {split_same}  "
+                  f"{ASM.get(f'{form} s{stages} n{block_n}')}", flush=True)
     return rows_out
 
 
