@@ -4,14 +4,19 @@ use, and their speed against it (GLM-5.3: 64 heads x 576, value 512, bf16, 2048 
     python bench/probe_prefill_attention.py --out bench/results/prefill_attention_h200.json     # GPU
 
 The kernel in use loads a slot block's indices and then gathers its rows in the same loop
-iteration: the gather's addresses come from a load of that iteration. The 'prefetch' form loads
-the next block's indices one iteration ahead, so the gather depends only on registers the loop
-carries; the arithmetic (glm53.ops.triton_attention._gathered_scores and _softmax_step) is the
-same. Each variant (form x pipeline stages x index dtype) runs T = 2048 queries of one prefill
-piece over a 16k-row and a 94k-row cache, every slot valid ('full') and a first piece's fill-up
-(query t sees min(t + 1, 2048) slots: 'fill'); bits against the kernel in use (torch.equal, out and
-lse), and the split kernels' agreement with the variant at T = 16. Time: a CUDA graph of 4 calls on
-rotating queries, replayed, CUDA events. Prints a table; JSON with every row.
+iteration, the gather masked by the slots' validity (a load of that iteration). Variants: 'prefetch'
+loads the next block's indices one iteration ahead (the gather then depends on loop-carried
+registers only); 'unmasked' gathers row 0 for invalid slots instead of masking the load (their
+scores are -inf and probabilities 0 either way), so the gather can go straight to shared memory;
+BLOCK_N 32 (other bits: the online softmax steps differ) with deeper pipelines; 1-4 stages. The
+arithmetic of the 64-slot forms is the kernel's (glm53.ops.triton_attention._gathered_scores and
+_softmax_step). Each variant runs T = 2048 queries of one prefill piece over a 16k-row and a
+94k-row cache, every slot valid ('full') and a first piece's fill-up (query t sees min(t + 1, 2048)
+slots: 'fill'); bits against the kernel in use (torch.equal, out and lse), the split kernels'
+agreement with the variant at T = 16, and what the compiler made of it (async copies, wgmma,
+pipelined waits, shared memory, registers; Triton 3.9 on this CPU compiles the kernel in use with
+no async copy at any stage count). Time: a CUDA graph of 4 calls on rotating queries, replayed,
+CUDA events. Prints a table; JSON with every row.
 """
 from __future__ import annotations
 
