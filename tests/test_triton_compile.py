@@ -1,7 +1,9 @@
-"""The selection kernel (glm53/ops/triton_topk.py) compiles for the H200 (sm_90) without a GPU.
+"""Kernels whose control flow the interpreter cannot vouch for compile for the H200 (sm_90) without
+a GPU: the selection kernel (glm53/ops/triton_topk.py: a data-dependent while loop) and the
+indexer's scores kernel in each of its mask forms (glm53/ops/triton_indexer.py).
 
 Triton's interpreter (tests/test_triton_interpret.py) runs a kernel's logic but not its compiler:
-the kernel's first form passed there and then failed to compile on the H200 (a constexpr
+the selection kernel's first form passed there and then failed to compile on the H200 (a constexpr
 reassigned inside static_range). triton.compile with an explicit target runs the whole pipeline
 here, ptxas included (Triton's wheel carries it), so such an error fails on the CPU.
 """
@@ -12,20 +14,41 @@ import importlib.util
 import pytest
 
 
-def test_selection_kernel_compiles_for_sm90() -> None:
+def _compile(fn, signature: dict[str, str], constexprs: dict[str, object], warps: int):
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed here: the compile check needs it (pip install triton)")
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    source = ASTSource(fn=fn, signature={**signature, **{name: "constexpr" for name in constexprs}},
+                       constexprs=constexprs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    assert compiled.asm["cubin"], "no machine code"
+    assert ".target sm_90" in compiled.asm["ptx"]
+    return compiled
+
+
+def test_selection_kernel_compiles_for_sm90() -> None:
     from glm53.ops import triton_topk
 
     signature = {"s_ptr": "*fp32", "idx_ptr": "*i64", "valid_ptr": "*i8", "nan_ptr": "*i32", "N": "i32",
-                 "WIDTH": "i32", "stride_s": "i32", "stride_i": "i32", "stride_v": "i32",
-                 "BLOCK": "constexpr", "BINS": "constexpr"}
-    source = ASTSource(fn=triton_topk._select_kernel, signature=signature,
-                       constexprs={"BLOCK": triton_topk.BLOCK, "BINS": triton_topk.BINS})
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    assert compiled.asm["cubin"], "no machine code"
-    assert ".target sm_90" in compiled.asm["ptx"]
+                 "WIDTH": "i32", "stride_s": "i32", "stride_i": "i32", "stride_v": "i32"}
+    _compile(triton_topk._select_kernel, signature, {"BLOCK": triton_topk.BLOCK, "BITS": triton_topk.DIGIT_BITS}, 4)
+
+
+@pytest.mark.parametrize("causal,key_positions", [(False, False), (True, False), (True, True)])
+def test_index_scores_kernel_compiles_for_sm90_in_each_mask_form(causal: bool, key_positions: bool) -> None:
+    import torch
+
+    from glm53.ops import triton_indexer
+
+    block_t, block_n, warps, _ = triton_indexer.index_config(32, 128, torch.bfloat16)
+    signature = {"q_ptr": "*bf16", "hw_ptr": "*fp32", "k_ptr": "*bf16", "qpos_ptr": "*i64", "kpos_ptr": "*i64",
+                 "out_ptr": "*fp32", **{name: "i32" for name in ("T", "N", "H", "D", "stride_qt", "stride_qh",
+                                                                 "stride_hwt", "stride_hwh", "stride_kn", "stride_ot")},
+                 "scale": "fp32"}
+    compiled = _compile(triton_indexer._index_scores_kernel, signature,
+                        {"BLOCK_T": block_t, "BLOCK_N": block_n, "BLOCK_D": 128, "IEEE": False, "CAUSAL": causal,
+                         "KEY_POSITIONS": key_positions}, warps)
+    assert "wgmma" in compiled.asm["ptx"]  # the scores stay on the tensor cores in every form
