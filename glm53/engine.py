@@ -10,7 +10,8 @@ Knobs (options override the environment):
     TF_GLM53_DEVICE         cuda | cpu (default: cuda when available)
     TF_GLM53_DTYPE          bf16 | fp32 compute dtype (default: bf16 on cuda, fp32 on cpu)
     TF_GLM53_KV_DTYPE       bf16 | fp8 | fp32 latent-cache dtype (default bf16)
-    TF_GLM53_PREFILL_CHUNK  prefill grid size C (default 2048 on cuda, 256 on cpu): bounds a piece's memory
+    TF_GLM53_PREFILL_CHUNK  prefill piece size C (default 2048 on cuda, 256 on cpu): bounds a piece's memory;
+                            pieces follow the absolute grid [kC, (k+1)C) only in the grid-boundary mode
     TF_GLM53_CACHE_BLOCK    prefix-cache block size B (default 256): the hash chain's granularity
     TF_GLM53_PREFIX_REUSE_BOUNDARY  auto | 1 | 0: 1 floors reuse to the prefill grid (only needed where
                             the ops are not row-invariant: auto does it then), 0 reuses at any token
@@ -69,12 +70,15 @@ def _env_int(name: str, value: int | None, default: int) -> int:
     return n
 
 
-def prefill_pieces(start: int, stop: int, chunk: int) -> list[tuple[int, int]]:
-    """[start, stop) cut at every multiple of `chunk`: chunk k covers [kC, (k+1)C) whatever the
-    prompt's length and wherever the run starts."""
+def prefill_pieces(start: int, stop: int, chunk: int, aligned: bool = True) -> list[tuple[int, int]]:
+    """[start, stop) in pieces of at most `chunk` positions. aligned: cut at every multiple of
+    `chunk`, so chunk k covers [kC, (k+1)C) whatever the prompt's length and wherever the run
+    starts (what exact reuse needs where a row's arithmetic depends on its piece). Not aligned:
+    consecutive pieces from `start` (row-invariant ops give every row the same bits under any cut,
+    and a run of up to C new tokens is then one forward, not two when it crosses a multiple of C)."""
     pieces, pos = [], start
     while pos < stop:
-        end = min((pos // chunk + 1) * chunk, stop)
+        end = min((pos // chunk + 1) * chunk if aligned else pos + chunk, stop)
         pieces.append((pos, end))
         pos = end
     return pieces
@@ -187,13 +191,14 @@ class Glm53Engine:
     @torch.inference_mode()
     def run(self, state: KVState, tokens: list[int], start: int, prompt_length: int, *,
             taps: tuple[int, ...] = (), all_logits: bool = False) -> list[ForwardOutput]:
-        """Forward `tokens` at [start, start + n): rows below prompt_length in grid pieces (canonical
-        prefill, advancing the frontier when contiguous with it), the rest in one window (decode or
+        """Forward `tokens` at [start, start + n): rows below prompt_length in prefill pieces (canonical
+        prefill, advancing the frontier when contiguous with it; grid pieces in the grid-boundary mode), the rest in one window (decode or
         draft verification: the same arithmetic, but never offered for reuse)."""
         outs: list[ForwardOutput] = []
         stop = start + len(tokens)
         split = max(start, min(stop, prompt_length))
-        for a, b in prefill_pieces(start, split, self.chunk):
+        # the absolute grid only where reuse stops at it (ops that are not row-invariant)
+        for a, b in prefill_pieces(start, split, self.chunk, aligned=self.reuse_boundary is not None):
             outs.append(self.forward(state, tokens[a - start:b - start], a, taps))
             if state.frontier == a:
                 state.frontier = b

@@ -37,6 +37,44 @@ def test_grid_pieces_depend_on_absolute_position_only() -> None:
         assert all(s // c == (e - 1) // c and (e == b or e % c == 0) for s, e in ps)
 
 
+def test_unaligned_pieces_run_from_the_start_in_chunks() -> None:
+    assert prefill_pieces(45, 100, 32, aligned=False) == [(45, 77), (77, 100)]
+    assert prefill_pieces(60, 70, 32, aligned=False) == [(60, 70)]  # crosses 64: one piece, not two
+    assert prefill_pieces(64, 64, 32, aligned=False) == []
+    rng = random.Random(8)
+    for _ in range(200):
+        c, a = rng.randint(1, 50), rng.randint(0, 300)
+        b = a + rng.randint(0, 300)
+        ps = prefill_pieces(a, b, c, aligned=False)
+        assert [s for s, _ in ps] == list(range(a, b, c)) and (not ps or ps[-1][1] == b)
+
+
+def test_a_short_turn_across_a_grid_boundary_is_one_forward_and_the_same_bits(tiny_dirs) -> None:  # noqa: F811
+    """Row-invariant ops: a turn of fewer than C new tokens that crosses a multiple of C is one
+    forward (the grid-boundary mode runs two), and its logits are the grid mode's bits."""
+    from glm53.engine import Glm53Engine
+
+    prompt = _prompt(80, 16)
+    first, second = 60, 70  # new tokens [60, 70) cross TINY_CHUNK's multiple 64
+    assert first < (first // TINY_CHUNK + 1) * TINY_CHUNK < second and second - first < TINY_CHUNK
+    forwards, logits = {}, {}
+    for mode in ("0", "1"):
+        engine = Glm53Engine(tiny_dirs.model, device="cpu", dtype="fp32", kv_dtype="fp32", prefill_chunk=TINY_CHUNK,
+                             prefix_reuse_boundary=mode)
+        engine.generate(prompt[:first], 1, {"ignore_eos": True})
+        calls = []
+        forward = engine.forward
+        engine.forward = lambda state, tokens, start, taps=(): calls.append((start, len(tokens))) or forward(
+            state, tokens, start, taps)
+        engine.trace = []
+        engine.generate(prompt[:second], 1, {"ignore_eos": True})
+        forwards[mode], logits[mode] = calls, engine.trace[0][1]
+        assert engine.last_stats["cached_tokens"] == (first if mode == "0" else first // TINY_CHUNK * TINY_CHUNK)
+    assert forwards["0"] == [(first, second - first)]
+    assert len(forwards["1"]) >= 2
+    assert torch.equal(logits["0"], logits["1"])
+
+
 def test_same_request_twice_gives_bitwise_same_logits_and_tokens(tiny_engine) -> None:  # noqa: F811
     prompt = _prompt(70, 1)
     runs = []
