@@ -4,19 +4,19 @@ use, and their speed against it (GLM-5.3: 64 heads x 576, value 512, bf16, 2048 
     python bench/probe_prefill_attention.py --out bench/results/prefill_attention_h200.json     # GPU
 
 The kernel in use loads a slot block's indices and then gathers its rows in the same loop
-iteration, the gather masked by the slots' validity (a load of that iteration). Variants: 'prefetch'
-loads the next block's indices one iteration ahead (the gather then depends on loop-carried
-registers only); 'unmasked' gathers row 0 for invalid slots instead of masking the load (their
-scores are -inf and probabilities 0 either way), so the gather can go straight to shared memory;
-BLOCK_N 32 (other bits: the online softmax steps differ) with deeper pipelines; 1-4 stages. The
-arithmetic of the 64-slot forms is the kernel's (glm53.ops.triton_attention._gathered_scores and
-_softmax_step). Each variant runs T = 2048 queries of one prefill piece over a 16k-row and a
-94k-row cache, every slot valid ('full') and a first piece's fill-up (query t sees min(t + 1, 2048)
-slots: 'fill'); bits against the kernel in use (torch.equal, out and lse), the split kernels'
-agreement with the variant at T = 16, and what the compiler made of it (async copies, wgmma,
-pipelined waits, shared memory, registers; Triton 3.9 on this CPU compiles the kernel in use with
-no async copy at any stage count). Time: a CUDA graph of 4 calls on rotating queries, replayed,
-CUDA events. Prints a table; JSON with every row.
+iteration, the gather masked by the slots' validity (a load of that iteration). Variants:
+'unmasked' gathers row 0 for invalid slots instead of masking the load (their scores are -inf and
+probabilities 0 either way), so the gather can go straight to shared memory; BLOCK_N 32 (other
+bits: the online softmax steps differ) with deeper pipelines; 1-4 stages. The 64-slot forms do the
+kernel's arithmetic (its dots and glm53.ops.triton_attention._softmax_step). Each variant runs T =
+2048 queries of one prefill piece over a 16k-row and a 94k-row cache, every slot valid ('full') and
+a first piece's fill-up (query t sees min(t + 1, 2048) slots: 'fill'); bits against the kernel in
+use (torch.equal, out and lse), the split kernels' agreement with the variant at T = 16, and what
+the compiler made of it (async copies, wgmma, pipelined waits, shared memory, registers; Triton 3.9
+on this CPU compiles the kernel in use with no async copy at any stage count). Time: a CUDA graph
+of 4 calls on rotating queries, replayed, CUDA events. Prints a table; JSON with every row. (A form
+that loaded the next block's indices one iteration ahead was 0.46-0.66x: this script at 91cdc63,
+bench/results/prefill_attention_h200.json.)
 """
 from __future__ import annotations
 
@@ -37,33 +37,6 @@ from bench.probe_decode_tiles import graph_time_us  # noqa: E402
 from glm53.ops import triton_attention as ta  # noqa: E402
 
 HEADS, D, DV, SLOTS, T = 64, 576, 512, 2048, 2048
-
-
-@triton.jit(do_not_specialize=["T", "K_SLOTS"])
-def _prefetch_kernel(q_ptr, rows_ptr, idx_ptr, valid_ptr, end_ptr, out_ptr, lse_ptr, T, K_SLOTS, H, scale,
-                     stride_qt, stride_qh, stride_r, stride_it, stride_vt, stride_ot, stride_oh, stride_lt,
-                     DV: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr,
-                     BLOCK_DR: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_v = tl.arange(0, BLOCK_DV)
-    offs_r = tl.arange(0, BLOCK_DR)
-    h_mask, v_mask, r_mask = offs_h < H, offs_v < DV, offs_r < DR
-    q_v, q_r = ta._load_queries(q_ptr, t, stride_qt, stride_qh, offs_h, h_mask, offs_v, v_mask, offs_r, r_mask,
-                                DV, DR, BLOCK_H, BLOCK_DR)
-    m = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
-    l = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_H, BLOCK_DV), dtype=tl.float32)
-    end = tl.load(end_ptr + t)
-    idx, ok = ta._block_slots(idx_ptr, valid_ptr, t, 0, K_SLOTS, stride_it, stride_vt, BLOCK_N)
-    for jb in range(0, tl.cdiv(end, BLOCK_N)):
-        idx_next, ok_next = ta._block_slots(idx_ptr, valid_ptr, t, jb + 1, K_SLOTS, stride_it, stride_vt, BLOCK_N)
-        s, kv_v = ta._gathered_scores(q_v, q_r, rows_ptr, idx, ok, scale, stride_r, offs_v, v_mask, offs_r, r_mask,
-                                      DV, DR, IEEE)
-        m, l, acc = ta._softmax_step(m, l, acc, s, ok, kv_v, IEEE)
-        idx, ok = idx_next, ok_next
-    ta._store_result(out_ptr, lse_ptr, t, stride_ot, stride_oh, stride_lt, acc, l, m, offs_h, h_mask, offs_v, v_mask,
-                     True)
 
 
 @triton.jit(do_not_specialize=["T", "K_SLOTS"])
@@ -97,7 +70,7 @@ def _unmasked_kernel(q_ptr, rows_ptr, idx_ptr, valid_ptr, end_ptr, out_ptr, lse_
                      True)
 
 
-KERNELS = {"in use": ta._latent_attention_kernel, "prefetch": _prefetch_kernel, "unmasked": _unmasked_kernel}
+KERNELS = {"in use": ta._latent_attention_kernel, "unmasked": _unmasked_kernel}
 ASM: dict[str, dict] = {}
 
 
