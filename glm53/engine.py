@@ -192,8 +192,9 @@ class Glm53Engine:
     def run(self, state: KVState, tokens: list[int], start: int, prompt_length: int, *,
             taps: tuple[int, ...] = (), all_logits: bool = False) -> list[ForwardOutput]:
         """Forward `tokens` at [start, start + n): rows below prompt_length in prefill pieces (canonical
-        prefill, advancing the frontier when contiguous with it; grid pieces in the grid-boundary mode), the rest in one window (decode or
-        draft verification: the same arithmetic, but never offered for reuse)."""
+        prefill, advancing the frontier when contiguous with it; grid pieces in the grid-boundary
+        mode), the rest in one window (decode or draft verification: the same arithmetic, but never
+        offered for reuse)."""
         outs: list[ForwardOutput] = []
         stop = start + len(tokens)
         split = max(start, min(stop, prompt_length))

@@ -396,7 +396,7 @@ class RankEngine:
 
     @property
     def chunk(self) -> int:
-        """The prefill piece size (the reuse grid where reuse stops at its multiples): /health's prefill_chunk."""
+        """The prefill piece size (the grid where reuse stops at its multiples): /health's prefill_chunk."""
         return self.engine.chunk
 
     @property

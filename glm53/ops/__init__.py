@@ -34,8 +34,9 @@ query as its own product of its heads by the keys (keys padded to 16), and compu
 through exp (measured on MKL, AVX2 and AVX-512 + AMX, 1 or 2 threads, and on the latter with MKL
 held to its AVX2 and SSE4.2 kernels: tests/test_row_invariance.py; batched products run in fp32 and
 never as a batch of one, torch_ops._matmul32; MKL's vector math is initialised from one thread at
-import, torch_ops._settle_mkl_vml); torch's last-dim reductions on the CPU are sequential per row. TF_GLM53_KERNELS=torch forces the torch path on CUDA (debugging); it is not row-invariant
-there, so the engine then reuses only at prefill-grid boundaries.
+import, torch_ops._settle_mkl_vml); torch's last-dim reductions on the CPU are sequential per row.
+TF_GLM53_KERNELS=torch forces the torch path on CUDA (debugging); it is not row-invariant there, so
+the engine then reuses only at prefill-grid boundaries.
 """
 from __future__ import annotations
 

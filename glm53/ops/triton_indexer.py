@@ -113,4 +113,3 @@ def index_scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor
                                CAUSAL=q_positions is not None, KEY_POSITIONS=key_positions is not None,
                                num_warps=warps, num_stages=stages)
     return out
-
