@@ -21,6 +21,7 @@ guard's named error, never a hang), or `min_over_ranks(group)` over plain torch.
 from __future__ import annotations
 
 import os
+from importlib import metadata
 from typing import Any, Callable
 
 import torch
@@ -38,6 +39,28 @@ def device_kind(device: torch.device | str) -> str:
     return f"cpu/{cap}"
 
 
+def kernel_stack(device: torch.device | str) -> tuple[tuple[str, str], ...]:
+    """What else decides a row's bits on `device`: on CUDA the kernels in use (Triton or the torch
+    debugging path, TF_GLM53_KERNELS), Triton's version and its FP-contraction default (an upgrade or
+    TRITON_DEFAULT_FP_FUSION can change the compiled arithmetic while torch's version stays)."""
+    if torch.device(device).type != "cuda":
+        return ()
+    from glm53 import ops
+
+    kernels = "torch" if ops.kernel_choice() == "torch" else "triton"
+    if kernels == "torch":
+        return (("kernels", kernels),)
+    version = "none"
+    for dist_name in ("triton", "pytorch-triton"):
+        try:
+            version = metadata.version(dist_name)
+            break
+        except metadata.PackageNotFoundError:
+            continue
+    return (("kernels", kernels), ("triton", version),
+            ("triton_fp_fusion", os.environ.get("TRITON_DEFAULT_FP_FUSION", "default")))
+
+
 def cache_key_for(engine: Any, revision: str | None = None) -> CacheKey:
     """The key of everything in `engine` that changes its KV bits besides the tokens."""
     plan = engine.plan
@@ -46,7 +69,7 @@ def cache_key_for(engine: Any, revision: str | None = None) -> CacheKey:
     # "prefill_grid": the engine's prefill chunking, which decides the bits where kernels are not
     # row-invariant (the block size B is the key's chunk_size).
     extra = (("numerics", "row-invariant-1"), ("prefill_grid", str(engine.chunk)), ("torch", torch.__version__),
-             ("mkldnn", str(bool(torch.backends.mkldnn.enabled))))
+             ("mkldnn", str(bool(torch.backends.mkldnn.enabled)))) + kernel_stack(engine.device)
     return CacheKey(
         model_revision=revision or model_revision(engine.model_dir),
         kv_dtype=str(engine.kv_dtype),

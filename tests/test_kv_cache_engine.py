@@ -321,6 +321,29 @@ def test_key_follows_engine_settings(engine):
     assert (k.chunk_size, k.kv_dtype, k.compute_dtype, k.ranks, k.rank, k.dcp) == (B, "bf16", "fp32", 1, 0, False)
     assert ("prefill_grid", str(C)) in k.extra and ("numerics", "row-invariant-1") in k.extra
     assert k.device_kind.startswith("cpu/")
+    assert not any(name in ("kernels", "triton") for name, _ in k.extra)  # the CPU path runs no Triton
+
+
+def test_key_names_the_cuda_kernel_stack(monkeypatch):
+    """On CUDA the kernels in use, Triton's version and its FP-contraction default are part of the
+    key: a Triton upgrade, TRITON_DEFAULT_FP_FUSION or TF_GLM53_KERNELS=torch can change a row's bits
+    while torch's version stays, and rows written under one must never be reused under another.
+    (kernel_stack needs no GPU: it reads the device type, the environment and the installed
+    packages.)"""
+    from importlib import metadata
+
+    from kv_cache.engine_adapter import kernel_stack
+
+    pytest.importorskip("triton")
+    monkeypatch.delenv("TF_GLM53_KERNELS", raising=False)
+    monkeypatch.delenv("TRITON_DEFAULT_FP_FUSION", raising=False)
+    triton_stack = dict(kernel_stack("cuda"))
+    assert triton_stack == {"kernels": "triton", "triton": metadata.version("triton"), "triton_fp_fusion": "default"}
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0")
+    assert dict(kernel_stack("cuda"))["triton_fp_fusion"] == "0"
+    monkeypatch.setenv("TF_GLM53_KERNELS", "torch")
+    assert kernel_stack("cuda") == (("kernels", "torch"),)
+    assert kernel_stack("cpu") == ()
 
 
 def _prefill(engine, prompt, chunk, state=None, start=0):
