@@ -42,9 +42,11 @@ def device_kind(device: torch.device | str) -> str:
 def kernel_stack(device: torch.device | str) -> tuple[tuple[str, str], ...]:
     """What else decides a row's bits on `device`: on CUDA the kernels in use (Triton or the torch
     debugging path, TF_GLM53_KERNELS), Triton's version and its FP-contraction default (an upgrade or
-    TRITON_DEFAULT_FP_FUSION can change the compiled arithmetic while torch's version stays)."""
+    TRITON_DEFAULT_FP_FUSION can change the compiled arithmetic while torch's version stays); on the
+    CPU the MKL code path and reproducibility mode chosen by the environment (MKL_ENABLE_INSTRUCTIONS,
+    MKL_CBWR: other kernels, other bits, on the same CPU)."""
     if torch.device(device).type != "cuda":
-        return ()
+        return tuple((name.lower(), os.environ.get(name, "default")) for name in ("MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR"))
     from glm53 import ops
 
     kernels = "torch" if ops.kernel_choice() == "torch" else "triton"

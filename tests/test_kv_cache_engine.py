@@ -324,10 +324,11 @@ def test_key_follows_engine_settings(engine):
     assert not any(name in ("kernels", "triton") for name, _ in k.extra)  # the CPU path runs no Triton
 
 
-def test_key_names_the_cuda_kernel_stack(monkeypatch):
+def test_key_names_the_kernel_stack(monkeypatch):
     """On CUDA the kernels in use, Triton's version and its FP-contraction default are part of the
     key: a Triton upgrade, TRITON_DEFAULT_FP_FUSION or TF_GLM53_KERNELS=torch can change a row's bits
-    while torch's version stays, and rows written under one must never be reused under another.
+    while torch's version stays, and rows written under one must never be reused under another; on
+    the CPU, MKL's code path and reproducibility mode as the environment sets them.
     (kernel_stack needs no GPU: it reads the device type, the environment and the installed
     packages.)"""
     from importlib import metadata
@@ -343,7 +344,9 @@ def test_key_names_the_cuda_kernel_stack(monkeypatch):
     assert dict(kernel_stack("cuda"))["triton_fp_fusion"] == "0"
     monkeypatch.setenv("TF_GLM53_KERNELS", "torch")
     assert kernel_stack("cuda") == (("kernels", "torch"),)
-    assert kernel_stack("cpu") == ()
+    monkeypatch.delenv("MKL_CBWR", raising=False)
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+    assert kernel_stack("cpu") == (("mkl_enable_instructions", "AVX2"), ("mkl_cbwr", "default"))
 
 
 def _prefill(engine, prompt, chunk, state=None, start=0):
