@@ -20,8 +20,10 @@ guard's named error, never a hang), or `min_over_ranks(group)` over plain torch.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 from importlib import metadata
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -37,6 +39,24 @@ def device_kind(device: torch.device | str) -> str:
         return torch.cuda.get_device_name(device)
     cap = torch.backends.cpu.get_cpu_capability() if hasattr(torch.backends, "cpu") else "unknown"
     return f"cpu/{cap}"
+
+
+def numerics_source(root: Path | None = None) -> str:
+    """A digest of the engine's Python source (every .py under glm53/, `root`): what computes a row
+    (ops, model, KV storage, weight decoding, the ranks' arithmetic). A kit upgrade that touches any
+    of it changes the key, so rows from the old code are never reused by the new one even where the
+    manual numerics tag was not bumped (a miss costs one prefill; reuse of other bits breaks
+    contract 1). Any edit counts, comments too: over-invalidation is the safe side."""
+    import glm53
+
+    root = Path(glm53.__file__).resolve().parent if root is None else Path(root)
+    h = hashlib.blake2b(digest_size=8)
+    for path in sorted(root.rglob("*.py")):
+        if "__pycache__" in path.parts:
+            continue
+        h.update(path.relative_to(root).as_posix().encode() + b"\0")
+        h.update(path.read_bytes())
+    return h.hexdigest()
 
 
 def kernel_stack(device: torch.device | str) -> tuple[tuple[str, str], ...]:
@@ -71,7 +91,8 @@ def cache_key_for(engine: Any, revision: str | None = None) -> CacheKey:
     # "prefill_grid": the engine's prefill chunking, which decides the bits where kernels are not
     # row-invariant (the block size B is the key's chunk_size).
     extra = (("numerics", "row-invariant-1"), ("prefill_grid", str(engine.chunk)), ("torch", torch.__version__),
-             ("mkldnn", str(bool(torch.backends.mkldnn.enabled)))) + kernel_stack(engine.device)
+             ("mkldnn", str(bool(torch.backends.mkldnn.enabled))),
+             ("numerics_source", numerics_source())) + kernel_stack(engine.device)
     return CacheKey(
         model_revision=revision or model_revision(engine.model_dir),
         kv_dtype=str(engine.kv_dtype),

@@ -324,6 +324,26 @@ def test_key_follows_engine_settings(engine):
     assert not any(name in ("kernels", "triton") for name, _ in k.extra)  # the CPU path runs no Triton
 
 
+def test_key_follows_the_engine_source(engine, tmp_path):
+    """Any change to the engine's Python source changes the key's numerics_source (so a kit upgrade
+    never reuses rows of the old arithmetic, bumped tag or not); the same source, the same digest."""
+    import shutil
+    from pathlib import Path
+
+    import glm53
+    from kv_cache.engine_adapter import numerics_source
+
+    copy = tmp_path / "glm53"
+    shutil.copytree(Path(glm53.__file__).resolve().parent, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    before = numerics_source(copy)
+    assert before == numerics_source() and ("numerics_source", before) in cache_key_for(engine, revision="r").extra
+    ops_file = copy / "ops" / "torch_ops.py"
+    ops_file.write_text(ops_file.read_text() + "\n# an edit\n")
+    assert numerics_source(copy) != before
+    ops_file.unlink()
+    assert numerics_source(copy) != before
+
+
 def test_key_names_the_kernel_stack(monkeypatch):
     """On CUDA the kernels in use, Triton's version and its FP-contraction default are part of the
     key: a Triton upgrade, TRITON_DEFAULT_FP_FUSION or TF_GLM53_KERNELS=torch can change a row's bits
