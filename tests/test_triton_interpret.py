@@ -141,7 +141,7 @@ def _worker() -> dict[str, list]:
         try:
             triton_indexer.index_scores(q, hw, keys, 0.3, None, torch.arange(n))
         except ValueError as exc:
-            assert "key_positions without q_positions" in str(exc)
+            assert "key_positions given without q_positions" in str(exc)
         else:
             raise AssertionError("key_positions without q_positions accepted")
 

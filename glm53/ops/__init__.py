@@ -142,12 +142,7 @@ def index_scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor
         from glm53.ops import triton_indexer
 
         return triton_indexer.index_scores(q, head_weights, keys, scale, q_positions, key_positions)
-    out = torch_ops.index_scores(q, head_weights, keys, scale)
-    if q_positions is None:
-        return out
-    if key_positions is None:
-        key_positions = torch.arange(keys.shape[0], device=q.device)
-    return out.masked_fill(key_positions[None, :] > q_positions[:, None], float("-inf"))
+    return torch_ops.index_scores(q, head_weights, keys, scale, q_positions, key_positions)
 
 
 def latent_attention(q: torch.Tensor, rows: torch.Tensor, indices: torch.Tensor, valid: torch.Tensor,

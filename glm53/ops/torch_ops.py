@@ -37,7 +37,7 @@ def _settle_mkl_vml() -> None:
     CPU exp, log, tanh on contiguous float tensors) initialises itself at its first call; when that
     call comes from two of torch's threads at once, one thread's share of the tensor is computed at
     about 12-bit accuracy (relative error 1.5e-4 where 6e-8 is normal; measured on an AVX-512 + AMX
-    host, torch 2.13, MKL 2024.2, in 5-40% of fresh processes, whole halves of the tensor). A first
+    host, torch 2.13, MKL 2024.2, in 5-50% of fresh processes, whole halves of the tensor). A first
     call from one thread initialises it for all: tests/test_row_invariance.py, the fresh-process test."""
     torch.exp(torch.zeros(1))
 
@@ -120,7 +120,30 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
     return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 
 
-def index_scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+def check_positions(t: int, n: int, q_positions: torch.Tensor | None, key_positions: torch.Tensor | None) -> None:
+    """index_scores' optional positions: q_positions [T] turns the causal mask on; key_positions [N]
+    (default 0..N-1) only with it."""
+    if q_positions is None and key_positions is not None:
+        raise ValueError("index_scores: key_positions given without q_positions: pass the queries' positions "
+                         "too (the mask compares the two)")
+    if q_positions is not None and q_positions.shape != (t,):
+        raise ValueError(f"index_scores: q_positions {tuple(q_positions.shape)} must be [T={t}], one per query")
+    if key_positions is not None and key_positions.shape != (n,):
+        raise ValueError(f"index_scores: key_positions {tuple(key_positions.shape)} must be [N={n}], one per key")
+
+
+def index_scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor, scale: float,
+                 q_positions: torch.Tensor | None = None, key_positions: torch.Tensor | None = None) -> torch.Tensor:
+    check_positions(q.shape[0], keys.shape[0], q_positions, key_positions)
+    out = _index_scores(q, head_weights, keys, scale)
+    if q_positions is None:
+        return out
+    if key_positions is None:
+        key_positions = torch.arange(keys.shape[0], device=q.device)
+    return out.masked_fill(key_positions[None, :] > q_positions[:, None], float("-inf"))
+
+
+def _index_scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
     m, n, heads = q.shape[0], keys.shape[0], q.shape[1]
     out = torch.zeros(m, n, dtype=torch.float32, device=q.device)
     if m == 0 or n == 0:

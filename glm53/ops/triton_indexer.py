@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from glm53.ops import torch_ops
+
 
 def index_config(heads: int, d: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
     """(BLOCK_T, BLOCK_N, num_warps, num_stages) from the fixed dims only."""
@@ -86,12 +88,7 @@ def index_scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor
                          f"[T, H], keys {tuple(keys.shape)} [N, D] do not fit")
     t, heads, d = q.shape
     n = keys.shape[0]
-    if q_positions is None and key_positions is not None:
-        raise ValueError("index_scores: key_positions without q_positions")
-    if q_positions is not None and q_positions.shape != (t,):
-        raise ValueError(f"index_scores: q_positions {tuple(q_positions.shape)} must be [T={t}]")
-    if key_positions is not None and key_positions.shape != (n,):
-        raise ValueError(f"index_scores: key_positions {tuple(key_positions.shape)} must be [N={n}]")
+    torch_ops.check_positions(t, n, q_positions, key_positions)
     if t == 0 or n == 0:
         return torch.zeros(t, n, dtype=torch.float32, device=q.device)
     if q.dtype != keys.dtype or q.dtype not in (torch.bfloat16, torch.float16):
