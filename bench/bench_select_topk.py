@@ -77,22 +77,15 @@ def extra_arms(args: argparse.Namespace) -> dict:
         path = args.against / "glm53" / "ops" / "triton_topk.py"
         spec = importlib.util.spec_from_file_location("triton_topk_previous", path)
         if spec is None or not path.is_file():
-            raise SystemExit(f"error: --against {args.against}: no {path}")
+            print(f"error: --against {args.against}: no {path}; give a kit checkout (e.g. "
+                  "`git archive <commit> | tar -x -C DIR`)", file=sys.stderr)
+            raise SystemExit(2)
         previous = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(previous)
         arms["previous"] = lambda s, k: Selection(*previous.select(s, k)[:2])
 
-    def at_bits(bits: int):
-        def run(s, k):
-            saved, triton_topk.DIGIT_BITS = triton_topk.DIGIT_BITS, bits
-            try:
-                return Selection(*triton_topk.select(s, k)[:2])
-            finally:
-                triton_topk.DIGIT_BITS = saved
-        return run
-
     for bits in args.digit_bits:
-        arms[f"bits{bits}"] = at_bits(bits)
+        arms[f"bits{bits}"] = lambda s, k, bits=bits: Selection(*triton_topk.select(s, k, bits)[:2])
     return arms
 
 
@@ -177,7 +170,7 @@ def main() -> int:
     p.add_argument("--histories", type=int, nargs="*", default=[0, 13504], help="--engine: cached positions")
     p.add_argument("--turn-tokens", type=int, default=2701, help="--engine: new tokens a turn")
     p.add_argument("--against", type=Path, help="another kit checkout: its kernel as a third arm")
-    p.add_argument("--digit-bits", type=int, nargs="*", default=[], choices=[1, 2, 4, 8, 16],
+    p.add_argument("--digit-bits", type=int, nargs="*", default=[], choices=[1, 2, 4, 8],
                    help="arms running this kernel with these bits a pass")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "select_topk.json")
     args = p.parse_args()

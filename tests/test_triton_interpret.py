@@ -227,6 +227,16 @@ def _worker() -> dict[str, list]:
             same(idx, want.indices, f"select_topk indices (N {n}, k {k})")
             assert torch.equal(valid, want.valid), f"select_topk valid (N {n}, k {k})"
             assert not nans.any()
+            if n in (40, 1025):  # fewer bits a pass (more passes, other early stops): the same selection
+                for bits in (1, 2, 4):
+                    idx_b, valid_b, _ = triton_topk.select(s, k, bits)
+                    assert torch.equal(idx_b, idx) and torch.equal(valid_b, valid), f"select_topk bits {bits}"
+        try:
+            triton_topk.select(s, 8, bits=3)
+        except ValueError as exc:
+            assert "choose 1, 2, 4 or 8" in str(exc)
+        else:
+            raise AssertionError("bits=3 accepted")
         s = randn(12, 300).masked_fill(torch.arange(300)[None, :] > (288 + torch.arange(12))[:, None],
                                        float("-inf"))
         want, (idx, valid, _) = select_topk(s, 32), triton_topk.select(s, 32)

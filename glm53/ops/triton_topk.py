@@ -141,11 +141,14 @@ def _write(idx_row, valid_row, cols, kept, written):
     return written + tl.sum(k)
 
 
-def select(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def select(scores: torch.Tensor, k: int, bits: int = DIGIT_BITS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """scores fp32 [T, N] on CUDA -> (indices [T, k] int64, valid [T, k] bool, NaN count [T] int32):
-    each row's min(k, N) largest (score, -position) keys, ascending, the non-finite ones invalid."""
+    each row's min(k, N) largest (score, -position) keys, ascending, the non-finite ones invalid.
+    `bits` of the threshold key a pass (benches; any divisor of 32 up to 8 gives the same selection)."""
     if scores.dim() != 2 or scores.dtype != torch.float32:
         raise ValueError(f"scores must be fp32 [T, N], got {scores.dtype} {tuple(scores.shape)}")
+    if bits not in (1, 2, 4, 8):
+        raise ValueError(f"select: bits={bits}: choose 1, 2, 4 or 8 (a divisor of 32; 256 bins at most)")
     t, n = scores.shape
     if scores.stride(1) != 1:
         scores = scores.contiguous()
@@ -154,5 +157,5 @@ def select(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, to
     nans = torch.zeros(t, dtype=torch.int32, device=scores.device)
     if t and n and k:
         _select_kernel[(t,)](scores, indices, valid, nans, n, min(k, n), scores.stride(0), indices.stride(0),
-                             valid.stride(0), BLOCK=BLOCK, BITS=DIGIT_BITS, num_warps=4)
+                             valid.stride(0), BLOCK=BLOCK, BITS=bits, num_warps=4)
     return indices, valid.view(torch.bool), nans
