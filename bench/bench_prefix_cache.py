@@ -18,10 +18,9 @@ Three scenarios, cache on and cache off interleaved sample by sample in one proc
             restart with the files' pages left in the page cache (a process restart, not a reboot)
 Every on/off pair also checks that the replies and the prompt's last logits are bitwise identical.
   profile   (--profile) one cold prefill of the one-word prompt, one reused one-word extension, and
-            turns 1 and 6 (and the first of three prefill pieces) of a fresh conversation under
-            torch.profiler: the top ops by device and by host time; the reused one-word request's
-            host timeline (perf_counter around its steps, no profiler); a disk resume under
-            cProfile; written next to --out (.profile.txt)
+            turns 1 and 6 of a fresh conversation under torch.profiler: the top ops by device and by
+            host time; the reused one-word request's host timeline (perf_counter around its steps, no
+            profiler); a disk resume under cProfile; written next to --out (.profile.txt)
 
 --real-dims writes (to a temp folder, once) a checkpoint with GLM-5.3's layer dimensions (hidden
 6144, 64 heads, q/kv LoRA 2048/512, qk 192+64, v 256, indexer 32x128 top-k 2048, dense MLP 12288),
@@ -396,21 +395,15 @@ def scenario_profile(engine, args, rng, out: Path, disk_dir: Path) -> dict[str, 
 
 
 def profile_turns(engine, args, rng, activities, sort: str, walls: dict[str, float]) -> str:
-    """Turn 1, the last turn, and the first turn whose new tokens span three prefill-grid cells (three
-    pieces) of a fresh conversation (cache on) under torch.profiler: what grows, and what a piece costs."""
+    """Turn 1 and the last turn of a fresh conversation (cache on) under torch.profiler: what grows."""
     from torch.profiler import profile
 
     side = Side(engine, "on", args.on_env)
     prompt: list[int] = []
     text = []
-    three_pieces = None
     for i in range(args.turns):
-        start = len(prompt)
         prompt = prompt + rand_tokens(rng, args.turn_tokens, engine.vocab_size)
-        cells = (len(prompt) - 1) // engine.chunk - start // engine.chunk + 1
-        if three_pieces is None and cells >= 3 and i not in (0, args.turns - 1):
-            three_pieces = i
-        if i in (0, args.turns - 1, three_pieces):
+        if i in (0, args.turns - 1):
             with profile(activities=activities) as prof:
                 got = side.generate(prompt, args.reply)
             name = f"turn {i + 1}"
