@@ -1,6 +1,7 @@
 """Kernels whose control flow the interpreter cannot vouch for compile for the H200 (sm_90) without
-a GPU: the selection kernel (glm53/ops/triton_topk.py: a data-dependent while loop) and the
-indexer's scores kernel in each of its mask forms (glm53/ops/triton_indexer.py).
+a GPU: the selection kernel (glm53/ops/triton_topk.py: a data-dependent while loop), the
+indexer's scores kernel in each of its mask forms (glm53/ops/triton_indexer.py) and the prefill
+attention kernel (glm53/ops/triton_attention.py) at GLM-5.3's shape.
 
 Triton's interpreter (tests/test_triton_interpret.py) runs a kernel's logic but not its compiler:
 the selection kernel's first form passed there and then failed to compile on the H200 (a constexpr
@@ -52,3 +53,19 @@ def test_index_scores_kernel_compiles_for_sm90_in_each_mask_form(causal: bool, k
                         {"BLOCK_T": block_t, "BLOCK_N": block_n, "BLOCK_D": 128, "IEEE": False, "CAUSAL": causal,
                          "KEY_POSITIONS": key_positions}, warps)
     assert "wgmma" in compiled.asm["ptx"]  # the scores stay on the tensor cores in every form
+
+
+def test_prefill_attention_kernel_compiles_for_sm90_at_glm53_dims() -> None:
+    """latent_attention's prefill kernel at GLM-5.3's shape (64 heads x 512 + 64, bf16, 64-slot blocks)."""
+    import torch
+
+    from glm53.ops import triton_attention as ta
+
+    block_h, block_n, warps, _ = ta.attention_config(64, 576, 512, torch.bfloat16)
+    signature = {"q_ptr": "*bf16", "rows_ptr": "*bf16", "idx_ptr": "*i64", "valid_ptr": "*u8", "end_ptr": "*i32",
+                 "out_ptr": "*bf16", "lse_ptr": "*fp32", "scale": "fp32",
+                 **{name: "i32" for name in ("T", "K_SLOTS", "H", "stride_qt", "stride_qh", "stride_r", "stride_it",
+                                             "stride_vt", "stride_ot", "stride_oh", "stride_lt")}}
+    compiled = _compile(ta._latent_attention_kernel, signature,
+                        {**ta._query_blocks(576, 512), "BLOCK_H": block_h, "BLOCK_N": block_n, "IEEE": False}, warps)
+    assert "wgmma" in compiled.asm["ptx"]

@@ -92,11 +92,13 @@ def _block_slots(idx_ptr, valid_ptr, t, jb, K_SLOTS, stride_it, stride_vt, BLOCK
 
 
 @triton.jit
-def _gathered_scores(q_v, q_r, rows_ptr, idx, ok, scale, stride_r, offs_v, v_mask, offs_r, r_mask,
-                     DV: tl.constexpr, DR: tl.constexpr, IEEE: tl.constexpr):
-    """Scaled scores [BLOCK_H, BLOCK_N] of the rows at idx (-inf at invalid slots), and their gathered
-    value columns [BLOCK_N, BLOCK_DV] in q's dtype."""
-    row = rows_ptr + idx.to(tl.int64)[:, None] * stride_r  # int64 offsets whatever idx's type
+def _block_scores(q_v, q_r, rows_ptr, idx_ptr, valid_ptr, t, jb, K_SLOTS, scale, stride_r, stride_it, stride_vt,
+                  offs_v, v_mask, offs_r, r_mask, DV: tl.constexpr, DR: tl.constexpr, BLOCK_N: tl.constexpr,
+                  IEEE: tl.constexpr):
+    """Slot block jb of query t: scaled scores [BLOCK_H, BLOCK_N] (-inf at invalid slots), the slots'
+    validity, and their gathered value columns [BLOCK_N, BLOCK_DV] in q's dtype."""
+    idx, ok = _block_slots(idx_ptr, valid_ptr, t, jb, K_SLOTS, stride_it, stride_vt, BLOCK_N)
+    row = rows_ptr + idx[:, None] * stride_r  # int64 indices: int64 offsets
     kv_v = tl.load(row + offs_v[None, :], mask=ok[:, None] & v_mask[None, :], other=0.0).to(q_v.dtype)
     if IEEE:
         s = tl.dot(q_v, tl.trans(kv_v), input_precision="ieee")
@@ -109,18 +111,6 @@ def _gathered_scores(q_v, q_r, rows_ptr, idx, ok, scale, stride_r, offs_v, v_mas
         else:
             s = tl.dot(q_r, tl.trans(kv_r), s)
     s = tl.where(ok[None, :], s * scale, float("-inf"))
-    return s, kv_v
-
-
-@triton.jit
-def _block_scores(q_v, q_r, rows_ptr, idx_ptr, valid_ptr, t, jb, K_SLOTS, scale, stride_r, stride_it, stride_vt,
-                  offs_v, v_mask, offs_r, r_mask, DV: tl.constexpr, DR: tl.constexpr, BLOCK_N: tl.constexpr,
-                  IEEE: tl.constexpr):
-    """Slot block jb of query t: scaled scores [BLOCK_H, BLOCK_N] (-inf at invalid slots), the slots'
-    validity, and their gathered value columns [BLOCK_N, BLOCK_DV] in q's dtype."""
-    idx, ok = _block_slots(idx_ptr, valid_ptr, t, jb, K_SLOTS, stride_it, stride_vt, BLOCK_N)
-    s, kv_v = _gathered_scores(q_v, q_r, rows_ptr, idx, ok, scale, stride_r, offs_v, v_mask, offs_r, r_mask,
-                               DV, DR, IEEE)
     return s, ok, kv_v
 
 
