@@ -69,9 +69,8 @@ def kernel_stack(device: torch.device | str) -> tuple[tuple[str, str], ...]:
         return tuple((name.lower(), os.environ.get(name, "default")) for name in ("MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR"))
     from glm53 import ops
 
-    kernels = "torch" if ops.kernel_choice() == "torch" else "triton"
-    if kernels == "torch":
-        return (("kernels", kernels),)
+    if ops.kernel_choice() == "torch":
+        return (("kernels", "torch"),)
     version = "none"
     for dist_name in ("triton", "pytorch-triton"):
         try:
@@ -79,7 +78,7 @@ def kernel_stack(device: torch.device | str) -> tuple[tuple[str, str], ...]:
             break
         except metadata.PackageNotFoundError:
             continue
-    return (("kernels", kernels), ("triton", version),
+    return (("kernels", "triton"), ("triton", version),
             ("triton_fp_fusion", os.environ.get("TRITON_DEFAULT_FP_FUSION", "default")))
 
 

@@ -62,10 +62,13 @@ def test_a_short_turn_across_a_grid_boundary_is_one_forward_and_the_same_bits(ti
         engine = Glm53Engine(tiny_dirs.model, device="cpu", dtype="fp32", kv_dtype="fp32", prefill_chunk=TINY_CHUNK,
                              prefix_reuse_boundary=mode)
         engine.generate(prompt[:first], 1, {"ignore_eos": True})
-        calls = []
-        forward = engine.forward
-        engine.forward = lambda state, tokens, start, taps=(): calls.append((start, len(tokens))) or forward(
-            state, tokens, start, taps)
+        calls, forward = [], engine.forward
+
+        def counted(state, tokens, start, taps=(), forward=forward, calls=calls):
+            calls.append((start, len(tokens)))
+            return forward(state, tokens, start, taps)
+
+        engine.forward = counted
         engine.trace = []
         engine.generate(prompt[:second], 1, {"ignore_eos": True})
         forwards[mode], logits[mode] = calls, engine.trace[0][1]
