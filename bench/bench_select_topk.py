@@ -3,6 +3,7 @@ torch form it replaced for prefill pieces (glm53/model/indexer.py select_topk_to
 
     python bench/bench_select_topk.py            # per call, prefill-sized cases (CUDA)
     python bench/bench_select_topk.py --engine   # both inside the engine's turns (CUDA, 4 layers)
+    python bench/bench_select_topk.py --short    # decode windows: torch, split kernels, row kernel
 
 The torch form takes a top-(k + 1) per row, tests the k-th score for a tie (a host sync), takes
 packed int64 keys for tied rows and sorts the chosen columns; the kernel does a radix select per
@@ -163,10 +164,46 @@ def engine_turns(args: argparse.Namespace) -> int:
         shutil.rmtree(work, ignore_errors=True)
 
 
+SHORT_CASES = [(1, 2700), (1, 19001), (4, 19001), (16, 19001), (1, 94001), (1, 262144)]  # (T, keys)
+
+
+def short_windows(args: argparse.Namespace) -> int:
+    """Decode-sized windows (T <= 16 rows over the whole history): the torch form, the split kernels
+    (select_topk's choice there) and the one-program-a-row kernel, each as GPU time per call from a
+    CUDA graph of calls replayed (how a decode step runs them), arms alternating."""
+    from bench.probe_decode_tiles import graph_time_us
+    from glm53.ops import triton_topk
+
+    device = torch.device("cuda")
+    flag = torch.zeros((), dtype=torch.bool, device=device)  # NaN into a device flag: no sync in a graph
+    arms = {"torch": lambda s, k: select_topk_torch(s, k, flag), "triton": lambda s, k: select_topk(s, k, flag),
+            "row_kernel": lambda s, k: Selection(*triton_topk.select(s, k, split=False)[:2])}
+    rows, mismatches = [], []
+    for t, n in SHORT_CASES:
+        copies = [chunk_scores(t, n - t, device, seed=n + i) for i in range(4)]
+        want = select_topk_torch(copies[0], K)
+        for name, fn in arms.items():
+            got = fn(copies[0], K)
+            if not (torch.equal(want.indices, got.indices) and torch.equal(want.valid, got.valid)):
+                mismatches.append(f"T={t} keys={n}: {name}")
+        samples: dict[str, list[float]] = {name: [] for name in arms}
+        for i in range(args.repeats):
+            for name in (list(arms) if i % 2 == 0 else list(reversed(arms))):
+                us = graph_time_us([lambda s=s, fn=arms[name]: fn(s, K) for s in copies * 2])
+                samples[name].append(us * 1e-6)
+        rows.append(arm_row({"t": t, "keys": n}, samples))
+    settings = {"k": K, "repeats": args.repeats,
+                "timing": "GPU time a call: a CUDA graph of 8 calls over 4 score sets, replayed 10 times, "
+                          "CUDA events; arms alternating"}
+    result = {**result_header("select_topk_short", settings, device=device), "cases": rows, "mismatches": mismatches}
+    return finish(args.out, result, ["t", "keys"], "selection")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--engine", action="store_true", help="both forms inside the engine's turns (CUDA)")
+    p.add_argument("--short", action="store_true", help="decode-sized windows, GPU time in CUDA graphs")
     p.add_argument("--histories", type=int, nargs="*", default=[0, 13504], help="--engine: cached positions")
     p.add_argument("--turn-tokens", type=int, default=2701, help="--engine: new tokens a turn")
     p.add_argument("--against", type=Path, help="another kit checkout: its kernel as a third arm")
@@ -183,6 +220,8 @@ def main() -> int:
         return 2
     if args.engine:
         return engine_turns(args)
+    if args.short:
+        return short_windows(args)
     device = torch.device("cuda")
     arms = {"torch": select_topk_torch, "triton": select_topk, **extra_arms(args)}
     rows, mismatches = [], []

@@ -3,7 +3,9 @@
     python bench/probe_decode_tiles.py --out bench/results/decode_tiles_h200.json     # GPU
 
 A decode step (M = 1 .. 16 rows) streams every weight once; the M <= 16 linear config and the
-attention's one-program-per-query config decide how fast. A decode config may differ from the
+attention's one-program-per-query config decide how fast. --only fp32: the fp32 products (the
+indexer's head weights, the router: FMA dots) the same way; --only head: the absorbed per-head
+products (head_linear) against T = 2048's rows. A decode config may differ from the
 prefill one only if it gives every row the same bits (glm53/ops/triton_linear.py: CONFIG_BY_ROWS).
 For each GLM-5.3 linear shape (N, K) and each candidate (BLOCK_M 16, BLOCK_N, BLOCK_K, warps,
 stages): rows of M = 1, 3 and 16 at several offsets against the same rows of an M = 2048 product
@@ -32,6 +34,7 @@ LINEAR_SHAPES = {  # (N, K): what it is at GLM-5.3 size
     (4096, 2048): "indexer wq_b", (128, 6144): "indexer wk", (12288, 6144): "mlp gate/up",
     (6144, 12288): "mlp down", (32768, 6144): "head (bench vocab)", (4096, 6144): "expert gate_up",
     (6144, 2048): "expert down"}
+FP32_SHAPES = {(32, 6144): "indexer weights_proj", (256, 6144): "router"}  # fp32 x and w, FMA dots
 ROTATE_BYTES = 256 << 20
 
 
@@ -54,40 +57,81 @@ def graph_time_us(calls: list[Callable[[], Any]], replays: int = 10) -> float:
     return start.elapsed_time(end) * 1e3 / (replays * len(calls))
 
 
-def probe_linear(dev: torch.device) -> list[dict[str, Any]]:
+def _bf16_candidates(tl_) -> list:
+    return [tl_.LinearConfig(16, bn, bk, w, s) for bn, bk, w, s in
+            itertools.product((16, 32, 64), (64, 128, 256), (2, 4), (3, 5))]
+
+
+def _fp32_candidates(tl_) -> list:
+    # FMA dots (input_precision="ieee"): BLOCK_N 16 doubles the programs of a 32-column product
+    return [tl_.LinearConfig(16, bn, bk, w, s) for bn, bk, w, s in
+            itertools.product((16, 32), (32, 64, 128), (2, 4), (2, 4))]
+
+
+def probe_linear(dev: torch.device, shapes: dict[tuple[int, int], str] = LINEAR_SHAPES,
+                 dtype: torch.dtype = torch.bfloat16) -> list[dict[str, Any]]:
+    """Each decode candidate against the M = 2048 product's rows (the prefill config), and its M = 1 time."""
     from glm53.ops import triton_linear as tl_
 
-    bf16, out = torch.bfloat16, []
+    out = []
     g = torch.Generator(device=dev).manual_seed(0)
-    candidates = [tl_.LinearConfig(16, bn, bk, w, s) for bn, bk, w, s in
-                  itertools.product((16, 32, 64), (64, 128, 256), (2, 4), (3, 5))]
-    for (n, k), what in LINEAR_SHAPES.items():
-        x = (torch.randn(2048, k, generator=g, device=dev) * k ** -0.5).to(bf16)
-        w = torch.randn(n, k, generator=g, device=dev).to(bf16)
-        full = tl_.linear(x, w, tl_.linear_config(2048, n, k, bf16))
+    candidates = _fp32_candidates(tl_) if dtype == torch.float32 else _bf16_candidates(tl_)
+    for (n, k), what in shapes.items():
+        x = (torch.randn(2048, k, generator=g, device=dev) * k ** -0.5).to(dtype)
+        w = torch.randn(n, k, generator=g, device=dev).to(dtype)
+        full = tl_.linear(x, w, tl_.linear_config(2048, n, k, dtype))
         copies = [w] + [w.clone() for _ in range(max(1, min(15, ROTATE_BYTES // w.nbytes)) - 1)]
-        rows = []
-        for cfg in candidates:
-            try:
-                same = all(torch.equal(tl_.linear(x[o:o + m], w, cfg), full[o:o + m])
-                           for m, o in ((1, 0), (1, 777), (3, 5), (16, 1024), (16, 2032)))
-                us = graph_time_us([lambda c=c, cfg=cfg: tl_.linear(x[:1], c, cfg) for c in copies])
-            except Exception as exc:  # noqa: BLE001 - a config the compiler rejects (shared memory)
-                rows.append({"config": cfg.__dict__, "error": str(exc).splitlines()[0][:160]})
-                continue
-            rows.append({"config": cfg.__dict__, "bitwise": same, "us_m1": us,
-                         "gbps": w.nbytes / us / 1e3})
-        now = tl_.linear_config(1, n, k, bf16)
+        rows = [_candidate_row(cfg, lambda cfg, m, o: tl_.linear(x[o:o + m], w, cfg), lambda cfg, m, o: full[o:o + m],
+                               [lambda c=c, cfg=cfg: tl_.linear(x[:1], c, cfg) for c in copies], w.nbytes)
+                for cfg in candidates]
+        now = tl_.linear_config(1, n, k, dtype)
         now_us = graph_time_us([lambda c=c: tl_.linear(x[:1], c) for c in copies])
-        ok = [r for r in rows if r.get("bitwise")]
-        best = min(ok, key=lambda r: r["us_m1"]) if ok else None
-        out.append({"n": n, "k": k, "what": what, "current": now.__dict__, "current_us": now_us,
-                    "best": best, "all_bitwise": all(r.get("bitwise", True) for r in rows), "candidates": rows})
-        print(f"linear {what:18} N={n:6} K={k:6}: now {now_us:7.1f} us; best bitwise "
-              f"{best['config'] if best else None} {best['us_m1'] if best else float('nan'):7.1f} us "
-              f"({best['gbps'] if best else 0:.0f} GB/s); every candidate bitwise: {out[-1]['all_bitwise']}",
-              flush=True)
+        out.append(_shape_summary({"n": n, "k": k, "what": what, "dtype": str(dtype)}, now, now_us, rows))
     return out
+
+
+def probe_head_linear(dev: torch.device) -> list[dict[str, Any]]:
+    """The absorbed per-head products (head_linear, 64 heads): decode candidates against T = 2048's rows."""
+    from glm53.ops import triton_linear as tl_
+
+    out, bf16 = [], torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(2)
+    candidates = [tl_.LinearConfig(16, bn, bk, w, s) for bn, bk, w, s in
+                  itertools.product((32, 64, 128), (64, 128), (4, 8), (2, 3))]
+    for heads, n, k, what in ((64, 512, 192, "w_uk (q_nope -> latent)"), (64, 256, 512, "w_uv (latent -> value)")):
+        x = (torch.randn(2048, heads, k, generator=g, device=dev) * k ** -0.5).to(bf16)
+        w = torch.randn(heads, n, k, generator=g, device=dev).to(bf16)
+        full = tl_.head_linear(x, w)
+        copies = [w] + [w.clone() for _ in range(max(1, min(15, ROTATE_BYTES // w.nbytes)) - 1)]
+        rows = [_candidate_row(cfg, lambda cfg, m, o: tl_.head_linear(x[o:o + m], w, cfg),
+                               lambda cfg, m, o: full[o:o + m],
+                               [lambda c=c, cfg=cfg: tl_.head_linear(x[:1], c, cfg) for c in copies], w.nbytes)
+                for cfg in candidates]
+        now = tl_.head_linear_config(n, k, bf16)
+        now_us = graph_time_us([lambda c=c: tl_.head_linear(x[:1], c) for c in copies])
+        out.append(_shape_summary({"heads": heads, "n": n, "k": k, "what": what}, now, now_us, rows))
+    return out
+
+
+def _candidate_row(cfg, run: Callable, want: Callable, timed: list[Callable[[], Any]], nbytes: int) -> dict[str, Any]:
+    try:
+        same = all(torch.equal(run(cfg, m, o), want(cfg, m, o))
+                   for m, o in ((1, 0), (1, 777), (3, 5), (16, 1024), (16, 2032)))
+        us = graph_time_us(timed)
+    except Exception as exc:  # noqa: BLE001 - a config the compiler rejects (shared memory)
+        return {"config": cfg.__dict__, "error": str(exc).splitlines()[0][:160]}
+    return {"config": cfg.__dict__, "bitwise": same, "us_m1": us, "gbps": nbytes / us / 1e3}
+
+
+def _shape_summary(fields: dict[str, Any], now, now_us: float, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    ok = [r for r in rows if r.get("bitwise")]
+    best = min(ok, key=lambda r: r["us_m1"]) if ok else None
+    summary = {**fields, "current": now.__dict__, "current_us": now_us, "best": best,
+               "all_bitwise": all(r.get("bitwise", True) for r in rows), "candidates": rows}
+    print(f"{fields['what']:26} N={fields['n']:6} K={fields['k']:6}: now {now_us:7.1f} us; best bitwise "
+          f"{best['config'] if best else None} {best['us_m1'] if best else float('nan'):7.1f} us "
+          f"({best['gbps'] if best else 0:.0f} GB/s); every candidate bitwise: {summary['all_bitwise']}", flush=True)
+    return summary
 
 
 def probe_attention(dev: torch.device) -> list[dict[str, Any]]:
@@ -126,7 +170,7 @@ def probe_attention(dev: torch.device) -> list[dict[str, Any]]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "decode_tiles.json")
-    ap.add_argument("--only", choices=("linear", "attention"), default=None)
+    ap.add_argument("--only", choices=("linear", "fp32", "head", "attention"), default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("error: this probe needs a CUDA device", file=sys.stderr)
@@ -136,6 +180,10 @@ def main() -> int:
     with torch.inference_mode():
         if args.only in (None, "linear"):
             result["linear"] = probe_linear(dev)
+        if args.only in (None, "fp32"):
+            result["linear_fp32"] = probe_linear(dev, FP32_SHAPES, torch.float32)
+        if args.only in (None, "head"):
+            result["head_linear"] = probe_head_linear(dev)
         if args.only in (None, "attention"):
             result["attention"] = probe_attention(dev)
     write_json(args.out, result)

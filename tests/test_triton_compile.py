@@ -1,5 +1,6 @@
 """Kernels whose control flow the interpreter cannot vouch for compile for the H200 (sm_90) without
-a GPU: the selection kernel (glm53/ops/triton_topk.py: a data-dependent while loop), the
+a GPU: the selection kernels (glm53/ops/triton_topk.py: a data-dependent while loop; the short
+windows' four), the
 indexer's scores kernel in each of its mask forms (glm53/ops/triton_indexer.py) and the prefill
 attention kernel (glm53/ops/triton_attention.py) at GLM-5.3's shape.
 
@@ -36,6 +37,31 @@ def test_selection_kernel_compiles_for_sm90() -> None:
     signature = {"s_ptr": "*fp32", "idx_ptr": "*i64", "valid_ptr": "*i8", "nan_ptr": "*i32", "N": "i32",
                  "WIDTH": "i32", "stride_s": "i32", "stride_i": "i32", "stride_v": "i32"}
     _compile(triton_topk._select_kernel, signature, {"BLOCK": triton_topk.BLOCK, "BITS": triton_topk.DIGIT_BITS}, 4)
+
+
+@pytest.mark.parametrize("name", ["hist", "resolve", "count", "write"])
+@pytest.mark.parametrize("first", [True, False])
+def test_split_selection_kernels_compile_for_sm90(name: str, first: bool) -> None:
+    """The short windows' selection (each row over many programs), each of its four kernels."""
+    from glm53.ops import triton_topk as tk
+
+    ints = {n: "i32" for n in ("N", "P", "stride_s", "stride_i", "stride_v", "WIDTH")}
+    kernels = {
+        "hist": (tk._split_hist_kernel, {"s_ptr": "*fp32", "state_ptr": "*i32", "hist_ptr": "*i32", "nan_ptr": "*i32",
+                                         "N": "i32", "P": "i32", "stride_s": "i32"},
+                 {"FIRST": first, "BLOCK": tk.BLOCK, "BITS": tk.DIGIT_BITS}),
+        "resolve": (tk._split_resolve_kernel, {"state_ptr": "*i32", "hist_ptr": "*i32", "nan_part_ptr": "*i32",
+                                               "nan_ptr": "*i32", "P": "i32", "WIDTH": "i32"},
+                    {"FIRST": first, "BITS": tk.DIGIT_BITS, "BLOCK_P": tk.RESOLVE_BLOCKS}),
+        "count": (tk._split_count_kernel, {"s_ptr": "*fp32", "state_ptr": "*i32", "count_ptr": "*i32", "N": "i32",
+                                           "P": "i32", "stride_s": "i32"}, {"BLOCK": tk.BLOCK}),
+        "write": (tk._split_write_kernel, {"s_ptr": "*fp32", "state_ptr": "*i32", "count_ptr": "*i32",
+                                           "idx_ptr": "*i64", "valid_ptr": "*i8", **{n: ints[n] for n in (
+                                               "N", "P", "stride_s", "stride_i", "stride_v")}},
+                  {"BLOCK": tk.BLOCK, "BLOCK_P": 1 if first else 128}),
+    }
+    fn, signature, constexprs = kernels[name]
+    _compile(fn, signature, constexprs, 4)
 
 
 @pytest.mark.parametrize("causal,key_positions", [(False, False), (True, False), (True, True)])

@@ -223,14 +223,16 @@ def _worker() -> dict[str, list]:
             s[4] = torch.arange(n, 0, -1).float()
             s[5] = float("-inf")
             want = select_topk(s, k)
-            idx, valid, nans = triton_topk.select(s, k)
-            same(idx, want.indices, f"select_topk indices (N {n}, k {k})")
-            assert torch.equal(valid, want.valid), f"select_topk valid (N {n}, k {k})"
-            assert not nans.any()
-            if n in (40, 1025):  # fewer bits a pass (more passes, other early stops): the same selection
-                for bits in (1, 2, 4):
-                    idx_b, valid_b, _ = triton_topk.select(s, k, bits)
-                    assert torch.equal(idx_b, idx) and torch.equal(valid_b, valid), f"select_topk bits {bits}"
+            for split in (False, True):  # one program a row; each row over programs of BLOCK columns
+                idx, valid, nans = triton_topk.select(s, k, split=split)
+                same(idx, want.indices, f"select_topk indices (N {n}, k {k}, split {split})")
+                assert torch.equal(valid, want.valid), f"select_topk valid (N {n}, k {k}, split {split})"
+                assert not nans.any()
+                if n in (40, 1025, 3000):  # fewer bits a pass (more passes, other early stops): the same
+                    for bits in (1, 2, 4):
+                        idx_b, valid_b, _ = triton_topk.select(s, k, bits, split=split)
+                        assert torch.equal(idx_b, idx) and torch.equal(valid_b, valid), (
+                            f"select_topk bits {bits} split {split}")
         try:
             triton_topk.select(s, 8, bits=3)
         except ValueError as exc:
@@ -241,8 +243,11 @@ def _worker() -> dict[str, list]:
                                        float("-inf"))
         want, (idx, valid, _) = select_topk(s, 32), triton_topk.select(s, 32)
         assert torch.equal(idx, want.indices) and torch.equal(valid, want.valid), "select_topk causal rows"
+        assert torch.equal(triton_topk.select(s, 32, split=True)[0], want.indices), "select_topk causal rows, split"
         s[3, 7] = float("nan")
-        assert triton_topk.select(s, 32)[2].tolist() == [0, 0, 0, 1] + [0] * 8, "NaN counted in its row only"
+        for split in (False, True):
+            assert triton_topk.select(s, 32, split=split)[2].tolist() == [0, 0, 0, 1] + [0] * 8, (
+                f"NaN counted in its row only (split {split})")
 
     checks = {"linear": check_linear, "linear_leading_dims": check_linear_leading_dims,
               "head_linear_strided": check_head_linear_strided, "rms_norm": check_rms_norm,

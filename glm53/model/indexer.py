@@ -97,15 +97,15 @@ def select_topk(scores: torch.Tensor, k: int, nan_flag: torch.Tensor | None = No
     """Each row's k best finite scores, ties toward the lower position, as ascending indices.
 
     The rule is the one of packed (score, -position) int64 keys, which cannot tie, so the set is
-    unique. On CUDA, windows of more than SMALL_WINDOW_ROWS rows (prefill pieces) run it as one
-    Triton kernel (glm53/ops/triton_topk.py: a radix select per row, the chosen columns written in
-    ascending order; no sort, no tie test, no host sync but the NaN check); otherwise the torch
-    form below (`select_topk_torch`), which the kernel is tested against.
+    unique. On CUDA it runs as Triton kernels (glm53/ops/triton_topk.py: a radix select per row, the
+    chosen columns written in ascending order; no sort, no tie test, no host sync; a short window's
+    rows each spread over many programs) for rows of up to triton_topk.MAX_KEYS keys; otherwise the
+    torch form below (`select_topk_torch`), which the kernels are tested against.
 
     NaN scores leave the selection undefined: raised here (a host sync), or, given `nan_flag` (a
     device bool), or-ed into it for the caller to check after the forward (glm53.cuda_graphs)."""
     _check_scores(scores, k)
-    if scores.shape[0] > SMALL_WINDOW_ROWS and scores.shape[1] and ops.triton_topk_for(scores):
+    if scores.shape[1] and ops.triton_topk_for(scores):
         from glm53.ops import triton_topk
 
         indices, valid, nans = triton_topk.select(scores, k)
@@ -115,7 +115,7 @@ def select_topk(scores: torch.Tensor, k: int, nan_flag: torch.Tensor | None = No
 
 
 def select_topk_torch(scores: torch.Tensor, k: int, nan_flag: torch.Tensor | None = None) -> Selection:
-    """select_topk's rule in torch ops (the CPU, and CUDA's short windows).
+    """select_topk's rule in torch ops (the CPU, and CUDA rows over triton_topk.MAX_KEYS keys).
 
     Most rows have no tie at their k-th score: for those a plain fp32 top-(k + 1) less its least
     score gives the set (half the bits to sort, no int64 copies of the [T, N] scores, and the tie

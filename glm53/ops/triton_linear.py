@@ -171,9 +171,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, config: LinearConfig | None = None)
     return out.reshape(*lead, n)
 
 
-def head_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def head_linear(x: torch.Tensor, w: torch.Tensor, config: LinearConfig | None = None) -> torch.Tensor:
     """out[t, h] = w[h] @ x[t, h]: x [T, H, K] (any strides but a contiguous last dim; e.g. a
-    q[..., :nope] slice), w [H, N, K] -> [T, H, N] contiguous in x's dtype."""
+    q[..., :nope] slice), w [H, N, K] -> [T, H, N] contiguous in x's dtype. `config` overrides the
+    tile choice (the probe's); leave it None in the model."""
     _check_dtypes(x, w, "head_linear")
     if x.dim() != 3 or w.dim() != 3 or x.shape[1] != w.shape[0] or x.shape[2] != w.shape[2]:
         raise ValueError(f"head_linear: x {tuple(x.shape)} must be [T, H, K] and w {tuple(w.shape)} [H, N, K]")
@@ -187,7 +188,7 @@ def head_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if k == 0:
             out.zero_()
         else:
-            cfg = head_linear_config(n, k, x.dtype)
+            cfg = config or head_linear_config(n, k, x.dtype)
             _launch(x, w, out, t, n, k, heads, x.stride(0), x.stride(1), w.stride(0), out.stride(0), out.stride(1),
                     cfg)
     return out

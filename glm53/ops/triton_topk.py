@@ -27,9 +27,12 @@ piece. H200, side by side (bench/bench_select_topk.py, bench/results/select_topk
 2048 x 65536, 1.2x at 2048 x 262144. The ninth session's form (four full passes of 512-bin
 histograms, the non-matching elements spread over 256 of them) was 1.3-1.7x slower; 4 or 2 bits a
 pass (16 or 4 bins, more passes) were slower than 8.
-Short windows (decode steps, verification: at most SMALL_WINDOW_ROWS rows) keep the packed torch
-path, which spreads one row over the whole GPU where this kernel would run it on one
-multiprocessor.
+Short windows (decode steps, verification: at most SPLIT_ROWS rows) split each row over programs
+of BLOCK columns (`_select_split`): the same passes and the same arithmetic, each pass's
+histograms summed by one program per row, then a count per block so that every block knows where
+its chosen columns go. A row on one program would run on one multiprocessor; the torch form this
+replaced there (a packed int64 top-k of 8 radix passes, then a sort of the chosen columns) took
+~95 us of GPU time a 'full' layer at 19k keys (bench/results/prefix_cache_h200_depth78_profile_session9).
 """
 from __future__ import annotations
 
@@ -42,6 +45,8 @@ BLOCK = 2048  # columns a program handles per step
 # torch.topk at 2048 x 262144 on the H200, bench/results/select_topk_h200_session11.json)
 MAX_KEYS = 262144
 DIGIT_BITS = 8  # bits of the threshold key found per pass: 256 bins
+SPLIT_ROWS = 16  # windows of up to this many rows (decode, verification) split each row over programs
+RESOLVE_BLOCKS = 16  # blocks' histograms a resolve program sums at a time
 
 
 @triton.jit
@@ -84,12 +89,19 @@ def _radix_pass(base, N, offs, bins, prefix, need, shift, COUNT_NAN: tl.constexp
         strangers += BLOCK - tl.sum(match.to(tl.int32))
         if COUNT_NAN:
             nans += tl.sum((inside & (s != s)).to(tl.int32))
-    counts = tl.where(bins == 0, hist - strangers, hist)
+    prefix, need, sharing = _resolve(tl.where(bins == 0, hist - strangers, hist), bins, prefix, need, shift)
+    return prefix, need, sharing, nans
+
+
+@triton.jit
+def _resolve(counts, bins, prefix, need, shift):
+    """From a pass's histogram of the elements sharing prefix: (prefix with the bits at `shift` set, need
+    less the elements above them, how many elements share the new prefix)."""
     at_or_above = tl.sum(counts) - tl.cumsum(counts, 0) + counts  # sharing elements in bins >= b
     found = tl.sum((at_or_above >= need).to(tl.int32)) - 1
     need -= tl.sum(tl.where(bins == found, at_or_above - counts, 0))
     sharing = tl.sum(tl.where(bins == found, counts, 0))
-    return prefix | (found.to(tl.uint32) << shift.to(tl.uint32)), need, sharing, nans
+    return prefix | (found.to(tl.uint32) << shift.to(tl.uint32)), need, sharing
 
 
 @triton.jit
@@ -111,40 +123,159 @@ def _select_kernel(s_ptr, idx_ptr, valid_ptr, nan_ptr, N, WIDTH, stride_s, strid
         prefix, need, sharing, _ = _radix_pass(base, N, offs, bins, prefix, need, shift, False, BLOCK, BITS)
 
     # `need` of the `sharing` elements at or above prefix that share its bits are kept, the lowest
-    # columns first. Most rows keep all of them: then a plain comparison decides
+    # columns first
     written = tl.full([], 0, tl.int32)
-    if need == sharing:
-        for start in range(0, N, BLOCK):
-            cols, inside, s = _block(base, start, offs, N)
-            kept = inside & (_keys(s) >= prefix) & (tl.abs(s) < float("inf"))  # chosen and finite
-            written = _write(idx_ptr + row * stride_i, valid_ptr + row * stride_v, cols, kept, written)
-    else:  # every bit found: the elements sharing prefix are ties, equal to it
-        ties_seen = tl.full([], 0, tl.int32)
-        for start in range(0, N, BLOCK):
-            cols, inside, s = _block(base, start, offs, N)
-            key = _keys(s)
-            tie = (inside & (key == prefix)).to(tl.int32)
-            tie_rank = ties_seen + tl.cumsum(tie, 0) - tie  # ties at lower columns, this row so far
-            ties_seen += tl.sum(tie)
-            chosen = inside & ((key > prefix) | ((tie != 0) & (tie_rank < need)))
-            kept = chosen & (tl.abs(s) < float("inf"))
-            written = _write(idx_ptr + row * stride_i, valid_ptr + row * stride_v, cols, kept, written)
+    ties_seen = tl.full([], 0, tl.int32)
+    for start in range(0, N, BLOCK):
+        cols, inside, s = _block(base, start, offs, N)
+        written, ties_seen = _write_block(idx_ptr + row * stride_i, valid_ptr + row * stride_v, cols, inside, s,
+                                          prefix, need, need == sharing, written, ties_seen)
 
 
 @triton.jit
-def _write(idx_row, valid_row, cols, kept, written):
-    """The kept columns of a block at the row's next slots, in column order; returns the slots used."""
-    k = kept.to(tl.int32)
-    slot = written + tl.cumsum(k, 0) - k
-    tl.store(idx_row + slot, cols.to(tl.int64), mask=kept)
-    tl.store(valid_row + slot, tl.full(cols.shape, 1, tl.int8), mask=kept)
-    return written + tl.sum(k)
+def _write_block(idx_row, valid_row, cols, inside, s, prefix, need, plain, written, ties_seen):
+    """A block's chosen finite columns at the row's next slots, in column order; returns (slots used,
+    ties seen) so far. plain (every element sharing prefix is kept, most rows): a key >= prefix is
+    chosen. Else every bit is found and the elements equal to prefix are ties: the first `need` of
+    them in column order are chosen (ties_seen: the row's ties in earlier blocks)."""
+    key = _keys(s)
+    if plain:
+        chosen = inside & (key >= prefix)
+    else:
+        tie = (inside & (key == prefix)).to(tl.int32)
+        tie_rank = ties_seen + tl.cumsum(tie, 0) - tie  # ties at lower columns, this row so far
+        ties_seen += tl.sum(tie)
+        chosen = inside & ((key > prefix) | ((tie != 0) & (tie_rank < need)))
+    kept = (chosen & (tl.abs(s) < float("inf"))).to(tl.int32)  # chosen and finite
+    slot = written + tl.cumsum(kept, 0) - kept
+    tl.store(idx_row + slot, cols.to(tl.int64), mask=kept != 0)
+    tl.store(valid_row + slot, tl.full(cols.shape, 1, tl.int8), mask=kept != 0)
+    return written + tl.sum(kept), ties_seen
 
 
-def select(scores: torch.Tensor, k: int, bits: int = DIGIT_BITS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+# ---- short windows: each row split over programs of BLOCK columns ------------------------------------
+# A decode step's row (one query over the whole history) on one program would run on one
+# multiprocessor; here every pass is two launches, the histograms of all the row's blocks at once
+# and then one program per row summing them (_resolve, the row kernel's arithmetic), and the write
+# is a count per block and then the writes, each block starting at the slots and ties its earlier
+# blocks account for. The same selection by construction: integer counts, the same threshold.
+# Row state between launches, int32 [T, 4]: prefix (uint32 bits), need, sharing, shift.
+
+
+@triton.jit
+def _row_state(state_ptr, row, FIRST: tl.constexpr, WIDTH, BITS: tl.constexpr):
+    """(prefix, need, sharing, shift of this pass, whether the pass runs) of a row."""
+    if FIRST:
+        prefix = tl.full([], 0, tl.uint32)
+        need = tl.full([], 0, tl.int32) + WIDTH
+        sharing = tl.full([], 0, tl.int32)
+        shift = tl.full([], 32 - BITS, tl.int32)
+        active = shift >= 0
+    else:
+        state = state_ptr + row * 4
+        prefix = tl.load(state).to(tl.uint32, bitcast=True)
+        need = tl.load(state + 1)
+        sharing = tl.load(state + 2)
+        shift = tl.load(state + 3)
+        active = (shift > 0) & (need < sharing)  # the row kernel's loop condition
+        shift -= BITS
+    return prefix, need, sharing, shift, active
+
+
+@triton.jit
+def _split_hist_kernel(s_ptr, state_ptr, hist_ptr, nan_ptr, N, P, stride_s, FIRST: tl.constexpr,
+                       BLOCK: tl.constexpr, BITS: tl.constexpr):
+    """One pass's histogram of block p of a row (bin 0 less the non-sharing elements) -> hist[row, p]."""
+    row = tl.program_id(0).to(tl.int64)
+    p = tl.program_id(1)
+    prefix, need, sharing, shift, active = _row_state(state_ptr, row, FIRST, 0, BITS)
+    if active:
+        high = (tl.full([], 0xFFFFFFFF, tl.uint64) << (shift + BITS).to(tl.uint64)).to(tl.uint32)
+        bins = tl.arange(0, 1 << BITS)
+        cols, inside, s = _block(s_ptr + row * stride_s, p * BLOCK, tl.arange(0, BLOCK), N)
+        key = _keys(s)
+        match = inside & ((key & high) == prefix)
+        digit = tl.where(match, ((key >> shift.to(tl.uint32)) & ((1 << BITS) - 1)).to(tl.int32), 0)
+        hist = tl.histogram(digit, 1 << BITS)
+        hist = tl.where(bins == 0, hist - (BLOCK - tl.sum(match.to(tl.int32))), hist)
+        tl.store(hist_ptr + (row * P + p) * (1 << BITS) + bins, hist)
+        if FIRST:
+            tl.store(nan_ptr + row * P + p, tl.sum((inside & (s != s)).to(tl.int32)))
+
+
+@triton.jit
+def _split_resolve_kernel(state_ptr, hist_ptr, nan_part_ptr, nan_ptr, P, WIDTH, FIRST: tl.constexpr,
+                          BITS: tl.constexpr, BLOCK_P: tl.constexpr):
+    """One program per row: the pass's histograms summed over the row's blocks -> the row's next state."""
+    row = tl.program_id(0).to(tl.int64)
+    prefix, need, sharing, shift, active = _row_state(state_ptr, row, FIRST, WIDTH, BITS)
+    bins = tl.arange(0, 1 << BITS)
+    if active:
+        counts = tl.zeros([1 << BITS], dtype=tl.int32)
+        for p0 in range(0, P, BLOCK_P):
+            ps = p0 + tl.arange(0, BLOCK_P)
+            part = tl.load(hist_ptr + (row * P + ps)[:, None] * (1 << BITS) + bins[None, :],
+                           mask=(ps < P)[:, None], other=0)
+            counts += tl.sum(part, axis=0)
+        prefix, need, sharing = _resolve(counts, bins, prefix, need, shift)
+        state = state_ptr + row * 4
+        tl.store(state, prefix.to(tl.int32, bitcast=True))
+        tl.store(state + 1, need)
+        tl.store(state + 2, sharing)
+        tl.store(state + 3, shift)
+    if FIRST:
+        nans = tl.full([], 0, tl.int32)
+        for p0 in range(0, P, BLOCK_P):
+            ps = p0 + tl.arange(0, BLOCK_P)
+            nans += tl.sum(tl.load(nan_part_ptr + row * P + ps, mask=ps < P, other=0))
+        tl.store(nan_ptr + row, nans)
+
+
+@triton.jit
+def _split_count_kernel(s_ptr, state_ptr, count_ptr, N, P, stride_s, BLOCK: tl.constexpr):
+    """Block p's chosen finite elements less the ties (count[row, p, 0]) and its ties (count[row, p, 1])."""
+    row = tl.program_id(0).to(tl.int64)
+    p = tl.program_id(1)
+    state = state_ptr + row * 4
+    prefix = tl.load(state).to(tl.uint32, bitcast=True)
+    plain = tl.load(state + 1) == tl.load(state + 2)
+    cols, inside, s = _block(s_ptr + row * stride_s, p * BLOCK, tl.arange(0, BLOCK), N)
+    key = _keys(s)
+    above = tl.where(plain, key >= prefix, key > prefix)
+    tl.store(count_ptr + (row * P + p) * 2, tl.sum((inside & above & (tl.abs(s) < float("inf"))).to(tl.int32)))
+    tl.store(count_ptr + (row * P + p) * 2 + 1, tl.sum((inside & (key == prefix)).to(tl.int32)))
+
+
+@triton.jit
+def _split_write_kernel(s_ptr, state_ptr, count_ptr, idx_ptr, valid_ptr, N, P, stride_s, stride_i, stride_v,
+                        BLOCK: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Block p's chosen finite columns, from the slots and ties of the row's earlier blocks."""
+    row = tl.program_id(0).to(tl.int64)
+    p = tl.program_id(1)
+    state = state_ptr + row * 4
+    prefix = tl.load(state).to(tl.uint32, bitcast=True)
+    need = tl.load(state + 1)
+    plain = need == tl.load(state + 2)
+    qs = tl.arange(0, BLOCK_P)
+    above = tl.load(count_ptr + (row * P + qs) * 2, mask=qs < P, other=0)
+    ties = tl.load(count_ptr + (row * P + qs) * 2 + 1, mask=qs < P, other=0)
+    ties_before = tl.cumsum(ties, 0) - ties
+    # ties share one key, hence one score: all finite or none (+-inf, whose keys bound the finite ones)
+    ties_finite = (prefix > 0x007FFFFF) & (prefix < 0xFF800000)
+    kept_ties = tl.minimum(tl.maximum(need - ties_before, 0), ties)  # ranks [ties_before, +ties) below need
+    kept = above + tl.where(plain, 0, tl.where(ties_finite, kept_ties, 0))
+    earlier = qs < p
+    cols, inside, s = _block(s_ptr + row * stride_s, p * BLOCK, tl.arange(0, BLOCK), N)
+    _write_block(idx_ptr + row * stride_i, valid_ptr + row * stride_v, cols, inside, s, prefix, need, plain,
+                 tl.sum(tl.where(earlier, kept, 0)), tl.sum(tl.where(earlier, ties, 0)))
+
+
+def select(scores: torch.Tensor, k: int, bits: int = DIGIT_BITS, split: bool | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """scores fp32 [T, N] on CUDA -> (indices [T, k] int64, valid [T, k] bool, NaN count [T] int32):
     each row's min(k, N) largest (score, -position) keys, ascending, the non-finite ones invalid.
-    `bits` of the threshold key a pass (benches; any divisor of 32 up to 8 gives the same selection)."""
+    `bits` of the threshold key a pass (benches; any divisor of 32 up to 8 gives the same selection).
+    `split`: rows spread over programs of BLOCK columns (None: for windows of up to SPLIT_ROWS rows)."""
     if scores.dim() != 2 or scores.dtype != torch.float32:
         raise ValueError(f"scores must be fp32 [T, N], got {scores.dtype} {tuple(scores.shape)}")
     if bits not in (1, 2, 4, 8):
@@ -156,6 +287,32 @@ def select(scores: torch.Tensor, k: int, bits: int = DIGIT_BITS) -> tuple[torch.
     valid = torch.zeros(t, k, dtype=torch.int8, device=scores.device)
     nans = torch.zeros(t, dtype=torch.int32, device=scores.device)
     if t and n and k:
-        _select_kernel[(t,)](scores, indices, valid, nans, n, min(k, n), scores.stride(0), indices.stride(0),
-                             valid.stride(0), BLOCK=BLOCK, BITS=bits, num_warps=4)
+        if split if split is not None else t <= SPLIT_ROWS:
+            _select_split(scores, indices, valid, nans, min(k, n), bits)
+        else:
+            _select_kernel[(t,)](scores, indices, valid, nans, n, min(k, n), scores.stride(0), indices.stride(0),
+                                 valid.stride(0), BLOCK=BLOCK, BITS=bits, num_warps=4)
     return indices, valid.view(torch.bool), nans
+
+
+def _select_split(scores: torch.Tensor, indices: torch.Tensor, valid: torch.Tensor, nans: torch.Tensor,
+                  width: int, bits: int) -> None:
+    """The row kernel's selection with each row over cdiv(N, BLOCK) programs: 32 / bits passes of two
+    launches (a row whose threshold is found early skips the rest inside the kernels: the launches
+    are fixed, nothing is read on the host, so a CUDA graph can hold the call), then a count and a write."""
+    t, n = scores.shape
+    blocks = triton.cdiv(n, BLOCK)
+    dev = scores.device
+    state = torch.empty(t, 4, dtype=torch.int32, device=dev)
+    hist = torch.empty(t, blocks, 1 << bits, dtype=torch.int32, device=dev)
+    nan_part = torch.empty(t, blocks, dtype=torch.int32, device=dev)
+    counts = torch.empty(t, blocks, 2, dtype=torch.int32, device=dev)
+    for first in [True] + [False] * (32 // bits - 1):
+        _split_hist_kernel[(t, blocks)](scores, state, hist, nan_part, n, blocks, scores.stride(0), FIRST=first,
+                                        BLOCK=BLOCK, BITS=bits, num_warps=4)
+        _split_resolve_kernel[(t,)](state, hist, nan_part, nans, blocks, width, FIRST=first, BITS=bits,
+                                    BLOCK_P=RESOLVE_BLOCKS, num_warps=4)
+    _split_count_kernel[(t, blocks)](scores, state, counts, n, blocks, scores.stride(0), BLOCK=BLOCK, num_warps=4)
+    _split_write_kernel[(t, blocks)](scores, state, counts, indices, valid, n, blocks, scores.stride(0),
+                                     indices.stride(0), valid.stride(0), BLOCK=BLOCK,
+                                     BLOCK_P=triton.next_power_of_2(blocks), num_warps=4)

@@ -1,8 +1,8 @@
 """The indexer's top-k selection on CUDA equals the CPU's (which tests/test_attention.py checks
 against the brute-force rule), at GLM-5.3's k = 2048 over prefill-sized rows with exact ties at,
 above and below the k-th score, -0.0 against 0.0, and future (-inf) keys. More than 16 rows run the
-Triton kernel (glm53/ops/triton_topk.py) where rows have at most its MAX_KEYS keys; up to 16 rows,
-or longer rows, the torch form.
+Triton kernel (glm53/ops/triton_topk.py) where rows have at most its MAX_KEYS keys, one program a
+row; up to 16 rows (decode, verification) each row spread over programs; longer rows the torch form.
 
     pytest -m gpu tests/gpu/test_select_topk_cuda.py
 """
@@ -28,7 +28,8 @@ def _cuda() -> None:
 
 
 @pytest.mark.parametrize("n,t", [(2047, 48), (2048, 48), (2049, 48), (2050, 48), (6000, 48), (70001, 40),
-                                 (140001, 20), (270001, 20), (3000, SMALL_WINDOW_ROWS)])
+                                 (140001, 20), (270001, 20), (3000, SMALL_WINDOW_ROWS), (19001, 1), (19001, 4),
+                                 (2047, 2), (94001, 6), (262144, 3), (270001, 2)])
 def test_cuda_selection_equals_the_cpu_rule(n: int, t: int) -> None:
     _cuda()
     k = 2048
@@ -62,4 +63,31 @@ def test_kernel_and_torch_form_agree_on_cuda_and_nan_is_reported() -> None:
         select_topk(scores, 2048)
     flag = torch.zeros((), dtype=torch.bool, device="cuda")
     select_topk(scores, 2048, flag)
+    assert bool(flag)
+
+
+def test_short_window_selection_replays_in_a_cuda_graph() -> None:
+    """The decode form (each row over many programs, a fixed count of launches, nothing read on the
+    host) captured once and replayed on new scores in place: each replay the selection of an eager
+    call, NaN into the flag."""
+    _cuda()
+    g = torch.Generator(device="cuda").manual_seed(9)
+    scores = torch.randn(4, 19001, generator=g, device="cuda")
+    flag = torch.zeros((), dtype=torch.bool, device="cuda")
+    select_topk(scores, 2048, flag)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = select_topk(scores, 2048, flag)
+    for seed in range(3):
+        fresh = torch.randn(4, 19001, generator=g, device="cuda")
+        if seed == 1:
+            fresh[:2] = (fresh[:2] * 3).round()  # ties at the k-th score
+        scores.copy_(fresh)
+        graph.replay()
+        want = select_topk_torch(fresh, 2048)
+        assert torch.equal(captured.indices, want.indices) and torch.equal(captured.valid, want.valid), seed
+    assert not bool(flag)
+    scores[2, 100] = float("nan")
+    graph.replay()
     assert bool(flag)
