@@ -107,7 +107,7 @@ def probe_head_linear(dev: torch.device) -> list[dict[str, Any]]:
                                lambda cfg, m, o: full[o:o + m],
                                [lambda c=c, cfg=cfg: tl_.head_linear(x[:1], c, cfg) for c in copies], w.nbytes)
                 for cfg in candidates]
-        now = tl_.head_linear_config(n, k, bf16)
+        now = tl_.head_linear_config(n, k, bf16, 1)
         now_us = graph_time_us([lambda c=c: tl_.head_linear(x[:1], c) for c in copies])
         out.append(_shape_summary({"heads": heads, "n": n, "k": k, "what": what}, now, now_us, rows))
     return out

@@ -44,7 +44,13 @@ class LinearConfig:
 def linear_config(m: int, n: int, k: int, dtype: torch.dtype) -> LinearConfig:
     """The tile config of x[m, k] @ w[n, k]^T. Depends on m only when CONFIG_BY_ROWS is True."""
     if dtype == torch.float32:
-        # router / indexer head weights: small fp32 products, FMA dots (ieee); correctness first
+        # router / indexer head weights: small fp32 products, FMA dots (ieee: each output one fma
+        # chain over K in order, whatever the tile: all 24 probed configs gave the same bits)
+        if CONFIG_BY_ROWS and m <= 16:
+            # H200 M=1 (bench/probe_decode_tiles.py --only fp32, decode_tiles_fp32_h200.json): the
+            # indexer's head weights [32, 6144] 269 -> 118 us, the router [256, 6144] 350 -> 119 us;
+            # a chain of 6144 dependent steps bounds a program, so more stages, not more programs
+            return LinearConfig(16, 16, 128, 4, 4)
         return LinearConfig(32, 32, 32, 4, 2)
     if CONFIG_BY_ROWS:
         if m <= 16:  # decode / short verify windows: narrow column tiles (many programs stream w), long K steps
@@ -59,11 +65,16 @@ def linear_config(m: int, n: int, k: int, dtype: torch.dtype) -> LinearConfig:
     return LinearConfig(128, 128 if n >= 4096 else 64, 64, 8 if n >= 4096 else 4, 4)
 
 
-def head_linear_config(n: int, k: int, dtype: torch.dtype) -> LinearConfig:
-    """Tile config of the per-head product (N, K small: 512 x 192, 256 x 512 in GLM-5.3); never by T."""
+def head_linear_config(n: int, k: int, dtype: torch.dtype, t: int) -> LinearConfig:
+    """Tile config of the per-head product (N, K small: 512 x 192, 256 x 512 in GLM-5.3); by T only
+    when CONFIG_BY_ROWS is True."""
     if dtype == torch.float32:
         return LinearConfig(32, 32, 32, 4, 2)
-    return LinearConfig(128, 128, 64, 8, 3)  # H200: 91-102 us at T=2048 (64x64 tiles: 117-128), 10-13 us at T=1
+    if CONFIG_BY_ROWS and t <= 16:
+        # H200 T=1 (probe_decode_tiles.py --only head, decode_tiles_head_h200.json; all 24 candidates
+        # bitwise equal to T=2048's rows): w_uk 6.8 -> 5.5 us, w_uv 8.2 -> 7.1 us
+        return LinearConfig(16, 64, 64, 4, 3)
+    return LinearConfig(128, 128, 64, 8, 3)  # H200: 91-102 us at T=2048 (64x64 tiles: 117-128)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -188,7 +199,7 @@ def head_linear(x: torch.Tensor, w: torch.Tensor, config: LinearConfig | None = 
         if k == 0:
             out.zero_()
         else:
-            cfg = config or head_linear_config(n, k, x.dtype)
+            cfg = config or head_linear_config(n, k, x.dtype, t)
             _launch(x, w, out, t, n, k, heads, x.stride(0), x.stride(1), w.stride(0), out.stride(0), out.stride(1),
                     cfg)
     return out

@@ -34,13 +34,16 @@ def test_cuda_selection_equals_the_cpu_rule(n: int, t: int) -> None:
     _cuda()
     k = 2048
     g = torch.Generator().manual_seed(n)
-    scores = torch.randn(t, n, generator=g)
-    scores[: t // 2] = (scores[: t // 2] * 4).round()  # half the rows: few values, ties everywhere
-    scores[t // 2 - 1] = torch.arange(n, 0, -1).float()
+    scores = torch.randn(max(t, 4), n, generator=g)  # short windows: the first t of these rows
+    half = max(t, 4) // 2
+    scores[:half] = (scores[:half] * 4).round()  # half the rows: few values, ties everywhere
+    scores[half - 1] = torch.arange(n, 0, -1).float()
     if n > k + 1:
-        scores[t // 2 - 1, k] = scores[t // 2 - 1, k - 1]  # a boundary tie in an otherwise distinct row
-    scores[t // 2] = torch.where(scores[t // 2] > 0, scores[t // 2], torch.full_like(scores[t // 2], -0.0))
-    scores[t // 2 + 1] = 0.0
+        scores[half - 1, k] = scores[half - 1, k - 1]  # a boundary tie in an otherwise distinct row
+    scores[half] = torch.where(scores[half] > 0, scores[half], torch.full_like(scores[half], -0.0))
+    scores[half + 1] = 0.0
+    if t < 4:  # a window of one or two: the tie rows first
+        scores = scores[[0, half - 1, half, half + 1][:t]]
     future = torch.arange(n)[None, :] > (n - t + torch.arange(t))[:, None]  # the last t keys causal
     scores = scores.masked_fill(future, float("-inf"))
     want = select_topk(scores, k)
