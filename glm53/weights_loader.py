@@ -159,6 +159,11 @@ class _Loader:
     def t(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         return x.to(device=self.device, dtype=dtype or self.dtype).contiguous()
 
+    def fp32_product_weight(self, x: torch.Tensor) -> torch.Tensor:
+        """A weight of an fp32 product (router, indexer head weights): bf16 as stored (every value
+        exact in fp32, and ops.linear_fp32 then runs on the tensor cores), any other dtype as fp32."""
+        return self.t(x, torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32)
+
     def attention(self, p: str) -> AttentionWeights:
         c, f = self.cfg, self.f
         heads = self.plan.head_range(c.num_attention_heads)
@@ -178,7 +183,7 @@ class _Loader:
         return IndexerWeights(
             wq_b=self.t(f.need(f"{p}.wq_b.weight")), wk=self.t(f.need(f"{p}.wk.weight")),
             k_norm_weight=self.t(f.need(f"{p}.k_norm.weight")), k_norm_bias=self.t(f.need(f"{p}.k_norm.bias")),
-            weights_proj=self.t(f.need(f"{p}.weights_proj.weight"), torch.float32),
+            weights_proj=self.fp32_product_weight(f.need(f"{p}.weights_proj.weight")),
             n_heads=c.index_n_heads, head_dim=c.index_head_dim, rope_dim=c.qk_rope_head_dim,
         )
 
@@ -230,7 +235,7 @@ class _Loader:
             gate_up.append(torch.cat([g, u], 0))
             down.append(self.expert_part(f"{ep}.down_proj", cols, down=True))
         router = RouterWeights(
-            weight=self.t(self.f.need(f"{p}.gate.weight"), torch.float32),
+            weight=self.fp32_product_weight(self.f.need(f"{p}.gate.weight")),
             bias=self.t(self.f.need(f"{p}.gate.e_score_correction_bias"), torch.float32),
             top_k=c.num_experts_per_tok, n_group=c.n_group, topk_group=c.topk_group,
             norm_topk_prob=c.norm_topk_prob, scaling=c.routed_scaling_factor,

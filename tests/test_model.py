@@ -10,6 +10,7 @@ from glm53.model.indexer import Selection, select_topk
 from glm53.model.mla import AttentionWeights, attend, attend_expanded
 from glm53.model.moe import RouterWeights, route
 from glm53.model.rope import apply_rope, inverse_frequencies, rope_angles
+from tests.fixtures_tiny import tiny_dirs  # noqa: F401
 
 
 def test_rope_matches_reference_interleaved_rotation() -> None:
@@ -87,6 +88,28 @@ def test_router_matches_reference_with_groups() -> None:
         theirs = dict(zip(ref_ids[t].tolist(), ref_w[t].detach().tolist()))
         assert mine.keys() == theirs.keys()
         assert all(abs(mine[e] - theirs[e]) < 1e-6 for e in mine)
+
+
+def test_fp32_products_keep_bf16_weights_as_stored_with_the_fp32_values(tiny_dirs) -> None:  # noqa: F811
+    """The router's and the indexer's head weights stay bf16 when the checkpoint stores bf16 (so that
+    CUDA runs their fp32 products on the tensor cores: ops.linear_fp32), and the CPU's product is the
+    fp32 one of the same values, whatever the activations' dtype."""
+    from glm53 import ops
+    from glm53.engine import Glm53Engine
+    from glm53.ops import torch_ops
+
+    engine = Glm53Engine(tiny_dirs.model, device="cpu", dtype="bf16", kv_dtype="bf16")
+    layers = engine.model.w.layers
+    indexers = [layer.indexer for layer in layers if layer.indexer is not None]
+    routers = [layer.ffn.router for layer in layers if hasattr(layer.ffn, "router")]
+    assert indexers and routers, "the tiny checkpoint has indexer and MoE layers"
+    assert {i.weights_proj.dtype for i in indexers} == {r.weight.dtype for r in routers} == {torch.bfloat16}
+    g = torch.Generator().manual_seed(4)
+    w = indexers[0].weights_proj
+    for x in (torch.randn(5, w.shape[1], generator=g).to(torch.bfloat16), torch.randn(5, w.shape[1], generator=g)):
+        got = ops.linear_fp32(x, w)
+        assert got.dtype == torch.float32
+        assert torch.equal(got, torch_ops.linear(x.float(), w.float()))
 
 
 def test_fp8_rows_have_one_scale_per_row_and_round_trip() -> None:

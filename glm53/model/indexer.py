@@ -28,7 +28,7 @@ class IndexerWeights:
     wk: torch.Tensor  # [head_dim, hidden]
     k_norm_weight: torch.Tensor
     k_norm_bias: torch.Tensor
-    weights_proj: torch.Tensor  # [heads, hidden], kept in fp32 like the reference
+    weights_proj: torch.Tensor  # [heads, hidden]: fp32, or bf16 as stored (exact in fp32; ops.linear_fp32)
     n_heads: int
     head_dim: int
     rope_dim: int
@@ -79,7 +79,7 @@ def index_scores(w: IndexerWeights, q: torch.Tensor, x_norm: torch.Tensor, keys:
                  q_positions: torch.Tensor, key_positions: torch.Tensor | None = None) -> torch.Tensor:
     """[Tq, Tk] fp32 scores of keys at key_positions (default [0, Tk); a DCP rank passes the
     positions it owns) for queries at q_positions; -inf where the key lies in the query's future."""
-    head_weights = ops.linear(x_norm.to(torch.float32), w.weights_proj.to(torch.float32)) * (w.n_heads ** -0.5)
+    head_weights = ops.linear_fp32(x_norm, w.weights_proj) * (w.n_heads ** -0.5)
     return ops.index_scores(q, head_weights, keys, w.head_dim ** -0.5, q_positions, key_positions)
 
 

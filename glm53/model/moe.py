@@ -40,7 +40,7 @@ class RouterWeights:
 
 def route(r: RouterWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, hidden] -> (expert ids [T, k] int64, gate weights [T, k] fp32)."""
-    scores = ops.sigmoid(ops.linear(x.to(torch.float32), r.weight))
+    scores = ops.sigmoid(ops.linear_fp32(x, r.weight))
     biased = scores + r.bias
     n_exp = biased.shape[-1]
     if r.n_group > 1:

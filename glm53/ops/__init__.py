@@ -85,6 +85,22 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch_ops.linear(x, w)
 
 
+def linear_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ w[N, K]^T -> [..., N] in fp32: the router's and the indexer's head weights, whose
+    reference computes in fp32. Where x and w are both bf16 (a bf16 model's activations and a bf16
+    checkpoint's weights) every product is exact in fp32, so the tensor cores' bf16 dot with fp32
+    sums and an fp32 output computes the same quantity as fp32 operands, in a product's time
+    instead of a chain of K dependent FMAs (H200, M = 1, [32, 6144]: the fp32 FMA form ~118 us);
+    otherwise the operands go to fp32. Row-invariant either way; the CPU always takes fp32 operands."""
+    if _triton_for(x):
+        from glm53.ops import triton_linear
+
+        if x.dtype == w.dtype == torch.bfloat16:
+            return triton_linear.linear(x, w, out_dtype=torch.float32)
+        return triton_linear.linear(x.to(torch.float32), w.to(torch.float32))
+    return torch_ops.linear(x.to(torch.float32), w.to(torch.float32))
+
+
 def expert_linear(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """out[r] = x[r] @ w[ids[r]]^T: x [R, K], w [E, N, K], ids [R] int64 on x's device -> [R, N];
     each row gets the bits linear(x[r:r+1], w[ids[r]]) gives it, and ids are never read on the host

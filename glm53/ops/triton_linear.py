@@ -159,9 +159,10 @@ def _check_dtypes(x: torch.Tensor, w: torch.Tensor, what: str) -> None:
         raise ValueError(f"{what}: dtype {x.dtype} not supported (bf16, fp16, fp32)")
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, config: LinearConfig | None = None) -> torch.Tensor:
-    """x [..., K] @ w[N, K]^T -> [..., N] in x's dtype, fp32 accumulation. `config` overrides the
-    tile choice (the benchmark's probe); leave it None in the model."""
+def linear(x: torch.Tensor, w: torch.Tensor, config: LinearConfig | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [..., K] @ w[N, K]^T -> [..., N] in out_dtype (default x's dtype), fp32 accumulation.
+    `config` overrides the tile choice (the benchmark's probe); leave it None in the model."""
     _check_dtypes(x, w, "linear")
     lead, k = x.shape[:-1], x.shape[-1]
     n = w.shape[0]
@@ -172,7 +173,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, config: LinearConfig | None = None)
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
     w = w.contiguous()
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if m and n:
         if k == 0:
             out.zero_()

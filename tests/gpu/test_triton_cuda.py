@@ -111,6 +111,27 @@ def test_linear_config_by_rows_is_row_invariant(k, monkeypatch):
             f"CONFIG_BY_ROWS=True: rows {rows} differ from the 2048-row call: set CONFIG_BY_ROWS False on this GPU")
 
 
+@pytest.mark.parametrize("n", [32, 256])
+def test_linear_fp32_of_bf16_operands_is_exact_products_and_row_invariant(k, n, monkeypatch):
+    """ops.linear_fp32 on bf16 operands (the indexer's head weights [32, 6144], the router [256, 6144]):
+    the bf16 kernel with an fp32 output, its rows bitwise those of the 2048-row call at every row
+    count's tiles, and within fp32 rounding of the fp32 product of the same values (exact products)."""
+    from glm53 import ops
+
+    monkeypatch.setattr(k.linear, "CONFIG_BY_ROWS", True)
+    g = _gen(n)
+    x = _randn(g, 2048, 6144, dtype=torch.bfloat16)
+    w = _randn(g, n, 6144, std=6144 ** -0.5, dtype=torch.bfloat16)
+    big = ops.linear_fp32(x, w)
+    assert big.dtype == torch.float32 and big.shape == (2048, n)
+    _close(big, torch_ops.linear(x.float(), w.float()), torch.float32)
+    for start, count in [(0, 1), (1000, 1), (3, 7), (0, 16), (5, 17), (64, 64), (100, 257)]:
+        rows = slice(start, start + count)
+        assert torch.equal(ops.linear_fp32(x[rows], w), big[rows]), f"rows {rows}"
+    # mixed operands (an fp32 model's activations, a bf16 weight): the fp32 FMA kernel
+    assert torch.equal(ops.linear_fp32(x.float()[:5], w), k.linear.linear(x.float()[:5], w.float()))
+
+
 def test_linear_router_fp32(k):
     # the router: fp32 x [T, 6144] @ fp32 w [256, 6144]; the indexer's head weights: [32, 6144]
     g = _gen(8)
