@@ -39,9 +39,9 @@ def test_selection_kernel_compiles_for_sm90() -> None:
     _compile(triton_topk._select_kernel, signature, {"BLOCK": triton_topk.BLOCK, "BITS": triton_topk.DIGIT_BITS}, 4)
 
 
-@pytest.mark.parametrize("name", ["hist", "resolve", "count", "write"])
-@pytest.mark.parametrize("first", [True, False])
-def test_split_selection_kernels_compile_for_sm90(name: str, first: bool) -> None:
+@pytest.mark.parametrize("name,first", [("hist", True), ("hist", False), ("resolve", True), ("resolve", False),
+                                        ("count", None), ("write", None)])
+def test_split_selection_kernels_compile_for_sm90(name: str, first: bool | None) -> None:
     """The short windows' selection (each row over many programs), each of its four kernels."""
     from glm53.ops import triton_topk as tk
 
@@ -58,7 +58,7 @@ def test_split_selection_kernels_compile_for_sm90(name: str, first: bool) -> Non
         "write": (tk._split_write_kernel, {"s_ptr": "*fp32", "state_ptr": "*i32", "count_ptr": "*i32",
                                            "idx_ptr": "*i64", "valid_ptr": "*i8", **{n: ints[n] for n in (
                                                "N", "P", "stride_s", "stride_i", "stride_v")}},
-                  {"BLOCK": tk.BLOCK, "BLOCK_P": 1 if first else 128}),
+                  {"BLOCK": tk.BLOCK, "BLOCK_P": tk.MAX_KEYS // tk.BLOCK}),
     }
     fn, signature, constexprs = kernels[name]
     _compile(fn, signature, constexprs, 4)

@@ -249,7 +249,8 @@ def _split_count_kernel(s_ptr, state_ptr, count_ptr, N, P, stride_s, BLOCK: tl.c
 @triton.jit
 def _split_write_kernel(s_ptr, state_ptr, count_ptr, idx_ptr, valid_ptr, N, P, stride_s, stride_i, stride_v,
                         BLOCK: tl.constexpr, BLOCK_P: tl.constexpr):
-    """Block p's chosen finite columns, from the slots and ties of the row's earlier blocks."""
+    """Block p's chosen finite columns, from the slots and ties of the row's earlier blocks (BLOCK_P: at
+    least the row's blocks; one value for every row length, so one compile)."""
     row = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1)
     state = state_ptr + row * 4
@@ -302,6 +303,8 @@ def _select_split(scores: torch.Tensor, indices: torch.Tensor, valid: torch.Tens
     are fixed, nothing is read on the host, so a CUDA graph can hold the call), then a count and a write."""
     t, n = scores.shape
     blocks = triton.cdiv(n, BLOCK)
+    if blocks > MAX_KEYS // BLOCK:
+        raise ValueError(f"select: rows of {n} keys exceed MAX_KEYS ({MAX_KEYS}): the torch form takes those")
     dev = scores.device
     state = torch.empty(t, 4, dtype=torch.int32, device=dev)
     hist = torch.empty(t, blocks, 1 << bits, dtype=torch.int32, device=dev)
@@ -314,5 +317,5 @@ def _select_split(scores: torch.Tensor, indices: torch.Tensor, valid: torch.Tens
                                     BLOCK_P=RESOLVE_BLOCKS, num_warps=4)
     _split_count_kernel[(t, blocks)](scores, state, counts, n, blocks, scores.stride(0), BLOCK=BLOCK, num_warps=4)
     _split_write_kernel[(t, blocks)](scores, state, counts, indices, valid, n, blocks, scores.stride(0),
-                                     indices.stride(0), valid.stride(0), BLOCK=BLOCK,
-                                     BLOCK_P=triton.next_power_of_2(blocks), num_warps=4)
+                                     indices.stride(0), valid.stride(0), BLOCK=BLOCK, BLOCK_P=MAX_KEYS // BLOCK,
+                                     num_warps=4)
