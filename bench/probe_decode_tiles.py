@@ -80,13 +80,8 @@ def probe_linear(dev: torch.device, shapes: dict[tuple[int, int], str] = LINEAR_
         x = (torch.randn(2048, k, generator=g, device=dev) * k ** -0.5).to(dtype)
         w = torch.randn(n, k, generator=g, device=dev).to(dtype)
         full = tl_.linear(x, w, tl_.linear_config(2048, n, k, dtype))
-        copies = [w] + [w.clone() for _ in range(max(1, min(15, ROTATE_BYTES // w.nbytes)) - 1)]
-        rows = [_candidate_row(cfg, lambda cfg, m, o: tl_.linear(x[o:o + m], w, cfg), lambda cfg, m, o: full[o:o + m],
-                               [lambda c=c, cfg=cfg: tl_.linear(x[:1], c, cfg) for c in copies], w.nbytes)
-                for cfg in candidates]
-        now = tl_.linear_config(1, n, k, dtype)
-        now_us = graph_time_us([lambda c=c: tl_.linear(x[:1], c) for c in copies])
-        out.append(_shape_summary({"n": n, "k": k, "what": what, "dtype": str(dtype)}, now, now_us, rows))
+        out.append(_probe_shape({"n": n, "k": k, "what": what, "dtype": str(dtype)}, tl_.linear, x, w, full,
+                                tl_.linear_config(1, n, k, dtype), candidates))
     return out
 
 
@@ -101,29 +96,27 @@ def probe_head_linear(dev: torch.device) -> list[dict[str, Any]]:
     for heads, n, k, what in ((64, 512, 192, "w_uk (q_nope -> latent)"), (64, 256, 512, "w_uv (latent -> value)")):
         x = (torch.randn(2048, heads, k, generator=g, device=dev) * k ** -0.5).to(bf16)
         w = torch.randn(heads, n, k, generator=g, device=dev).to(bf16)
-        full = tl_.head_linear(x, w)
-        copies = [w] + [w.clone() for _ in range(max(1, min(15, ROTATE_BYTES // w.nbytes)) - 1)]
-        rows = [_candidate_row(cfg, lambda cfg, m, o: tl_.head_linear(x[o:o + m], w, cfg),
-                               lambda cfg, m, o: full[o:o + m],
-                               [lambda c=c, cfg=cfg: tl_.head_linear(x[:1], c, cfg) for c in copies], w.nbytes)
-                for cfg in candidates]
-        now = tl_.head_linear_config(n, k, bf16, 1)
-        now_us = graph_time_us([lambda c=c: tl_.head_linear(x[:1], c) for c in copies])
-        out.append(_shape_summary({"heads": heads, "n": n, "k": k, "what": what}, now, now_us, rows))
+        out.append(_probe_shape({"heads": heads, "n": n, "k": k, "what": what}, tl_.head_linear, x, w,
+                                tl_.head_linear(x, w), tl_.head_linear_config(n, k, bf16, 1), candidates))
     return out
 
 
-def _candidate_row(cfg, run: Callable, want: Callable, timed: list[Callable[[], Any]], nbytes: int) -> dict[str, Any]:
-    try:
-        same = all(torch.equal(run(cfg, m, o), want(cfg, m, o))
-                   for m, o in ((1, 0), (1, 777), (3, 5), (16, 1024), (16, 2032)))
-        us = graph_time_us(timed)
-    except Exception as exc:  # noqa: BLE001 - a config the compiler rejects (shared memory)
-        return {"config": cfg.__dict__, "error": str(exc).splitlines()[0][:160]}
-    return {"config": cfg.__dict__, "bitwise": same, "us_m1": us, "gbps": nbytes / us / 1e3}
-
-
-def _shape_summary(fields: dict[str, Any], now, now_us: float, rows: list[dict[str, Any]]) -> dict[str, Any]:
+def _probe_shape(fields: dict[str, Any], product: Callable, x: torch.Tensor, w: torch.Tensor, full: torch.Tensor,
+                 now, candidates: list) -> dict[str, Any]:
+    """product(x, w, config) for each candidate: bitwise against `full`'s rows (M = 1, 3, 16 at several
+    offsets) and its M = 1 time over weight copies that do not fit in L2; the config in use as `now`."""
+    copies = [w] + [w.clone() for _ in range(max(1, min(15, ROTATE_BYTES // w.nbytes)) - 1)]
+    rows = []
+    for cfg in candidates:
+        try:
+            same = all(torch.equal(product(x[o:o + m], w, cfg), full[o:o + m])
+                       for m, o in ((1, 0), (1, 777), (3, 5), (16, 1024), (16, 2032)))
+            us = graph_time_us([lambda c=c, cfg=cfg: product(x[:1], c, cfg) for c in copies])
+        except Exception as exc:  # noqa: BLE001 - a config the compiler rejects (shared memory)
+            rows.append({"config": cfg.__dict__, "error": str(exc).splitlines()[0][:160]})
+            continue
+        rows.append({"config": cfg.__dict__, "bitwise": same, "us_m1": us, "gbps": w.nbytes / us / 1e3})
+    now_us = graph_time_us([lambda c=c: product(x[:1], c) for c in copies])
     ok = [r for r in rows if r.get("bitwise")]
     best = min(ok, key=lambda r: r["us_m1"]) if ok else None
     summary = {**fields, "current": now.__dict__, "current_us": now_us, "best": best,

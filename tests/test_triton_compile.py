@@ -45,7 +45,6 @@ def test_split_selection_kernels_compile_for_sm90(name: str, first: bool | None)
     """The short windows' selection (each row over many programs), each of its four kernels."""
     from glm53.ops import triton_topk as tk
 
-    ints = {n: "i32" for n in ("N", "P", "stride_s", "stride_i", "stride_v", "WIDTH")}
     kernels = {
         "hist": (tk._split_hist_kernel, {"s_ptr": "*fp32", "state_ptr": "*i32", "hist_ptr": "*i32", "nan_ptr": "*i32",
                                          "N": "i32", "P": "i32", "stride_s": "i32"},
@@ -56,8 +55,8 @@ def test_split_selection_kernels_compile_for_sm90(name: str, first: bool | None)
         "count": (tk._split_count_kernel, {"s_ptr": "*fp32", "state_ptr": "*i32", "count_ptr": "*i32", "N": "i32",
                                            "P": "i32", "stride_s": "i32"}, {"BLOCK": tk.BLOCK}),
         "write": (tk._split_write_kernel, {"s_ptr": "*fp32", "state_ptr": "*i32", "count_ptr": "*i32",
-                                           "idx_ptr": "*i64", "valid_ptr": "*i8", **{n: ints[n] for n in (
-                                               "N", "P", "stride_s", "stride_i", "stride_v")}},
+                                           "idx_ptr": "*i64", "valid_ptr": "*i8",
+                                           **{n: "i32" for n in ("N", "P", "stride_s", "stride_i", "stride_v")}},
                   {"BLOCK": tk.BLOCK, "BLOCK_P": tk.MAX_KEYS // tk.BLOCK}),
     }
     fn, signature, constexprs = kernels[name]

@@ -23,6 +23,7 @@ import json
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -70,18 +71,17 @@ def _worker() -> dict[str, list]:
     tile = 32
     slices = [(0, 1), (0, 7), (0, 31), (0, 33), (tile, 1), (tile, 13), (tile, 7)]
 
-    def one_tile_config(fn):
-        """Run fn with one tile config for every row count (CONFIG_BY_ROWS False): the interpreter's
-        numpy dots differ in bits between tile shapes, where the GPU's do not (a property of the
-        compiled code, tests/gpu/test_triton_cuda.py); the kernel's own row invariance is checked here."""
-        def run() -> None:
-            saved = triton_linear.CONFIG_BY_ROWS
-            triton_linear.CONFIG_BY_ROWS = False
-            try:
-                fn()
-            finally:
-                triton_linear.CONFIG_BY_ROWS = saved
-        return run
+    @contextmanager
+    def one_tile_config():
+        """One tile config for every row count (CONFIG_BY_ROWS False): the interpreter's numpy dots
+        differ in bits between tile shapes, where the GPU's do not (a property of the compiled code,
+        tests/gpu/test_triton_cuda.py); the kernel's own row invariance is checked under it here."""
+        saved = triton_linear.CONFIG_BY_ROWS
+        triton_linear.CONFIG_BY_ROWS = False
+        try:
+            yield
+        finally:
+            triton_linear.CONFIG_BY_ROWS = saved
 
     def check_linear() -> None:
         x, w = randn(45, 70, std=70 ** -0.5), randn(50, 70)  # M, N, K not multiples of the 32 tile
@@ -89,21 +89,18 @@ def _worker() -> dict[str, list]:
         close(big, torch_ops.linear(x, w), "linear vs torch")
         for s, n in slices:
             close(triton_linear.linear(x[s:s + n], w), big[s:s + n], f"linear rows [{s}, {s + n}), by-rows tiles")
-
-        @one_tile_config
-        def bitwise() -> None:
+        with one_tile_config():
             big = triton_linear.linear(x, w)
             for s, n in slices:
                 same(triton_linear.linear(x[s:s + n], w), big[s:s + n], f"linear rows [{s}, {s + n})")
-        bitwise()
 
     def check_linear_leading_dims() -> None:
         x, w = randn(3, 15, 40), randn(33, 40)
         out = triton_linear.linear(x, w)
         assert out.shape == (3, 15, 33)
         close(out, torch_ops.linear(x, w), "linear [3, 15, K]")
-        one_tile_config(lambda: same(triton_linear.linear(x[:1], w), triton_linear.linear(x, w)[:1],
-                                     "linear x[:1] vs x"))()
+        with one_tile_config():
+            same(triton_linear.linear(x[:1], w), triton_linear.linear(x, w)[:1], "linear x[:1] vs x")
         assert triton_linear.linear(x[:0], w).shape == (0, 15, 33)
 
     def check_head_linear_strided() -> None:
@@ -260,6 +257,12 @@ def _worker() -> dict[str, list]:
             assert "choose 1, 2, 4 or 8" in str(exc)
         else:
             raise AssertionError("bits=3 accepted")
+        try:  # the split form's write kernel holds at most MAX_KEYS / BLOCK blocks a row
+            triton_topk.select(torch.zeros(1, triton_topk.MAX_KEYS + 1), 8, split=True)
+        except ValueError as exc:
+            assert "exceed MAX_KEYS" in str(exc) and "torch form" in str(exc)
+        else:
+            raise AssertionError("a row over MAX_KEYS accepted by the split form")
         s = randn(12, 300).masked_fill(torch.arange(300)[None, :] > (288 + torch.arange(12))[:, None],
                                        float("-inf"))
         want, (idx, valid, _) = select_topk(s, 32), triton_topk.select(s, 32)

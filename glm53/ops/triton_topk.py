@@ -30,9 +30,10 @@ pass (16 or 4 bins, more passes) were slower than 8.
 Short windows (decode steps, verification: at most SPLIT_ROWS rows) split each row over programs
 of BLOCK columns (`_select_split`): the same passes and the same arithmetic, each pass's
 histograms summed by one program per row, then a count per block so that every block knows where
-its chosen columns go. A row on one program would run on one multiprocessor; the torch form this
-replaced there (a packed int64 top-k of 8 radix passes, then a sort of the chosen columns) took
-~95 us of GPU time a 'full' layer at 19k keys (bench/results/prefix_cache_h200_depth78_profile_session9).
+its chosen columns go. A row on one program would run on one multiprocessor. H200, GPU time a call
+in CUDA graphs (bench/bench_select_topk.py --short, bench/results/select_topk_short_h200.json): one
+row of 19001 keys 0.031 ms against 0.153 for the torch form this replaced there (a packed int64
+top-k of 8 radix passes, then a sort of the chosen columns) and 0.097 for the row kernel.
 """
 from __future__ import annotations
 
@@ -72,25 +73,30 @@ def _radix_pass(base, N, offs, bins, prefix, need, shift, COUNT_NAN: tl.constexp
                 BITS: tl.constexpr):
     """The BITS bits of the threshold key at `shift`, among the elements whose bits above it equal
     prefix's. Returns (prefix with those bits set, need less the elements above them, how many elements
-    share the new prefix, the row's NaN count if COUNT_NAN). Elements that do not share the prefix go to
-    bin 0 and are taken out of it after the pass: a histogram's cost grows with its bins, not with
-    what it counts."""
-    # the bits found so far (shifted in 64 bits: the first pass shifts by 32, undefined in 32)
-    high = (tl.full([], 0xFFFFFFFF, tl.uint64) << (shift + BITS).to(tl.uint64)).to(tl.uint32)
+    share the new prefix, the row's NaN count if COUNT_NAN)."""
     hist = tl.zeros([1 << BITS], dtype=tl.int32)
-    strangers = tl.full([], 0, tl.int32)
     nans = tl.full([], 0, tl.int32)
     for start in range(0, N, BLOCK):
         cols, inside, s = _block(base, start, offs, N)
-        key = _keys(s)
-        match = inside & ((key & high) == prefix)
-        digit = tl.where(match, ((key >> shift.to(tl.uint32)) & ((1 << BITS) - 1)).to(tl.int32), 0)
-        hist += tl.histogram(digit, 1 << BITS)
-        strangers += BLOCK - tl.sum(match.to(tl.int32))
+        hist += _block_hist(s, inside, bins, prefix, shift, BITS)
         if COUNT_NAN:
             nans += tl.sum((inside & (s != s)).to(tl.int32))
-    prefix, need, sharing = _resolve(tl.where(bins == 0, hist - strangers, hist), bins, prefix, need, shift)
+    prefix, need, sharing = _resolve(hist, bins, prefix, need, shift)
     return prefix, need, sharing, nans
+
+
+@triton.jit
+def _block_hist(s, inside, bins, prefix, shift, BITS: tl.constexpr):
+    """A block's histogram of the BITS bits at `shift` among its elements whose higher bits equal
+    prefix's. The others go to bin 0 and are taken out of it (a histogram's cost grows with its bins,
+    not with what it counts), as are the lanes past the row's end."""
+    # the bits found so far (shifted in 64 bits: the first pass shifts by 32, undefined in 32)
+    high = (tl.full([], 0xFFFFFFFF, tl.uint64) << (shift + BITS).to(tl.uint64)).to(tl.uint32)
+    key = _keys(s)
+    match = inside & ((key & high) == prefix)
+    digit = tl.where(match, ((key >> shift.to(tl.uint32)) & ((1 << BITS) - 1)).to(tl.int32), 0)
+    hist = tl.histogram(digit, 1 << BITS)
+    return tl.where(bins == 0, hist - (s.shape[0] - tl.sum(match.to(tl.int32))), hist)
 
 
 @triton.jit
@@ -185,20 +191,14 @@ def _row_state(state_ptr, row, FIRST: tl.constexpr, WIDTH, BITS: tl.constexpr):
 @triton.jit
 def _split_hist_kernel(s_ptr, state_ptr, hist_ptr, nan_ptr, N, P, stride_s, FIRST: tl.constexpr,
                        BLOCK: tl.constexpr, BITS: tl.constexpr):
-    """One pass's histogram of block p of a row (bin 0 less the non-sharing elements) -> hist[row, p]."""
+    """One pass's histogram of block p of a row (_block_hist) -> hist[row, p]."""
     row = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1)
     prefix, need, sharing, shift, active = _row_state(state_ptr, row, FIRST, 0, BITS)
     if active:
-        high = (tl.full([], 0xFFFFFFFF, tl.uint64) << (shift + BITS).to(tl.uint64)).to(tl.uint32)
         bins = tl.arange(0, 1 << BITS)
         cols, inside, s = _block(s_ptr + row * stride_s, p * BLOCK, tl.arange(0, BLOCK), N)
-        key = _keys(s)
-        match = inside & ((key & high) == prefix)
-        digit = tl.where(match, ((key >> shift.to(tl.uint32)) & ((1 << BITS) - 1)).to(tl.int32), 0)
-        hist = tl.histogram(digit, 1 << BITS)
-        hist = tl.where(bins == 0, hist - (BLOCK - tl.sum(match.to(tl.int32))), hist)
-        tl.store(hist_ptr + (row * P + p) * (1 << BITS) + bins, hist)
+        tl.store(hist_ptr + (row * P + p) * (1 << BITS) + bins, _block_hist(s, inside, bins, prefix, shift, BITS))
         if FIRST:
             tl.store(nan_ptr + row * P + p, tl.sum((inside & (s != s)).to(tl.int32)))
 
