@@ -160,9 +160,11 @@ class _Loader:
         return x.to(device=self.device, dtype=dtype or self.dtype).contiguous()
 
     def fp32_product_weight(self, x: torch.Tensor) -> torch.Tensor:
-        """A weight of an fp32 product (router, indexer head weights): bf16 as stored (every value
-        exact in fp32, and ops.linear_fp32 then runs on the tensor cores), any other dtype as fp32."""
-        return self.t(x, torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32)
+        """A weight of an fp32 product (router, indexer head weights): bf16 as stored when the model
+        computes in bf16 (every value exact in fp32, and ops.linear_fp32 then runs on the tensor
+        cores), else fp32 (what an fp32 model's product takes: converted once here, not per call)."""
+        keep = x.dtype == torch.bfloat16 and self.dtype == torch.bfloat16
+        return self.t(x, torch.bfloat16 if keep else torch.float32)
 
     def attention(self, p: str) -> AttentionWeights:
         c, f = self.cfg, self.f

@@ -91,9 +91,10 @@ def test_router_matches_reference_with_groups() -> None:
 
 
 def test_fp32_products_keep_bf16_weights_as_stored_with_the_fp32_values(tiny_dirs) -> None:  # noqa: F811
-    """The router's and the indexer's head weights stay bf16 when the checkpoint stores bf16 (so that
-    CUDA runs their fp32 products on the tensor cores: ops.linear_fp32), and the CPU's product is the
-    fp32 one of the same values, whatever the activations' dtype."""
+    """The router's and the indexer's head weights stay bf16 when the checkpoint stores bf16 and the
+    model computes in bf16 (so that CUDA runs their fp32 products on the tensor cores:
+    ops.linear_fp32), fp32 in an fp32 model; the CPU's product is the fp32 one of the same values,
+    whatever the activations' dtype."""
     from glm53 import ops
     from glm53.engine import Glm53Engine
     from glm53.ops import torch_ops
@@ -104,6 +105,8 @@ def test_fp32_products_keep_bf16_weights_as_stored_with_the_fp32_values(tiny_dir
     routers = [layer.ffn.router for layer in layers if hasattr(layer.ffn, "router")]
     assert indexers and routers, "the tiny checkpoint has indexer and MoE layers"
     assert {i.weights_proj.dtype for i in indexers} == {r.weight.dtype for r in routers} == {torch.bfloat16}
+    fp32_layers = Glm53Engine(tiny_dirs.model, device="cpu", dtype="fp32", kv_dtype="fp32").model.w.layers
+    assert {layer.indexer.weights_proj.dtype for layer in fp32_layers if layer.indexer is not None} == {torch.float32}
     g = torch.Generator().manual_seed(4)
     w = indexers[0].weights_proj
     for x in (torch.randn(5, w.shape[1], generator=g).to(torch.bfloat16), torch.randn(5, w.shape[1], generator=g)):
