@@ -15,7 +15,9 @@ turn of --turn-tokens new tokens after each of --histories cached positions, arm
 one engine, the same replies required; the table also gives each arm's last / first history ratio
 (the turn ratio's share that the selection moves). --against DIR adds a third arm, 'previous': the
 kernel of another kit checkout (e.g. `git archive <commit> | tar -x -C DIR`), for a change to the
-kernel side by side; --digit-bits B adds an arm running this kernel with B bits a pass. Prints a
+kernel side by side; --digit-bits B adds an arm running this kernel with B bits a pass; --forms an
+arm forcing the looped row kernel (rows re-read each pass), --per-thread N arms holding resident rows
+at N keys a thread. Prints a
 table; JSON (bench/benchmeta.py header) to --out. Exit codes: 0 done, 1 a selection or reply
 differed, 2 bad arguments or no CUDA.
 """
@@ -87,7 +89,21 @@ def extra_arms(args: argparse.Namespace) -> dict:
 
     for bits in args.digit_bits:
         arms[f"bits{bits}"] = lambda s, k, bits=bits: Selection(*triton_topk.select(s, k, bits)[:2])
+    if args.forms:
+        arms["row_kernel"] = lambda s, k: Selection(*triton_topk.select(s, k, form="row")[:2])
+    for per_thread in args.per_thread:
+        arms[f"keys{per_thread}"] = lambda s, k, n=per_thread: resident_with(triton_topk, n, s, k)
     return arms
+
+
+def resident_with(triton_topk, per_thread: int, scores: torch.Tensor, k: int) -> Selection:
+    """The kernel select() picks, resident rows held at `per_thread` keys a thread."""
+    default = triton_topk.RESIDENT_PER_THREAD
+    triton_topk.RESIDENT_PER_THREAD = per_thread
+    try:
+        return Selection(*triton_topk.select(scores, k)[:2])
+    finally:
+        triton_topk.RESIDENT_PER_THREAD = default
 
 
 def finish(out: Path, result: dict, columns: list[str], what: str) -> int:
@@ -177,7 +193,7 @@ def short_windows(args: argparse.Namespace) -> int:
     device = torch.device("cuda")
     flag = torch.zeros((), dtype=torch.bool, device=device)  # NaN into a device flag: no sync in a graph
     arms = {"torch": lambda s, k: select_topk_torch(s, k, flag), "triton": lambda s, k: select_topk(s, k, flag),
-            "row_kernel": lambda s, k: Selection(*triton_topk.select(s, k, split=False)[:2])}
+            "row_kernel": lambda s, k: Selection(*triton_topk.select(s, k, form="row")[:2])}
     rows, mismatches = [], []
     for t, n in SHORT_CASES:
         copies = [chunk_scores(t, n - t, device, seed=n + i) for i in range(4)]
@@ -209,6 +225,9 @@ def main() -> int:
     p.add_argument("--against", type=Path, help="another kit checkout: its kernel as a third arm")
     p.add_argument("--digit-bits", type=int, nargs="*", default=[], choices=[1, 2, 4, 8],
                    help="arms running this kernel with these bits a pass")
+    p.add_argument("--forms", action="store_true", help="an arm forcing the looped row kernel ('row_kernel')")
+    p.add_argument("--per-thread", type=int, nargs="*", default=[],
+                   help="arms holding resident rows at these keys a thread (warps = row / 32 / this, 4..16)")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "select_topk.json")
     args = p.parse_args()
     if args.repeats < 1:

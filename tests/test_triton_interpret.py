@@ -226,6 +226,7 @@ def _worker() -> dict[str, list]:
                                                   queries=4, slots=37, n_rows=40)
 
     def check_select_topk() -> None:
+        forms = ("row", "resident", "split")
         # the kernel against the CPU rule (select_topk on torch, which tests/test_attention.py checks
         # against brute force): exact. Rows over several of the kernel's column blocks, k below,
         # at and above N, ties at the threshold, -0.0 against 0.0, +-inf, all -inf, causal rows
@@ -241,16 +242,16 @@ def _worker() -> dict[str, list]:
             s[4] = torch.arange(n, 0, -1).float()
             s[5] = float("-inf")
             want = select_topk(s, k)
-            for split in (False, True):  # one program a row; each row over programs of BLOCK columns
-                idx, valid, nans = triton_topk.select(s, k, split=split)
-                same(idx, want.indices, f"select_topk indices (N {n}, k {k}, split {split})")
-                assert torch.equal(valid, want.valid), f"select_topk valid (N {n}, k {k}, split {split})"
+            for form in forms:  # a program a row (read in each pass, or held); a row over programs
+                idx, valid, nans = triton_topk.select(s, k, form=form)
+                same(idx, want.indices, f"select_topk indices (N {n}, k {k}, {form})")
+                assert torch.equal(valid, want.valid), f"select_topk valid (N {n}, k {k}, {form})"
                 assert not nans.any()
                 if n in (40, 1025, 3000):  # fewer bits a pass (more passes, other early stops): the same
                     for bits in (1, 2, 4):
-                        idx_b, valid_b, _ = triton_topk.select(s, k, bits, split=split)
+                        idx_b, valid_b, _ = triton_topk.select(s, k, bits, form=form)
                         assert torch.equal(idx_b, idx) and torch.equal(valid_b, valid), (
-                            f"select_topk bits {bits} split {split}")
+                            f"select_topk bits {bits} {form}")
         try:
             triton_topk.select(s, 8, bits=3)
         except ValueError as exc:
@@ -258,20 +259,27 @@ def _worker() -> dict[str, list]:
         else:
             raise AssertionError("bits=3 accepted")
         try:  # the split form's write kernel holds at most MAX_KEYS / BLOCK blocks a row
-            triton_topk.select(torch.zeros(1, triton_topk.MAX_KEYS + 1), 8, split=True)
+            triton_topk.select(torch.zeros(1, triton_topk.MAX_KEYS + 1), 8, form="split")
         except ValueError as exc:
             assert "exceed MAX_KEYS" in str(exc) and "torch form" in str(exc)
         else:
             raise AssertionError("a row over MAX_KEYS accepted by the split form")
+        try:  # the resident form holds at most RESIDENT_KEYS a row
+            triton_topk.select(torch.zeros(1, triton_topk.RESIDENT_KEYS + 1), 8, form="resident")
+        except ValueError as exc:
+            assert "exceed RESIDENT_KEYS" in str(exc) and "'row'" in str(exc)
+        else:
+            raise AssertionError("a row over RESIDENT_KEYS accepted by the resident form")
         s = randn(12, 300).masked_fill(torch.arange(300)[None, :] > (288 + torch.arange(12))[:, None],
                                        float("-inf"))
         want, (idx, valid, _) = select_topk(s, 32), triton_topk.select(s, 32)
         assert torch.equal(idx, want.indices) and torch.equal(valid, want.valid), "select_topk causal rows"
-        assert torch.equal(triton_topk.select(s, 32, split=True)[0], want.indices), "select_topk causal rows, split"
+        for form in forms:
+            assert torch.equal(triton_topk.select(s, 32, form=form)[0], want.indices), f"causal rows, {form}"
         s[3, 7] = float("nan")
-        for split in (False, True):
-            assert triton_topk.select(s, 32, split=split)[2].tolist() == [0, 0, 0, 1] + [0] * 8, (
-                f"NaN counted in its row only (split {split})")
+        for form in forms:
+            assert triton_topk.select(s, 32, form=form)[2].tolist() == [0, 0, 0, 1] + [0] * 8, (
+                f"NaN counted in its row only ({form})")
 
     checks = {"linear": check_linear, "linear_leading_dims": check_linear_leading_dims,
               "head_linear_strided": check_head_linear_strided, "rms_norm": check_rms_norm,

@@ -48,6 +48,8 @@ MAX_KEYS = 262144
 DIGIT_BITS = 8  # bits of the threshold key found per pass: 256 bins
 SPLIT_ROWS = 16  # windows of up to this many rows (decode, verification) split each row over programs
 RESOLVE_BLOCKS = 16  # blocks' histograms a resolve program sums at a time
+RESIDENT_KEYS = 32768  # rows up to this many keys are selected from registers (_select_resident_kernel)
+RESIDENT_PER_THREAD = 32  # keys a thread holds there
 
 
 @triton.jit
@@ -58,6 +60,12 @@ def _keys(s):
     sign = tl.full([], 0x80000000, tl.uint32)
     bits = tl.where(bits == sign, 0, bits)  # -0.0 -> +0.0
     return tl.where(bits >= sign, ~bits, bits | sign)
+
+
+@triton.jit
+def _finite(key):
+    """Whether a key is a finite score's: +-inf map to 0xFF800000 and 0x007FFFFF, NaNs beyond them."""
+    return (key > 0x007FFFFF) & (key < 0xFF800000)
 
 
 @triton.jit
@@ -88,15 +96,21 @@ def _radix_pass(base, N, offs, bins, prefix, need, shift, COUNT_NAN: tl.constexp
 @triton.jit
 def _block_hist(s, inside, bins, prefix, shift, BITS: tl.constexpr):
     """A block's histogram of the BITS bits at `shift` among its elements whose higher bits equal
-    prefix's. The others go to bin 0 and are taken out of it (a histogram's cost grows with its bins,
-    not with what it counts), as are the lanes past the row's end."""
+    prefix's (_key_hist of the block's keys)."""
+    return _key_hist(_keys(s), inside, bins, prefix, shift, BITS)
+
+
+@triton.jit
+def _key_hist(key, inside, bins, prefix, shift, BITS: tl.constexpr):
+    """The histogram of the BITS bits at `shift` among the keys whose higher bits equal prefix's.
+    The others go to bin 0 and are taken out of it (a histogram's cost grows with its bins, not with
+    what it counts), as are the lanes past the row's end."""
     # the bits found so far (shifted in 64 bits: the first pass shifts by 32, undefined in 32)
     high = (tl.full([], 0xFFFFFFFF, tl.uint64) << (shift + BITS).to(tl.uint64)).to(tl.uint32)
-    key = _keys(s)
     match = inside & ((key & high) == prefix)
     digit = tl.where(match, ((key >> shift.to(tl.uint32)) & ((1 << BITS) - 1)).to(tl.int32), 0)
     hist = tl.histogram(digit, 1 << BITS)
-    return tl.where(bins == 0, hist - (s.shape[0] - tl.sum(match.to(tl.int32))), hist)
+    return tl.where(bins == 0, hist - (key.shape[0] - tl.sum(match.to(tl.int32))), hist)
 
 
 @triton.jit
@@ -134,17 +148,40 @@ def _select_kernel(s_ptr, idx_ptr, valid_ptr, nan_ptr, N, WIDTH, stride_s, strid
     ties_seen = tl.full([], 0, tl.int32)
     for start in range(0, N, BLOCK):
         cols, inside, s = _block(base, start, offs, N)
-        written, ties_seen = _write_block(idx_ptr + row * stride_i, valid_ptr + row * stride_v, cols, inside, s,
-                                          prefix, need, need == sharing, written, ties_seen)
+        written, ties_seen = _write_block(idx_ptr + row * stride_i, valid_ptr + row * stride_v, cols, inside,
+                                          _keys(s), prefix, need, need == sharing, written, ties_seen)
 
 
 @triton.jit
-def _write_block(idx_row, valid_row, cols, inside, s, prefix, need, plain, written, ties_seen):
-    """A block's chosen finite columns at the row's next slots, in column order; returns (slots used,
-    ties seen) so far. plain (every element sharing prefix is kept, most rows): a key >= prefix is
-    chosen. Else every bit is found and the elements equal to prefix are ties: the first `need` of
-    them in column order are chosen (ties_seen: the row's ties in earlier blocks)."""
+def _select_resident_kernel(s_ptr, idx_ptr, valid_ptr, nan_ptr, N, WIDTH, stride_s, stride_i, stride_v,
+                            ROW: tl.constexpr, BITS: tl.constexpr):
+    """_select_kernel for rows of at most ROW keys: the row read and keyed once, every pass over the
+    keys in registers (the looped kernel reads and keys the row again in every pass)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, ROW)
+    inside = cols < N
+    s = tl.load(s_ptr + row * stride_s + cols, mask=inside, other=0.0)
+    tl.store(nan_ptr + row, tl.sum((inside & (s != s)).to(tl.int32)))
     key = _keys(s)
+    bins = tl.arange(0, 1 << BITS)
+    prefix = tl.full([], 0, tl.uint32)
+    need = tl.full([], 0, tl.int32) + WIDTH
+    shift = tl.full([], 32 - BITS, tl.int32)
+    prefix, need, sharing = _resolve(_key_hist(key, inside, bins, prefix, shift, BITS), bins, prefix, need, shift)
+    while (shift > 0) & (need < sharing):  # _select_kernel's passes, the same arithmetic
+        shift -= BITS
+        prefix, need, sharing = _resolve(_key_hist(key, inside, bins, prefix, shift, BITS), bins, prefix, need,
+                                         shift)
+    _write_block(idx_ptr + row * stride_i, valid_ptr + row * stride_v, cols, inside, key, prefix, need,
+                 need == sharing, tl.full([], 0, tl.int32), tl.full([], 0, tl.int32))
+
+
+@triton.jit
+def _write_block(idx_row, valid_row, cols, inside, key, prefix, need, plain, written, ties_seen):
+    """A block's chosen finite columns (by their keys) at the row's next slots, in column order; returns
+    (slots used, ties seen) so far. plain (every element sharing prefix is kept, most rows): a key >=
+    prefix is chosen. Else every bit is found and the elements equal to prefix are ties: the first
+    `need` of them in column order are chosen (ties_seen: the row's ties in earlier blocks)."""
     if plain:
         chosen = inside & (key >= prefix)
     else:
@@ -152,7 +189,7 @@ def _write_block(idx_row, valid_row, cols, inside, s, prefix, need, plain, writt
         tie_rank = ties_seen + tl.cumsum(tie, 0) - tie  # ties at lower columns, this row so far
         ties_seen += tl.sum(tie)
         chosen = inside & ((key > prefix) | ((tie != 0) & (tie_rank < need)))
-    kept = (chosen & (tl.abs(s) < float("inf"))).to(tl.int32)  # chosen and finite
+    kept = (chosen & _finite(key)).to(tl.int32)
     slot = written + tl.cumsum(kept, 0) - kept
     tl.store(idx_row + slot, cols.to(tl.int64), mask=kept != 0)
     tl.store(valid_row + slot, tl.full(cols.shape, 1, tl.int8), mask=kept != 0)
@@ -242,7 +279,7 @@ def _split_count_kernel(s_ptr, state_ptr, count_ptr, N, P, stride_s, BLOCK: tl.c
     cols, inside, s = _block(s_ptr + row * stride_s, p * BLOCK, tl.arange(0, BLOCK), N)
     key = _keys(s)
     above = tl.where(plain, key >= prefix, key > prefix)
-    tl.store(count_ptr + (row * P + p) * 2, tl.sum((inside & above & (tl.abs(s) < float("inf"))).to(tl.int32)))
+    tl.store(count_ptr + (row * P + p) * 2, tl.sum((inside & above & _finite(key)).to(tl.int32)))
     tl.store(count_ptr + (row * P + p) * 2 + 1, tl.sum((inside & (key == prefix)).to(tl.int32)))
 
 
@@ -262,38 +299,60 @@ def _split_write_kernel(s_ptr, state_ptr, count_ptr, idx_ptr, valid_ptr, N, P, s
     ties = tl.load(count_ptr + (row * P + qs) * 2 + 1, mask=qs < P, other=0)
     ties_before = tl.cumsum(ties, 0) - ties
     # ties share one key, hence one score: all finite or none (+-inf, whose keys bound the finite ones)
-    ties_finite = (prefix > 0x007FFFFF) & (prefix < 0xFF800000)
+    ties_finite = _finite(prefix)
     kept_ties = tl.minimum(tl.maximum(need - ties_before, 0), ties)  # ranks [ties_before, +ties) below need
     kept = above + tl.where(plain, 0, tl.where(ties_finite, kept_ties, 0))
     earlier = qs < p
     cols, inside, s = _block(s_ptr + row * stride_s, p * BLOCK, tl.arange(0, BLOCK), N)
-    _write_block(idx_ptr + row * stride_i, valid_ptr + row * stride_v, cols, inside, s, prefix, need, plain,
+    _write_block(idx_ptr + row * stride_i, valid_ptr + row * stride_v, cols, inside, _keys(s), prefix, need, plain,
                  tl.sum(tl.where(earlier, kept, 0)), tl.sum(tl.where(earlier, ties, 0)))
 
 
-def select(scores: torch.Tensor, k: int, bits: int = DIGIT_BITS, split: bool | None = None
+def select(scores: torch.Tensor, k: int, bits: int = DIGIT_BITS, form: str | None = None
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """scores fp32 [T, N] on CUDA -> (indices [T, k] int64, valid [T, k] bool, NaN count [T] int32):
     each row's min(k, N) largest (score, -position) keys, ascending, the non-finite ones invalid.
     `bits` of the threshold key a pass (benches; any divisor of 32 up to 8 gives the same selection).
-    `split`: rows spread over programs of BLOCK columns (None: for windows of up to SPLIT_ROWS rows)."""
+    `form` (benches and tests; every form gives the same selection): 'split' (each row over programs of
+    BLOCK columns), 'resident' (a program a row, the row in registers: rows of up to RESIDENT_KEYS) or
+    'row' (a program a row, read in every pass). None: split for windows of up to SPLIT_ROWS rows,
+    else resident where the rows fit, else row."""
     if scores.dim() != 2 or scores.dtype != torch.float32:
         raise ValueError(f"scores must be fp32 [T, N], got {scores.dtype} {tuple(scores.shape)}")
     if bits not in (1, 2, 4, 8):
         raise ValueError(f"select: bits={bits}: choose 1, 2, 4 or 8 (a divisor of 32; 256 bins at most)")
     t, n = scores.shape
+    if form is None:
+        form = "split" if t <= SPLIT_ROWS else "resident" if n <= RESIDENT_KEYS else "row"
+    if form not in ("split", "resident", "row"):
+        raise ValueError(f"select: form={form!r}: choose 'split', 'resident' or 'row'")
+    if form == "resident" and n > RESIDENT_KEYS:
+        raise ValueError(f"select: rows of {n} keys exceed RESIDENT_KEYS ({RESIDENT_KEYS}): use form 'row'")
     if scores.stride(1) != 1:
         scores = scores.contiguous()
     indices = torch.zeros(t, k, dtype=torch.int64, device=scores.device)
     valid = torch.zeros(t, k, dtype=torch.int8, device=scores.device)
     nans = torch.zeros(t, dtype=torch.int32, device=scores.device)
     if t and n and k:
-        if split if split is not None else t <= SPLIT_ROWS:
+        args = (scores, indices, valid, nans, n, min(k, n), scores.stride(0), indices.stride(0), valid.stride(0))
+        if form == "split":
             _select_split(scores, indices, valid, nans, min(k, n), bits)
+        elif form == "resident":
+            row = resident_row(n)
+            _select_resident_kernel[(t,)](*args, ROW=row, BITS=bits, num_warps=resident_warps(row))
         else:
-            _select_kernel[(t,)](scores, indices, valid, nans, n, min(k, n), scores.stride(0), indices.stride(0),
-                                 valid.stride(0), BLOCK=BLOCK, BITS=bits, num_warps=4)
+            _select_kernel[(t,)](*args, BLOCK=BLOCK, BITS=bits, num_warps=4)
     return indices, valid.view(torch.bool), nans
+
+
+def resident_row(n: int) -> int:
+    """The register row a resident program holds for rows of n keys (a power of two: few compiles)."""
+    return max(BLOCK, triton.next_power_of_2(n))
+
+
+def resident_warps(row: int) -> int:
+    """Warps of a resident program: RESIDENT_PER_THREAD keys a thread, 4 to 16 warps."""
+    return min(16, max(4, row // (32 * RESIDENT_PER_THREAD)))
 
 
 def _select_split(scores: torch.Tensor, indices: torch.Tensor, valid: torch.Tensor, nans: torch.Tensor,
