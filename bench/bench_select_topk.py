@@ -16,8 +16,8 @@ one engine, the same replies required; the table also gives each arm's last / fi
 (the turn ratio's share that the selection moves). --against DIR adds a third arm, 'previous': the
 kernel of another kit checkout (e.g. `git archive <commit> | tar -x -C DIR`), for a change to the
 kernel side by side; --digit-bits B adds an arm running this kernel with B bits a pass; --forms an
-arm forcing the looped row kernel (rows re-read each pass), --per-thread N arms holding resident rows
-at N keys a thread. Prints a
+arm whose passes all run over whole rows (no sampled bracket), --samples N arms sampling brackets
+from N keys. Each case also logs the share of rows whose passes ran over their bracket. Prints a
 table; JSON (bench/benchmeta.py header) to --out. Exit codes: 0 done, 1 a selection or reply
 differed, 2 bad arguments or no CUDA.
 """
@@ -90,20 +90,10 @@ def extra_arms(args: argparse.Namespace) -> dict:
     for bits in args.digit_bits:
         arms[f"bits{bits}"] = lambda s, k, bits=bits: Selection(*triton_topk.select(s, k, bits)[:2])
     if args.forms:
-        arms["row_kernel"] = lambda s, k: Selection(*triton_topk.select(s, k, form="row")[:2])
-    for per_thread in args.per_thread:
-        arms[f"keys{per_thread}"] = lambda s, k, n=per_thread: resident_with(triton_topk, n, s, k)
+        arms["row_full"] = lambda s, k: Selection(*triton_topk.select(s, k, form="row_full")[:2])
+    for sample in args.samples:
+        arms[f"sample{sample}"] = lambda s, k, n=sample: Selection(*triton_topk.select_rows(s, k, sample=n)[:2])
     return arms
-
-
-def resident_with(triton_topk, per_thread: int, scores: torch.Tensor, k: int) -> Selection:
-    """The kernel select() picks, resident rows held at `per_thread` keys a thread."""
-    default = triton_topk.RESIDENT_PER_THREAD
-    triton_topk.RESIDENT_PER_THREAD = per_thread
-    try:
-        return Selection(*triton_topk.select(scores, k)[:2])
-    finally:
-        triton_topk.RESIDENT_PER_THREAD = default
 
 
 def finish(out: Path, result: dict, columns: list[str], what: str) -> int:
@@ -225,9 +215,9 @@ def main() -> int:
     p.add_argument("--against", type=Path, help="another kit checkout: its kernel as a third arm")
     p.add_argument("--digit-bits", type=int, nargs="*", default=[], choices=[1, 2, 4, 8],
                    help="arms running this kernel with these bits a pass")
-    p.add_argument("--forms", action="store_true", help="an arm forcing the looped row kernel ('row_kernel')")
-    p.add_argument("--per-thread", type=int, nargs="*", default=[],
-                   help="arms holding resident rows at these keys a thread (warps = row / 32 / this, 4..16)")
+    p.add_argument("--forms", action="store_true", help="an arm whose passes run over whole rows ('row_full')")
+    p.add_argument("--samples", type=int, nargs="*", default=[],
+                   help="arms sampling each row's bracket from this many keys (powers of two)")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "select_topk.json")
     args = p.parse_args()
     if args.repeats < 1:
@@ -259,7 +249,12 @@ def main() -> int:
             for name, b in got.items():
                 if not (torch.equal(a.indices, b.indices) and torch.equal(a.valid, b.valid)):
                     mismatches.append(f"T={t} history={history} sample {i}: {name}")
+        from glm53.ops import triton_topk
+
+        bracketed = float(triton_topk.select_rows(scores, K)[3].float().mean())
         rows.append(arm_row({"t": t, "keys": history + t}, samples))
+        rows[-1]["bracketed_rows"] = bracketed
+        print(f"  rows whose passes ran over their sampled bracket: {bracketed:.1%}", file=sys.stderr, flush=True)
         del scores
     settings = {"k": K, "repeats": args.repeats, "timing": "wall of each call, device synchronized, arms alternating"}
     result = {**result_header("select_topk", settings, device=device), "cases": rows, "mismatches": mismatches}

@@ -1,6 +1,6 @@
 """Kernels whose control flow the interpreter cannot vouch for compile for the H200 (sm_90) without
-a GPU: the selection kernels (glm53/ops/triton_topk.py: a data-dependent while loop, the row read
-in each pass or held in registers; the short windows' four), the
+a GPU: the selection kernels (glm53/ops/triton_topk.py: data-dependent while loops, a sampled
+bracket; the short windows' four), the
 indexer's scores kernel in each of its mask forms (glm53/ops/triton_indexer.py) and the prefill
 attention kernel (glm53/ops/triton_attention.py) at GLM-5.3's shape.
 
@@ -31,25 +31,16 @@ def _compile(fn, signature: dict[str, str], constexprs: dict[str, object], warps
     return compiled
 
 
-SELECT_SIGNATURE = {"s_ptr": "*fp32", "idx_ptr": "*i64", "valid_ptr": "*i8", "nan_ptr": "*i32", "N": "i32",
-                    "WIDTH": "i32", "stride_s": "i32", "stride_i": "i32", "stride_v": "i32"}
-
-
-def test_selection_kernel_compiles_for_sm90() -> None:
+@pytest.mark.parametrize("sample", [0, 1024])
+def test_selection_kernel_compiles_for_sm90(sample: int) -> None:
+    """The row form: passes over the whole row, or over a sampled bracket first."""
     from glm53.ops import triton_topk
 
-    _compile(triton_topk._select_kernel, SELECT_SIGNATURE,
-             {"BLOCK": triton_topk.BLOCK, "BITS": triton_topk.DIGIT_BITS}, 4)
-
-
-@pytest.mark.parametrize("keys", [2048, 16384, 32768])
-def test_resident_selection_kernel_compiles_for_sm90(keys: int) -> None:
-    """The row held in registers, at the smallest and largest rows select() gives it."""
-    from glm53.ops import triton_topk
-
-    row = triton_topk.resident_row(keys)
-    _compile(triton_topk._select_resident_kernel, SELECT_SIGNATURE, {"ROW": row, "BITS": triton_topk.DIGIT_BITS},
-             triton_topk.resident_warps(row))
+    signature = {"s_ptr": "*fp32", "idx_ptr": "*i64", "valid_ptr": "*i8", "nan_ptr": "*i32", "cand_ptr": "*fp32",
+                 "bracketed_ptr": "*i8", "N": "i32", "WIDTH": "i32", "CAP": "i32", "stride_s": "i32",
+                 "stride_i": "i32", "stride_v": "i32", "stride_c": "i32"}
+    _compile(triton_topk._select_kernel, signature,
+             {"BLOCK": triton_topk.BLOCK, "BITS": triton_topk.DIGIT_BITS, "SAMPLE": sample}, 4)
 
 
 @pytest.mark.parametrize("name,first", [("hist", True), ("hist", False), ("resolve", True), ("resolve", False),

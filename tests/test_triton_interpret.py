@@ -225,8 +225,37 @@ def _worker() -> dict[str, list]:
                 assert triton_attention.agreement(h, d, dv, torch.float32, torch.float32, torch.device("cpu"),
                                                   queries=4, slots=37, n_rows=40)
 
+    def check_select_bracket() -> None:
+        # rows of >= 4 x sample keys: passes over a sampled bracket where it holds the k-th key (most
+        # rows), over the whole row where it does not (a sample that misses, too many candidates).
+        # A sample of 512 (the engine's is SAMPLE_KEYS): the same code on rows the interpreter runs fast
+        from glm53.ops import triton_topk
+
+        sample = 512
+        n = 4 * sample + 37
+        s = randn(8, n)
+        s[1] = (s[1] * 16).round()  # ties at the threshold, inside the bracket
+        s[2, n // 2:] = float("-inf")  # a causal row: half its keys in the future
+        sampled = (torch.arange(sample) * n) // sample
+        s[3] = torch.rand(n, generator=g) + 1.0
+        s[3, sampled] = -1.0  # the sample sees only the lowest keys: its bracket misses
+        s[4] = 0.5  # one value: every key a candidate, over the cap
+        s[5, ::3] = -0.0
+        s[5, 1::3] = 0.0
+        s[6, 5] = float("inf")
+        s[7, 30:] = float("-inf")  # fewer finite keys than k
+        for k in (32, 340, 1024):
+            want = select_topk(s, k)
+            idx, valid, nans, bracketed = triton_topk.select_rows(s, k, sample=sample)
+            same(idx, want.indices, f"select_topk indices, bracket (k {k})")
+            assert torch.equal(valid, want.valid), f"select_topk valid, bracket (k {k})"
+            assert not nans.any()
+            usable = [0, 1, 6] if k == 1024 else [0, 1, 2, 6]  # row 2 at k 1024: its bracket holds -inf, over the cap
+            assert bracketed[usable].all(), f"rows with a usable sample not bracketed (k {k}): {bracketed.tolist()}"
+            assert not bracketed[[3, 4]].any(), f"a missed or overfull bracket taken: {bracketed.tolist()}"
+
     def check_select_topk() -> None:
-        forms = ("row", "resident", "split")
+        forms = ("row", "row_full", "split")
         # the kernel against the CPU rule (select_topk on torch, which tests/test_attention.py checks
         # against brute force): exact. Rows over several of the kernel's column blocks, k below,
         # at and above N, ties at the threshold, -0.0 against 0.0, +-inf, all -inf, causal rows
@@ -264,12 +293,7 @@ def _worker() -> dict[str, list]:
             assert "exceed MAX_KEYS" in str(exc) and "torch form" in str(exc)
         else:
             raise AssertionError("a row over MAX_KEYS accepted by the split form")
-        try:  # the resident form holds at most RESIDENT_KEYS a row
-            triton_topk.select(torch.zeros(1, triton_topk.RESIDENT_KEYS + 1), 8, form="resident")
-        except ValueError as exc:
-            assert "exceed RESIDENT_KEYS" in str(exc) and "'row'" in str(exc)
-        else:
-            raise AssertionError("a row over RESIDENT_KEYS accepted by the resident form")
+        check_select_bracket()
         s = randn(12, 300).masked_fill(torch.arange(300)[None, :] > (288 + torch.arange(12))[:, None],
                                        float("-inf"))
         want, (idx, valid, _) = select_topk(s, 32), triton_topk.select(s, 32)

@@ -48,8 +48,9 @@ MAX_KEYS = 262144
 DIGIT_BITS = 8  # bits of the threshold key found per pass: 256 bins
 SPLIT_ROWS = 16  # windows of up to this many rows (decode, verification) split each row over programs
 RESOLVE_BLOCKS = 16  # blocks' histograms a resolve program sums at a time
-RESIDENT_KEYS = 32768  # rows up to this many keys are selected from registers (_select_resident_kernel)
-RESIDENT_PER_THREAD = 32  # keys a thread holds there
+SAMPLE_KEYS = 1024  # keys a row's bracket is sampled from (0: no bracket, the passes over the whole row)
+MARGIN = tl.constexpr(4.0)  # the bracket's half-width in standard deviations of the sampled rank
+CANDIDATES_MAX = 16384  # scores a bracket may hold (a row's scratch: min(N / 4, this))
 
 
 @triton.jit
@@ -125,55 +126,96 @@ def _resolve(counts, bins, prefix, need, shift):
 
 
 @triton.jit
-def _select_kernel(s_ptr, idx_ptr, valid_ptr, nan_ptr, N, WIDTH, stride_s, stride_i, stride_v,
-                   BLOCK: tl.constexpr, BITS: tl.constexpr):
+def _sample_bracket(base, N, WIDTH, SAMPLE: tl.constexpr):
+    """(lo, hi) keys that likely bracket the row's WIDTH-th largest key: order statistics of SAMPLE
+    keys spread over the row, MARGIN standard deviations of a sampled rank either side of the
+    expected one (binomial: sqrt(SAMPLE p (1 - p)), p = WIDTH / N). Only a hint: the caller counts."""
+    i = tl.arange(0, SAMPLE)
+    key = _keys(tl.load(base + (i.to(tl.int64) * N) // SAMPLE))
+    ordered = tl.sort((key ^ 0x80000000).to(tl.int32, bitcast=True), descending=True)  # signed = key order
+    width = tl.full([], 0, tl.int64) + WIDTH  # tensors whatever the launcher made of the ints
+    p = width.to(tl.float32) / (tl.full([], 0, tl.float32) + N)
+    rank = (width * SAMPLE // N).to(tl.int32)
+    margin = (tl.sqrt(SAMPLE * p * (1.0 - p)) * MARGIN).to(tl.int32) + 8
+    hi_rank = tl.maximum(rank - margin, 0)
+    lo_rank = tl.minimum(rank + margin, SAMPLE - 1)
+    hi = tl.sum(tl.where(i == hi_rank, ordered, 0)).to(tl.uint32, bitcast=True) ^ 0x80000000
+    lo = tl.sum(tl.where(i == lo_rank, ordered, 0)).to(tl.uint32, bitcast=True) ^ 0x80000000
+    return lo, hi
+
+
+@triton.jit
+def _bracket_pass(base, N, offs, lo, hi, cand_row, CAP, BLOCK: tl.constexpr):
+    """One pass over the row: (keys above hi, keys in [lo, hi], NaN scores); the scores in [lo, hi]
+    go to cand_row in column order (the first CAP of them)."""
+    above = tl.full([], 0, tl.int32)
+    count = tl.full([], 0, tl.int32)
+    nans = tl.full([], 0, tl.int32)
+    for start in range(0, N, BLOCK):
+        cols, inside, s = _block(base, start, offs, N)
+        key = _keys(s)
+        cand = (inside & (key >= lo) & (key <= hi)).to(tl.int32)
+        slot = count + tl.cumsum(cand, 0) - cand
+        tl.store(cand_row + slot, s, mask=(cand != 0) & (slot < CAP))
+        count += tl.sum(cand)
+        above += tl.sum((inside & (key > hi)).to(tl.int32))
+        nans += tl.sum((inside & (s != s)).to(tl.int32))
+    return above, count, nans
+
+
+@triton.jit
+def _select_kernel(s_ptr, idx_ptr, valid_ptr, nan_ptr, cand_ptr, bracketed_ptr, N, WIDTH, CAP, stride_s, stride_i,
+                   stride_v, stride_c, BLOCK: tl.constexpr, BITS: tl.constexpr, SAMPLE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = s_ptr + row * stride_s
     offs = tl.arange(0, BLOCK)
     bins = tl.arange(0, 1 << BITS)
     prefix = tl.full([], 0, tl.uint32)  # the threshold key's bits found so far, in place
     need = tl.full([], 0, tl.int32) + WIDTH  # how many of the elements sharing prefix are still to keep
+    sharing = tl.full([], 0, tl.int32)
     shift = tl.full([], 32 - BITS, tl.int32)
-    prefix, need, sharing, nans = _radix_pass(base, N, offs, bins, prefix, need, shift, True, BLOCK, BITS)
-    tl.store(nan_ptr + row, nans)
-    # until every bit is found, or every element sharing the prefix is kept (then the prefix with its
-    # lower bits zero is a threshold as good as the width-th key: nothing else lies between)
-    while (shift > 0) & (need < sharing):
-        shift -= BITS
-        prefix, need, sharing, _ = _radix_pass(base, N, offs, bins, prefix, need, shift, False, BLOCK, BITS)
+    floor = tl.full([], 0, tl.uint32)  # no key below it is chosen
+    bracketed = tl.full([], 0, tl.int32)
+    if SAMPLE > 0:
+        if (N >= 4 * SAMPLE) & (WIDTH < N):
+            # a bracket from a sample, checked by exact counts: where it holds the WIDTH-th key, the
+            # passes run over the scores inside it (a few % of the row), not over the row
+            lo, hi = _sample_bracket(base, N, WIDTH, SAMPLE)
+            cand_row = cand_ptr + row * stride_c
+            above, count, nans = _bracket_pass(base, N, offs, lo, hi, cand_row, CAP, BLOCK)
+            tl.store(nan_ptr + row, nans)
+            if (above < WIDTH) & (above + count >= WIDTH) & (count <= CAP):
+                tl.debug_barrier()  # the candidates written by every thread, before any reads them
+                bracketed = 1
+                floor = lo
+                need -= above
+                prefix, need, sharing, _ = _radix_pass(cand_row, count, offs, bins, prefix, need, shift, False,
+                                                       BLOCK, BITS)
+                while (shift > 0) & (need < sharing):
+                    shift -= BITS
+                    prefix, need, sharing, _ = _radix_pass(cand_row, count, offs, bins, prefix, need, shift, False,
+                                                           BLOCK, BITS)
+    tl.store(bracketed_ptr + row, bracketed.to(tl.int8))
+    if bracketed == 0:
+        prefix, need, sharing, nans = _radix_pass(base, N, offs, bins, prefix, need, shift, True, BLOCK, BITS)
+        tl.store(nan_ptr + row, nans)
+        # until every bit is found, or every element sharing the prefix is kept (then the prefix with
+        # its lower bits zero is a threshold as good as the width-th key: nothing else lies between)
+        while (shift > 0) & (need < sharing):
+            shift -= BITS
+            prefix, need, sharing, _ = _radix_pass(base, N, offs, bins, prefix, need, shift, False, BLOCK, BITS)
 
     # `need` of the `sharing` elements at or above prefix that share its bits are kept, the lowest
-    # columns first
+    # columns first. From a bracket, the kept keys sharing a prefix found early all lie at or above
+    # lo (floor), others sharing it below lo do not: the threshold is the larger of the two
+    plain = need == sharing
+    prefix = tl.maximum(prefix, floor)
     written = tl.full([], 0, tl.int32)
     ties_seen = tl.full([], 0, tl.int32)
     for start in range(0, N, BLOCK):
         cols, inside, s = _block(base, start, offs, N)
         written, ties_seen = _write_block(idx_ptr + row * stride_i, valid_ptr + row * stride_v, cols, inside,
-                                          _keys(s), prefix, need, need == sharing, written, ties_seen)
-
-
-@triton.jit
-def _select_resident_kernel(s_ptr, idx_ptr, valid_ptr, nan_ptr, N, WIDTH, stride_s, stride_i, stride_v,
-                            ROW: tl.constexpr, BITS: tl.constexpr):
-    """_select_kernel for rows of at most ROW keys: the row read and keyed once, every pass over the
-    keys in registers (the looped kernel reads and keys the row again in every pass)."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, ROW)
-    inside = cols < N
-    s = tl.load(s_ptr + row * stride_s + cols, mask=inside, other=0.0)
-    tl.store(nan_ptr + row, tl.sum((inside & (s != s)).to(tl.int32)))
-    key = _keys(s)
-    bins = tl.arange(0, 1 << BITS)
-    prefix = tl.full([], 0, tl.uint32)
-    need = tl.full([], 0, tl.int32) + WIDTH
-    shift = tl.full([], 32 - BITS, tl.int32)
-    prefix, need, sharing = _resolve(_key_hist(key, inside, bins, prefix, shift, BITS), bins, prefix, need, shift)
-    while (shift > 0) & (need < sharing):  # _select_kernel's passes, the same arithmetic
-        shift -= BITS
-        prefix, need, sharing = _resolve(_key_hist(key, inside, bins, prefix, shift, BITS), bins, prefix, need,
-                                         shift)
-    _write_block(idx_ptr + row * stride_i, valid_ptr + row * stride_v, cols, inside, key, prefix, need,
-                 need == sharing, tl.full([], 0, tl.int32), tl.full([], 0, tl.int32))
+                                          _keys(s), prefix, need, plain, written, ties_seen)
 
 
 @triton.jit
@@ -314,45 +356,53 @@ def select(scores: torch.Tensor, k: int, bits: int = DIGIT_BITS, form: str | Non
     each row's min(k, N) largest (score, -position) keys, ascending, the non-finite ones invalid.
     `bits` of the threshold key a pass (benches; any divisor of 32 up to 8 gives the same selection).
     `form` (benches and tests; every form gives the same selection): 'split' (each row over programs of
-    BLOCK columns), 'resident' (a program a row, the row in registers: rows of up to RESIDENT_KEYS) or
-    'row' (a program a row, read in every pass). None: split for windows of up to SPLIT_ROWS rows,
-    else resident where the rows fit, else row."""
+    BLOCK columns), 'row' (a program a row, its passes over a sampled bracket where it holds) or
+    'row_full' (a program a row, every pass over the whole row). None: split for windows of up to
+    SPLIT_ROWS rows, else row."""
     if scores.dim() != 2 or scores.dtype != torch.float32:
         raise ValueError(f"scores must be fp32 [T, N], got {scores.dtype} {tuple(scores.shape)}")
     if bits not in (1, 2, 4, 8):
         raise ValueError(f"select: bits={bits}: choose 1, 2, 4 or 8 (a divisor of 32; 256 bins at most)")
     t, n = scores.shape
     if form is None:
-        form = "split" if t <= SPLIT_ROWS else "resident" if n <= RESIDENT_KEYS else "row"
-    if form not in ("split", "resident", "row"):
-        raise ValueError(f"select: form={form!r}: choose 'split', 'resident' or 'row'")
-    if form == "resident" and n > RESIDENT_KEYS:
-        raise ValueError(f"select: rows of {n} keys exceed RESIDENT_KEYS ({RESIDENT_KEYS}): use form 'row'")
+        form = "split" if t <= SPLIT_ROWS else "row"
+    if form not in ("split", "row", "row_full"):
+        raise ValueError(f"select: form={form!r}: choose 'split', 'row' or 'row_full'")
+    if form == "split":
+        if scores.stride(1) != 1:
+            scores = scores.contiguous()
+        indices, valid, nans = _outputs(t, k, scores.device)
+        if t and n and k:
+            _select_split(scores, indices, valid, nans, min(k, n), bits)
+        return indices, valid.view(torch.bool), nans
+    return select_rows(scores, k, bits, SAMPLE_KEYS if form == "row" else 0)[:3]
+
+
+def select_rows(scores: torch.Tensor, k: int, bits: int = DIGIT_BITS, sample: int = SAMPLE_KEYS
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """select()'s row form: (indices, valid, NaN count, whether each row's passes ran over its sampled
+    bracket [T] bool). sample: keys a bracket is sampled from (a power of two; 0: none), taken for rows
+    of at least 4 x sample keys."""
+    t, n = scores.shape
     if scores.stride(1) != 1:
         scores = scores.contiguous()
-    indices = torch.zeros(t, k, dtype=torch.int64, device=scores.device)
-    valid = torch.zeros(t, k, dtype=torch.int8, device=scores.device)
-    nans = torch.zeros(t, dtype=torch.int32, device=scores.device)
+    indices, valid, nans = _outputs(t, k, scores.device)
+    bracketed = torch.zeros(t, dtype=torch.int8, device=scores.device)
     if t and n and k:
-        args = (scores, indices, valid, nans, n, min(k, n), scores.stride(0), indices.stride(0), valid.stride(0))
-        if form == "split":
-            _select_split(scores, indices, valid, nans, min(k, n), bits)
-        elif form == "resident":
-            row = resident_row(n)
-            _select_resident_kernel[(t,)](*args, ROW=row, BITS=bits, num_warps=resident_warps(row))
-        else:
-            _select_kernel[(t,)](*args, BLOCK=BLOCK, BITS=bits, num_warps=4)
-    return indices, valid.view(torch.bool), nans
+        sample = sample if sample and n >= 4 * sample else 0
+        cap = min(triton.cdiv(n, 4), CANDIDATES_MAX) if sample else 0
+        candidates = torch.empty(t if sample else 1, max(cap, 1), dtype=torch.float32, device=scores.device)
+        _select_kernel[(t,)](scores, indices, valid, nans, candidates, bracketed, n, min(k, n), cap, scores.stride(0),
+                             indices.stride(0), valid.stride(0), candidates.stride(0), BLOCK=BLOCK, BITS=bits,
+                             SAMPLE=sample, num_warps=4)
+    return indices, valid.view(torch.bool), nans, bracketed.view(torch.bool)
 
 
-def resident_row(n: int) -> int:
-    """The register row a resident program holds for rows of n keys (a power of two: few compiles)."""
-    return max(BLOCK, triton.next_power_of_2(n))
-
-
-def resident_warps(row: int) -> int:
-    """Warps of a resident program: RESIDENT_PER_THREAD keys a thread, 4 to 16 warps."""
-    return min(16, max(4, row // (32 * RESIDENT_PER_THREAD)))
+def _outputs(t: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Zeroed (indices [t, k] int64, valid [t, k] int8, NaN count [t] int32): slots past a row's
+    chosen finite columns stay index 0, invalid."""
+    return (torch.zeros(t, k, dtype=torch.int64, device=device), torch.zeros(t, k, dtype=torch.int8, device=device),
+            torch.zeros(t, dtype=torch.int32, device=device))
 
 
 def _select_split(scores: torch.Tensor, indices: torch.Tensor, valid: torch.Tensor, nans: torch.Tensor,
