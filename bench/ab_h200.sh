@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Two kit versions side by side on one lent GPU: the prefix-cache bench at GLM-5.3's 78 layers (4
+# distinct layers repeated) on one checkpoint, the old checkout then this one, each its own process.
+#   bash bench/ab_h200.sh <old_dir> <old_commit> <new_commit> [scenario ...]   (default: turns)
+# old_dir: e.g. `git archive <old_commit> | tar -x -C ab_old` (carried to the GPU machine); the copies
+# there have no .git, hence the commits. Logs and JSON to $OUT (or ./gpu_out) as <scenario>_{old,new}.*
+set -uo pipefail
+cd "$(dirname "$0")/.."
+old_dir="${1:?usage: bash bench/ab_h200.sh <old_dir> <old_commit> <new_commit> [scenario ...]}"
+old_commit="${2:?old commit}"
+new_commit="${3:?new commit}"
+shift 3
+scenarios=("${@:-turns}")
+out="$(realpath -m "${OUT:-gpu_out}")"
+mkdir -p "$out"
+[ -f "$old_dir/bench/bench_prefix_cache.py" ] || { echo "error: $old_dir holds no kit checkout" >&2; exit 2; }
+export PYTHONUNBUFFERED=1
+ckpt="$(mktemp -d)"
+trap 'rm -rf "$ckpt"' EXIT
+python3 -c "import sys; from pathlib import Path; sys.path.insert(0, '.'); \
+from bench.bench_prefix_cache import real_dims_checkpoint; real_dims_checkpoint(Path('$ckpt'), 4, 32768)" \
+    > "$out/ab_checkpoint.log" 2>&1 || { echo "error: checkpoint failed, see $out/ab_checkpoint.log" >&2; exit 1; }
+status=0
+for scenario in "${scenarios[@]}"; do
+    repeats=3
+    [ "$scenario" = one-word ] && repeats=6
+    for arm in old new; do
+        dir=.; commit="$new_commit"
+        [ "$arm" = old ] && { dir="$old_dir"; commit="$old_commit"; }
+        echo "== $scenario, $arm ($commit)" >&2
+        (cd "$dir" && GLM53_KIT_COMMIT="$commit" python3 bench/bench_prefix_cache.py --real-dims \
+            --model-dir "$ckpt/real_dims" --device cuda --depth 78 --repeats "$repeats" --scenarios "$scenario" \
+            --out "$out/${scenario}_$arm.json" > "$out/${scenario}_$arm.log" 2>&1)
+        status=$(( status | $? ))
+        tail -4 "$out/${scenario}_$arm.log"
+    done
+done
+exit "$status"
