@@ -17,7 +17,7 @@ one engine, the same replies required; the table also gives each arm's last / fi
 kernel of another kit checkout (e.g. `git archive <commit> | tar -x -C DIR`), for a change to the
 kernel side by side; --digit-bits B adds an arm running this kernel with B bits a pass; --forms an
 arm whose passes all run over whole rows (no sampled bracket), --samples N arms sampling brackets
-from N keys. Each case also logs the share of rows whose passes ran over their bracket. Prints a
+from N keys, --blocks BxW arms of the row form at block B with W warps. Each case also logs the share of rows whose passes ran over their bracket. Prints a
 table; JSON (bench/benchmeta.py header) to --out. Exit codes: 0 done, 1 a selection or reply
 differed, 2 bad arguments or no CUDA.
 """
@@ -93,6 +93,9 @@ def extra_arms(args: argparse.Namespace) -> dict:
         arms["row_full"] = lambda s, k: Selection(*triton_topk.select(s, k, form="row_full")[:2])
     for sample in args.samples:
         arms[f"sample{sample}"] = lambda s, k, n=sample: Selection(*triton_topk.select_rows(s, k, sample=n)[:2])
+    for block, warps in (tuple(map(int, bw.split("x"))) for bw in args.blocks):
+        arms[f"b{block}w{warps}"] = lambda s, k, b=block, w=warps: Selection(
+            *triton_topk.select_rows(s, k, block=b, warps=w)[:2])
     return arms
 
 
@@ -218,6 +221,7 @@ def main() -> int:
     p.add_argument("--forms", action="store_true", help="an arm whose passes run over whole rows ('row_full')")
     p.add_argument("--samples", type=int, nargs="*", default=[],
                    help="arms sampling each row's bracket from this many keys (powers of two)")
+    p.add_argument("--blocks", nargs="*", default=[], help="arms of the row form at BLOCKxWARPS, e.g. 4096x8")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "select_topk.json")
     args = p.parse_args()
     if args.repeats < 1:

@@ -228,7 +228,7 @@ def _worker() -> dict[str, list]:
     def check_select_bracket() -> None:
         # rows of >= 4 x sample keys: passes over a sampled bracket where it holds the k-th key (most
         # rows), over the whole row where it does not (a sample that misses, too many candidates).
-        # A sample of 512 (the engine's is SAMPLE_KEYS): the same code on rows the interpreter runs fast
+        # A sample of 512 (sample_keys' for rows up to 65536 keys) on rows the interpreter runs fast
         from glm53.ops import triton_topk
 
         sample = 512
@@ -271,12 +271,12 @@ def _worker() -> dict[str, list]:
             s[4] = torch.arange(n, 0, -1).float()
             s[5] = float("-inf")
             want = select_topk(s, k)
-            for form in forms:  # a program a row (read in each pass, or held); a row over programs
+            for form in forms:  # a program a row (over a sampled bracket, or whole rows); a row over programs
                 idx, valid, nans = triton_topk.select(s, k, form=form)
                 same(idx, want.indices, f"select_topk indices (N {n}, k {k}, {form})")
                 assert torch.equal(valid, want.valid), f"select_topk valid (N {n}, k {k}, {form})"
                 assert not nans.any()
-                if n in (40, 1025, 3000):  # fewer bits a pass (more passes, other early stops): the same
+                if n in (40, 1025, 3000) and form != "row_full":  # fewer bits a pass (more passes, other early stops)
                     for bits in (1, 2, 4):
                         idx_b, valid_b, _ = triton_topk.select(s, k, bits, form=form)
                         assert torch.equal(idx_b, idx) and torch.equal(valid_b, valid), (

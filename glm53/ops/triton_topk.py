@@ -48,7 +48,9 @@ MAX_KEYS = 262144
 DIGIT_BITS = 8  # bits of the threshold key found per pass: 256 bins
 SPLIT_ROWS = 16  # windows of up to this many rows (decode, verification) split each row over programs
 RESOLVE_BLOCKS = 16  # blocks' histograms a resolve program sums at a time
-SAMPLE_KEYS = 1024  # keys a row's bracket is sampled from (0: no bracket, the passes over the whole row)
+# keys a row's bracket is sampled from: 512 up to 65536 keys, 1024 beyond (H200, 2048 rows: 512 the
+# fastest of 512 / 1024 / 2048 at 16205 and 65536 keys; at 262144, 1024 and 2048 alike, 512 slower)
+SAMPLE_KEYS = ((65536, 512), (1 << 62, 1024))
 MARGIN = tl.constexpr(4.0)  # the bracket's half-width in standard deviations of the sampled rank
 CANDIDATES_MAX = 16384  # scores a bracket may hold (a row's scratch: min(N / 4, this))
 
@@ -78,18 +80,21 @@ def _block(base, start, offs, N):
 
 
 @triton.jit
-def _radix_pass(base, N, offs, bins, prefix, need, shift, COUNT_NAN: tl.constexpr, BLOCK: tl.constexpr,
+def _radix_pass(base, N, offs, bins, prefix, need, sharing, shift, COUNT_NAN: tl.constexpr, BLOCK: tl.constexpr,
                 BITS: tl.constexpr):
-    """The BITS bits of the threshold key at `shift`, among the elements whose bits above it equal
-    prefix's. Returns (prefix with those bits set, need less the elements above them, how many elements
-    share the new prefix, the row's NaN count if COUNT_NAN)."""
+    """The BITS bits of the threshold key at `shift`, among the `sharing` elements whose bits above it
+    equal prefix's (all N in the first pass). Returns (prefix with those bits set, need less the
+    elements above them, how many elements share the new prefix, the row's NaN count if COUNT_NAN)."""
     hist = tl.zeros([1 << BITS], dtype=tl.int32)
     nans = tl.full([], 0, tl.int32)
     for start in range(0, N, BLOCK):
         cols, inside, s = _block(base, start, offs, N)
-        hist += _block_hist(s, inside, bins, prefix, shift, BITS)
+        hist += _key_hist(_keys(s), inside, prefix, shift, BITS)
         if COUNT_NAN:
             nans += tl.sum((inside & (s != s)).to(tl.int32))
+    # every lane not sharing the prefix landed in bin 0: the pass's lanes less the sharing elements
+    lanes = tl.cdiv(N, BLOCK) * BLOCK
+    hist = tl.where(bins == 0, hist - (lanes - sharing), hist)
     prefix, need, sharing = _resolve(hist, bins, prefix, need, shift)
     return prefix, need, sharing, nans
 
@@ -97,21 +102,23 @@ def _radix_pass(base, N, offs, bins, prefix, need, shift, COUNT_NAN: tl.constexp
 @triton.jit
 def _block_hist(s, inside, bins, prefix, shift, BITS: tl.constexpr):
     """A block's histogram of the BITS bits at `shift` among its elements whose higher bits equal
-    prefix's (_key_hist of the block's keys)."""
-    return _key_hist(_keys(s), inside, bins, prefix, shift, BITS)
+    prefix's: _key_hist, less the block's lanes that do not share the prefix in bin 0."""
+    key = _keys(s)
+    hist = _key_hist(key, inside, prefix, shift, BITS)
+    high = (tl.full([], 0xFFFFFFFF, tl.uint64) << (shift + BITS).to(tl.uint64)).to(tl.uint32)
+    return tl.where(bins == 0, hist - (key.shape[0] - tl.sum((inside & ((key & high) == prefix)).to(tl.int32))), hist)
 
 
 @triton.jit
-def _key_hist(key, inside, bins, prefix, shift, BITS: tl.constexpr):
-    """The histogram of the BITS bits at `shift` among the keys whose higher bits equal prefix's.
-    The others go to bin 0 and are taken out of it (a histogram's cost grows with its bins, not with
-    what it counts), as are the lanes past the row's end."""
+def _key_hist(key, inside, prefix, shift, BITS: tl.constexpr):
+    """The histogram of the BITS bits at `shift` among the keys whose higher bits equal prefix's, the
+    others (and the lanes past the row's end) in bin 0 (a histogram's cost grows with its bins, not
+    with what it counts): the caller takes them out."""
     # the bits found so far (shifted in 64 bits: the first pass shifts by 32, undefined in 32)
     high = (tl.full([], 0xFFFFFFFF, tl.uint64) << (shift + BITS).to(tl.uint64)).to(tl.uint32)
     match = inside & ((key & high) == prefix)
-    digit = tl.where(match, ((key >> shift.to(tl.uint32)) & ((1 << BITS) - 1)).to(tl.int32), 0)
-    hist = tl.histogram(digit, 1 << BITS)
-    return tl.where(bins == 0, hist - (key.shape[0] - tl.sum(match.to(tl.int32))), hist)
+    return tl.histogram(tl.where(match, ((key >> shift.to(tl.uint32)) & ((1 << BITS) - 1)).to(tl.int32), 0),
+                        1 << BITS)
 
 
 @triton.jit
@@ -157,9 +164,12 @@ def _bracket_pass(base, N, offs, lo, hi, cand_row, CAP, BLOCK: tl.constexpr):
         cand = (inside & (key >= lo) & (key <= hi)).to(tl.int32)
         slot = count + tl.cumsum(cand, 0) - cand
         tl.store(cand_row + slot, s, mask=(cand != 0) & (slot < CAP))
-        count += tl.sum(cand)
-        above += tl.sum((inside & (key > hi)).to(tl.int32))
-        nans += tl.sum((inside & (s != s)).to(tl.int32))
+        # the three counts in one reduction: 16 bits each (BLOCK < 65536)
+        packed = tl.sum(cand.to(tl.int64) | ((inside & (key > hi)).to(tl.int64) << 16)
+                        | ((inside & (s != s)).to(tl.int64) << 32))
+        count += (packed & 0xFFFF).to(tl.int32)
+        above += ((packed >> 16) & 0xFFFF).to(tl.int32)
+        nans += (packed >> 32).to(tl.int32)
     return above, count, nans
 
 
@@ -189,21 +199,22 @@ def _select_kernel(s_ptr, idx_ptr, valid_ptr, nan_ptr, cand_ptr, bracketed_ptr, 
                 bracketed = 1
                 floor = lo
                 need -= above
-                prefix, need, sharing, _ = _radix_pass(cand_row, count, offs, bins, prefix, need, shift, False,
-                                                       BLOCK, BITS)
+                prefix, need, sharing, _ = _radix_pass(cand_row, count, offs, bins, prefix, need, count, shift,
+                                                       False, BLOCK, BITS)
                 while (shift > 0) & (need < sharing):
                     shift -= BITS
-                    prefix, need, sharing, _ = _radix_pass(cand_row, count, offs, bins, prefix, need, shift, False,
-                                                           BLOCK, BITS)
+                    prefix, need, sharing, _ = _radix_pass(cand_row, count, offs, bins, prefix, need, sharing, shift,
+                                                           False, BLOCK, BITS)
     tl.store(bracketed_ptr + row, bracketed.to(tl.int8))
     if bracketed == 0:
-        prefix, need, sharing, nans = _radix_pass(base, N, offs, bins, prefix, need, shift, True, BLOCK, BITS)
+        prefix, need, sharing, nans = _radix_pass(base, N, offs, bins, prefix, need, N, shift, True, BLOCK, BITS)
         tl.store(nan_ptr + row, nans)
         # until every bit is found, or every element sharing the prefix is kept (then the prefix with
         # its lower bits zero is a threshold as good as the width-th key: nothing else lies between)
         while (shift > 0) & (need < sharing):
             shift -= BITS
-            prefix, need, sharing, _ = _radix_pass(base, N, offs, bins, prefix, need, shift, False, BLOCK, BITS)
+            prefix, need, sharing, _ = _radix_pass(base, N, offs, bins, prefix, need, sharing, shift, False, BLOCK,
+                                                   BITS)
 
     # `need` of the `sharing` elements at or above prefix that share its bits are kept, the lowest
     # columns first. From a bracket, the kept keys sharing a prefix found early all lie at or above
@@ -375,26 +386,32 @@ def select(scores: torch.Tensor, k: int, bits: int = DIGIT_BITS, form: str | Non
         if t and n and k:
             _select_split(scores, indices, valid, nans, min(k, n), bits)
         return indices, valid.view(torch.bool), nans
-    return select_rows(scores, k, bits, SAMPLE_KEYS if form == "row" else 0)[:3]
+    return select_rows(scores, k, bits, None if form == "row" else 0)[:3]
 
 
-def select_rows(scores: torch.Tensor, k: int, bits: int = DIGIT_BITS, sample: int = SAMPLE_KEYS
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def sample_keys(n: int) -> int:
+    """Keys a row of n keys samples its bracket from (SAMPLE_KEYS)."""
+    return next(keys for most, keys in SAMPLE_KEYS if n <= most)
+
+
+def select_rows(scores: torch.Tensor, k: int, bits: int = DIGIT_BITS, sample: int | None = None, *,
+                block: int = BLOCK, warps: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """select()'s row form: (indices, valid, NaN count, whether each row's passes ran over its sampled
-    bracket [T] bool). sample: keys a bracket is sampled from (a power of two; 0: none), taken for rows
-    of at least 4 x sample keys."""
+    bracket [T] bool). sample: keys a bracket is sampled from (a power of two; 0: none; None:
+    sample_keys(N)), taken for rows of at least 4 x sample keys. block, warps: benches."""
     t, n = scores.shape
     if scores.stride(1) != 1:
         scores = scores.contiguous()
     indices, valid, nans = _outputs(t, k, scores.device)
     bracketed = torch.zeros(t, dtype=torch.int8, device=scores.device)
     if t and n and k:
+        sample = sample_keys(n) if sample is None else sample
         sample = sample if sample and n >= 4 * sample else 0
         cap = min(triton.cdiv(n, 4), CANDIDATES_MAX) if sample else 0
         candidates = torch.empty(t if sample else 1, max(cap, 1), dtype=torch.float32, device=scores.device)
         _select_kernel[(t,)](scores, indices, valid, nans, candidates, bracketed, n, min(k, n), cap, scores.stride(0),
-                             indices.stride(0), valid.stride(0), candidates.stride(0), BLOCK=BLOCK, BITS=bits,
-                             SAMPLE=sample, num_warps=4)
+                             indices.stride(0), valid.stride(0), candidates.stride(0), BLOCK=block, BITS=bits,
+                             SAMPLE=sample, num_warps=warps)
     return indices, valid.view(torch.bool), nans, bracketed.view(torch.bool)
 
 
