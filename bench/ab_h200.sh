@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Two kit versions side by side on one lent GPU: the prefix-cache bench at GLM-5.3's 78 layers (4
 # distinct layers repeated) on one checkpoint, the old checkout then this one, each its own process.
-#   bash bench/ab_h200.sh <old_dir> <old_commit> <new_commit> [scenario ...]   (default: turns)
+#   [REPEATS=N] bash bench/ab_h200.sh <old_dir> <old_commit> <new_commit> [scenario ...]   (default: turns)
 # old_dir: e.g. `git archive <old_commit> | tar -x -C ab_old` (carried to the GPU machine); the copies
 # there have no .git, hence the commits. Logs and JSON to $OUT (or ./gpu_out) as <scenario>_{old,new}.*
 set -uo pipefail
@@ -22,8 +22,8 @@ from bench.bench_prefix_cache import real_dims_checkpoint; real_dims_checkpoint(
     > "$out/ab_checkpoint.log" 2>&1 || { echo "error: checkpoint failed, see $out/ab_checkpoint.log" >&2; exit 1; }
 status=0
 for scenario in "${scenarios[@]}"; do
-    repeats=3
-    [ "$scenario" = one-word ] && repeats=6
+    repeats="${REPEATS:-3}"
+    [ "$scenario" = one-word ] && repeats="${REPEATS:-6}"
     for arm in old new; do
         dir=.; commit="$new_commit"
         [ "$arm" = old ] && { dir="$old_dir"; commit="$old_commit"; }

@@ -40,7 +40,7 @@ def test_selection_kernel_compiles_for_sm90(sample: int) -> None:
                  "bracketed_ptr": "*i8", "N": "i32", "WIDTH": "i32", "CAP": "i32", "stride_s": "i32",
                  "stride_i": "i32", "stride_v": "i32", "stride_c": "i32"}
     _compile(triton_topk._select_kernel, signature,
-             {"BLOCK": triton_topk.BLOCK, "BITS": triton_topk.DIGIT_BITS, "SAMPLE": sample}, 4)
+             {"BLOCK": triton_topk.ROW_BLOCK, "BITS": triton_topk.DIGIT_BITS, "SAMPLE": sample}, 4)
 
 
 @pytest.mark.parametrize("name,first", [("hist", True), ("hist", False), ("resolve", True), ("resolve", False),

@@ -41,7 +41,10 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 2048  # columns a program handles per step
+BLOCK = 2048  # columns a program of the split form handles
+# columns the row form's program handles per step (H200, bench_select_topk --blocks: 1024 x 4 warps
+# 0.539 ms at 1869 x 16205 keys against 0.703 for 2048 x 4 and 0.661 for 4096 x 8)
+ROW_BLOCK = 1024
 # rows longer than this keep the torch form (measured up to here: the kernel 1.23x faster than
 # torch.topk at 2048 x 262144 on the H200, bench/results/select_topk_h200_session11.json)
 MAX_KEYS = 262144
@@ -395,7 +398,7 @@ def sample_keys(n: int) -> int:
 
 
 def select_rows(scores: torch.Tensor, k: int, bits: int = DIGIT_BITS, sample: int | None = None, *,
-                block: int = BLOCK, warps: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                block: int = ROW_BLOCK, warps: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """select()'s row form: (indices, valid, NaN count, whether each row's passes ran over its sampled
     bracket [T] bool). sample: keys a bracket is sampled from (a power of two; 0: none; None:
     sample_keys(N)), taken for rows of at least 4 x sample keys. block, warps: benches."""
