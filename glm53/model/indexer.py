@@ -97,8 +97,9 @@ def select_topk(scores: torch.Tensor, k: int, nan_flag: torch.Tensor | None = No
     """Each row's k best finite scores, ties toward the lower position, as ascending indices.
 
     The rule is the one of packed (score, -position) int64 keys, which cannot tie, so the set is
-    unique. On CUDA it runs as Triton kernels (glm53/ops/triton_topk.py: a radix select per row, the
-    chosen columns written in ascending order; no sort, no tie test, no host sync; a short window's
+    unique. On CUDA it runs as Triton kernels (glm53/ops/triton_topk.py: a radix select per row, over
+    a sampled bracket of its scores where one holds, the chosen columns written in ascending order;
+    no sort, no tie test, no host sync; a short window's
     rows each spread over many programs) for rows of up to triton_topk.MAX_KEYS keys; otherwise the
     torch form below (`select_topk_torch`), which the kernels are tested against.
 

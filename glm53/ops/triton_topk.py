@@ -20,13 +20,33 @@ A row's program finds the width-th largest score by radix select, then writes th
 The first pass also counts NaN scores per row (the selection is undefined there: the caller raises,
 or or-s it into a device flag), so the call needs nothing from the host.
 
+Rows of at least 4 x sample_keys(N) keys (512 up to 65536 keys, 1024 beyond) that keep fewer than
+all of them first try a bracket (`_sample_bracket`, `_bracket_pass`): the keys at `sample` evenly
+spread columns, sorted, give lo and hi around the width-th key's expected rank in the sample, four
+standard deviations of a sampled rank either side (plus 8). One pass over the row counts the keys
+above hi and gathers the scores in [lo, hi] into a scratch row in column order (a cumsum; at most
+min(N / 4, CANDIDATES_MAX) of them). Where exact counts show the width-th key inside (above <
+width <= above + inside) and the scratch held them all, the radix passes run over the scratch
+(~10% of a row of 16k keys at k = 2048) with need = width - above; else over the row, as above.
+Either way the same threshold and tie count come out, and the write pass is the same, except that
+a threshold found early (its lower bits zero) is raised to lo: keys below lo share its high bits
+but are not chosen. The sample only decides how fast, never what: a bad one (a row whose sampled
+columns all hold its lowest keys, a row of one value) costs one pass and falls back.
+Why: a 256-bin histogram is ~80 instructions a key (Triton lowers it to 8 ballots and 8 masked
+popcounts a lane), so three passes over every key were the cost, not the reads (holding the row in
+registers instead of re-reading it was slower: 0.87-1.19 ms against 0.76 at 1869 x 16205, more
+warps a program; bench/results/select_topk_resident_h200.json).
+
 What it replaces: torch.topk over k + 1 columns, a tie test (a host sync), a packed int64 top-k for
 tied rows and a sort of the chosen columns, ~15 kernels and two syncs per 'full' layer's prefill
 piece. H200, side by side (bench/bench_select_topk.py, bench/results/select_topk_h200_session11.json):
 4.8x the torch form at 2048 rows x 2048 keys, 6.4x at 652 x 2700, 2.4x at 2048 x 16205, 1.6x at
 2048 x 65536, 1.2x at 2048 x 262144. The ninth session's form (four full passes of 512-bin
 histograms, the non-matching elements spread over 256 of them) was 1.3-1.7x slower; 4 or 2 bits a
-pass (16 or 4 bins, more passes) were slower than 8.
+pass (16 or 4 bins, more passes) were slower than 8. The bracket, against that kernel side by side
+(thirteenth session, bench/results/select_topk_bracket_blocks_h200.json, direct calls): 0.539 vs
+0.791 ms at 1869 x 16205 (1.47x), 0.569 vs 0.862 at 2048 x 16205, 1.64 vs 3.39 at 2048 x 65536,
+5.34 vs 13.36 at 2048 x 262144 (2.5x), every row bracketed, the same selection.
 Short windows (decode steps, verification: at most SPLIT_ROWS rows) split each row over programs
 of BLOCK columns (`_select_split`): the same passes and the same arithmetic, each pass's
 histograms summed by one program per row, then a count per block so that every block knows where
