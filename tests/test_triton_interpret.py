@@ -276,7 +276,8 @@ def _worker() -> dict[str, list]:
                 same(idx, want.indices, f"select_topk indices (N {n}, k {k}, {form})")
                 assert torch.equal(valid, want.valid), f"select_topk valid (N {n}, k {k}, {form})"
                 assert not nans.any()
-                if n in (40, 1025, 3000) and form != "row_full":  # fewer bits a pass (more passes, other early stops)
+                if n in (40, 1025, 3000) and form != "row":  # fewer bits a pass (more passes, other early stops;
+                    # the bracket's passes are the same code, and its sort is slow in the interpreter)
                     for bits in (1, 2, 4):
                         idx_b, valid_b, _ = triton_topk.select(s, k, bits, form=form)
                         assert torch.equal(idx_b, idx) and torch.equal(valid_b, valid), (
