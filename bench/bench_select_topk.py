@@ -17,7 +17,9 @@ one engine, the same replies required; the table also gives each arm's last / fi
 kernel of another kit checkout (e.g. `git archive <commit> | tar -x -C DIR`), for a change to the
 kernel side by side; --digit-bits B adds an arm running this kernel with B bits a pass; --forms an
 arm whose passes all run over whole rows (no sampled bracket), --samples N arms sampling brackets
-from N keys, --blocks BxW arms of the row form at block B with W warps. Each case also logs the share of rows whose passes ran over their bracket. Prints a
+from N keys, --blocks BxW arms of the row form at block B with W warps. Each case also logs the
+share of rows whose passes ran over their bracket. The 'triton' arm goes through
+indexer.select_topk, whose NaN check is a host sync; the other kernel arms call the kernel. Prints a
 table; JSON (bench/benchmeta.py header) to --out. Exit codes: 0 done, 1 a selection or reply
 differed, 2 bad arguments or no CUDA.
 """

@@ -417,8 +417,11 @@ def sample_keys(n: int) -> int:
     return next(keys for most, keys in SAMPLE_KEYS if n <= most)
 
 
+Selected = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
 def select_rows(scores: torch.Tensor, k: int, bits: int = DIGIT_BITS, sample: int | None = None, *,
-                block: int = ROW_BLOCK, warps: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                block: int = ROW_BLOCK, warps: int = 4) -> Selected:
     """select()'s row form: (indices, valid, NaN count, whether each row's passes ran over its sampled
     bracket [T] bool). sample: keys a bracket is sampled from (a power of two; 0: none; None:
     sample_keys(N)), taken for rows of at least 4 x sample keys. block, warps: benches."""
