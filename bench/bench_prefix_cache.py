@@ -200,25 +200,39 @@ def rand_tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
 
 def scenario_turns(engine, args, rng, mismatches: list[str]) -> dict[str, Any]:
     """The conversation `--repeats` times over (fresh caches each time, the same tokens: the replies
-    are greedy), so every turn has that many samples of each arm; medians compared."""
+    are greedy), so every turn has that many samples of cache on; the first `--off-repeats` of them
+    (default all) also of cache off, side by side. A repeat without cache off is checked against the
+    first repeat's cache-off reply and logits for that turn. Medians compared."""
     turns = [rand_tokens(rng, args.turn_tokens, engine.vocab_size) for _ in range(args.turns)]
-    samples: list[list[tuple[dict, dict]]] = [[] for _ in turns]
+    off_repeats = args.repeats if args.off_repeats is None else min(args.off_repeats, args.repeats)
+    samples: list[list[tuple[dict, dict | None]]] = [[] for _ in turns]
+    reference: list[tuple[list[int], torch.Tensor]] = []  # each turn's cache-off reply and last logits
     for rep in range(args.repeats):
-        on, off = Side(engine, "on", args.on_env), Side(engine, "off", {"TF_GLM53_PREFIX_CACHE": "0"})
+        on = Side(engine, "on", args.on_env)
+        off = Side(engine, "off", {"TF_GLM53_PREFIX_CACHE": "0"}) if rep < off_repeats else None
         prompt: list[int] = []
         for i, new in enumerate(turns):
             prompt = prompt + new
-            a, b = pair(on, off, prompt, args.reply, i + rep)
-            if not same(a, b):
+            if off is not None:
+                a, b = pair(on, off, prompt, args.reply, i + rep)
+                if rep == 0:
+                    reference.append((b["reply"], b["_logits"]))
+                equal = same(a, b)
+            else:
+                a, b = on.generate(prompt, args.reply), None
+                equal = same(a, {"reply": reference[i][0], "_logits": reference[i][1]})
+            if not equal:
                 mismatches.append(f"turns: turn {i + 1} (repeat {rep})")
             samples[i].append((a, b))
+            off_wall = f"{b['wall_s']:.3f}s" if b is not None else "-"
             log(f"turn {i + 1} (repeat {rep}): prompt {a['prompt_tokens']} cached {a['cached_tokens']} "
-                f"on {a['wall_s']:.3f}s off {b['wall_s']:.3f}s")
+                f"on {a['wall_s']:.3f}s off {off_wall}")
             prompt = prompt + a["reply"]
         on.cache.close()
     rows = []
     for i, pairs in enumerate(samples):
-        on_s, off_s = summary([a["wall_s"] for a, _ in pairs]), summary([b["wall_s"] for _, b in pairs])
+        on_s = summary([a["wall_s"] for a, _ in pairs])
+        off_s = summary([b["wall_s"] for _, b in pairs if b is not None])
         rows.append({"turn": i + 1, "prompt_tokens": pairs[0][0]["prompt_tokens"],
                      "cached_tokens": pairs[0][0]["cached_tokens"], "on_s": on_s, "off_s": off_s,
                      "speedup": off_s["median"] / on_s["median"], "samples": [{"on": a, "off": b} for a, b in pairs]})
@@ -520,6 +534,9 @@ def main() -> int:
                    help="disk scenario: resumes from the OS page cache after each cold sample (default 1)")
     p.add_argument("--reply", type=int, default=1, help="tokens generated per request (default 1: prefill cost)")
     p.add_argument("--repeats", type=int, default=None, help="samples per one-word/disk arm (default 3)")
+    p.add_argument("--off-repeats", type=int, default=None,
+                   help="turns: the first this many repeats also run cache off (default all; the rest are "
+                        "checked against the first repeat's cache-off replies)")
     p.add_argument("--boundary", choices=("auto", "1", "0"), default="auto",
                    help="TF_GLM53_PREFIX_REUSE_BOUNDARY (auto: at any token where the ops are row-invariant; "
                         "1: floored to the prefill grid; the bitwise check says whether reuse was exact)")
@@ -546,6 +563,10 @@ def main() -> int:
         return 2
     if min(args.turns, args.turn_tokens, args.long, args.disk_long, args.repeats, args.page_cache_samples) <= 0:
         print("error: --turns, --turn-tokens, --long, --disk-long, --repeats and --page-cache-samples must be positive",
+              file=sys.stderr)
+        return 2
+    if args.off_repeats is not None and args.off_repeats < 1:
+        print("error: --off-repeats must be positive (the first repeat's cache-off replies are the reference)",
               file=sys.stderr)
         return 2
 
@@ -579,7 +600,8 @@ def main() -> int:
                     "kv_dtype": engine.kv_dtype, "chunk": engine.chunk, "ranks": 1, "dcp": False,
                     "drafting": False, "reply_tokens": args.reply, "turns": args.turns,
                     "turn_tokens": args.turn_tokens, "long": args.long, "disk_long": args.disk_long,
-                    "repeats": args.repeats, "page_cache_samples": args.page_cache_samples, "reuse_boundary": engine.reuse_boundary,
+                    "repeats": args.repeats, "off_repeats": args.off_repeats,
+                    "page_cache_samples": args.page_cache_samples, "reuse_boundary": engine.reuse_boundary,
                     "cache_block": engine.cache_block,
                     "timing": "wall clock of generate(), interleaved on/off"}
         result: dict[str, Any] = {**result_header("prefix_cache", settings, device=engine.device),
