@@ -7,7 +7,9 @@
 Three scenarios, cache on and cache off interleaved sample by sample in one process:
   turns     a six-turn agent conversation, each turn = previous prompt + reply + ~2.7k new tokens;
             per-turn wall time of generate() (prefill + `--reply` tokens), prompt and cached
-            tokens, speedup; goal: on, turn 6 / turn 1 <= 1.2
+            tokens, speedup; goal: on, turn 6 / turn 1 <= 1.2. --off-repeats M: cache off in the
+            first M repeats only (later cache-on samples checked against the first repeat's
+            cache-off replies); --turn-gap S: S seconds idle after each turn, untimed
   one-word  a ~19k-token prompt, then the same prompt + one word: cold (cache off) against
             reused (live rows); goal >= 100x. On CUDA the reused request also runs without CUDA
             graphs and with short windows on the prefill attention kernel (its own graphs), side by side
@@ -228,6 +230,7 @@ def scenario_turns(engine, args, rng, mismatches: list[str]) -> dict[str, Any]:
             log(f"turn {i + 1} (repeat {rep}): prompt {a['prompt_tokens']} cached {a['cached_tokens']} "
                 f"on {a['wall_s']:.3f}s off {off_wall}")
             prompt = prompt + a["reply"]
+            time.sleep(args.turn_gap)  # an agent's tool call or its user between turns (not timed)
         on.cache.close()
     rows = []
     for i, pairs in enumerate(samples):
@@ -534,6 +537,9 @@ def main() -> int:
                    help="disk scenario: resumes from the OS page cache after each cold sample (default 1)")
     p.add_argument("--reply", type=int, default=1, help="tokens generated per request (default 1: prefill cost)")
     p.add_argument("--repeats", type=int, default=None, help="samples per one-word/disk arm (default 3)")
+    p.add_argument("--turn-gap", type=float, default=0.0,
+                   help="turns: seconds idle after each turn, untimed (what a store still copying in the background "
+                        "may use; default 0: back to back)")
     p.add_argument("--off-repeats", type=int, default=None,
                    help="turns: the first this many repeats also run cache off (default all; the rest are "
                         "checked against the first repeat's cache-off replies)")
@@ -564,6 +570,9 @@ def main() -> int:
     if min(args.turns, args.turn_tokens, args.long, args.disk_long, args.repeats, args.page_cache_samples) <= 0:
         print("error: --turns, --turn-tokens, --long, --disk-long, --repeats and --page-cache-samples must be positive",
               file=sys.stderr)
+        return 2
+    if args.turn_gap < 0:
+        print("error: --turn-gap must be >= 0 seconds", file=sys.stderr)
         return 2
     if args.off_repeats is not None and args.off_repeats < 1:
         print("error: --off-repeats must be positive (the first repeat's cache-off replies are the reference)",
@@ -600,7 +609,7 @@ def main() -> int:
                     "kv_dtype": engine.kv_dtype, "chunk": engine.chunk, "ranks": 1, "dcp": False,
                     "drafting": False, "reply_tokens": args.reply, "turns": args.turns,
                     "turn_tokens": args.turn_tokens, "long": args.long, "disk_long": args.disk_long,
-                    "repeats": args.repeats, "off_repeats": args.off_repeats,
+                    "repeats": args.repeats, "off_repeats": args.off_repeats, "turn_gap_s": args.turn_gap,
                     "page_cache_samples": args.page_cache_samples, "reuse_boundary": engine.reuse_boundary,
                     "cache_block": engine.cache_block,
                     "timing": "wall clock of generate(), interleaved on/off"}
