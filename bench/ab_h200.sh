@@ -33,8 +33,8 @@ for scenario in "${scenarios[@]}"; do
         echo "== $scenario, $arm ($commit)" >&2
         (cd "$dir" && GLM53_KIT_COMMIT="$commit" python3 bench/bench_prefix_cache.py --real-dims \
             --model-dir "$ckpt/real_dims" --device cuda --depth 78 --repeats "$repeats" --scenarios "$scenario" \
-            ${OFF_REPEATS:+--off-repeats "$OFF_REPEATS"} ${TURN_GAP:+--turn-gap "$TURN_GAP"} --out "$out/${scenario}_$arm.json" \
-            > "$out/${scenario}_$arm.log" 2>&1)
+            ${OFF_REPEATS:+--off-repeats "$OFF_REPEATS"} ${TURN_GAP:+--turn-gap "$TURN_GAP"} \
+            --out "$out/${scenario}_$arm.json" > "$out/${scenario}_$arm.log" 2>&1)
         status=$(( status | $? ))
         tail -4 "$out/${scenario}_$arm.log"
     done
