@@ -147,7 +147,9 @@ def test_a_store_larger_than_the_staging_buffer_goes_through_it_in_rounds():
 
 def test_layers_of_one_dtype_and_shape_share_a_copy_and_each_node_owns_its_rows():
     """Rows as a deep model's: many tensors of one dtype and shape (one view and one copy call
-    for them), others alone; every node gets exactly its rows, in storage of its own."""
+    for them), others alone; every node gets exactly its rows, in storage of its own: the storages
+    its tensors use hold its bytes and nothing more (the host budget counts those), one stack per
+    group of alike tensors, shared with no other node."""
     n = len(P)
     g = torch.Generator().manual_seed(11)
     buffers = {**{f"latent.{i}": torch.randn(n, 6, generator=g).to(torch.bfloat16) for i in range(5)},
@@ -162,8 +164,14 @@ def test_layers_of_one_dtype_and_shape_share_a_copy_and_each_node_owns_its_rows(
     assert hit.reused_tokens == n
     got = restored(hit)
     assert got.keys() == want.keys() and all(torch.equal(got[name], want[name]) for name in want)
+    seen: set[int] = set()
     for node_rows in (piece.rows for piece in hit.pieces):
-        assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in node_rows.values())
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in node_rows.values()}
+        assert sum(storages.values()) == sum(t.numel() * t.element_size() for t in node_rows.values())
+        assert not seen & storages.keys(), "a storage shared between nodes"
+        seen |= storages.keys()
+        assert [names for names, _ in node_rows.stacks] == [tuple(f"latent.{i}" for i in range(5)),
+                                                            tuple(f"index.{i}" for i in (0, 2, 4)), ("scale.0",)]
     cache.close()
 
 
