@@ -115,21 +115,16 @@ def _radix_pass(base, N, offs, bins, prefix, need, sharing, shift, COUNT_NAN: tl
         hist += _key_hist(_keys(s), inside, prefix, shift, BITS)
         if COUNT_NAN:
             nans += tl.sum((inside & (s != s)).to(tl.int32))
-    # every lane not sharing the prefix landed in bin 0: the pass's lanes less the sharing elements
-    lanes = tl.cdiv(N, BLOCK) * BLOCK
-    hist = tl.where(bins == 0, hist - (lanes - sharing), hist)
-    prefix, need, sharing = _resolve(hist, bins, prefix, need, shift)
+    prefix, need, sharing = _resolve(_sharing_only(hist, bins, tl.cdiv(N, BLOCK) * BLOCK, sharing), bins, prefix,
+                                     need, shift)
     return prefix, need, sharing, nans
 
 
 @triton.jit
-def _block_hist(s, inside, bins, prefix, shift, BITS: tl.constexpr):
-    """A block's histogram of the BITS bits at `shift` among its elements whose higher bits equal
-    prefix's: _key_hist, less the block's lanes that do not share the prefix in bin 0."""
-    key = _keys(s)
-    hist = _key_hist(key, inside, prefix, shift, BITS)
-    high = (tl.full([], 0xFFFFFFFF, tl.uint64) << (shift + BITS).to(tl.uint64)).to(tl.uint32)
-    return tl.where(bins == 0, hist - (key.shape[0] - tl.sum((inside & ((key & high) == prefix)).to(tl.int32))), hist)
+def _sharing_only(hist, bins, lanes, sharing):
+    """A pass's summed _key_hist over `lanes` lanes, less the lanes that landed in bin 0 without sharing
+    the prefix: all but the `sharing` elements (known from the previous pass; N in the first)."""
+    return tl.where(bins == 0, hist - (lanes - sharing), hist)
 
 
 @triton.jit
@@ -304,21 +299,21 @@ def _row_state(state_ptr, row, FIRST: tl.constexpr, WIDTH, BITS: tl.constexpr):
 @triton.jit
 def _split_hist_kernel(s_ptr, state_ptr, hist_ptr, nan_ptr, N, P, stride_s, FIRST: tl.constexpr,
                        BLOCK: tl.constexpr, BITS: tl.constexpr):
-    """One pass's histogram of block p of a row (_block_hist) -> hist[row, p]."""
+    """One pass's histogram of block p of a row (_key_hist, bin 0 as it lands) -> hist[row, p]."""
     row = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1)
     prefix, need, sharing, shift, active = _row_state(state_ptr, row, FIRST, 0, BITS)
     if active:
         bins = tl.arange(0, 1 << BITS)
         cols, inside, s = _block(s_ptr + row * stride_s, p * BLOCK, tl.arange(0, BLOCK), N)
-        tl.store(hist_ptr + (row * P + p) * (1 << BITS) + bins, _block_hist(s, inside, bins, prefix, shift, BITS))
+        tl.store(hist_ptr + (row * P + p) * (1 << BITS) + bins, _key_hist(_keys(s), inside, prefix, shift, BITS))
         if FIRST:
             tl.store(nan_ptr + row * P + p, tl.sum((inside & (s != s)).to(tl.int32)))
 
 
 @triton.jit
-def _split_resolve_kernel(state_ptr, hist_ptr, nan_part_ptr, nan_ptr, P, WIDTH, FIRST: tl.constexpr,
-                          BITS: tl.constexpr, BLOCK_P: tl.constexpr):
+def _split_resolve_kernel(state_ptr, hist_ptr, nan_part_ptr, nan_ptr, N, P, WIDTH, FIRST: tl.constexpr,
+                          BITS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr):
     """One program per row: the pass's histograms summed over the row's blocks -> the row's next state."""
     row = tl.program_id(0).to(tl.int64)
     prefix, need, sharing, shift, active = _row_state(state_ptr, row, FIRST, WIDTH, BITS)
@@ -330,6 +325,7 @@ def _split_resolve_kernel(state_ptr, hist_ptr, nan_part_ptr, nan_ptr, P, WIDTH, 
             part = tl.load(hist_ptr + (row * P + ps)[:, None] * (1 << BITS) + bins[None, :],
                            mask=(ps < P)[:, None], other=0)
             counts += tl.sum(part, axis=0)
+        counts = _sharing_only(counts, bins, P * BLOCK, N if FIRST else sharing)
         prefix, need, sharing = _resolve(counts, bins, prefix, need, shift)
         state = state_ptr + row * 4
         tl.store(state, prefix.to(tl.int32, bitcast=True))
@@ -465,8 +461,8 @@ def _select_split(scores: torch.Tensor, indices: torch.Tensor, valid: torch.Tens
     for first in [True] + [False] * (32 // bits - 1):
         _split_hist_kernel[(t, blocks)](scores, state, hist, nan_part, n, blocks, scores.stride(0), FIRST=first,
                                         BLOCK=BLOCK, BITS=bits, num_warps=4)
-        _split_resolve_kernel[(t,)](state, hist, nan_part, nans, blocks, width, FIRST=first, BITS=bits,
-                                    BLOCK_P=RESOLVE_BLOCKS, num_warps=4)
+        _split_resolve_kernel[(t,)](state, hist, nan_part, nans, n, blocks, width, FIRST=first, BITS=bits,
+                                    BLOCK=BLOCK, BLOCK_P=RESOLVE_BLOCKS, num_warps=4)
     _split_count_kernel[(t, blocks)](scores, state, counts, n, blocks, scores.stride(0), BLOCK=BLOCK, num_warps=4)
     _split_write_kernel[(t, blocks)](scores, state, counts, indices, valid, n, blocks, scores.stride(0),
                                      indices.stride(0), valid.stride(0), BLOCK=BLOCK, BLOCK_P=MAX_KEYS // BLOCK,
