@@ -96,12 +96,13 @@ def main() -> int:
         print("error: --positions, --ops and --repeats must be positive", file=sys.stderr)
         return 2
     import kv_cache
+    from kv_cache.rows import rows_nbytes
 
     arms = {"current": kv_cache}
     if args.against is not None:
         arms["previous"] = load_kv_cache(args.against, "kv_cache_previous")
     rows = turn_rows(args.positions)
-    size = sum(t.numel() * t.element_size() for t in rows.values()) + (64 << 20)
+    size = rows_nbytes(rows) + (64 << 20)
     stagings = {name: kv.staging.Staging(size) for name, kv in arms.items()}  # one buffer each, reused
     samples: dict[str, dict[str, list[float]]] = {a: {"fill": [], "work_alone": [], "work_with_fill": []} for a in arms}
     for i in range(args.repeats + 1):  # the first round warms up
