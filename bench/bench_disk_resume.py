@@ -42,8 +42,9 @@ from kv_cache import CacheKey, PrefixCache  # noqa: E402
 
 BLOCK = 256
 PHASES = ("open", "lookup", "restore", "store")
-# inside the restore: the copying thread blocked on the readers, and its own work (restore.Restorer)
-THREAD_SPLIT = ("waited", "copying")
+# inside the restore: the copying thread blocked on the readers and its own work; the readers (summed)
+# blocked on their ring buffer and their own work (restore.Restorer.take_times)
+THREAD_SPLIT = ("waited", "copying", "ring_waited", "reading")
 
 
 def cache_key(device: str) -> CacheKey:
@@ -86,7 +87,7 @@ def resume(cache_or_folder, args, prompt: list[int], position_bytes: int) -> tup
     t0 = time.perf_counter()
     cache.store(prompt[:-1], len(prompt) - 1, state.export_rows)
     times["store"] = time.perf_counter() - t0
-    times["waited"], times["copying"] = cache.restore_times()
+    times.update(cache.restore_times())
     if isinstance(cache_or_folder, Path):
         cache.close()
     return times, state

@@ -319,7 +319,7 @@ def scenario_disk(engine, args, rng, mismatches: list[str], disk_dir: Path) -> d
         advised = drop_page_cache(disk_dir)
         w, c = pair(on, off, base + word, args.reply, i)
         w["disk_tokens"] = on.cache.stats.disk_tokens
-        w["restore_waited_s"], w["restore_copying_s"] = on.cache.restore_times()
+        w.update({f"restore_{k}_s": v for k, v in on.cache.restore_times().items()})
         w["page_cache_dropped_bytes"] = advised
         # a process restart, not a reboot: the files' pages are still in the OS page cache (the
         # resume above just read them), so this one reads memory, not the disk (a few samples:
@@ -328,7 +328,7 @@ def scenario_disk(engine, args, rng, mismatches: list[str], disk_dir: Path) -> d
             on.restart()
             k = on.generate(base + word, args.reply)
             k["disk_tokens"] = on.cache.stats.disk_tokens
-            k["restore_waited_s"], k["restore_copying_s"] = on.cache.restore_times()
+            k.update({f"restore_{name}_s": v for name, v in on.cache.restore_times().items()})
             if not same(k, dict(c)):
                 mismatches.append(f"disk: page-cache sample {i}.{j}")
             kept.append(k)

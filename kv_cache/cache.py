@@ -462,9 +462,11 @@ class PrefixCache:
         return self.host.evictions + (self.disk.evictions if self.disk is not None else 0)
 
     @_locked
-    def restore_times(self) -> tuple[float, float]:
-        """Seconds the restore's copying thread spent blocked on the disk readers and working since
-        the last call (which of the two is larger says what bounds a resume; the benches print it)."""
+    def restore_times(self) -> dict[str, float]:
+        """Seconds since the last call: the restore's copying thread blocked on the readers
+        (`waited`) and working (`copying`), the readers blocked on their ring buffer (`ring_waited`)
+        and working (`reading`, summed over readers). Which is larger says what bounds a resume;
+        the benches print it (restore.Restorer.take_times)."""
         return self._restorer.take_times()
 
     def stats_dict(self) -> dict:

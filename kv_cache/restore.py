@@ -47,6 +47,11 @@ class Restorer:
         # work (transfers queued, rows written); which one dominates says what bounds a resume
         self.waited_s = 0.0
         self.copying_s = 0.0
+        # the readers' time, summed over their tasks: blocked until their ring buffer's previous
+        # transfer finished, and reading, verifying or packing (8 readers: up to 8x the wall time)
+        self.ring_waited_s = 0.0
+        self.reading_s = 0.0
+        self._count = threading.Lock()
         if self.pinned and disk is not None:  # pinned memory: allocated at start-up, not in the first resume
             biggest = disk.largest_file()
             if biggest:
@@ -96,10 +101,14 @@ class Restorer:
                     f.result()
             return end
 
-    def take_times(self) -> tuple[float, float]:
-        """(waited, copying) seconds of the copying thread since the last call, then zeroed."""
-        times = self.waited_s, self.copying_s
-        self.waited_s = self.copying_s = 0.0
+    def take_times(self) -> dict[str, float]:
+        """Seconds since the last call, then zeroed: the copying thread's `waited` (on the readers)
+        and `copying` (its own work); the readers' `ring_waited` (on their buffer's previous
+        transfer) and `reading` (their own work), summed over readers."""
+        with self._count:
+            times = {"waited": self.waited_s, "copying": self.copying_s,
+                     "ring_waited": self.ring_waited_s, "reading": self.reading_s}
+            self.waited_s = self.copying_s = self.ring_waited_s = self.reading_s = 0.0
         return times
 
     def _plan(self, piece: Piece) -> tuple[int, list | None] | None:
@@ -121,18 +130,24 @@ class Restorer:
         """A reader's task: the piece's node in ring buffer `slot`, as (bytes, buffer, layout): a
         disk node's file read and verified (its layout worked out here, off the thread that
         copies: DiskTier.read), a host node's rows packed; None: a miss."""
+        t0 = time.perf_counter()
         copied = self._copied[slot]
         if copied is not None:
             copied.synchronize()
+        t1 = time.perf_counter()
         buf = self._buffers[slot]
         if buf is None or buf.numel() < need:
             buf = self._buffers[slot] = torch.empty(need, dtype=torch.uint8, pin_memory=self.pinned)
         if piece.source == "disk":
             got = self.disk.read(piece.node, buf)
-            return got
-        size, runs = plan
-        diskfile.pack(piece.rows, runs, buf)
-        return size, buf, runs
+        else:
+            size, runs = plan
+            diskfile.pack(piece.rows, runs, buf)
+            got = size, buf, runs
+        with self._count:
+            self.ring_waited_s += t1 - t0
+            self.reading_s += time.perf_counter() - t1
+        return got
 
     def _on_device(self, nbytes: int, buf: torch.Tensor, runs: list, *, slot: int, device: torch.device) -> Rows:
         """The node's rows where the cache is: views of the ring buffer on the CPU; on a GPU, views

@@ -183,6 +183,21 @@ def test_restart_with_tails_partial_matches_and_no_copy_back(tmp_path):
     assert (s["disk_tokens"], s["host_tokens"]) == (83 + 84, 0)
 
 
+def test_restore_times_split_the_copying_thread_and_the_readers(tmp_path):
+    """restore_times: the copying thread's and the readers' seconds since the last call, for a
+    restore from the disk and one from the host tier (both go through the readers), then zeroed."""
+    k = key()
+    _store(tmp_path, k).flush()
+    for cache, source in ((_fresh(tmp_path, k), "disk"), (_store(tmp_path / "host", k), "host")):
+        cache.flush()
+        hit = cache.lookup(PROMPT + [1])
+        assert set(hit.sources) == {source} and exact(hit) == 83
+        times = cache.restore_times()
+        assert set(times) == {"waited", "copying", "ring_waited", "reading"}
+        assert times["reading"] > 0 and times["copying"] > 0 and min(times.values()) >= 0, times
+        assert set(cache.restore_times().values()) == {0.0}
+
+
 def test_live_rows_that_serve_as_much_read_no_file(tmp_path, monkeypatch):
     k = key()
     _store(tmp_path, k)
