@@ -5,8 +5,9 @@ restores the hit. Reader threads read each file into one of a ring of reused buf
 where the cache lives on a GPU), hashing it piece by piece as it lands (disk.py); the caller's
 thread takes the nodes in order, copies each to the device in one transfer into a scratch buffer
 and from there into the cache's tensors. Host-tier nodes take the same path: a reader packs the
-node's tensors into a ring buffer (diskfile.plan), so a node is one pinned transfer, not ~117
-pageable ones (3.5-4 GB/s on the H200 host, against 55 GB/s pinned). At most `depth` nodes are in flight, so the memory a resume
+node's tensors into a ring buffer (diskfile.plan; a stored node's stacks one memcpy each,
+diskfile.pack), so a node is one pinned transfer, not ~117 pageable ones (3.5-4 GB/s on the H200
+host, against 55 GB/s pinned). At most `depth` nodes are in flight, so the memory a resume
 needs is the ring's whatever its size (a 94k-token resume of GLM-5.3 is 8.7 GiB, the ring 16
 buffers of ~25 MB), and no page of it is new (fresh buffers per file cost their page faults).
 A buffer is refilled only after the transfer out of it has finished (an event per buffer). A

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from kv_cache import CacheKey, PrefixCache
+from kv_cache import CacheKey, PrefixCache, diskfile
 from kv_cache.cache import CacheConfigError
 from kv_cache.keys import token_array
 from kv_cache.node import Node
@@ -173,6 +173,38 @@ def test_layers_of_one_dtype_and_shape_share_a_copy_and_each_node_owns_its_rows(
         assert [names for names, _ in node_rows.stacks] == [tuple(f"latent.{i}" for i in range(5)),
                                                             tuple(f"index.{i}" for i in (0, 2, 4)), ("scale.0",)]
     cache.close()
+
+
+def test_a_restore_packs_each_stored_stack_in_one_memcpy(monkeypatch):
+    """diskfile.pack copies a stack whole where it is one run of the node's layout (a full 8-row
+    block: every tensor's rows 64-byte multiples, so a kind's tensors lie back to back), and tensor
+    by tensor where it is not (the 5-row tail's 160-byte tensors each start aligned, apart); the
+    restored rows are the stored ones either way."""
+    n = len(P)
+    g = torch.Generator().manual_seed(12)
+    buffers = {**{f"latent.{i}": torch.randn(n, 16, generator=g).to(torch.bfloat16) for i in range(5)},
+               **{f"index.{i}": torch.randn(n, 8, generator=g) for i in (0, 2, 4)},
+               "scale.0": torch.rand(n, generator=g)}
+    want = {name: v.clone() for name, v in buffers.items()}
+    cache = PrefixCache(key(), staging_bytes=1 << 20)
+    cache.store(P, n, view_of(buffers))
+    hit = cache.lookup(P + [1])
+    assert hit.reused_tokens == n and len(hit.pieces) == 6 and set(hit.sources) == {"host"}
+    copies: list[int] = []
+    real = diskfile.ctypes.memmove
+    monkeypatch.setattr(diskfile.ctypes, "memmove", lambda dst, src, count: copies.append(count) or real(dst, src, count))
+    got = restored(hit)
+    assert got.keys() == want.keys() and all(torch.equal(got[name], want[name]) for name in want)
+    # 5 full blocks x (latents, index keys, scales) + the tail's scales; the tail's latents and keys by tensor
+    assert sorted(copies) == sorted([5 * 8 * 16 * 2, 3 * 8 * 8 * 4, 8 * 4] * 5 + [5 * 4])
+    cache.close()
+
+
+def test_pack_wants_contiguous_host_memory():
+    rows = {"latent.0": torch.zeros(8, 32, dtype=torch.bfloat16)}
+    runs, size = diskfile.plan(rows)
+    with pytest.raises(ValueError, match="contiguous host memory"):
+        diskfile.pack(rows, runs, torch.zeros(size * 2, dtype=torch.uint8)[::2])
 
 
 def test_a_block_larger_than_the_staging_buffer_is_copied_inside_the_call():
