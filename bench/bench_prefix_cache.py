@@ -239,7 +239,11 @@ def scenario_turns(engine, args, rng, mismatches: list[str]) -> dict[str, Any]:
         rows.append({"turn": i + 1, "prompt_tokens": pairs[0][0]["prompt_tokens"],
                      "cached_tokens": pairs[0][0]["cached_tokens"], "on_s": on_s, "off_s": off_s,
                      "speedup": off_s["median"] / on_s["median"], "samples": [{"on": a, "off": b} for a, b in pairs]})
-    return {"turns": rows, "on_turn_last_over_first": rows[-1]["on_s"]["median"] / rows[0]["on_s"]["median"]}
+    last = rows[-1]["on_s"]["median"]
+    # turn 2 on: the first turn whose every query has a full top-k of history to attend over (turn
+    # 1's first index_topk positions see fewer keys, with the cache on or off alike)
+    return {"turns": rows, "on_turn_last_over_first": last / rows[0]["on_s"]["median"],
+            "on_turn_last_over_second": last / rows[1]["on_s"]["median"] if len(rows) > 1 else None}
 
 
 def scenario_one_word(engine, args, rng, mismatches: list[str]) -> dict[str, Any]:
@@ -490,6 +494,8 @@ def table(result: dict[str, Any]) -> str:
                          f"{on_s['median']:6.3f} [{on_s['min']:.3f}, {on_s['max']:.3f}] | "
                          f"{r['off_s']['median']:14.3f} | {r['speedup']:6.1f}x")
         lines.append(f"cache on: turn {len(t['turns'])} / turn 1 = {t['on_turn_last_over_first']:.2f} (medians; goal <= 1.2)")
+        if t.get("on_turn_last_over_second"):
+            lines.append(f"cache on: turn {len(t['turns'])} / turn 2 = {t['on_turn_last_over_second']:.2f} (medians)")
     o = result.get("one_word")
     if o:
         lines.append(f"one-word extension of {o['prompt_tokens'] - 1} tokens: cold {o['cold_s']['median']:.3f}s "
