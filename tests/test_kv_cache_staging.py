@@ -145,16 +145,21 @@ def test_a_store_larger_than_the_staging_buffer_goes_through_it_in_rounds():
     cache.close()
 
 
+def deep_rows(n: int, latent_width: int, index_width: int, seed: int) -> dict[str, torch.Tensor]:
+    """Buffers shaped like a deep model's: five bf16 latents, fp32 index keys on every other layer, one scale."""
+    g = torch.Generator().manual_seed(seed)
+    return {**{f"latent.{i}": torch.randn(n, latent_width, generator=g).to(torch.bfloat16) for i in range(5)},
+            **{f"index.{i}": torch.randn(n, index_width, generator=g) for i in (0, 2, 4)},
+            "scale.0": torch.rand(n, generator=g)}
+
+
 def test_layers_of_one_dtype_and_shape_share_a_copy_and_each_node_owns_its_rows():
     """Rows as a deep model's: many tensors of one dtype and shape (one view and one copy call
     for them), others alone; every node gets exactly its rows, in storage of its own: the storages
     its tensors use hold its bytes and nothing more (the host budget counts those), one stack per
     group of alike tensors, shared with no other node."""
     n = len(P)
-    g = torch.Generator().manual_seed(11)
-    buffers = {**{f"latent.{i}": torch.randn(n, 6, generator=g).to(torch.bfloat16) for i in range(5)},
-               **{f"index.{i}": torch.randn(n, 4, generator=g) for i in (0, 2, 4)},
-               "scale.0": torch.rand(n, generator=g)}
+    buffers = deep_rows(n, latent_width=6, index_width=4, seed=11)
     want = {name: v.clone() for name, v in buffers.items()}
     cache = PrefixCache(key(), staging_bytes=1 << 20)
     assert cache.store(P, n, view_of(buffers)) == 0
@@ -181,10 +186,7 @@ def test_a_restore_packs_each_stored_stack_in_one_memcpy(monkeypatch):
     by tensor where it is not (the 5-row tail's 160-byte tensors each start aligned, apart); the
     restored rows are the stored ones either way."""
     n = len(P)
-    g = torch.Generator().manual_seed(12)
-    buffers = {**{f"latent.{i}": torch.randn(n, 16, generator=g).to(torch.bfloat16) for i in range(5)},
-               **{f"index.{i}": torch.randn(n, 8, generator=g) for i in (0, 2, 4)},
-               "scale.0": torch.rand(n, generator=g)}
+    buffers = deep_rows(n, latent_width=16, index_width=8, seed=12)
     want = {name: v.clone() for name, v in buffers.items()}
     cache = PrefixCache(key(), staging_bytes=1 << 20)
     cache.store(P, n, view_of(buffers))
