@@ -110,11 +110,11 @@ def pack(rows: Rows, runs: list["Run"], buf: torch.Tensor) -> None:
     StackedRows' stacks (a host-tier node after a store, staging.py) as one memcpy, any other run
     as one grouped copy.
 
-    Why a memcpy: restore.py's readers pack in parallel, and a torch copy per tensor (~117 a node
-    at 78 layers) or even per stack runs as an intra-op parallel loop with its own thread team in
-    each reader. Side by side on the H200 host (8 readers, a 94k resume at 78 layers from the host
-    tier, 256-position nodes): per tensor 0.92-1.19 s, a memmove per tensor 0.78-0.80 s (the GIL
-    taken back ~117 times a node), a memmove per stack 0.35-0.39 s."""
+    Why a memcpy: restore.py's readers pack in parallel, and a torch copy runs as an intra-op
+    parallel loop with its own thread team in each reader. On the H200 host (bench/probe_host_pack.py:
+    8 readers, a 94k resume at 78 layers from the host tier, 256-position nodes): a torch copy
+    per tensor 0.92-1.19 s, a memmove per tensor 0.78-0.80 s (the copying thread slowed: the
+    GIL taken back ~117 times a node), a memmove per stack 0.35-0.39 s."""
     if buf.device.type != "cpu" or not buf.is_contiguous():
         raise ValueError(f"pack: the buffer must be contiguous host memory, got {buf.device} strides {buf.stride()}")
     stacks = dict(getattr(rows, "stacks", ()))
