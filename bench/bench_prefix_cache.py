@@ -4,7 +4,7 @@
     python bench/bench_prefix_cache.py --small            # CPU smoke: shorter turns and prompts
     python bench/bench_prefix_cache.py --real-dims        # GPU: GLM-5.3 layer dimensions (see below)
 
-Three scenarios, cache on and cache off interleaved sample by sample in one process:
+Four scenarios, cache on and cache off interleaved sample by sample in one process:
   turns     a six-turn agent conversation, each turn = previous prompt + reply + ~2.7k new tokens;
             per-turn wall time of generate() (prefill + `--reply` tokens), prompt and cached
             tokens, speedup; goal: on, turn 6 / turn 1 <= 1.2. --off-repeats M: cache off in the
@@ -18,6 +18,9 @@ Three scenarios, cache on and cache off interleaved sample by sample in one proc
             dropped from the OS page cache with posix_fadvise) and the prompt + one word: disk
             resume against cold; goal >= 50x. Each sample also resumes once more after another
             restart with the files' pages left in the page cache (a process restart, not a reboot)
+  switch    (not run by default) two ~19k-token conversations taking turns, each request one word
+            more than its conversation's last prompt: the prefix restored from the host tier (the
+            live rows are the other conversation's) against cold
 Every on/off pair also checks that the replies and the prompt's last logits are bitwise identical.
   profile   (--profile) one cold prefill of the one-word prompt, one reused one-word extension, and
             turns 1 and 6 of a fresh conversation under torch.profiler: the top ops by device and by
@@ -294,6 +297,32 @@ def scenario_one_word(engine, args, rng, mismatches: list[str]) -> dict[str, Any
     return out
 
 
+def scenario_switch(engine, args, rng, mismatches: list[str]) -> dict[str, Any]:
+    """Two agents taking turns on one server: each request extends the other conversation's last
+    prompt by one word, so its prefix comes back from the host tier (the live rows are the other
+    conversation's). Cold (cache off) against restored."""
+    on, off = Side(engine, "on", args.on_env), Side(engine, "off", {"TF_GLM53_PREFIX_CACHE": "0"})
+    convs = [rand_tokens(rng, args.long, engine.vocab_size) for _ in range(2)]
+    for c in convs:  # both stored; the second one's rows are live
+        on.generate(c, args.reply).pop("_logits")
+    cold, warm = [], []
+    for i in range(args.repeats):
+        prompt = convs[i % 2]  # the conversation whose rows are not live
+        prompt.extend(rand_tokens(rng, 1, engine.vocab_size))
+        before = on.cache.stats.host_tokens
+        w, c = pair(on, off, prompt, args.reply, i)
+        w["host_tokens"] = on.cache.stats.host_tokens - before
+        if not same(w, c):
+            mismatches.append(f"switch: sample {i}")
+        warm.append(w)
+        cold.append(c)
+        log(f"switch {i}: cold {c['wall_s']:.3f}s restored {w['wall_s']:.4f}s (cached {w['cached_tokens']}, "
+            f"{w['host_tokens']} from the host tier)")
+    cw, ww = [x["wall_s"] for x in cold], [x["wall_s"] for x in warm]
+    return {"prompt_tokens": [x["prompt_tokens"] for x in warm], "cold": cold, "restored": warm, "cold_s": summary(cw),
+            "restored_s": summary(ww), "speedup": statistics.median(cw) / statistics.median(ww)}
+
+
 def drop_page_cache(folder: Path) -> int:
     """Evict the cache files' pages from the OS page cache (clean after fsync), so the resume reads
     the disk. Returns the bytes advised."""
@@ -508,6 +537,12 @@ def table(result: dict[str, Any]) -> str:
             lines.append(f"  the reused request with short windows on the prefill attention kernel: "
                          f"{o['reused_unsplit_s']['median']:.4f}s "
                          f"({o['cold_s']['median'] / o['reused_unsplit_s']['median']:.0f}x)")
+    w = result.get("switch")
+    if w:
+        lines.append(f"switching between two conversations of {w['prompt_tokens'][0]}-{w['prompt_tokens'][-1]} tokens: cold "
+                     f"{w['cold_s']['median']:.3f}s [{w['cold_s']['min']:.3f}, {w['cold_s']['max']:.3f}], restored from "
+                     f"the host tier {w['restored_s']['median']:.4f}s [{w['restored_s']['min']:.4f}, "
+                     f"{w['restored_s']['max']:.4f}]: {w['speedup']:.0f}x")
     d = result.get("disk")
     if d:
         lines.append(f"disk resume of {d['prompt_tokens'] - 1} tokens ({d['disk_bytes'] / 2**20:.0f} MiB): cold "
@@ -554,7 +589,7 @@ def main() -> int:
                         "1: floored to the prefill grid; the bitwise check says whether reuse was exact)")
     p.add_argument("--block", type=int, default=None, help="prefix-cache block size (engine default: 256)")
     p.add_argument("--scenarios", nargs="*", default=["turns", "one-word", "disk"],
-                   choices=["turns", "one-word", "disk"])
+                   choices=["turns", "one-word", "disk", "switch"])
     p.add_argument("--small", action="store_true", help="CPU smoke defaults: 300-token turns, 2k prompts, 2 repeats")
     p.add_argument("--profile", action="store_true", help="also profile a cold prefill and a reused one-word extension")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "prefix_cache.json")
@@ -627,6 +662,8 @@ def main() -> int:
             result["one_word"] = scenario_one_word(engine, args, rng, mismatches)
         if "disk" in args.scenarios:
             result["disk"] = scenario_disk(engine, args, rng, mismatches, work / "disk_cache")
+        if "switch" in args.scenarios:
+            result["switch"] = scenario_switch(engine, args, rng, mismatches)
         if args.profile:
             result["profile"] = scenario_profile(engine, args, rng, args.out, work / "disk_profile")
         write_json(args.out, result)
