@@ -511,6 +511,11 @@ def request_timeline(engine, side: Side, base: list[int], rng, reply: int) -> di
 
 
 # ---- report ------------------------------------------------------------------------------------
+def spread(s: dict[str, float], digits: int) -> str:
+    """A summary's median and range: '0.037s [0.034, 0.285]'."""
+    return f"{s['median']:.{digits}f}s [{s['min']:.{digits}f}, {s['max']:.{digits}f}]"
+
+
 def table(result: dict[str, Any]) -> str:
     lines = []
     t = result.get("turns")
@@ -527,9 +532,8 @@ def table(result: dict[str, Any]) -> str:
             lines.append(f"cache on: turn {len(t['turns'])} / turn 2 = {t['on_turn_last_over_second']:.2f} (medians)")
     o = result.get("one_word")
     if o:
-        lines.append(f"one-word extension of {o['prompt_tokens'] - 1} tokens: cold {o['cold_s']['median']:.3f}s "
-                     f"[{o['cold_s']['min']:.3f}, {o['cold_s']['max']:.3f}], reused {o['reused_s']['median']:.4f}s "
-                     f"[{o['reused_s']['min']:.4f}, {o['reused_s']['max']:.4f}]: {o['speedup']:.0f}x (goal >= 100x); "
+        lines.append(f"one-word extension of {o['prompt_tokens'] - 1} tokens: cold {spread(o['cold_s'], 3)}, reused "
+                     f"{spread(o['reused_s'], 4)}: {o['speedup']:.0f}x (goal >= 100x); "
                      f"time to first token {o['ttft_speedup']:.0f}x")
         if "reused_eager_s" in o:
             lines.append(f"  the reused request without CUDA graphs: {o['reused_eager_s']['median']:.4f}s "
@@ -539,15 +543,13 @@ def table(result: dict[str, Any]) -> str:
                          f"({o['cold_s']['median'] / o['reused_unsplit_s']['median']:.0f}x)")
     w = result.get("switch")
     if w:
-        lines.append(f"switching between two conversations of {w['prompt_tokens'][0]}-{w['prompt_tokens'][-1]} tokens: cold "
-                     f"{w['cold_s']['median']:.3f}s [{w['cold_s']['min']:.3f}, {w['cold_s']['max']:.3f}], restored from "
-                     f"the host tier {w['restored_s']['median']:.4f}s [{w['restored_s']['min']:.4f}, "
-                     f"{w['restored_s']['max']:.4f}]: {w['speedup']:.0f}x")
+        lines.append(f"switching between two conversations of {w['prompt_tokens'][0]}-{w['prompt_tokens'][-1]} tokens: "
+                     f"cold {spread(w['cold_s'], 3)}, restored from the host tier {spread(w['restored_s'], 4)}: "
+                     f"{w['speedup']:.0f}x")
     d = result.get("disk")
     if d:
         lines.append(f"disk resume of {d['prompt_tokens'] - 1} tokens ({d['disk_bytes'] / 2**20:.0f} MiB): cold "
-                     f"{d['cold_s']['median']:.3f}s, disk {d['disk_resume_s']['median']:.4f}s "
-                     f"[{d['disk_resume_s']['min']:.4f}, {d['disk_resume_s']['max']:.4f}]: {d['speedup']:.0f}x (goal >= 50x)")
+                     f"{d['cold_s']['median']:.3f}s, disk {spread(d['disk_resume_s'], 4)}: {d['speedup']:.0f}x (goal >= 50x)")
         if "page_cache_resume_s" in d:
             lines.append(f"  the same after a process restart, files still in the OS page cache: "
                          f"{d['page_cache_resume_s']['median']:.4f}s: {d['page_cache_speedup']:.0f}x")
