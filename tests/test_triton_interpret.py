@@ -253,6 +253,9 @@ def _worker() -> dict[str, list]:
             usable = [0, 1, 6] if k == 1024 else [0, 1, 2, 6]  # row 2 at k 1024: its bracket holds -inf, over the cap
             assert bracketed[usable].all(), f"rows with a usable sample not bracketed (k {k}): {bracketed.tolist()}"
             assert not bracketed[[3, 4]].any(), f"a missed or overfull bracket taken: {bracketed.tolist()}"
+        s[0, 100] = float("nan")  # counted by the bracket's pass (the selection is undefined then)
+        nans, bracketed = triton_topk.select_rows(s, 340, sample=sample)[2:]
+        assert bracketed[0] and nans.tolist() == [1] + [0] * 7, f"NaN count from a bracketed row: {nans.tolist()}"
 
     def check_select_topk() -> None:
         forms = ("row", "row_full", "split")

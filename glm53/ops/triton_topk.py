@@ -151,6 +151,21 @@ def _resolve(counts, bins, prefix, need, shift):
 
 
 @triton.jit
+def _threshold(base, N, offs, bins, need, COUNT_NAN: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr):
+    """Radix passes over the N scores at base: (the threshold key, need less the keys above it, how
+    many keys share it, the NaN count if COUNT_NAN). Passes run until every bit is found, or until
+    every key sharing the prefix is kept (then the prefix with its lower bits zero is a threshold as
+    good as the need-th key: nothing else lies between)."""
+    prefix = tl.full([], 0, tl.uint32)  # the threshold key's bits found so far, in place
+    shift = tl.full([], 32 - BITS, tl.int32)
+    prefix, need, sharing, nans = _radix_pass(base, N, offs, bins, prefix, need, N, shift, COUNT_NAN, BLOCK, BITS)
+    while (shift > 0) & (need < sharing):
+        shift -= BITS
+        prefix, need, sharing, _ = _radix_pass(base, N, offs, bins, prefix, need, sharing, shift, False, BLOCK, BITS)
+    return prefix, need, sharing, nans
+
+
+@triton.jit
 def _sample_bracket(base, N, WIDTH, SAMPLE: tl.constexpr):
     """(lo, hi) keys that likely bracket the row's WIDTH-th largest key: order statistics of SAMPLE
     keys spread over the row, MARGIN standard deviations of a sampled rank either side of the
@@ -198,10 +213,9 @@ def _select_kernel(s_ptr, idx_ptr, valid_ptr, nan_ptr, cand_ptr, bracketed_ptr, 
     base = s_ptr + row * stride_s
     offs = tl.arange(0, BLOCK)
     bins = tl.arange(0, 1 << BITS)
-    prefix = tl.full([], 0, tl.uint32)  # the threshold key's bits found so far, in place
-    need = tl.full([], 0, tl.int32) + WIDTH  # how many of the elements sharing prefix are still to keep
+    prefix = tl.full([], 0, tl.uint32)  # the threshold key (set by _threshold below)
+    need = tl.full([], 0, tl.int32) + WIDTH  # how many of the row's keys at the threshold or above to keep
     sharing = tl.full([], 0, tl.int32)
-    shift = tl.full([], 32 - BITS, tl.int32)
     floor = tl.full([], 0, tl.uint32)  # no key below it is chosen
     bracketed = tl.full([], 0, tl.int32)
     if SAMPLE > 0:
@@ -217,22 +231,11 @@ def _select_kernel(s_ptr, idx_ptr, valid_ptr, nan_ptr, cand_ptr, bracketed_ptr, 
                 bracketed = 1
                 floor = lo
                 need -= above
-                prefix, need, sharing, _ = _radix_pass(cand_row, count, offs, bins, prefix, need, count, shift,
-                                                       False, BLOCK, BITS)
-                while (shift > 0) & (need < sharing):
-                    shift -= BITS
-                    prefix, need, sharing, _ = _radix_pass(cand_row, count, offs, bins, prefix, need, sharing, shift,
-                                                           False, BLOCK, BITS)
+                prefix, need, sharing, _ = _threshold(cand_row, count, offs, bins, need, False, BLOCK, BITS)
     tl.store(bracketed_ptr + row, bracketed.to(tl.int8))
     if bracketed == 0:
-        prefix, need, sharing, nans = _radix_pass(base, N, offs, bins, prefix, need, N, shift, True, BLOCK, BITS)
+        prefix, need, sharing, nans = _threshold(base, N, offs, bins, need, True, BLOCK, BITS)
         tl.store(nan_ptr + row, nans)
-        # until every bit is found, or every element sharing the prefix is kept (then the prefix with
-        # its lower bits zero is a threshold as good as the width-th key: nothing else lies between)
-        while (shift > 0) & (need < sharing):
-            shift -= BITS
-            prefix, need, sharing, _ = _radix_pass(base, N, offs, bins, prefix, need, sharing, shift, False, BLOCK,
-                                                   BITS)
 
     # `need` of the `sharing` elements at or above prefix that share its bits are kept, the lowest
     # columns first. From a bracket, the kept keys sharing a prefix found early all lie at or above
