@@ -38,6 +38,7 @@ sys.path.insert(0, str(REPO))
 from bench.bench_prefix_cache import drop_page_cache  # noqa: E402
 from bench.bench_restore import new_state  # noqa: E402
 from bench.benchmeta import result_header, summary, write_json  # noqa: E402
+from glm53.kv_state import KVState  # noqa: E402
 from kv_cache import CacheKey, PrefixCache  # noqa: E402
 
 BLOCK = 256
@@ -117,16 +118,33 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def run(args, work: Path) -> int:
+def source_state(positions: int, layers: int, device: str) -> tuple[KVState, list[int]]:
+    """A KV cache of random rows at GLM-5.3's row sizes, and the prompt that continues it by one token."""
     g = torch.Generator().manual_seed(5)
-    source = new_state(args.layers, args.device)
-    source.reserve(args.positions)
-    for i in range(args.layers):
-        source.write_latent(i, 0, torch.randn(args.positions, 576, generator=g).to(args.device))
+    source = new_state(layers, device)
+    source.reserve(positions)
+    for i in range(layers):
+        source.write_latent(i, 0, torch.randn(positions, 576, generator=g).to(device))
     for i in source.index_keys:
-        source.write_index(i, 0, torch.randn(args.positions, 128, generator=g).to(args.device))
-    source.tokens.extend(range(args.positions))
-    prompt = list(range(args.positions)) + [args.positions]
+        source.write_index(i, 0, torch.randn(positions, 128, generator=g).to(device))
+    source.tokens.extend(range(positions))
+    return source, list(range(positions)) + [positions]
+
+
+def host_tier_cache(source: KVState, prompt: list[int], device: str) -> PrefixCache:
+    """A cache without a disk tier holding every row of `source` in its host tier (another
+    conversation's rows in the same process), the store landed."""
+    positions, position_bytes = len(prompt) - 1, source.position_bytes()
+    room = str(2 * positions * position_bytes + (64 << 20))
+    cache = PrefixCache.from_env(cache_key(device), environ={"TF_GLM53_HOST_CACHE_BYTES": room},
+                                 on_gpu=device == "cuda", position_bytes=position_bytes)
+    cache.store(prompt[:-1], positions, source.export_rows)
+    cache.flush()
+    return cache
+
+
+def run(args, work: Path) -> int:
+    source, prompt = source_state(args.positions, args.layers, args.device)
     position_bytes = source.position_bytes()
     gib = args.positions * position_bytes / 2**30
     t0 = time.perf_counter()
@@ -136,11 +154,7 @@ def run(args, work: Path) -> int:
     fill_s = time.perf_counter() - t0
     print(f"stored {args.positions} positions x {args.layers} layers ({gib:.2f} GiB) in {fill_s:.1f} s",
           file=sys.stderr, flush=True)
-    room = str(2 * args.positions * position_bytes + (64 << 20))  # the comparison arm holds every row
-    host_cache = PrefixCache.from_env(cache_key(args.device), environ={"TF_GLM53_HOST_CACHE_BYTES": room},
-                                      on_gpu=args.device == "cuda", position_bytes=position_bytes)
-    host_cache.store(prompt[:-1], args.positions, source.export_rows)
-    host_cache.flush()
+    host_cache = host_tier_cache(source, prompt, args.device)  # the comparison arm holds every row
     host_held = host_cache.stats_dict()["host_bytes"] / 2**30
     arms = {"disk": [], "page_cache": [], "host": []}
     same = True

@@ -30,6 +30,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.bench_store_fill import main_work  # noqa: E402
 from bench.benchmeta import result_header, write_json  # noqa: E402
 
 TENSORS, TENSOR_BYTES = 117, 2048 * 1152  # one node's tensors at 78 layers; one latent tensor's bytes
@@ -66,13 +67,9 @@ def run_copies(method: str, threads: int, nodes: list[list[torch.Tensor]], dsts:
 
 
 def main_loop(stop: threading.Event, laps: list[float]) -> None:
-    """Small torch calls, as a thread launching kernels makes them; one lap = 200 calls."""
-    a = torch.zeros(64)
+    """Small torch calls, as a thread launching kernels makes them (bench_store_fill's); a lap = 200."""
     while not stop.is_set():
-        t0 = time.perf_counter()
-        for _ in range(200):
-            a.add_(1.0)
-        laps.append(time.perf_counter() - t0)
+        laps.append(main_work(200))
 
 
 def main() -> int:

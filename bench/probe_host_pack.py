@@ -29,19 +29,17 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.bench_disk_resume import cache_key, resume  # noqa: E402
-from bench.bench_restore import new_state  # noqa: E402
+from bench.bench_disk_resume import host_tier_cache, resume, source_state  # noqa: E402
 from bench.benchmeta import result_header, write_json  # noqa: E402
-from kv_cache import PrefixCache, diskfile  # noqa: E402
+from kv_cache import diskfile  # noqa: E402
 from kv_cache.restore import Restorer  # noqa: E402
 
 KIT_PACK = diskfile.pack
 
 
 def pack_torch(rows, runs, buf) -> None:
-    for r in runs:
-        if r.nbytes:
-            torch._foreach_copy_(list(diskfile._block(r, buf).unbind(0)), [rows[name] for name in r.names])
+    """The kit's pack on plain Rows (no stacks): torch._foreach_copy_ per run, as before e0e7331."""
+    KIT_PACK(dict(rows), runs, buf)
 
 
 def pack_memmove(rows, runs, buf) -> None:
@@ -62,21 +60,9 @@ def main() -> int:
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     layers = 78
     ns = argparse.Namespace(device=dev, layers=layers, positions=args.positions, threads=0, host_bytes="8G")
-    g = torch.Generator().manual_seed(5)
-    source = new_state(layers, dev)
-    source.reserve(args.positions)
-    for i in range(layers):
-        source.write_latent(i, 0, torch.randn(args.positions, 576, generator=g).to(dev))
-    for i in source.index_keys:
-        source.write_index(i, 0, torch.randn(args.positions, 128, generator=g).to(dev))
-    source.tokens.extend(range(args.positions))
-    prompt = list(range(args.positions)) + [args.positions]
+    source, prompt = source_state(args.positions, layers, dev)
     pb = source.position_bytes()
-    room = str(2 * args.positions * pb + (64 << 20))
-    cache = PrefixCache.from_env(cache_key(dev), environ={"TF_GLM53_HOST_CACHE_BYTES": room},
-                                 on_gpu=dev == "cuda", position_bytes=pb)
-    cache.store(prompt[:-1], args.positions, source.export_rows)
-    cache.flush()
+    cache = host_tier_cache(source, prompt, dev)
     pieces = list(cache.lookup(prompt).pieces)
     stacks = getattr(pieces[0].rows, "stacks", ())
     print(f"{len(pieces)} host-tier nodes, {len(stacks)} stacks a node ({'; '.join(n[0] + '..' for n, _ in stacks)})",
