@@ -237,6 +237,8 @@ def main() -> int:
         return engine_turns(args)
     if args.short:
         return short_windows(args)
+    from glm53.ops import triton_topk
+
     device = torch.device("cuda")
     arms = {"torch": select_topk_torch, "triton": select_topk, **extra_arms(args)}
     rows, mismatches = [], []
@@ -255,8 +257,6 @@ def main() -> int:
             for name, b in got.items():
                 if not (torch.equal(a.indices, b.indices) and torch.equal(a.valid, b.valid)):
                     mismatches.append(f"T={t} history={history} sample {i}: {name}")
-        from glm53.ops import triton_topk
-
         bracketed = float(triton_topk.select_rows(scores, K)[3].float().mean())
         rows.append(arm_row({"t": t, "keys": history + t}, samples))
         rows[-1]["bracketed_rows"] = bracketed
