@@ -100,8 +100,9 @@ class DistRankPlan(RankPlan):
         all-gather of the queries (dcp.PendingSelection: one round trip for both)."""
         if key_positions is None:
             return select_topk(scores, k, nan_flag)
-        if nan_flag is not None:
+        if nan_flag is not None and torch.cuda.is_current_stream_capturing():
             raise NotImplementedError("a DCP rank's top-k syncs with its peers; it is never graph-captured")
+        # an eager forward's flag is left alone: the merge raises on NaN at once (dcp._orderable)
         return dcp.PendingSelection.of(scores, key_positions, self.ownership, k)
 
     def attend(self, w: AttentionWeights, q_nope: torch.Tensor, q_rot: torch.Tensor, rows: torch.Tensor,

@@ -64,7 +64,8 @@ class Span:
     cache rows [0, key_bound), key_bound >= the window's end; rows past the window lie in every
     query's future, so they score -inf and are never selected: the same selection, whatever the
     bound (index_scores is key-invariant). nan_flag: None (NaN scores raise at once) or a device
-    bool the selection or-s NaN into (checked by whoever replays the graph)."""
+    bool the selection or-s NaN into, checked after the layers (by the eager forward on a GPU,
+    or by whoever replays the graph)."""
 
     positions: torch.Tensor
     start: int | None
@@ -163,8 +164,14 @@ class Glm53Model:
             raise ValueError(f"forward at position {start} but the cache holds {state.length} rows; windows must continue it")
         n = ids.shape[0]
         state.reserve(start + n)
-        span = Span(torch.arange(start, start + n, device=self.device), start, start + n)
-        return self._layers_over(state, layers, x, span, taps)
+        # on a GPU the full layers' NaN checks go into one device flag, read once after the layers:
+        # a host sync per full layer would stall the launch queue 39 times a prefill piece
+        nan_flag = torch.zeros((), dtype=torch.bool, device=self.device) if self.device.type == "cuda" else None
+        span = Span(torch.arange(start, start + n, device=self.device), start, start + n, nan_flag)
+        out = self._layers_over(state, layers, x, span, taps)
+        if nan_flag is not None and bool(nan_flag):
+            raise ValueError("indexer scores contain NaN; the selection is undefined")
+        return out
 
     def _layers_over(self, state: KVState, layers: list[LayerWeights], x: torch.Tensor, span: Span,
                      taps: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:

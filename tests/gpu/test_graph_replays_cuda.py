@@ -97,3 +97,19 @@ def test_one_word_extension_replays_a_graph_and_equals_cold(tiny_dirs) -> None: 
         cold.state = None
         assert got == want and all(torch.equal(a, b) for (_, a), (_, b) in zip(got_trace, want_trace)), i
     assert on.graphs.stats.replays >= 6
+
+
+def test_eager_forward_on_cuda_raises_on_nan_scores_after_its_layers(tiny_dirs) -> None:  # noqa: F811
+    """On a GPU the eager forward's selections or NaN into one device flag, read once after the
+    layers (no host sync per full layer): NaN scores still raise, prefill-sized and one token."""
+    engine = _engine(tiny_dirs, "fp32", "fp32", "0")
+    model, rng = engine.model, random.Random(9)
+    prompt = [rng.randrange(3, engine.vocab_size) for _ in range(50)]
+    with torch.inference_mode():
+        state = model.new_state("fp32")
+        model.forward(state, prompt, 0)  # clean: no error
+        layer = min(state.index_keys)
+        state.index_keys[layer][7] = float("nan")
+        for window in ([6], [rng.randrange(3, engine.vocab_size) for _ in range(40)]):
+            with pytest.raises(ValueError, match="NaN"):
+                model.forward(state.clone(), window, state.length)
