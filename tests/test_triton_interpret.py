@@ -142,6 +142,14 @@ def _worker() -> dict[str, list]:
             same(triton_indexer.index_scores(q, hw, keys[:prefix], 0.3), big[:, :prefix],
                  f"index_scores keys[:{prefix}]")
         same(triton_indexer.index_scores(q[32:33], hw[32:33], keys[:3], 0.3), big[32:33, :3], "one query, 3 keys")
+        # a NaN key: NaN in its column as torch.relu gives it (the selection's NaN check sees it),
+        # masked to -inf where the key lies in the query's future; the other columns keep their bits
+        keys[9, 4] = float("nan")
+        nan_scores = triton_indexer.index_scores(q, hw, keys, 0.3, torch.arange(t), None)
+        assert nan_scores[9:, 9].isnan().all() and (nan_scores[:9, 9] == float("-inf")).all(), "NaN key"
+        others = torch.cat([torch.arange(9), torch.arange(10, n)])
+        same(nan_scores[:, others], big.masked_fill(torch.arange(n)[None, :] > torch.arange(t)[:, None],
+                                                    float("-inf"))[:, others], "columns beside a NaN key")
 
     def check_index_scores_causal() -> None:
         # the mask in the kernel, and tiles wholly in the future skipped: the other scores keep their bits

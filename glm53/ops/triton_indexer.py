@@ -73,7 +73,9 @@ def _index_scores_kernel(q_ptr, hw_ptr, k_ptr, qpos_ptr, kpos_ptr, out_ptr, T, N
             else:
                 s = tl.dot(qh, keys_t)
             wh = tl.load(hw_rows + h * stride_hwh, mask=t_mask, other=0.0)
-            acc += tl.maximum(s * scale, 0.0) * wh[:, None]
+            # NaN kept, as torch.relu keeps it (tl.maximum's default returns the other operand): a NaN
+            # key or query reaches the selection's NaN check on CUDA as on the CPU
+            acc += tl.maximum(s * scale, 0.0, propagate_nan=tl.PropagateNan.ALL) * wh[:, None]
         if CAUSAL:
             acc = tl.where(kpos[None, :] > qpos[:, None], float("-inf"), acc)
         tl.store(out, acc, mask=out_mask)

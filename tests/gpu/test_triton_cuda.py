@@ -231,6 +231,9 @@ def test_index_scores_causal_in_the_kernel_equals_the_mask_after_it(k, dtype):
         got = k.indexer.index_scores(q, hw, keys, d ** -0.5, qpos, kpos)
         kp = torch.arange(n, device=dev) if kpos is None else kpos
         assert torch.equal(got, plain.masked_fill(kp[None, :] > qpos[:, None], float("-inf")))
+    keys[100, 3] = float("nan")  # NaN kept, as torch.relu keeps it: the selection's check sees it
+    got = k.indexer.index_scores(q, hw, keys, d ** -0.5, torch.arange(t, device=dev))
+    assert got[100:, 100].isnan().all() and (got[:100, 100] == float("-inf")).all()
 
 
 # ---------------------------------------------------------------------------------------- attention
