@@ -33,7 +33,7 @@ from .disk import DiskTier
 from .hit import Hit, Piece
 from .keys import CacheKey, Tokens, block_hash, chain_hashes, common_prefix, root_hash, token_array
 from .node import Node
-from .restore import Restorer
+from .restore import Restorer, node_bytes
 from .rows import Rows, rows_to_host
 from .staging import Staging, default_capacity
 from .store import HostStore
@@ -135,7 +135,7 @@ class PrefixCache:
     def __init__(self, key: CacheKey, *, enabled: bool = True, host_bytes: int = DEFAULT_HOST_BYTES,
                  disk: DiskTier | None = None, boundary: int | None = None,
                  agree: Callable[[int], int] | None = None, disk_async: bool = False,
-                 staging_bytes: int = 0, staging_pinned: bool = False) -> None:
+                 staging_bytes: int = 0, staging_pinned: bool = False, ring_bytes: int = 0) -> None:
         if boundary is not None and (isinstance(boundary, bool) or not isinstance(boundary, int) or boundary < 1):
             raise ValueError(f"reuse boundary must be a positive int or None, got {boundary!r}")
         self._lock = threading.RLock()
@@ -157,7 +157,7 @@ class PrefixCache:
         self._writer = BackgroundWriter(disk) if disk is not None and disk_async else None
         # disk nodes are read when the engine restores them (restore.py); disk and host nodes go to
         # a GPU through a ring of pinned buffers, one transfer a node
-        self._restorer = Restorer(disk, pinned=staging_pinned)
+        self._restorer = Restorer(disk, pinned=staging_pinned, ring_bytes=ring_bytes)
         # a stopping server lands its last store, then finishes its disk writes (atexit runs these
         # in reverse order). The cache itself is held weakly: one dropped without close() (a test,
         # a re-attached engine) is freed with its pinned buffer instead of living until exit
@@ -186,8 +186,11 @@ class PrefixCache:
             disk_bytes = parse_bytes("TF_GLM53_DISK_CACHE_BYTES", env.get("TF_GLM53_DISK_CACHE_BYTES") or str(DEFAULT_DISK_BYTES))
             threads = env_count("TF_GLM53_DISK_CACHE_THREADS", env)
             disk = DiskTier(disk_dir, key, disk_bytes, threads=threads)
+        # the restore ring, pinned at start-up where a restore can happen (rows on a GPU, a host or disk tier)
+        restores = enabled and on_gpu and position_bytes > 0 and (host_bytes > 0 or disk is not None)
+        ring = node_bytes(key.chunk_size, position_bytes, key.ranks, key.dcp) if restores else 0
         return cls(key, enabled=enabled, host_bytes=host_bytes, disk=disk, boundary=boundary, agree=agree,
-                   disk_async=True, staging_bytes=staging if enabled else 0, staging_pinned=on_gpu)
+                   disk_async=True, staging_bytes=staging if enabled else 0, staging_pinned=on_gpu, ring_bytes=ring)
 
     def _floor(self, n: int) -> int:
         return n if self.boundary is None else n // self.boundary * self.boundary

@@ -30,9 +30,20 @@ from .rows import Rows
 
 WriteRows = Callable[[int, int, Rows], None]
 
+# what a node's ring buffer holds beyond its rows: a disk file's header and each tensor's 64-byte
+# alignment (GLM-5.3 at 78 layers: ~117 tensors, a header of a few KB)
+RING_SLACK = 1 << 20
+
+
+def node_bytes(block: int, position_bytes: int, ranks: int = 1, dcp: bool = False) -> int:
+    """Ring room for one full node: `block` positions of `position_bytes` each (this rank's local
+    slots: a quarter of them at DCP 4) and RING_SLACK."""
+    slots = -(-block // ranks) if dcp else block
+    return slots * position_bytes + RING_SLACK
+
 
 class Restorer:
-    def __init__(self, disk: DiskTier | None, pinned: bool, threads: int | None = None) -> None:
+    def __init__(self, disk: DiskTier | None, pinned: bool, threads: int | None = None, ring_bytes: int = 0) -> None:
         self.disk = disk
         self.pinned = pinned and torch.cuda.is_available()
         self.threads = threads or (disk.threads if disk is not None else default_threads())
@@ -53,10 +64,11 @@ class Restorer:
         self.ring_waited_s = 0.0
         self.reading_s = 0.0
         self._count = threading.Lock()
-        if self.pinned and disk is not None:  # pinned memory: allocated at start-up, not in the first resume
-            biggest = disk.largest_file()
-            if biggest:
-                self._buffers = [torch.empty(biggest, dtype=torch.uint8, pin_memory=True) for _ in range(self.depth)]
+        # pinned memory: allocated at start-up, not in the first resume; `ring_bytes` sizes a node
+        # whether or not the disk has files yet (a host-tier restore needs the ring too)
+        biggest = max(disk.largest_file() if disk is not None else 0, ring_bytes)
+        if self.pinned and biggest:
+            self._buffers = [torch.empty(biggest, dtype=torch.uint8, pin_memory=True) for _ in range(self.depth)]
 
     def restore(self, pieces: Sequence[Piece], write_rows: WriteRows, device: torch.device | str | None) -> int:
         """write_rows(start, length, rows) for each piece in order (rows that went through the ring

@@ -20,8 +20,10 @@ from front.chat import ChatText
 from glm53.engine import Glm53Engine
 from glm53.kv_state import KVState
 from kv_cache import chain_hashes
+from kv_cache import diskfile
 from kv_cache.disk import SUFFIX
 from kv_cache.engine_adapter import attach_prefix_cache, cache_key_for
+from kv_cache.restore import node_bytes
 from tests.fixtures_tiny import tiny_dirs  # noqa: F401  (the session's one tiny checkpoint)
 
 C = 16  # prefill grid
@@ -211,6 +213,13 @@ def test_reuse_is_bitwise_on_cuda(tiny_dirs):  # noqa: F811
     assert cache._staging._buf.is_pinned() and cache._staging._buf.numel() == 128 << 20  # pinned at start-up
     node = next(iter(cache.host._nodes.values()))[0]
     assert all(t.device.type == "cpu" and not t.is_pinned() for t in node.rows.values())
+    # the restore ring was pinned at start-up at a node's size and the host-tier restores used it
+    # as it was (a buffer too small is replaced by a larger one at the restore)
+    restorer = cache._restorer
+    ring = node_bytes(cache.key.chunk_size, gpu_engine.model.new_state(gpu_engine.kv_dtype).position_bytes())
+    assert restorer.nodes_packed > 0
+    assert all(b is not None and b.is_pinned() and b.numel() == ring for b in restorer._buffers)
+    assert diskfile.plan(node.rows)[1] <= ring
 
 
 def test_multi_turn_chat_rerendered_by_the_template(engine):
@@ -263,6 +272,10 @@ def test_disk_tier_restores_exact_rows_after_a_restart(engine, tmp_path):
     warm = Run(engine, longer, 3, GREEDY)
     assert warm.cached == 70 and cache.stats.disk_tokens == 70  # eight blocks and the 6-token tail
     assert_exact(warm, cold(engine, longer, 3, GREEDY), "disk resume")
+    # the restore ring a GPU pins at start-up (restore.node_bytes) holds any of these files
+    ring = node_bytes(B, engine.model.new_state(engine.kv_dtype).position_bytes())
+    files = list((tmp_path / cache.key.digest().hex()).glob("*" + SUFFIX))
+    assert len(files) == 9 and max(f.stat().st_size for f in files) <= ring
     # another revision never matches these files
     other = attach_prefix_cache(engine, revision="another-model", environ=env)
     engine.state = None
