@@ -16,7 +16,9 @@ the compiler made of it (async copies, wgmma, pipelined waits, shared memory, re
 on this CPU compiles the kernel in use with no async copy at any stage count). Time: a CUDA graph
 of 4 calls on rotating queries, replayed, CUDA events. Prints a table; JSON with every row. (A form
 that loaded the next block's indices one iteration ahead was 0.46-0.66x: this script at 91cdc63,
-bench/results/prefill_attention_h200.json.)
+bench/results/prefill_attention_h200.json. Sixteen warps, where a thread needs half the accumulator's
+registers, kept the bits but spilled at 128 registers a thread: 0.29-0.47x,
+bench/results/prefill_attention_warps_h200.json.)
 """
 from __future__ import annotations
 
@@ -88,19 +90,23 @@ def asm_stats(k) -> dict:
 
 
 def run_variant(form: str, stages: int, q, rows, indices, valid, end, out, lse, scale: float,
-                block_n: int | None = None) -> None:
+                block_n: int | None = None, warps: int | None = None) -> None:
     t, heads, d = q.shape
-    block_h, default_n, warps, _ = ta.attention_config(heads, d, DV, q.dtype)
-    block_n = block_n or default_n
+    block_h, default_n, default_warps, _ = ta.attention_config(heads, d, DV, q.dtype)
+    block_n, warps = block_n or default_n, warps or default_warps
     kernel = KERNELS[form]
     k = kernel[(t, triton.cdiv(heads, block_h))](
         q, rows, indices, valid, end, out, lse, t, indices.shape[1], heads, float(scale),
         q.stride(0), q.stride(1), rows.stride(0), indices.stride(0), valid.stride(0), out.stride(0), out.stride(1),
         lse.stride(0), **ta._query_blocks(d, DV), BLOCK_H=block_h, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
         num_warps=warps, num_stages=stages)
-    key = f"{form} s{stages} n{block_n}"
+    key = variant_key(form, stages, block_n, warps)
     if key not in ASM:
         ASM[key] = asm_stats(k)
+
+
+def variant_key(form: str, stages: int, block_n: int, warps: int) -> str:
+    return f"{form} s{stages} n{block_n} w{warps}"
 
 
 def inputs(history: int, fill: bool, dev: torch.device, copies: int = 4):
@@ -119,8 +125,11 @@ def inputs(history: int, fill: bool, dev: torch.device, copies: int = 4):
 
 
 def probe(dev: torch.device) -> list[dict[str, Any]]:
-    variants = [("in use", 2, 64), ("in use", 1, 64), ("unmasked", 2, 64), ("unmasked", 3, 64),
-                ("in use", 2, 32), ("in use", 3, 32), ("in use", 4, 32), ("unmasked", 3, 32), ("unmasked", 4, 32)]
+    # (form, stages, BLOCK_N, warps): the kernel in use first (8 warps: two warpgroups, 255 registers,
+    # 221 KB of shared memory, one program an SM); 16 warps halve the registers a thread needs for
+    # the accumulator, other bits (the row sums' order follows the layout)
+    variants = [("in use", 2, 64, 8), ("in use", 2, 64, 16), ("in use", 1, 64, 16), ("unmasked", 2, 64, 16),
+                ("in use", 1, 128, 16), ("in use", 2, 32, 16), ("in use", 3, 32, 16)]
     scale = D ** -0.5
     rows_out = []
     for history, fill in ((16384, False), (94000, False), (16384, True)):
@@ -128,37 +137,40 @@ def probe(dev: torch.device) -> list[dict[str, Any]]:
         q0, rows_p, idx64, valid_p, end = ta._prepared(qs[0], rows, idx, valid)
         ref = None
         base_us = None
-        for form, stages, block_n in variants:
+        for form, stages, block_n, warps in variants:
             indices = idx64
             out = torch.empty(T, HEADS, DV, dtype=torch.bfloat16, device=dev)
             lse = torch.empty(T, HEADS, dtype=torch.float32, device=dev)
             try:
-                run_variant(form, stages, q0, rows_p, indices, valid_p, end, out, lse, scale, block_n)
+                run_variant(form, stages, q0, rows_p, indices, valid_p, end, out, lse, scale, block_n, warps)
             except Exception as exc:  # noqa: BLE001 - a config that does not compile is a result
-                rows_out.append({"history": history, "fill": fill, "form": form, "stages": stages,
+                rows_out.append({"history": history, "fill": fill, "form": form, "stages": stages, "warps": warps,
                                  "block_n": block_n, "error": f"{type(exc).__name__}: {exc}"[:300]})
-                print(f"{history:>6} {'fill' if fill else 'full':>4} {form:>8} s{stages} n{block_n}: {exc}"[:200])
+                print(f"{history:>6} {'fill' if fill else 'full':>4} {variant_key(form, stages, block_n, warps)}: "
+                      f"{exc}"[:200])
                 continue
             torch.cuda.synchronize()
             if ref is None:
                 ref = (out.clone(), lse.clone())
             same = bool(torch.equal(out, ref[0]) and torch.equal(lse, ref[1]))
             split_same = None
-            if form != "in use" and block_n == 64 and history == 16384 and not fill:
+            if (form, warps) != ("in use", 8) and block_n == 64 and history == 16384 and not fill:
                 o16, l16 = ta.latent_attention(q0[:16], rows_p, idx64[:16], valid[:16], scale, DV, split=True)
                 split_same = bool(torch.equal(o16, out[:16]) and torch.equal(l16, lse[:16]))
             outs = [torch.empty_like(out) for _ in qs]
             us = graph_time_us([lambda q=q, o=o: run_variant(form, stages, q, rows_p, indices, valid_p, end, o, lse,
-                                                             scale, block_n) for q, o in zip(qs, outs)], replays=5)
+                                                             scale, block_n, warps) for q, o in zip(qs, outs)],
+                               replays=5)
             base_us = base_us or us
+            key = variant_key(form, stages, block_n, warps)
             row = {"history": history, "fill": fill, "form": form, "stages": stages, "block_n": block_n,
-                   "asm": ASM.get(f"{form} s{stages} n{block_n}"),
+                   "warps": warps, "asm": ASM.get(key),
                    "bitwise_as_in_use": same, "split_agrees": split_same, "us": round(us, 1),
                    "speedup": round(base_us / us, 3)}
             rows_out.append(row)
-            print(f"{history:>6} {'fill' if fill else 'full':>4} {form:>8} s{stages} n{block_n}: "
+            print(f"{history:>6} {'fill' if fill else 'full':>4} {key:>22}: "
                   f"{us / 1e3:7.3f} ms  x{base_us / us:5.2f}  bitwise {same}  split {split_same}  "
-                  f"{ASM.get(f'{form} s{stages} n{block_n}')}", flush=True)
+                  f"{ASM.get(key)}", flush=True)
     return rows_out
 
 
