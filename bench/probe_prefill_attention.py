@@ -18,7 +18,10 @@ of 4 calls on rotating queries, replayed, CUDA events. Prints a table; JSON with
 that loaded the next block's indices one iteration ahead was 0.46-0.66x: this script at 91cdc63,
 bench/results/prefill_attention_h200.json. Sixteen warps, where a thread needs half the accumulator's
 registers, kept the bits but spilled at 128 registers a thread: 0.29-0.47x,
-bench/results/prefill_attention_warps_h200.json.)
+bench/results/prefill_attention_warps_h200.json. `--specialized`: the slot loop as
+tl.range(warp_specialize=True); Triton 3.6 on the H200 emits the same code at 8 warps (no setmaxnreg,
+the same time and bits) and fails its warp-specialization pass at 4 (a producer for a gathered load,
+not a TMA one), bench/results/prefill_attention_ws_h200.json.)
 """
 from __future__ import annotations
 
@@ -72,7 +75,33 @@ def _unmasked_kernel(q_ptr, rows_ptr, idx_ptr, valid_ptr, end_ptr, out_ptr, lse_
                      True)
 
 
-KERNELS = {"in use": ta._latent_attention_kernel, "unmasked": _unmasked_kernel}
+@triton.jit(do_not_specialize=["T", "K_SLOTS"])
+def _specialized_kernel(q_ptr, rows_ptr, idx_ptr, valid_ptr, end_ptr, out_ptr, lse_ptr, T, K_SLOTS, H, scale,
+                        stride_qt, stride_qh, stride_r, stride_it, stride_vt, stride_ot, stride_oh, stride_lt,
+                        DV: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr,
+                        BLOCK_DR: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """The kernel in use with its slot loop as tl.range(warp_specialize=True): whether this Triton
+    splits the loop into producer and consumer warps (the overlap the kernel lacks), same arithmetic."""
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_v = tl.arange(0, BLOCK_DV)
+    offs_r = tl.arange(0, BLOCK_DR)
+    h_mask, v_mask, r_mask = offs_h < H, offs_v < DV, offs_r < DR
+    q_v, q_r = ta._load_queries(q_ptr, t, stride_qt, stride_qh, offs_h, h_mask, offs_v, v_mask, offs_r, r_mask,
+                                DV, DR, BLOCK_H, BLOCK_DR)
+    m = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+    l = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_DV), dtype=tl.float32)
+    end = tl.load(end_ptr + t)
+    for jb in tl.range(0, tl.cdiv(end, BLOCK_N), warp_specialize=True):
+        s, ok, kv_v = ta._block_scores(q_v, q_r, rows_ptr, idx_ptr, valid_ptr, t, jb, K_SLOTS, scale, stride_r,
+                                       stride_it, stride_vt, offs_v, v_mask, offs_r, r_mask, DV, DR, BLOCK_N, IEEE)
+        m, l, acc = ta._softmax_step(m, l, acc, s, ok, kv_v, IEEE)
+    ta._store_result(out_ptr, lse_ptr, t, stride_ot, stride_oh, stride_lt, acc, l, m, offs_h, h_mask, offs_v, v_mask,
+                     True)
+
+
+KERNELS = {"in use": ta._latent_attention_kernel, "unmasked": _unmasked_kernel, "specialized": _specialized_kernel}
 ASM: dict[str, dict] = {}
 
 
@@ -86,7 +115,7 @@ def asm_stats(k) -> dict:
     return {"cp_async": ptx.count("cp.async.cg") + ptx.count("cp.async.ca"), "wgmma": ptx.count("wgmma.mma_async"),
             "st_shared": ptx.count("st.shared"), "waits_pending": len(re.findall(r"pendings = [1-9]", ttgir)),
             "shared": getattr(meta, "shared", None), "regs": getattr(k, "n_regs", None),
-            "spills": getattr(k, "n_spills", None)}
+            "spills": getattr(k, "n_spills", None), "setmaxnreg": ptx.count("setmaxnreg")}
 
 
 def run_variant(form: str, stages: int, q, rows, indices, valid, end, out, lse, scale: float,
@@ -124,12 +153,13 @@ def inputs(history: int, fill: bool, dev: torch.device, copies: int = 4):
     return qs, rows, idx, valid
 
 
-def probe(dev: torch.device) -> list[dict[str, Any]]:
+def probe(dev: torch.device, specialized: bool = False) -> list[dict[str, Any]]:
     # (form, stages, BLOCK_N, warps): the kernel in use first (8 warps: two warpgroups, 255 registers,
     # 221 KB of shared memory, one program an SM); 16 warps halve the registers a thread needs for
     # the accumulator, other bits (the row sums' order follows the layout)
-    variants = [("in use", 2, 64, 8), ("in use", 2, 64, 16), ("in use", 1, 64, 16), ("unmasked", 2, 64, 16),
-                ("in use", 1, 128, 16), ("in use", 2, 32, 16), ("in use", 3, 32, 16)]
+    variants = [("in use", 2, 64, 8), ("specialized", 2, 64, 8), ("specialized", 2, 64, 4)] if specialized else [
+        ("in use", 2, 64, 8), ("in use", 2, 64, 16), ("in use", 1, 64, 16), ("unmasked", 2, 64, 16),
+        ("in use", 1, 128, 16), ("in use", 2, 32, 16), ("in use", 3, 32, 16)]
     scale = D ** -0.5
     rows_out = []
     for history, fill in ((16384, False), (94000, False), (16384, True)):
@@ -177,6 +207,8 @@ def probe(dev: torch.device) -> list[dict[str, Any]]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "prefill_attention.json")
+    ap.add_argument("--specialized", action="store_true",
+                    help="the slot loop as tl.range(warp_specialize=True) against the kernel in use")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("probe_prefill_attention: needs a CUDA device", file=sys.stderr)
@@ -184,7 +216,7 @@ def main() -> int:
     dev = torch.device("cuda")
     result = result_header("probe_prefill_attention", {"heads": HEADS, "d": D, "value_dim": DV, "slots": SLOTS,
                                                        "queries": T}, dev)
-    result["rows"] = probe(dev)
+    result["rows"] = probe(dev, args.specialized)
     write_json(args.out, result)
     print(f"wrote {args.out}")
     return 0
