@@ -45,12 +45,16 @@ HEADS, D, DV, SLOTS, T = 64, 576, 512, 2048, 2048
 
 
 @triton.jit(do_not_specialize=["T", "K_SLOTS"])
-def _unmasked_kernel(q_ptr, rows_ptr, idx_ptr, valid_ptr, end_ptr, out_ptr, lse_ptr, T, K_SLOTS, H, scale,
-                     stride_qt, stride_qh, stride_r, stride_it, stride_vt, stride_ot, stride_oh, stride_lt,
-                     DV: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr,
-                     BLOCK_DR: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
-    """The gather without a mask from loaded values: an invalid slot reads row 0 (its score is -inf
-    and its probability 0 either way), so the gather can go straight to shared memory."""
+def _variant_kernel(q_ptr, rows_ptr, idx_ptr, valid_ptr, end_ptr, out_ptr, lse_ptr, T, K_SLOTS, H, scale,
+                    stride_qt, stride_qh, stride_r, stride_it, stride_vt, stride_ot, stride_oh, stride_lt,
+                    DV: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr,
+                    BLOCK_DR: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, UNMASKED: tl.constexpr,
+                    SPECIALIZE: tl.constexpr):
+    """The kernel in use's arithmetic, scheduled otherwise. UNMASKED: the gather without a mask from
+    loaded values (an invalid slot reads row 0; its score is -inf and its probability 0 either way),
+    so the gather can go straight to shared memory. SPECIALIZE: the slot loop as
+    tl.range(warp_specialize=True), whether Triton splits it into producer and consumer warps (the
+    overlap the kernel lacks)."""
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_v = tl.arange(0, BLOCK_DV)
@@ -62,46 +66,28 @@ def _unmasked_kernel(q_ptr, rows_ptr, idx_ptr, valid_ptr, end_ptr, out_ptr, lse_
     l = tl.zeros((BLOCK_H,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_DV), dtype=tl.float32)
     end = tl.load(end_ptr + t)
-    for jb in range(0, tl.cdiv(end, BLOCK_N)):
-        idx, ok = ta._block_slots(idx_ptr, valid_ptr, t, jb, K_SLOTS, stride_it, stride_vt, BLOCK_N)
-        row = rows_ptr + tl.where(ok, idx, 0).to(tl.int64)[:, None] * stride_r
-        kv_v = tl.load(row + offs_v[None, :]).to(q_v.dtype)
-        s = tl.dot(q_v, tl.trans(kv_v))
-        kv_r = tl.load(row + DV + offs_r[None, :]).to(q_v.dtype)
-        s = tl.dot(q_r, tl.trans(kv_r), s)
-        s = tl.where(ok[None, :], s * scale, float("-inf"))
+    for jb in tl.range(0, tl.cdiv(end, BLOCK_N), warp_specialize=SPECIALIZE):
+        if UNMASKED:
+            idx, ok = ta._block_slots(idx_ptr, valid_ptr, t, jb, K_SLOTS, stride_it, stride_vt, BLOCK_N)
+            row = rows_ptr + tl.where(ok, idx, 0).to(tl.int64)[:, None] * stride_r
+            kv_v = tl.load(row + offs_v[None, :]).to(q_v.dtype)
+            s = tl.dot(q_v, tl.trans(kv_v))
+            kv_r = tl.load(row + DV + offs_r[None, :]).to(q_v.dtype)
+            s = tl.dot(q_r, tl.trans(kv_r), s)
+            s = tl.where(ok[None, :], s * scale, float("-inf"))
+        else:
+            s, ok, kv_v = ta._block_scores(q_v, q_r, rows_ptr, idx_ptr, valid_ptr, t, jb, K_SLOTS, scale, stride_r,
+                                           stride_it, stride_vt, offs_v, v_mask, offs_r, r_mask, DV, DR, BLOCK_N,
+                                           IEEE)
         m, l, acc = ta._softmax_step(m, l, acc, s, ok, kv_v, IEEE)
     ta._store_result(out_ptr, lse_ptr, t, stride_ot, stride_oh, stride_lt, acc, l, m, offs_h, h_mask, offs_v, v_mask,
                      True)
 
 
-@triton.jit(do_not_specialize=["T", "K_SLOTS"])
-def _specialized_kernel(q_ptr, rows_ptr, idx_ptr, valid_ptr, end_ptr, out_ptr, lse_ptr, T, K_SLOTS, H, scale,
-                        stride_qt, stride_qh, stride_r, stride_it, stride_vt, stride_ot, stride_oh, stride_lt,
-                        DV: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr,
-                        BLOCK_DR: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
-    """The kernel in use with its slot loop as tl.range(warp_specialize=True): whether this Triton
-    splits the loop into producer and consumer warps (the overlap the kernel lacks), same arithmetic."""
-    t = tl.program_id(0).to(tl.int64)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_v = tl.arange(0, BLOCK_DV)
-    offs_r = tl.arange(0, BLOCK_DR)
-    h_mask, v_mask, r_mask = offs_h < H, offs_v < DV, offs_r < DR
-    q_v, q_r = ta._load_queries(q_ptr, t, stride_qt, stride_qh, offs_h, h_mask, offs_v, v_mask, offs_r, r_mask,
-                                DV, DR, BLOCK_H, BLOCK_DR)
-    m = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
-    l = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_H, BLOCK_DV), dtype=tl.float32)
-    end = tl.load(end_ptr + t)
-    for jb in tl.range(0, tl.cdiv(end, BLOCK_N), warp_specialize=True):
-        s, ok, kv_v = ta._block_scores(q_v, q_r, rows_ptr, idx_ptr, valid_ptr, t, jb, K_SLOTS, scale, stride_r,
-                                       stride_it, stride_vt, offs_v, v_mask, offs_r, r_mask, DV, DR, BLOCK_N, IEEE)
-        m, l, acc = ta._softmax_step(m, l, acc, s, ok, kv_v, IEEE)
-    ta._store_result(out_ptr, lse_ptr, t, stride_ot, stride_oh, stride_lt, acc, l, m, offs_h, h_mask, offs_v, v_mask,
-                     True)
-
-
-KERNELS = {"in use": ta._latent_attention_kernel, "unmasked": _unmasked_kernel, "specialized": _specialized_kernel}
+# form -> (kernel, its extra constexprs)
+KERNELS = {"in use": (ta._latent_attention_kernel, {}),
+           "unmasked": (_variant_kernel, {"UNMASKED": True, "SPECIALIZE": False}),
+           "specialized": (_variant_kernel, {"UNMASKED": False, "SPECIALIZE": True})}
 ASM: dict[str, dict] = {}
 
 
@@ -123,12 +109,12 @@ def run_variant(form: str, stages: int, q, rows, indices, valid, end, out, lse, 
     t, heads, d = q.shape
     block_h, default_n, default_warps, _ = ta.attention_config(heads, d, DV, q.dtype)
     block_n, warps = block_n or default_n, warps or default_warps
-    kernel = KERNELS[form]
+    kernel, flags = KERNELS[form]
     k = kernel[(t, triton.cdiv(heads, block_h))](
         q, rows, indices, valid, end, out, lse, t, indices.shape[1], heads, float(scale),
         q.stride(0), q.stride(1), rows.stride(0), indices.stride(0), valid.stride(0), out.stride(0), out.stride(1),
-        lse.stride(0), **ta._query_blocks(d, DV), BLOCK_H=block_h, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
-        num_warps=warps, num_stages=stages)
+        lse.stride(0), **ta._query_blocks(d, DV), **flags, BLOCK_H=block_h, BLOCK_N=block_n,
+        IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages)
     key = variant_key(form, stages, block_n, warps)
     if key not in ASM:
         ASM[key] = asm_stats(k)
