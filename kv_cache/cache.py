@@ -356,13 +356,17 @@ class PrefixCache:
         if not nodes:
             self._touch(held)
             return 0
-        done = self._staging.copy(todo, rows_for) if todo and self._staging is not None else None
-        if done is not None:
-            self._pending = _Pending(held, nodes, toks[:stop].copy(), done)
+        try:
+            done = self._staging.copy(todo, rows_for) if todo and self._staging is not None else None
+            if done is not None:
+                self._pending = _Pending(held, nodes, toks[:stop].copy(), done)
+                return 0
+            for node, a, b in todo:
+                node.rows = rows_to_host(rows_for(a, b))
+            return self._keep(held, nodes, frontier)
+        except Exception:  # the reply is decoded: a failed copy (host memory, say) drops this store only
+            log.exception("kv_cache store of %d nodes failed; not kept (the reply stands)", len(nodes))
             return 0
-        for node, a, b in todo:
-            node.rows = rows_to_host(rows_for(a, b))
-        return self._keep(held, nodes, frontier)
 
     def _keep(self, held: list[bytes], nodes: list[Node], frontier: int) -> int:
         """Hand a store's nodes (rows at hand) to the tiers; `held`: the hashes of the blocks
@@ -472,6 +476,7 @@ class PrefixCache:
         the benches print it (restore.Restorer.take_times)."""
         return self._restorer.take_times()
 
+    @_locked
     def stats_dict(self) -> dict:
         self._settle(wait=True)
         d = dict(self.stats.__dict__)

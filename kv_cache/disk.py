@@ -1,7 +1,11 @@
 """Disk tier: one file per node (full block or tail), named by its chain hash, surviving a restart.
 
 Layout: DIR/<key digest>/<chain hash>.kvc, so each (model, settings, rank, kit version) has its
-own folder and budget; the format is diskfile.py's. Files are written to a temporary name,
+own folder; the format is diskfile.py's. The budget bounds this key's folder, and at start the
+folders of other keys (an older kit version, other settings) are removed, least recently used
+first, while DIR as a whole is over it (one untouched for STALE_FOLDER_S, so never a live
+server's). A full filesystem lowers the budget to what this folder holds, so later stores
+replace its oldest files instead of failing. Files are written to a temporary name,
 fsynced, renamed and the directory fsynced, so a reader sees a whole file or none. At start the
 index is rebuilt from the headers (parent and tokens kept in memory: children are found without
 file I/O); stale temp files of dead writers are deleted. Anything that does not verify (magic,
@@ -41,6 +45,10 @@ SUFFIX = ".kvc"
 TMP_PREFIX = ".tmp."
 QUARANTINE = "quarantine"
 _KEEP_QUARANTINED = 16
+STALE_TMP_S = 3600  # a temp file this old is a dead writer's even if its pid now runs something else
+STALE_FOLDER_S = 3600  # another key's folder untouched this long belongs to no running server
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+_WRITTEN, _FAILED, _RETRY = "written", "failed", "retry"  # DiskTier._write's outcomes
 
 
 def default_threads() -> int:
@@ -82,7 +90,11 @@ class DiskTier:
         self.replaced = 0  # removed because a sibling dominates them
         self.quarantined = 0
         self.write_errors = 0
+        self._warned_size = False  # a node over the whole budget: said once
         self._scan()
+        with self._lock:
+            self._trim_other_keys()
+            self._make_room(0, set())  # a restart with a smaller budget
 
     # ---- start-up -------------------------------------------------------------------------
     def _scan(self) -> None:
@@ -95,14 +107,14 @@ class DiskTier:
                     with p.open("rb") as f:
                         hdr = diskfile.read_header(f, st.st_size)
                     diskfile.check_identity(hdr, self._key_json, _name_hash(p), self.key.chunk_size)
+                    known = diskfile.Known.of(hdr, self._names)  # the tensor list checked too
                 except CorruptEntry as e:
                     self._quarantine(p, str(e))
                     continue
                 except OSError as e:
                     log.warning("kv_cache disk: cannot read %s (%s); ignored", p, e)
                     continue
-                self._add(hdr.hash, _Entry(p, hdr.parent, hdr.tokens, st.st_size, st.st_mtime_ns,
-                                           diskfile.Known.of(hdr, self._names)))
+                self._add(hdr.hash, _Entry(p, hdr.parent, hdr.tokens, st.st_size, st.st_mtime_ns, known))
         log.info("kv_cache disk: %d chunks, %d bytes in %s", len(self.index), self.used_bytes, self.dir)
 
     def _remove_stale_tmp(self, p: Path) -> None:
@@ -111,8 +123,12 @@ class DiskTier:
             pid = int(p.name[len(TMP_PREFIX):].split(".", 1)[0])
         except ValueError:
             pid = -1
-        if pid > 0 and pid != os.getpid() and _alive(pid):
+        try:
+            age_s = time.time() - p.stat().st_mtime
+        except OSError:
             return
+        if pid > 0 and pid != os.getpid() and _alive(pid) and age_s < STALE_TMP_S:
+            return  # a live writer's (a write takes seconds); an old one's pid was reused
         try:
             p.unlink()
             log.info("kv_cache disk: removed unfinished write %s", p.name)
@@ -125,12 +141,49 @@ class DiskTier:
         qdir = self.dir / QUARANTINE
         try:
             qdir.mkdir(exist_ok=True)
-            os.replace(p, qdir / f"{p.name}.{uuid.uuid4().hex[:8]}")
+            moved = qdir / f"{p.name}.{uuid.uuid4().hex[:8]}"
+            os.replace(p, moved)
+            os.utime(moved)  # quarantined now: the newest, whatever its last use was
             old = sorted(qdir.iterdir(), key=lambda q: q.stat().st_mtime_ns)  # keep the newest few
             for q in old[:-_KEEP_QUARANTINED]:
                 q.unlink(missing_ok=True)
         except OSError:
             p.unlink(missing_ok=True)
+
+    def _trim_other_keys(self) -> None:
+        """Remove other keys' folders (their files, then the folder), least recently used first,
+        while DIR's total is over the budget; skip any touched within STALE_FOLDER_S, and the
+        folders of this server's other ranks (a key equal to ours but for its rank: they hold
+        their own budgets and count apart)."""
+        others = []
+        for d in self.dir.parent.iterdir():
+            if d != self.dir and _is_key_folder(d, len(self.dir.name)) and not self._sibling_rank(d):
+                size, newest = _folder_usage(d)
+                others.append((newest, size, d))
+        total = self.used_bytes + sum(size for _, size, _ in others)
+        stale_before = time.time_ns() - STALE_FOLDER_S * 1_000_000_000
+        for newest, size, d in sorted(others):
+            if total <= self.budget_bytes:
+                break
+            if newest > stale_before:
+                continue
+            _remove_key_folder(d)
+            total -= size
+            log.info("kv_cache disk: removed %s (%d bytes, another key's, unused for %.0f h) to keep %s within "
+                     "TF_GLM53_DISK_CACHE_BYTES=%d", d.name, size, (time.time_ns() - newest) / 3.6e12,
+                     self.dir.parent, self.budget_bytes)
+
+    def _sibling_rank(self, d: Path) -> bool:
+        """Whether folder d holds another rank's files of our key (read from one file's header)."""
+        ours = {k: v for k, v in self._key_json.items() if k != "rank"}
+        for p in d.glob("*" + SUFFIX):
+            try:
+                with p.open("rb") as f:
+                    theirs = diskfile.read_header(f, p.stat().st_size).key
+            except (OSError, CorruptEntry):
+                continue
+            return isinstance(theirs, dict) and {k: v for k, v in theirs.items() if k != "rank"} == ours
+        return False
 
     # ---- index ----------------------------------------------------------------------------
     def __contains__(self, h: bytes) -> bool:
@@ -230,17 +283,23 @@ class DiskTier:
         return size, buf, known.runs
 
     def touch_chain(self, hashes: Sequence[bytes]) -> None:
+        """Mark a chain used, root newest: the index at once, the files' mtimes (what a restart's
+        LRU order comes from) outside the lock, which lookups take."""
+        touched = []
         with self._lock:
             now = time.time_ns()
-            for i, h in enumerate(reversed(hashes)):  # root newest
+            for i, h in enumerate(reversed(hashes)):
                 e = self.index.get(h)
-                if e is None:
-                    continue
-                e.mtime_ns = now + i
-                try:
-                    os.utime(e.path, ns=(e.mtime_ns, e.mtime_ns))
-                except OSError:
-                    self._drop(h)
+                if e is not None:
+                    e.mtime_ns = now + i
+                    touched.append((h, e))
+        for h, e in touched:
+            try:
+                os.utime(e.path, ns=(e.mtime_ns, e.mtime_ns))
+            except OSError:
+                with self._lock:
+                    if self.index.get(h) is e:  # not rewritten meanwhile
+                        self._drop(h)
 
     # ---- writes ---------------------------------------------------------------------------
     def put_chain(self, root: bytes, nodes: Sequence[Node]) -> int:
@@ -262,10 +321,12 @@ class DiskTier:
                 victims = [c for c, t in self.children(node.parent) if dominates(node.tokens, t)]
             pieces = diskfile.encode(self._key_json, node)
             size = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in pieces)
-            with self._lock:
-                freed = sum(self.index[v].size for v in victims if v in self.index)
-                fits = size <= self.budget_bytes and self._make_room(size - freed, protect | set(victims))
-            if not fits or not self._write(node, pieces):
+            if not self._room_for(size, victims, protect):
+                break
+            outcome = self._write(node, pieces)
+            if outcome == _RETRY:  # the filesystem was full: once more, in room made by evicting our oldest
+                outcome = self._write(node, pieces) if self._room_for(size, victims, protect) else _FAILED
+            if outcome != _WRITTEN:
                 break
             with self._lock:  # only once the new file is durable: a crash leaves both, harmless
                 for v in victims:
@@ -274,7 +335,24 @@ class DiskTier:
         self.touch_chain([n.hash for n in nodes])
         return written
 
-    def _write(self, node: Node, pieces: list) -> bool:
+    def _room_for(self, size: int, victims: list[bytes], protect: set[bytes]) -> bool:
+        """Whether a node of `size` bytes fits the budget, evicting least recently used nodes
+        (never `protect` or the siblings it replaces, whose bytes count as freed)."""
+        with self._lock:
+            if size > self.budget_bytes:
+                if not self._warned_size:
+                    self._warned_size = True
+                    log.warning("kv_cache disk: a %d-byte node is larger than the budget (%d bytes) of %s: "
+                                "nothing is written; raise TF_GLM53_DISK_CACHE_BYTES", size, self.budget_bytes,
+                                self.dir)
+                return False
+            freed = sum(self.index[v].size for v in victims if v in self.index)
+            return self._make_room(size - freed, protect | set(victims))
+
+    def _write(self, node: Node, pieces: list) -> str:
+        """Write a node's file (temp name, fsync, rename): _WRITTEN (on disk and indexed), _FAILED,
+        or _RETRY: the filesystem was full, the budget is now the bytes this tier holds, and
+        evicting some of them makes room for another try."""
         final = self.dir / (node.hash.hex() + SUFFIX)
         tmp = self.dir / f"{TMP_PREFIX}{os.getpid()}.{uuid.uuid4().hex}"
         try:
@@ -284,18 +362,36 @@ class DiskTier:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, final)
-            _fsync_dir(self.dir)
         except OSError as e:
             self.write_errors += 1
             tmp.unlink(missing_ok=True)
-            why = "disk full" if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else e.strerror
-            log.warning("kv_cache disk: write of %s failed (%s); entry skipped", final.name, why)
-            return False
+            if e.errno in _FULL:
+                return _RETRY if self._on_full() else _FAILED
+            why = "the process's file size limit (EFBIG)" if e.errno == errno.EFBIG else e.strerror
+            log.warning("kv_cache disk: write of %s in %s failed (%s); entry skipped", final.name, self.dir, why)
+            return _FAILED
+        try:
+            _fsync_dir(self.dir)
+        except OSError as e:  # the file is whole under its name; only the rename's durability is unsure
+            log.warning("kv_cache disk: fsync of %s failed (%s); %s kept", self.dir, e.strerror, final.name)
         st = final.stat()
         with self._lock:
             self._drop(node.hash)
             self._add(node.hash, _Entry(final, node.parent, node.tokens, st.st_size, st.st_mtime_ns))
-        return True
+        return _WRITTEN
+
+    def _on_full(self) -> bool:
+        """The filesystem is full: hold the tier at what it has (its files then turn over, LRU).
+        Whether a retry may find room (the budget was lowered just now, over files to evict)."""
+        with self._lock:
+            if self.used_bytes >= self.budget_bytes:
+                log.warning("kv_cache disk: disk full at %s; write skipped (free space there)", self.dir.parent)
+                return False
+            log.warning("kv_cache disk: disk full at %s; the disk tier's budget is lowered from %d to the %d bytes "
+                        "it holds for this run (free space there or lower TF_GLM53_DISK_CACHE_BYTES)",
+                        self.dir.parent, self.budget_bytes, self.used_bytes)
+            self.budget_bytes = self.used_bytes
+            return self.used_bytes > 0
 
     def _make_room(self, need: int, protect: set[bytes]) -> bool:
         if self.used_bytes + need <= self.budget_bytes:
@@ -339,6 +435,40 @@ def _name_hash(p: Path) -> bytes:
         return bytes.fromhex(p.name[:-len(SUFFIX)])
     except ValueError:
         return b""
+
+
+def _is_key_folder(d: Path, name_len: int) -> bool:
+    """A folder named like a key digest (hex of this key's length): a disk tier's, not the user's."""
+    return d.is_dir() and len(d.name) == name_len and all(c in "0123456789abcdef" for c in d.name)
+
+
+def _folder_usage(d: Path) -> tuple[int, int]:
+    """(bytes, newest mtime in ns) of a key folder's files, its quarantine included."""
+    size, newest = 0, 0
+    for p in [*d.iterdir(), *((d / QUARANTINE).iterdir() if (d / QUARANTINE).is_dir() else ())]:
+        try:
+            st = p.stat()
+        except OSError:
+            continue
+        if p.is_file():
+            size += st.st_size
+            newest = max(newest, st.st_mtime_ns)
+    return size, newest
+
+
+def _remove_key_folder(d: Path) -> None:
+    """Only what a disk tier writes (entries, temp files, the quarantine), then the folder if empty."""
+    for p in [*((d / QUARANTINE).iterdir() if (d / QUARANTINE).is_dir() else ()), *d.iterdir()]:
+        try:
+            if p.is_file() and (p.suffix == SUFFIX or p.name.startswith(TMP_PREFIX) or p.parent.name == QUARANTINE):
+                p.unlink()
+        except OSError:
+            pass
+    for folder in (d / QUARANTINE, d):
+        try:
+            folder.rmdir()
+        except OSError:
+            pass
 
 
 def _fsync_dir(d: Path) -> None:

@@ -199,7 +199,7 @@ def parse(head: bytes | memoryview, file_size: int) -> Header:
         length = int(meta["length"])
     except (ValueError, KeyError, TypeError, OverflowError) as e:
         raise CorruptEntry(f"malformed header ({e})") from e
-    if length != len(tokens) or tokens.ndim != 1:
+    if tokens.ndim != 1 or length != len(tokens):
         raise CorruptEntry("header's length and tokens disagree")
     if h.payload_start % ALIGN:
         raise CorruptEntry("payload not aligned")
@@ -279,8 +279,10 @@ def layout(h: Header) -> list[Run]:
         for r in h.runs:
             names, off, n = tuple(str(x) for x in r["names"]), int(r["offset"]), int(r["nbytes"])
             dt, shape = _dtype(r["dtype"]), tuple(int(s) for s in r["shape"])
-            if not names or off < 0 or off % ALIGN or off + len(names) * n > h.payload_bytes:
+            if not names or off < 0 or n < 0 or off % ALIGN or off + len(names) * n > h.payload_bytes:
                 raise CorruptEntry(f"tensors {names[:1]} outside the payload")
+            if any(d < 0 for d in shape):
+                raise CorruptEntry(f"tensor {names[0]}: negative dimension in {shape}")
             if prod(shape) * dt.itemsize != n:
                 raise CorruptEntry(f"tensor {names[0]}: shape {shape} does not fit {n} bytes")
             runs.append(Run(names, h.payload_start + off, n, dt, shape))

@@ -140,6 +140,10 @@ def attach_prefix_cache(engine: Any, *, revision: str | None = None, group: Any 
     """Build the cache for `engine` from TF_GLM53_* variables and plug it in. Over several ranks
     call it on every rank with the rank's `comm` (every rank then looks up every request)."""
     agree = min_over_comm(comm) if comm is not None else min_over_ranks(group)
+    previous = getattr(engine, "prefix_cache", None)
+    if previous is not None:  # its stores land and its writer thread ends, not at process exit
+        engine.prefix_cache = None
+        previous.close()
     cache = PrefixCache.from_env(cache_key_for(engine, revision), agree=agree,
                                  environ=os.environ if environ is None else environ,
                                  boundary=engine.reuse_boundary,

@@ -64,7 +64,16 @@ class HostStore:
             return 0
         # the chain and its held ancestors stay: evicting an ancestor would orphan the chain
         protect = {n.hash for n in nodes} | self._ancestors(nodes[0].parent)
-        new = [n for n in nodes if n.rows is not None and n.hash not in self._nodes]
+        # room only for what the loop below can insert: up to the first node absent without rows
+        # or whose parent is not reachable (with a disk tier a chain may continue a prefix only the
+        # disk holds; making room for it would evict other chains for nothing)
+        new, reachable = [], {root}
+        for node in nodes:
+            if node.hash not in self._nodes:
+                if node.rows is None or (node.parent not in reachable and node.parent not in self._nodes):
+                    break
+                new.append(node)
+            reachable.add(node.hash)
         need = sum(rows_nbytes(n.rows) - self._bytes(self._victims(n)) for n in new)
         self._make_room(need, protect)
         inserted = 0

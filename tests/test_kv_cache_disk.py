@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import signal
 import struct
@@ -14,10 +15,11 @@ import textwrap
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from kv_cache import CacheKey, DiskTier, PrefixCache, block_hash, chain_hashes, diskfile
+from kv_cache import CacheKey, DiskTier, Node, PrefixCache, block_hash, chain_hashes, diskfile
 from kv_cache.disk import QUARANTINE, SUFFIX, TMP_PREFIX
 from kv_cache.keys import root_hash
 
@@ -492,7 +494,7 @@ def test_full_filesystem_is_logged_and_leaves_no_partial_entry(tmp_path):
         res = json.loads(out.stdout.strip().splitlines()[-1])
         assert (1 <= res["written"] < 8) if mounted else res["written"] == 0
         assert res["errors"] == 1
-        assert "disk full" in out.stderr
+        assert ("disk full" if mounted else "file size limit (EFBIG)") in out.stderr
         d = target / k.digest().hex()
         assert not any(p.name.startswith(TMP_PREFIX) for p in d.iterdir())
         tier = DiskTier(target, k, 1 << 40)  # what was written is whole and verifies
@@ -500,6 +502,21 @@ def test_full_filesystem_is_logged_and_leaves_no_partial_entry(tmp_path):
         hs = chain_hashes(k, list(range(8 * C)))
         for i in range(res["written"]):
             assert torch.equal(tier.load(hs[i])["latent.0"], torch.full((C, 4096), float(i), dtype=torch.bfloat16))
+        if mounted:
+            # the disk is still full: another chain's store lowers the budget to what the tier
+            # holds and replaces its least recently used files instead of failing from now on
+            other = [100_000 + t for t in range(8 * C)]
+            ho = chain_hashes(k, other)
+            parents = [root_hash(k)] + ho[:-1]
+            nodes = [Node(ho[i], parents[i], np.array(other[i * C:(i + 1) * C], dtype=np.int64),
+                          {"latent.0": torch.full((C, 4096), 50.0 + i, dtype=torch.bfloat16)}) for i in range(8)]
+            held = tier.used_bytes
+            written = tier.put_chain(root_hash(k), nodes)
+            assert written >= 1 and tier.budget_bytes == held and tier.used_bytes <= held
+            assert tier.evictions >= written
+            for i in range(written):
+                assert torch.equal(tier.load(ho[i])["latent.0"], torch.full((C, 4096), 50.0 + i, dtype=torch.bfloat16))
+            assert not any(p.name.startswith(TMP_PREFIX) for p in d.iterdir())
     finally:
         if mounted:
             subprocess.run(["umount", str(mnt)], timeout=10)
@@ -516,3 +533,132 @@ def test_background_writer_keeps_disk_io_off_the_store_call(tmp_path):
     fresh = _fresh(tmp_path, k)
     hit = fresh.lookup(PROMPT + [1])
     assert hit.reused_tokens == 5 * C + 3 and hit.sources == ["disk"] * 6
+
+
+# ---- bad states a serving process must survive as misses, and the disk's budget ------------------
+def _rewrite_header(path: Path, mutate) -> None:
+    """Re-encode a file's header after mutate(meta), correctly signed and aligned: a file that
+    passes the header digest but says something wrong."""
+    data = path.read_bytes()
+    _, version, hlen, _ = diskfile.PREAMBLE.unpack(data[:diskfile.PREAMBLE.size])
+    meta = json.loads(data[diskfile.PREAMBLE.size:diskfile.PREAMBLE.size + hlen])
+    payload = data[diskfile.PREAMBLE.size + hlen:]
+    mutate(meta)
+    header = json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()
+    header += b" " * (-(diskfile.PREAMBLE.size + len(header)) % diskfile.ALIGN)
+    pre = diskfile.PREAMBLE.pack(diskfile.MAGIC, version, len(header), diskfile.header_digest(header))
+    path.write_bytes(pre + header + payload)
+
+
+def test_signed_headers_with_a_bad_tensor_list_or_tokens_are_misses_not_a_failed_start(tmp_path):
+    """A header whose digest verifies but whose content is wrong (a buggy writer of this format):
+    an unknown dtype, scalar tokens, negative dimensions. Start-up quarantines each, never raises;
+    lookups reuse up to the first bad block."""
+    k = key()
+    _store(tmp_path, k)
+    d, hs = tmp_path / k.digest().hex(), chain_hashes(k, PROMPT)
+
+    def dtype(meta):
+        meta["runs"][0]["dtype"] = "notatype"
+
+    def scalar_tokens(meta):
+        meta["tokens"], meta["length"] = 5, 1
+
+    def negative(meta):
+        run = meta["runs"][0]
+        run["shape"] = [-x for x in run["shape"][:2]] + run["shape"][2:]
+
+    for i, mutate in ((2, dtype), (3, scalar_tokens), (4, negative)):
+        _rewrite_header(d / (hs[i].hex() + SUFFIX), mutate)
+        assert len(list(d.glob("*" + SUFFIX))) == 6
+    cache = _fresh(tmp_path, k)
+    assert cache.disk.quarantined == 3 and len(cache.disk.index) == 3  # blocks 0, 1 and the tail
+    hit = cache.lookup(PROMPT + [1])
+    assert hit.reused_tokens == 2 * C and exact(hit) == 2 * C
+
+
+def test_a_failed_directory_fsync_keeps_the_written_file_indexed(tmp_path, monkeypatch, caplog):
+    """The rename happened; only its durability is unsure: the entry is indexed and counted (it
+    was dropped from the index while its file stayed, outside the budget)."""
+    import errno
+
+    from kv_cache import disk as disk_mod
+
+    def failing(d):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(disk_mod, "_fsync_dir", failing)
+    cache = _store(tmp_path, key())
+    files = list((tmp_path / key().digest().hex()).glob("*" + SUFFIX))
+    assert len(files) == 6 and len(cache.disk.index) == 6 and cache.disk.write_errors == 0
+    assert cache.disk.used_bytes == sum(f.stat().st_size for f in files)
+    assert "fsync" in caplog.text
+
+
+def test_the_budget_holds_from_start_and_a_node_over_it_is_said_once(tmp_path, caplog):
+    k = key()
+    _store(tmp_path, k)
+    d = tmp_path / k.digest().hex()
+    sizes = sorted(f.stat().st_size for f in d.glob("*" + SUFFIX))
+    budget = sum(sizes) // 2
+    tier = DiskTier(tmp_path, k, budget)  # a restart with a smaller budget: evicted at once
+    assert 0 < tier.used_bytes <= budget and tier.evictions > 0
+    assert tier.used_bytes == sum(f.stat().st_size for f in d.glob("*" + SUFFIX))
+    tiny = DiskTier(tmp_path / "tiny", k, 100)
+    toks = list(range(C))
+    h = chain_hashes(k, toks)[0]
+    rows = rows_for_prompt(toks)(0, C)
+    for _ in range(2):
+        assert tiny.put_chain(root_hash(k), [Node(h, root_hash(k), np.array(toks, dtype=np.int64), rows)]) == 0
+    assert caplog.text.count("larger than the budget") == 1 and "TF_GLM53_DISK_CACHE_BYTES" in caplog.text
+
+
+def test_stale_temp_files_go_even_when_their_pid_is_reused_and_quarantine_keeps_the_newest(tmp_path):
+    k = key()
+    _store(tmp_path, k)
+    d = tmp_path / k.digest().hex()
+    old_tmp, new_tmp = d / f"{TMP_PREFIX}1.old", d / f"{TMP_PREFIX}1.new"  # pid 1 runs: init, not a writer
+    for p in (old_tmp, new_tmp):
+        p.write_bytes(b"partial")
+    two_hours_ago = time.time() - 7200
+    os.utime(old_tmp, (two_hours_ago, two_hours_ago))
+    # a full quarantine of recent files, then a bad entry whose last use was long ago
+    q = d / QUARANTINE
+    q.mkdir()
+    for i in range(16):
+        (q / f"earlier.{i}").write_bytes(b"x")
+    victim = d / (chain_hashes(k, PROMPT)[2].hex() + SUFFIX)
+    data = bytearray(victim.read_bytes())
+    data[-3] ^= 0x20
+    victim.write_bytes(bytes(data))
+    os.utime(victim, (two_hours_ago, two_hours_ago))
+    tier = DiskTier(tmp_path, k, 1 << 30)
+    assert not old_tmp.exists() and new_tmp.exists()
+    assert tier.load(chain_hashes(k, PROMPT)[2]) is None and tier.quarantined == 1
+    kept = sorted(p.name for p in q.iterdir())
+    assert len(kept) == 16 and any(name.startswith(victim.name) for name in kept)
+
+
+def test_other_keys_folders_are_trimmed_at_start_but_not_other_ranks_or_recent_ones(tmp_path, caplog):
+    """The budget covers DIR: an older kit's folder, unused for hours, goes (only its own files),
+    while this server's other rank (same key but the rank) and a folder touched lately stay."""
+    caplog.set_level(logging.INFO, logger="kv_cache")
+    ours, sibling = key(ranks=2, rank=0), key(ranks=2, rank=1)
+    old_kit, recent = key(ranks=2, rank=0, kit_version="old"), key(ranks=2, rank=0, model_revision="other")
+    for k in (ours, sibling, old_kit, recent):
+        _store(tmp_path, k)
+    stray = tmp_path / ("f" * len(ours.digest().hex()))  # named like a key folder, holding a user's file
+    stray.mkdir()
+    (stray / "notes.txt").write_text("mine")
+    long_ago = time.time() - 3 * 3600
+    for k in (sibling, old_kit):
+        for f in (tmp_path / k.digest().hex()).iterdir():
+            os.utime(f, (long_ago, long_ago))
+    os.utime(stray / "notes.txt", (long_ago, long_ago))
+    size = sum(f.stat().st_size for f in (tmp_path / ours.digest().hex()).iterdir())
+    tier = DiskTier(tmp_path, ours, 2 * size)  # ours + any one other fits, not more
+    assert not (tmp_path / old_kit.digest().hex()).exists()
+    assert len(list((tmp_path / sibling.digest().hex()).glob("*" + SUFFIX))) == 6
+    assert len(list((tmp_path / recent.digest().hex()).glob("*" + SUFFIX))) == 6
+    assert (stray / "notes.txt").read_text() == "mine"
+    assert len(tier.index) == 6 and "another key's" in caplog.text

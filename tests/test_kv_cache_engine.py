@@ -241,6 +241,50 @@ def test_multi_turn_chat_rerendered_by_the_template(engine):
         messages.append({"role": "assistant", "content": text.decode(warm.reply)})
 
 
+def test_attaching_a_new_cache_closes_the_previous_one(engine, tmp_path):
+    """A re-attached engine (a server re-configured, a test) must not leave the old cache's disk
+    writer thread and tier alive until the process exits."""
+    import threading
+
+    def writers() -> int:
+        return sum(t.name == "kv_cache-disk-writer" for t in threading.enumerate())
+
+    env = {"TF_GLM53_DISK_CACHE": str(tmp_path), "TF_GLM53_DISK_CACHE_BYTES": "64M"}
+    before = writers()
+    caches = [attach_prefix_cache(engine, revision="tiny-test", environ=env) for _ in range(4)]
+    assert writers() == before + 1 and caches[-1] is engine.prefix_cache
+    assert all(c._writer is None for c in caches[:-1])
+    attach_prefix_cache(engine, revision="tiny-test", environ={})
+    assert writers() == before
+
+
+def test_a_store_that_fails_does_not_fail_the_request(engine, monkeypatch, caplog):
+    """The store runs after the reply is decoded: a failure in its copy (host memory, say) is
+    logged and the store dropped; the reply stands, and the next request is exact."""
+    import kv_cache.cache as cache_mod
+
+    cache = attach_prefix_cache(engine, revision="tiny-test", environ={})
+    engine.state = None
+    rng = random.Random(12)
+    prompt = [rng.randrange(3, engine.vocab_size) for _ in range(45)]
+    real = cache_mod.rows_to_host
+
+    def failing(rows):
+        raise MemoryError("injected: no host memory for the store")
+
+    monkeypatch.setattr(cache_mod, "rows_to_host", failing)
+    warm = Run(engine, prompt, 3, GREEDY)
+    assert_exact(warm, cold(engine, prompt, 3, GREEDY), "the request whose store failed")
+    assert "store of" in caplog.text and len(cache.host) == 0
+    monkeypatch.setattr(cache_mod, "rows_to_host", real)
+    engine.state = None  # no live rows: the next request can only reuse what a store kept
+    Run(engine, prompt, 1, GREEDY)
+    engine.state = None
+    again = Run(engine, prompt + [5], 2, GREEDY)
+    assert again.cached > 0
+    assert_exact(again, cold(engine, prompt + [5], 2, GREEDY), "after a failed store")
+
+
 def test_prefix_cache_off_gives_identical_replies(engine):
     rng = random.Random(5)
     base = [rng.randrange(3, engine.vocab_size) for _ in range(50)]

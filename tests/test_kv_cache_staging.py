@@ -337,9 +337,13 @@ def test_a_run_whose_rows_are_not_its_blocks_in_order_is_refused():
 
 
 
-def test_stats_from_another_thread_wait_for_a_lookup_in_progress():
+@pytest.mark.parametrize("same_conversation", [True, False])
+def test_stats_from_another_thread_wait_for_a_lookup_in_progress(same_conversation: bool):
     """A server's metrics thread reads stats (which lands background stores: it changes the tiers)
-    while the engine's thread is inside a lookup: it waits until the lookup is done."""
+    while the engine's thread is inside a lookup: it waits until the lookup is done. A lookup of
+    the same conversation lands the pending store itself (the store serves it better); one of
+    another conversation does not, and the stats read must not land it under the lookup either
+    (it did, without the lock: 'Set changed size during iteration' in lookups under load)."""
     entered, release = threading.Event(), threading.Event()
 
     def agree(n: int) -> int:  # the lookup's agreement step (a collective over ranks) held open
@@ -348,8 +352,9 @@ def test_stats_from_another_thread_wait_for_a_lookup_in_progress():
         return n
     cache = PrefixCache(key(), staging_bytes=1 << 20, agree=agree)
     cache.store(P, len(P), view_of(source(P)))  # pending: the stats read below would land it
+    prompt = P[:20] + [1] if same_conversation else [t + 1000 for t in P]
     hits = []
-    lookup = threading.Thread(target=lambda: hits.append(cache.lookup(P[:20] + [1])))
+    lookup = threading.Thread(target=lambda: hits.append(cache.lookup(prompt)))
     lookup.start()
     assert entered.wait(20)
     stats = []
@@ -357,10 +362,11 @@ def test_stats_from_another_thread_wait_for_a_lookup_in_progress():
     reader.start()
     reader.join(0.3)
     assert reader.is_alive() and not stats, "stats were read while a lookup was in progress"
+    assert (cache._pending is None) == same_conversation, "the store landed under the lookup"
     release.set()
     lookup.join(20)
     reader.join(20)
-    assert hits[0].reused_tokens == 20 and stats[0]["host_chunks"] == 6
+    assert hits[0].reused_tokens == (20 if same_conversation else 0) and stats[0]["host_chunks"] == 6
     cache.close()
 
 

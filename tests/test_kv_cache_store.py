@@ -91,6 +91,22 @@ def test_lru_eviction_trims_chains_from_the_tip_and_never_orphans():
     assert sum(kept_a) == 1 and store.evictions == 3
 
 
+def test_a_chain_it_cannot_insert_evicts_nothing():
+    """With a disk tier a store may continue a prefix only the disk holds: the host's chain then
+    starts at a parent it does not hold, and none of its nodes can be inserted. Other chains
+    must not be evicted to make room for them (they were: the host tier drained)."""
+    k = key()
+    root = root_hash(k)
+    store = HostStore(budget_bytes=4 * block_bytes())
+    y = list(range(200, 232))  # 4 blocks: the budget
+    assert store.put_chain(root, nodes_of(k, y)) == 4
+    x = list(range(100, 148))  # 6 blocks, of which the host gets the last 2 (the first 4 on disk)
+    assert store.put_chain(root, nodes_of(k, x)[4:]) == 0
+    assert store.evictions == 0 and all(h in store for h in chain_hashes(k, y))
+    # a chain that can be inserted still makes its room
+    assert store.put_chain(root, nodes_of(k, x)[:2]) == 2 and store.evictions == 2
+
+
 def test_budget_eviction_with_tails_takes_the_leaf_first():
     k = key()
     root = root_hash(k)
