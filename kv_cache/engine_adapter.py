@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import torch
 
-from .cache import PrefixCache
+from .cache import CacheConfigError, PrefixCache
 from .keys import CacheKey, model_revision
 
 
@@ -135,6 +135,22 @@ def min_over_comm(comm: Any) -> Callable[[int], int]:
     return agree
 
 
+def same_settings_over_comm(comm: Any, enabled: bool, disk: bool) -> None:
+    """Every rank must run the cache the same way: each lookup agrees over the ranks, and with a
+    disk tier each restore agrees once more, so a rank with the cache off or without a disk tier
+    would pair its collectives with another request's. One all-gather at start-up; a mismatch
+    raises on every rank, naming each rank's settings."""
+    if comm.world_size == 1:
+        return
+    mine = torch.tensor([int(enabled), int(disk)], dtype=torch.int64, device=comm.device)
+    every = comm.all_gather(mine, name="prefix_cache_settings").tolist()
+    if any(row != every[0] for row in every):
+        said = "; ".join(f"rank {r}: TF_GLM53_PREFIX_CACHE={on}, disk tier {'on' if d else 'off'}"
+                         for r, (on, d) in enumerate(every))
+        raise CacheConfigError(f"the ranks' prefix cache settings differ ({said}): set the same "
+                               "TF_GLM53_PREFIX_CACHE and TF_GLM53_DISK_CACHE for every rank (the cluster file's env)")
+
+
 def attach_prefix_cache(engine: Any, *, revision: str | None = None, group: Any = None, comm: Any = None,
                         environ: dict | None = None) -> PrefixCache:
     """Build the cache for `engine` from TF_GLM53_* variables and plug it in. Over several ranks
@@ -149,5 +165,11 @@ def attach_prefix_cache(engine: Any, *, revision: str | None = None, group: Any 
                                  boundary=engine.reuse_boundary,
                                  on_gpu=torch.device(engine.device).type == "cuda",
                                  position_bytes=engine.model.new_state(engine.kv_dtype).position_bytes())
+    if comm is not None:
+        try:
+            same_settings_over_comm(comm, cache.enabled, cache.disk is not None)
+        except CacheConfigError:
+            cache.close()
+            raise
     engine.prefix_cache = cache
     return cache

@@ -217,6 +217,18 @@ def stuck(comm: Comm, out: Path) -> None:
         comm.all_reduce_sum(torch.ones(4), name="stuck_all_reduce")
 
 
+def cache_settings(comm: Comm, out: Path) -> None:
+    """The same prefix cache settings pass; a disk tier on rank 0 only is refused on every rank."""
+    from kv_cache.cache import CacheConfigError
+    from kv_cache.engine_adapter import same_settings_over_comm
+
+    same_settings_over_comm(comm, True, True)
+    try:
+        same_settings_over_comm(comm, True, comm.rank == 0)
+    except CacheConfigError as e:
+        (out / f"refused{comm.rank}").write_text(str(e))
+
+
 # ---- the model over R ranks (phase 2) ---------------------------------------------------------
 PROMPT = [(7 * i + 3) % 1900 + 20 for i in range(45)]  # 45 tokens: past the tiny model's index_topk (32)
 STEPS = 64
@@ -519,7 +531,8 @@ def draft_sources(spec_rank: int, world: int, port: int, out: Path) -> None:
     torch.save(results, out / f"rank{eng.rank}.pt")
 
 
-SCENARIOS = {"suite": suite, "spin": spin, "stuck": stuck, "model": model, "nccl": nccl, "spin_cuda": spin_cuda}
+SCENARIOS = {"suite": suite, "spin": spin, "stuck": stuck, "model": model, "nccl": nccl, "spin_cuda": spin_cuda,
+             "cache_settings": cache_settings}
 ENGINE_SCENARIOS = {"engine": engine_requests, "cache_draft": cache_draft, "draft_sources": draft_sources}  # these build their own group
 
 

@@ -243,6 +243,18 @@ def test_killed_rank_stops_the_others_naming_it(tmp_path: Path, victim: int) -> 
     ranks.kill_all()
 
 
+def test_ranks_with_different_prefix_cache_settings_are_refused_naming_each(tmp_path: Path) -> None:
+    """A disk tier on one rank only would desynchronise the restores' agreement: every rank stops
+    at start-up with each rank's settings named (a real 3-process gloo group)."""
+    ranks = Ranks(tmp_path, "cache_settings", 3)
+    codes = ranks.wait(within=60)
+    assert codes == {0: 0, 1: 0, 2: 0}, [ranks.stderr(r) for r in range(3)]
+    for r in range(3):
+        text = (tmp_path / f"refused{r}").read_text()
+        assert "rank 0: TF_GLM53_PREFIX_CACHE=1, disk tier on; rank 1: TF_GLM53_PREFIX_CACHE=1, disk tier off" in text
+        assert "TF_GLM53_DISK_CACHE" in text
+
+
 def test_rank_that_never_arrives_is_named(tmp_path: Path) -> None:
     ranks = Ranks(tmp_path, "suite", 3, ranks=[0, 1], timeout=2)
     codes = ranks.wait(within=30)
