@@ -337,36 +337,75 @@ def test_a_run_whose_rows_are_not_its_blocks_in_order_is_refused():
 
 
 
-@pytest.mark.parametrize("same_conversation", [True, False])
-def test_stats_from_another_thread_wait_for_a_lookup_in_progress(same_conversation: bool):
-    """A server's metrics thread reads stats (which lands background stores: it changes the tiers)
-    while the engine's thread is inside a lookup: it waits until the lookup is done. A lookup of
-    the same conversation lands the pending store itself (the store serves it better); one of
-    another conversation does not, and the stats read must not land it under the lookup either
-    (it did, without the lock: 'Set changed size during iteration' in lookups under load)."""
+def _held_agree() -> tuple:
+    """An agree() (the lookup's agreement over ranks, a collective) held open until released:
+    (agree, entered, release)."""
     entered, release = threading.Event(), threading.Event()
 
-    def agree(n: int) -> int:  # the lookup's agreement step (a collective over ranks) held open
+    def agree(n: int) -> int:
         entered.set()
         assert release.wait(20)
         return n
-    cache = PrefixCache(key(), staging_bytes=1 << 20, agree=agree)
-    cache.store(P, len(P), view_of(source(P)))  # pending: the stats read below would land it
-    prompt = P[:20] + [1] if same_conversation else [t + 1000 for t in P]
-    hits = []
-    lookup = threading.Thread(target=lambda: hits.append(cache.lookup(prompt)))
-    lookup.start()
-    assert entered.wait(20)
-    stats = []
+    return agree, entered, release
+
+
+def _stats_in_thread(cache: PrefixCache) -> tuple[threading.Thread, list]:
+    stats: list = []
     reader = threading.Thread(target=lambda: stats.append(cache.stats_dict()))
     reader.start()
+    return reader, stats
+
+
+def test_stats_from_another_thread_wait_for_a_lookup_in_progress():
+    """A server's metrics thread reads stats (which lands background stores: it changes the tiers)
+    while the engine's thread is inside a lookup: it waits until the lookup is done."""
+    agree, entered, release = _held_agree()
+    cache = PrefixCache(key(), staging_bytes=1 << 20, agree=agree)
+    cache.store(P, len(P), view_of(source(P)))  # pending: the stats read below would land it
+    hits = []
+    lookup = threading.Thread(target=lambda: hits.append(cache.lookup(P[:20] + [1])))
+    lookup.start()
+    assert entered.wait(20)
+    reader, stats = _stats_in_thread(cache)
     reader.join(0.3)
     assert reader.is_alive() and not stats, "stats were read while a lookup was in progress"
-    assert (cache._pending is None) == same_conversation, "the store landed under the lookup"
     release.set()
     lookup.join(20)
     reader.join(20)
-    assert hits[0].reused_tokens == (20 if same_conversation else 0) and stats[0]["host_chunks"] == 6
+    assert hits[0].reused_tokens == 20 and stats[0]["host_chunks"] == 6
+    cache.close()
+
+
+def test_stats_do_not_land_a_store_under_an_unrelated_lookup(monkeypatch):
+    """Another conversation's lookup does not wait for a pending store, so it leaves the store
+    pending; a metrics thread's stats read must not land it while the lookup walks the host tier
+    (it did, outside the lock: 'Set changed size during iteration' in lookups under load). The
+    store's background fill is held until the lookup is inside its agreement."""
+    from kv_cache import staging
+
+    go = threading.Event()
+    fill = staging._fill_nodes
+
+    def held_fill(*args):
+        assert go.wait(20)
+        return fill(*args)
+
+    monkeypatch.setattr(staging, "_fill_nodes", held_fill)
+    agree, entered, release = _held_agree()
+    cache = PrefixCache(key(), staging_bytes=1 << 20, agree=agree)
+    cache.store(P, len(P), view_of(source(P)))
+    lookup = threading.Thread(target=lambda: cache.lookup([t + 1000 for t in P]))
+    lookup.start()
+    assert entered.wait(20)
+    reader, stats = _stats_in_thread(cache)
+    go.set()  # the fill finishes now: only the stats read could land it meanwhile
+    reader.join(0.5)
+    assert reader.is_alive() and not stats and cache._pending is not None and len(cache.host) == 0, \
+        "the store landed while the lookup held the cache"
+    release.set()
+    lookup.join(20)
+    reader.join(20)
+    assert stats[0]["host_chunks"] == len(cache.host) == 6
     cache.close()
 
 
