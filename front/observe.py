@@ -12,6 +12,7 @@ A multi-rank engine (glm53.dist RankEngine) keeps these on its inner `engine`; `
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 from dataclasses import dataclass
@@ -53,12 +54,17 @@ def holder(engine: Any) -> Any:
 
 
 def cache_stats(engine: Any) -> dict[str, float] | None:
-    """The prefix cache's stats_dict() (numbers only), or None when no cache is attached."""
+    """The prefix cache's stats_dict() (numbers only), or None when no cache is attached. Read
+    without waiting for a background store still copying (kv_cache's settle=False): around every
+    request and at each scrape, a wait would hold the reply and the next lookup; such a store is
+    counted by a later read."""
     cache = getattr(holder(engine), "prefix_cache", None)
     stats_dict = getattr(cache, "stats_dict", None)
     if not callable(stats_dict):
         return None
-    return {k: v for k, v in stats_dict().items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    waits = "settle" in inspect.signature(stats_dict).parameters
+    raw = stats_dict(settle=False) if waits else stats_dict()
+    return {k: v for k, v in raw.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 def draft_stats(engine: Any) -> Any | None:

@@ -72,7 +72,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not 0 <= args.rank < args.ranks:
         p.error(f"--rank {args.rank} is outside 0..{args.ranks - 1}")
+    limit = model_context(Path(args.model))
+    if args.context < 0 or (limit is not None and args.context > limit):
+        # a larger context would pass the front's check and fail in the engine, stopping the lane
+        p.error(f"--context {args.context}: the model at {args.model} holds at most {limit} positions "
+                f"(config.json max_position_embeddings); serve at most --context {limit}, or 0 for that")
     return args
+
+
+def model_context(model: Path) -> int | None:
+    """The checkpoint's max_position_embeddings, or None where its config.json cannot say (the
+    engine's load then reports the problem)."""
+    try:
+        return int(json.loads((model / "config.json").read_text())["max_position_embeddings"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def engine_options(pairs: list[str]) -> dict[str, Any]:
@@ -172,7 +186,7 @@ def main(argv: list[str] | None = None, engine_factory: Callable[[argparse.Names
 
     from front.chat import ChatText
     from front.server import App, FrontSettings, drafting_state, prefix_cache_state
-    context = args.context or json.loads((Path(args.model) / "config.json").read_text())["max_position_embeddings"]
+    context = args.context or model_context(Path(args.model))
     settings = FrontSettings(served_model=args.served_model_name, context=context,
                              default_max_tokens=args.default_max_tokens, ranks=args.ranks,
                              prefix_cache=prefix_cache_state(engine), drafting=drafting_state(engine),

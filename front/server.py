@@ -41,12 +41,16 @@ class FrontSettings:
 
 
 def prefix_cache_state(engine: Any) -> str:
-    """What /health reports about reuse: "off" when TF_GLM53_PREFIX_CACHE=0; else the engine's
-    `prefix_cache_enabled` flag if it has one; else "on" when it keeps a prefix cache object or
-    reuses the live conversation (glm53's `prefix_cache` / `reuse_live`); "absent" otherwise."""
-    if os.environ.get("TF_GLM53_PREFIX_CACHE", "1") == "0":
+    """What /health reports about reuse: "off" when TF_GLM53_PREFIX_CACHE says so (0, false, no or
+    off, as kv_cache reads it); else the engine's `prefix_cache_enabled` flag if it has one; else
+    its prefix cache object's own `enabled`; else "on" when it reuses the live conversation
+    (glm53's `reuse_live`); "absent" otherwise."""
+    if os.environ.get("TF_GLM53_PREFIX_CACHE", "1").strip().lower() in ("0", "false", "no", "off"):
         return "off"
     flag = getattr(engine, "prefix_cache_enabled", None)
+    cache = getattr(engine, "prefix_cache", None)
+    if flag is None and cache is not None and isinstance(getattr(cache, "enabled", None), bool):
+        flag = cache.enabled
     if flag is None and (hasattr(engine, "prefix_cache") or hasattr(engine, "reuse_live")):
         flag = getattr(engine, "prefix_cache", None) is not None or bool(getattr(engine, "reuse_live", False))
     if flag is None:
@@ -91,14 +95,24 @@ class App:
                 rendered = self.text.render(request.messages or [], request.tools, request.template_kwargs)
             except TemplateError as exc:
                 raise RequestError(str(exc), "messages") from exc
-            return self.text.encode(rendered)
+            except TypeError as exc:  # e.g. chat_template_kwargs naming an argument the front passes itself
+                raise RequestError(f"chat template arguments: {exc}", "chat_template_kwargs") from exc
+            return self._encode(rendered, "messages")
         if isinstance(request.prompt, list):
             vocab = self.text.tokenizer.get_vocab_size(with_added_tokens=True)
             bad = [t for t in request.prompt if t >= vocab]
             if bad:
                 raise RequestError(f"'prompt' has token id {bad[0]} outside the vocabulary (size {vocab})", "prompt")
             return list(request.prompt)
-        return self.text.encode(request.prompt or "")
+        return self._encode(request.prompt or "", "prompt")
+
+    def _encode(self, text: str, field: str) -> list[int]:
+        """Token ids of text the request brought; text the tokenizer refuses (a lone UTF-16
+        surrogate from a JSON escape, say) is the request's error, not the server's."""
+        try:
+            return self.text.encode(text)
+        except (TypeError, ValueError) as exc:
+            raise RequestError(f"the text cannot be tokenized ({exc}); send valid Unicode", field) from exc
 
     def budget(self, request: GenerationRequest, n_prompt: int) -> int:
         """max_tokens for this request; refuses (400, with the limits) what the context cannot hold."""

@@ -477,8 +477,12 @@ class PrefixCache:
         return self._restorer.take_times()
 
     @_locked
-    def stats_dict(self) -> dict:
-        self._settle(wait=True)
+    def stats_dict(self, settle: bool = True) -> dict:
+        """Counters and sizes. settle: first wait for a background store still copying (so it is
+        counted); settle=False counts one only if it has finished, never waiting (a server reads
+        stats around every request: waiting there would hold each reply, and the next lookup,
+        until the store after it landed)."""
+        self._settle(wait=settle)
         d = dict(self.stats.__dict__)
         if self._writer is not None:
             d["disk_written_chunks"] = self._writer.written
@@ -489,5 +493,5 @@ class PrefixCache:
                  disk_chunks=len(disk.index) if disk is not None else 0,
                  disk_evictions=disk.evictions if disk is not None else 0,
                  disk_quarantined=disk.quarantined if disk is not None else 0,
-                 evictions=self.evictions)
+                 evictions=self.host.evictions + (disk.evictions if disk is not None else 0))
         return d

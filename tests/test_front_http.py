@@ -156,6 +156,22 @@ def test_bad_requests_get_400_naming_the_field(lane, body, param) -> None:
     assert engine.calls == []
 
 
+def test_untokenizable_text_and_clashing_template_arguments_are_400(lane) -> None:
+    """A lone surrogate (valid JSON escape, not valid Unicode) and chat_template_kwargs naming an
+    argument the front passes itself made the handler raise: the client got no response."""
+    url, engine, _ = lane
+    for path, body, param in (
+            ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\udcff"}]}', "messages"),
+            ("/v1/completions", b'{"prompt": "\\udcff b", "max_tokens": 2}', "prompt")):
+        r = httpx.post(url + path, content=body, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == param and "valid Unicode" in r.json()["error"]["message"]
+    r = httpx.post(url + "/v1/chat/completions", json={**CHAT, "chat_template_kwargs": {"messages": []}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", r.text
+    assert engine.calls == []
+    assert httpx.post(url + "/v1/chat/completions", json=CHAT).status_code == 200  # still serving
+
+
 def test_invalid_json_and_unknown_model(lane) -> None:
     url, _, _ = lane
     r = httpx.post(url + "/v1/chat/completions", content=b"{not json", headers={"Content-Type": "application/json"})

@@ -280,3 +280,50 @@ def test_rank_logging_goes_to_stderr() -> None:
     bad = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
                          env={"TF_GLM53_LOG_LEVEL": "LOUD", "PATH": ""})
     assert bad.returncode == 0 and "TF_GLM53_LOG_LEVEL='LOUD'" in bad.stderr and "request x done" in bad.stderr
+
+
+def test_a_reply_does_not_wait_for_the_store_behind_it(tiny_dirs, tiny_engine, monkeypatch) -> None:  # noqa: F811
+    """With background stores (the GPU default) the reply must not wait for the store's copy: the
+    front reads the cache's counters around every request and at each scrape, and those reads
+    waited for a store still copying (every response, and the next lookup, held by it). Here the
+    store's fill is held until the test releases it."""
+    from tests.test_kv_cache_staging import held_store_fills
+
+    go = held_store_fills(monkeypatch)
+    engine = tiny_engine
+    cache = PrefixCache(cache_key_for(engine, revision="front-staging"), staging_bytes=1 << 20)
+    with fresh_engine_state(engine, prefix_cache=cache, drafter=None):
+        settings = FrontSettings(context=512, default_max_tokens=8, prefix_cache=prefix_cache_state(engine),
+                                 drafting=drafting_state(engine), prefill_chunk=engine.chunk)
+        app = App(engine, ChatText(tiny_dirs.model), settings, glm53_sampling)
+        server = make_server(app, "127.0.0.1", 0)
+        threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        try:
+            prompt = [9 + (i * 7) % 400 for i in range(3 * TINY_CHUNK + 2)]
+            r = httpx.post(url + "/v1/completions", timeout=10,
+                           json={"prompt": prompt, "max_tokens": 2, "temperature": 0, "draft": False})
+            assert r.status_code == 200 and cache._pending is not None, "the reply waited for its store"
+            assert value(metrics(url), "glm53_prefix_cache_host_chunks") == 0  # a scrape does not wait either
+            go.set()
+            again = complete(url, prompt + [5], 1, draft=False)
+            assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt)
+        finally:
+            go.set()
+            server.shutdown()
+            server.server_close()
+            app.worker.stop()
+            cache.close()
+
+
+def test_health_reads_the_cache_switch_as_the_cache_does(tiny_engine, monkeypatch) -> None:  # noqa: F811
+    """/health said "on" for TF_GLM53_PREFIX_CACHE=off, which the cache reads as off."""
+    engine = tiny_engine
+    for text in ("0", "off", "False", " no "):
+        monkeypatch.setenv("TF_GLM53_PREFIX_CACHE", text)
+        assert prefix_cache_state(engine) == "off", text
+    monkeypatch.delenv("TF_GLM53_PREFIX_CACHE")
+    for enabled in (False, True):
+        cache = PrefixCache(cache_key_for(engine, revision="health"), enabled=enabled)
+        with fresh_engine_state(engine, prefix_cache=cache, drafter=None):
+            assert prefix_cache_state(engine) == ("on" if enabled else "off")

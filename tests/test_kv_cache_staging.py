@@ -376,21 +376,27 @@ def test_stats_from_another_thread_wait_for_a_lookup_in_progress():
     cache.close()
 
 
-def test_stats_do_not_land_a_store_under_an_unrelated_lookup(monkeypatch):
-    """Another conversation's lookup does not wait for a pending store, so it leaves the store
-    pending; a metrics thread's stats read must not land it while the lookup walks the host tier
-    (it did, outside the lock: 'Set changed size during iteration' in lookups under load). The
-    store's background fill is held until the lookup is inside its agreement."""
+def held_store_fills(monkeypatch) -> threading.Event:
+    """Background stores' fills (staging._fill_nodes) wait until the returned event is set."""
     from kv_cache import staging
 
     go = threading.Event()
     fill = staging._fill_nodes
 
     def held_fill(*args):
-        assert go.wait(20)
+        assert go.wait(60)
         return fill(*args)
 
     monkeypatch.setattr(staging, "_fill_nodes", held_fill)
+    return go
+
+
+def test_stats_do_not_land_a_store_under_an_unrelated_lookup(monkeypatch):
+    """Another conversation's lookup does not wait for a pending store, so it leaves the store
+    pending; a metrics thread's stats read must not land it while the lookup walks the host tier
+    (it did, outside the lock: 'Set changed size during iteration' in lookups under load). The
+    store's background fill is held until the lookup is inside its agreement."""
+    go = held_store_fills(monkeypatch)
     agree, entered, release = _held_agree()
     cache = PrefixCache(key(), staging_bytes=1 << 20, agree=agree)
     cache.store(P, len(P), view_of(source(P)))

@@ -86,6 +86,23 @@ def test_port_in_use_and_lane_already_running(lane, tiny_model: Path) -> None:
     assert f"port {busy} on 127.0.0.1 is in use" in r.stderr and "--port" in r.stderr
 
 
+def test_a_context_past_the_model_is_refused_before_anything_starts(tiny_model: Path, capsys) -> None:
+    """--context above max_position_embeddings would let the front accept requests the engine then
+    refuses, stopping the lane (a 500, then nothing): serve.sh refuses it up front, and a rank
+    started by hand refuses it at its arguments."""
+    import front.rank
+
+    limit = json.loads((tiny_model / "config.json").read_text())["max_position_embeddings"]
+    port = track_port(free_port())
+    r = sh("serve.sh", "--local", "--model", str(tiny_model), "--port", str(port), "--context", str(limit + 1))
+    assert r.returncode == 3, r.stderr
+    assert f"serve at most --context {limit}" in r.stdout + r.stderr and "starting" not in r.stdout + r.stderr
+    with pytest.raises(SystemExit) as exit_info:
+        front.rank.parse_args(["--model", str(tiny_model), "--context", str(limit + 1)])
+    assert exit_info.value.code == 2 and f"holds at most {limit} positions" in capsys.readouterr().err
+    assert front.rank.parse_args(["--model", str(tiny_model), "--context", str(limit)]).context == limit
+
+
 def test_rank_killed_during_a_request_stops_the_lane_naming_it(lane) -> None:
     port, _ = lane  # last test of the module: it ends the lane
     pid = rank_pids(port, 1)[0]
