@@ -20,6 +20,7 @@ stay newer than children); evicting a node deletes its descendants.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -91,6 +92,7 @@ class DiskTier:
         self.quarantined = 0
         self.write_errors = 0
         self._warned_size = False  # a node over the whole budget: said once
+        self._warned_touch = False  # file times that cannot be set (a read-only folder): said once
         self._scan()
         with self._lock:
             self._trim_other_keys()
@@ -296,10 +298,15 @@ class DiskTier:
         for h, e in touched:
             try:
                 os.utime(e.path, ns=(e.mtime_ns, e.mtime_ns))
-            except OSError:
+            except FileNotFoundError:  # gone: evicted by another process, or deleted
                 with self._lock:
                     if self.index.get(h) is e:  # not rewritten meanwhile
                         self._drop(h)
+            except OSError as err:  # a read-only folder still serves its files: only their LRU order is lost
+                if not self._warned_touch:
+                    self._warned_touch = True
+                    log.warning("kv_cache disk: cannot mark %s used (%s); its files are still read, "
+                                "their last-use order is kept in memory only", self.dir, err.strerror)
 
     # ---- writes ---------------------------------------------------------------------------
     def put_chain(self, root: bytes, nodes: Sequence[Node]) -> int:
@@ -364,7 +371,8 @@ class DiskTier:
             os.replace(tmp, final)
         except OSError as e:
             self.write_errors += 1
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # a read-only folder refuses the unlink too
+                tmp.unlink(missing_ok=True)
             if e.errno in _FULL:
                 return _RETRY if self._on_full() else _FAILED
             why = "the process's file size limit (EFBIG)" if e.errno == errno.EFBIG else e.strerror

@@ -135,20 +135,22 @@ def min_over_comm(comm: Any) -> Callable[[int], int]:
     return agree
 
 
-def same_settings_over_comm(comm: Any, enabled: bool, disk: bool) -> None:
+def same_settings_over_comm(comm: Any, enabled: bool, disk: bool, boundary: int | None = None) -> None:
     """Every rank must run the cache the same way: each lookup agrees over the ranks, and with a
     disk tier each restore agrees once more, so a rank with the cache off or without a disk tier
-    would pair its collectives with another request's. One all-gather at start-up; a mismatch
-    raises on every rank, naming each rank's settings."""
+    would pair its collectives with another request's; a rank flooring reuse to another boundary
+    would fail the agreement. One all-gather at start-up; a mismatch raises on every rank, naming
+    each rank's settings."""
     if comm.world_size == 1:
         return
-    mine = torch.tensor([int(enabled), int(disk)], dtype=torch.int64, device=comm.device)
+    mine = torch.tensor([int(enabled), int(disk), boundary or 0], dtype=torch.int64, device=comm.device)
     every = comm.all_gather(mine, name="prefix_cache_settings").tolist()
     if any(row != every[0] for row in every):
-        said = "; ".join(f"rank {r}: TF_GLM53_PREFIX_CACHE={on}, disk tier {'on' if d else 'off'}"
-                         for r, (on, d) in enumerate(every))
-        raise CacheConfigError(f"the ranks' prefix cache settings differ ({said}): set the same "
-                               "TF_GLM53_PREFIX_CACHE and TF_GLM53_DISK_CACHE for every rank (the cluster file's env)")
+        said = "; ".join(f"rank {r}: TF_GLM53_PREFIX_CACHE={on}, disk tier {'on' if d else 'off'}, "
+                         f"reuse boundary {b or 'any token'}" for r, (on, d, b) in enumerate(every))
+        raise CacheConfigError(f"the ranks' prefix cache settings differ ({said}): set the same TF_GLM53_PREFIX_CACHE, "
+                               "TF_GLM53_DISK_CACHE and TF_GLM53_PREFIX_REUSE_BOUNDARY for every rank (the cluster "
+                               "file's env)")
 
 
 def attach_prefix_cache(engine: Any, *, revision: str | None = None, group: Any = None, comm: Any = None,
@@ -167,7 +169,7 @@ def attach_prefix_cache(engine: Any, *, revision: str | None = None, group: Any 
                                  position_bytes=engine.model.new_state(engine.kv_dtype).position_bytes())
     if comm is not None:
         try:
-            same_settings_over_comm(comm, cache.enabled, cache.disk is not None)
+            same_settings_over_comm(comm, cache.enabled, cache.disk is not None, cache.boundary)
         except CacheConfigError:
             cache.close()
             raise

@@ -222,11 +222,12 @@ def cache_settings(comm: Comm, out: Path) -> None:
     from kv_cache.cache import CacheConfigError
     from kv_cache.engine_adapter import same_settings_over_comm
 
-    same_settings_over_comm(comm, True, True)
-    try:
-        same_settings_over_comm(comm, True, comm.rank == 0)
-    except CacheConfigError as e:
-        (out / f"refused{comm.rank}").write_text(str(e))
+    same_settings_over_comm(comm, True, True, 16)
+    for name, disk, boundary in (("refused", comm.rank == 0, None), ("refused_boundary", True, 16 * (comm.rank == 1))):
+        try:
+            same_settings_over_comm(comm, True, disk, boundary)
+        except CacheConfigError as e:
+            (out / f"{name}{comm.rank}").write_text(str(e))
 
 
 # ---- the model over R ranks (phase 2) ---------------------------------------------------------
@@ -334,11 +335,27 @@ def engine_requests(spec_rank: int, world: int, port: int, out: Path) -> None:
     """RankEngine: rank 0 serves ENGINE_REQUESTS, the others follow; rank 0 saves replies and seeds."""
     from glm53.dist.parallel_engine import RankEngine
 
+    from glm53.engine import EngineError
+
     eng = RankEngine(os.environ["GLM53_TEST_MODEL"], tp=world, rank=spec_rank, master="127.0.0.1",
                      master_port=port, rendezvous_timeout_s=60, **ENGINE_OPTIONS)
     if eng.rank != 0:
-        eng.follow()
-        return
+        delay = float(os.environ.get("GLM53_TEST_FOLLOW_DELAY", "0"))  # a follower a little behind rank 0
+        while True:
+            time.sleep(delay)
+            if not eng.follow_one():
+                return
+    # first what never holds the ranks in step: requests rank 0 refuses, and max_tokens 0 (no
+    # collective without a prefix cache); a follower behind must still find every request after them
+    for prompt, max_tokens in (([eng.engine.vocab_size + 5], 4), (PROMPT, 10 ** 9)):
+        try:
+            eng.generate(prompt, max_tokens)
+        except EngineError:
+            pass
+        else:
+            raise AssertionError(f"rank 0 accepted a request the engine refuses: {prompt[:3]}, {max_tokens}")
+    for _ in range(3):
+        assert eng.generate(PROMPT, 0) == []
     replies = []
     for prompt, max_tokens, sampling, cancel in ENGINE_REQUESTS:
         seen: list[int] = []

@@ -84,11 +84,14 @@ def test_ranks_match_world_one_with_dcp_on_and_off(tmp_path: Path, tiny_dirs, wo
 def test_rank_engine_leader_and_followers_match_world_one(tmp_path: Path, tiny_dirs, R: int, dcp: str) -> None:  # noqa: F811
     """RankEngine: rank 0 serves four requests (reuse of the live conversation, a cancellation
     after 3 tokens, sampling with a seed drawn on rank 0); followers follow and leave on stop.
-    Replies equal a world-1 Glm53Engine's with the same seeds."""
+    Replies equal a world-1 Glm53Engine's with the same seeds. Before them, with the followers 0.3 s
+    behind: two requests rank 0 refuses and three of max_tokens 0, none of which meets the ranks in
+    a collective (rank 0 deleted a request before a slower follower had read it: the lane hung)."""
     from glm53.engine import Glm53Engine
 
     ranks = Ranks(tmp_path, "engine", R, timeout=60,
-                  extra_env={"GLM53_TEST_MODEL": str(tiny_dirs.model), "TF_GLM53_DCP": dcp})
+                  extra_env={"GLM53_TEST_MODEL": str(tiny_dirs.model), "TF_GLM53_DCP": dcp,
+                             "GLM53_TEST_FOLLOW_DELAY": "0.3"})
     codes = ranks.wait(within=400)
     assert codes == {r: 0 for r in range(R)}, "\n".join(ranks.stderr(r)[-3000:] for r in range(R))
     got = torch.load(tmp_path / "rank0.pt")["replies"]

@@ -251,8 +251,11 @@ def test_ranks_with_different_prefix_cache_settings_are_refused_naming_each(tmp_
     assert codes == {0: 0, 1: 0, 2: 0}, [ranks.stderr(r) for r in range(3)]
     for r in range(3):
         text = (tmp_path / f"refused{r}").read_text()
-        assert "rank 0: TF_GLM53_PREFIX_CACHE=1, disk tier on; rank 1: TF_GLM53_PREFIX_CACHE=1, disk tier off" in text
+        assert ("rank 0: TF_GLM53_PREFIX_CACHE=1, disk tier on, reuse boundary any token; "
+                "rank 1: TF_GLM53_PREFIX_CACHE=1, disk tier off, reuse boundary any token") in text
         assert "TF_GLM53_DISK_CACHE" in text
+        text = (tmp_path / f"refused_boundary{r}").read_text()
+        assert "rank 1: TF_GLM53_PREFIX_CACHE=1, disk tier on, reuse boundary 16" in text
 
 
 def test_rank_that_never_arrives_is_named(tmp_path: Path) -> None:

@@ -662,3 +662,48 @@ def test_other_keys_folders_are_trimmed_at_start_but_not_other_ranks_or_recent_o
     assert len(list((tmp_path / recent.digest().hex()).glob("*" + SUFFIX))) == 6
     assert (stray / "notes.txt").read_text() == "mine"
     assert len(tier.index) == 6 and "another key's" in caplog.text
+
+
+def _read_only_view(src: Path, dst: Path) -> bool:
+    """dst as a read-only bind mount of src (root), for a real read-only filesystem."""
+    if os.geteuid() != 0:
+        return False
+    dst.mkdir()
+    if subprocess.run(["mount", "--bind", str(src), str(dst)], capture_output=True, timeout=10).returncode:
+        return False
+    if subprocess.run(["mount", "-o", "remount,ro,bind", str(dst)], capture_output=True, timeout=10).returncode:
+        subprocess.run(["umount", str(dst)], timeout=10)
+        return False
+    return True
+
+
+def test_a_read_only_folder_still_serves_its_files(tmp_path, monkeypatch, caplog):
+    """A disk tier on a read-only filesystem (or files another user owns) cannot set file times:
+    the lookup's touch dropped the very nodes it had just found, so nothing was ever restored.
+    Now they are read; writes fail with one warning each, never an exception."""
+    import errno
+
+    k = key()
+    _store(tmp_path / "src", k)
+    ro = tmp_path / "ro"
+    mounted = _read_only_view(tmp_path / "src", ro)
+    if not mounted:  # not root: files another user owns refuse new times with EPERM
+        ro = tmp_path / "src"
+
+        def refused(*args, **kwargs):
+            raise PermissionError(errno.EPERM, "Operation not permitted")
+
+        monkeypatch.setattr(os, "utime", refused)
+    try:
+        cache = _fresh(ro, k)
+        for _ in range(2):
+            hit = cache.lookup(PROMPT + [1])
+            assert hit.reused_tokens == len(PROMPT) and exact(hit) == len(PROMPT)
+        assert len(cache.disk.index) == 6 and caplog.text.count("cannot mark") == 1
+        other = [t + 7 for t in PROMPT]
+        cache.store(other, len(other), rows_for_prompt(other))
+        if mounted:
+            assert cache.disk.write_errors == 1 and "Read-only file system" in caplog.text
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(ro)], timeout=10)

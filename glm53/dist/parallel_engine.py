@@ -329,6 +329,7 @@ class LeadingMtpAdapter:
 
 # ---- the family contract over R ranks ------------------------------------------------------------
 REQUEST_KEY = "glm53/request/"
+READ_KEY = "glm53/read/"  # + seq: how many followers have read request seq (deleted once all have)
 STOP = "stop"
 
 
@@ -378,6 +379,7 @@ class RankEngine:
         self.comm.store_barrier("weights_loaded", load_timeout_s)
         self.eos = self.engine.eos
         self._seq = 0
+        self._unread: list[int] = []  # rank 0: published requests some follower may not have read yet
 
     @property
     def rank(self) -> int:
@@ -418,6 +420,7 @@ class RankEngine:
         if self.rank != 0:
             raise RuntimeError(f"generate runs on rank 0; rank {self.rank} runs follow()")
         params = self.engine._params(sampling).with_seed()  # one seed for every rank
+        self.engine._check_prompt(prompt, max_tokens)  # a request the engine refuses is never published
         self._publish(("generate", list(prompt), max_tokens, params))
         if self.engine.will_draft(params):  # cancellation travels with the windows (END)
             return self.engine.generate(prompt, max_tokens, params, on_tokens)
@@ -467,8 +470,14 @@ class RankEngine:
 
         self._seq += 1
         self.comm.store.set(f"{REQUEST_KEY}{self._seq}", pickle.dumps(request))
-        if self._seq > 1:
-            self.comm.store.delete_key(f"{REQUEST_KEY}{self._seq - 1}")  # every follower has read it
+        # a request is deleted once every follower has read it: not every request meets the ranks
+        # in a collective (max_tokens 0 without a prefix cache), so a follower may still be behind
+        followers = self.comm.world_size - 1
+        while self._unread and int(self.comm.store.add(f"{READ_KEY}{self._unread[0]}", 0)) >= followers:
+            seq = self._unread.pop(0)
+            self.comm.store.delete_key(f"{REQUEST_KEY}{seq}")
+            self.comm.store.delete_key(f"{READ_KEY}{seq}")
+        self._unread.append(self._seq)
 
     def _next_request(self) -> tuple:
         import pickle
@@ -481,7 +490,9 @@ class RankEngine:
                 raise RuntimeError(self.comm.guard.failure)
             try:
                 self.comm.store.wait([key], timedelta(seconds=1))
-                return pickle.loads(self.comm.store.get(key))
+                request = pickle.loads(self.comm.store.get(key))
+                self.comm.store.add(f"{READ_KEY}{self._seq}", 1)
+                return request
             except Exception as exc:  # the 1 s wait ran out: keep waiting (the guard watches rank 0)
                 if "timeout" not in str(exc).lower() and "timed out" not in str(exc).lower():
                     raise
