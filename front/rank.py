@@ -72,8 +72,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not 0 <= args.rank < args.ranks:
         p.error(f"--rank {args.rank} is outside 0..{args.ranks - 1}")
+    if args.context < 0:
+        p.error(f"--context {args.context}: a number of tokens >= 1, or 0 for the model's maximum")
     limit = model_context(Path(args.model))
-    if args.context < 0 or (limit is not None and args.context > limit):
+    if limit is not None and args.context > limit:
         # a larger context would pass the front's check and fail in the engine, stopping the lane
         p.error(f"--context {args.context}: the model at {args.model} holds at most {limit} positions "
                 f"(config.json max_position_embeddings); serve at most --context {limit}, or 0 for that")
@@ -81,11 +83,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def model_context(model: Path) -> int | None:
-    """The checkpoint's max_position_embeddings, or None where its config.json cannot say (the
-    engine's load then reports the problem)."""
+    """The checkpoint's max_position_embeddings (glm53's default where config.json leaves it out),
+    or None where config.json cannot be read (the engine's load then reports the problem)."""
     try:
-        return int(json.loads((model / "config.json").read_text())["max_position_embeddings"])
-    except (OSError, ValueError, KeyError, TypeError):
+        raw = json.loads((model / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if "max_position_embeddings" not in raw:
+        from glm53.config import Glm53Config
+
+        return Glm53Config.max_position_embeddings
+    try:
+        return int(raw["max_position_embeddings"])
+    except (TypeError, ValueError):
         return None
 
 
@@ -187,6 +197,10 @@ def main(argv: list[str] | None = None, engine_factory: Callable[[argparse.Names
     from front.chat import ChatText
     from front.server import App, FrontSettings, drafting_state, prefix_cache_state
     context = args.context or model_context(Path(args.model))
+    if not context:
+        print(f"rank 0: cannot read max_position_embeddings from {args.model}/config.json; pass --context",
+              file=sys.stderr, flush=True)
+        return 2
     settings = FrontSettings(served_model=args.served_model_name, context=context,
                              default_max_tokens=args.default_max_tokens, ranks=args.ranks,
                              prefix_cache=prefix_cache_state(engine), drafting=drafting_state(engine),

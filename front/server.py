@@ -40,6 +40,10 @@ class FrontSettings:
     prefill_chunk: int | None = None  # the engine's prefill grid: reuse happens in whole chunks
 
 
+# what ChatText.render passes the template itself (front/chat.py); chat_template_kwargs may not repeat them
+TEMPLATE_ARGUMENTS = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
+
+
 def prefix_cache_state(engine: Any) -> str:
     """What /health reports about reuse: "off" when TF_GLM53_PREFIX_CACHE says so (0, false, no or
     off, as kv_cache reads it); else the engine's `prefix_cache_enabled` flag if it has one; else
@@ -91,12 +95,15 @@ class App:
     # ---- request preparation ---------------------------------------------------------------
     def prompt_ids(self, request: GenerationRequest) -> list[int]:
         if request.kind == "chat":
+            clash = sorted(set(request.template_kwargs or {}) & TEMPLATE_ARGUMENTS)
+            if clash:
+                raise RequestError(f"'chat_template_kwargs' may not set {', '.join(clash)}: the server passes "
+                                   "those itself", "chat_template_kwargs")
             try:
                 rendered = self.text.render(request.messages or [], request.tools, request.template_kwargs)
-            except TemplateError as exc:
-                raise RequestError(str(exc), "messages") from exc
-            except TypeError as exc:  # e.g. chat_template_kwargs naming an argument the front passes itself
-                raise RequestError(f"chat template arguments: {exc}", "chat_template_kwargs") from exc
+            except (TemplateError, TypeError) as exc:  # a TypeError: content the template cannot handle
+                raise RequestError(f"chat template failed: {exc}" if isinstance(exc, TypeError) else str(exc),
+                                   "messages") from exc
             return self._encode(rendered, "messages")
         if isinstance(request.prompt, list):
             vocab = self.text.tokenizer.get_vocab_size(with_added_tokens=True)

@@ -461,6 +461,8 @@ class PrefixCache:
             self._writer = None
         atexit.unregister(self._at_exit)
         self._restorer.close()
+        if self.disk is not None:
+            self.disk.close()
 
     @property
     @_locked

@@ -3,9 +3,10 @@
 Layout: DIR/<key digest>/<chain hash>.kvc, so each (model, settings, rank, kit version) has its
 own folder; the format is diskfile.py's. The budget bounds this key's folder, and at start the
 folders of other keys (an older kit version, other settings) are removed, least recently used
-first, while DIR as a whole is over it (one untouched for STALE_FOLDER_S, so never a live
-server's). A full filesystem lowers the budget to what this folder holds, so later stores
-replace its oldest files instead of failing. Files are written to a temporary name,
+first, while DIR as a whole is over it: never one a running tier holds (each holds a shared
+flock on its folder's LIVE_LOCK while open), nor one touched within STALE_FOLDER_S. A full
+filesystem lowers the budget to what this folder holds, so later stores replace its oldest
+files instead of failing. Files are written to a temporary name,
 fsynced, renamed and the directory fsynced, so a reader sees a whole file or none. At start the
 index is rebuilt from the headers (parent and tokens kept in memory: children are found without
 file I/O); stale temp files of dead writers are deleted. Anything that does not verify (magic,
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -49,6 +51,7 @@ _KEEP_QUARANTINED = 16
 STALE_TMP_S = 3600  # a temp file this old is a dead writer's even if its pid now runs something else
 STALE_FOLDER_S = 3600  # another key's folder untouched this long belongs to no running server
 _FULL = (errno.ENOSPC, errno.EDQUOT)
+LIVE_LOCK = ".live"  # flock'ed (shared) by every tier open on its folder; another key's trim skips it
 _WRITTEN, _FAILED, _RETRY = "written", "failed", "retry"  # DiskTier._write's outcomes
 
 
@@ -82,6 +85,7 @@ class DiskTier:
         except OSError as e:
             raise OSError(f"TF_GLM53_DISK_CACHE={root}: cannot create {self.dir}: {e.strerror}; "
                           "point it at a writable directory or unset it") from e
+        self._live = _hold_live_lock(self.dir)  # kept open: the lock lasts as long as this process
         self.index: dict[bytes, _Entry] = {}
         self._names: dict[tuple[str, ...], tuple[str, ...]] = {}  # one copy of each run's names for all entries
         self._children: dict[bytes, set[bytes]] = {}
@@ -93,6 +97,7 @@ class DiskTier:
         self.write_errors = 0
         self._warned_size = False  # a node over the whole budget: said once
         self._warned_touch = False  # file times that cannot be set (a read-only folder): said once
+        self._full_at: int | None = None  # the budget a full filesystem lowered it to (the advice changes)
         self._scan()
         with self._lock:
             self._trim_other_keys()
@@ -159,17 +164,19 @@ class DiskTier:
         their own budgets and count apart)."""
         others = []
         for d in self.dir.parent.iterdir():
-            if d != self.dir and _is_key_folder(d, len(self.dir.name)) and not self._sibling_rank(d):
-                size, newest = _folder_usage(d)
-                others.append((newest, size, d))
+            try:  # a folder another user's, or one another tier removes meanwhile: left alone
+                if d != self.dir and _is_key_folder(d, len(self.dir.name)) and not self._sibling_rank(d):
+                    size, newest = _folder_usage(d)
+                    others.append((newest, size, d))
+            except OSError:
+                continue
         total = self.used_bytes + sum(size for _, size, _ in others)
         stale_before = time.time_ns() - STALE_FOLDER_S * 1_000_000_000
         for newest, size, d in sorted(others):
             if total <= self.budget_bytes:
                 break
-            if newest > stale_before:
+            if newest > stale_before or not _remove_key_folder(d):
                 continue
-            _remove_key_folder(d)
             total -= size
             log.info("kv_cache disk: removed %s (%d bytes, another key's, unused for %.0f h) to keep %s within "
                      "TF_GLM53_DISK_CACHE_BYTES=%d", d.name, size, (time.time_ns() - newest) / 3.6e12,
@@ -186,6 +193,12 @@ class DiskTier:
                 continue
             return isinstance(theirs, dict) and {k: v for k, v in theirs.items() if k != "rank"} == ours
         return False
+
+    def close(self) -> None:
+        """Release the folder's live lock (the tier's files stay; a closed tier is not used again)."""
+        if self._live is not None:
+            self._live.close()
+            self._live = None
 
     # ---- index ----------------------------------------------------------------------------
     def __contains__(self, h: bytes) -> bool:
@@ -349,9 +362,10 @@ class DiskTier:
             if size > self.budget_bytes:
                 if not self._warned_size:
                     self._warned_size = True
+                    remedy = ("the filesystem filled and lowered it: free space there and restart"
+                              if self._full_at is not None else "raise TF_GLM53_DISK_CACHE_BYTES")
                     log.warning("kv_cache disk: a %d-byte node is larger than the budget (%d bytes) of %s: "
-                                "nothing is written; raise TF_GLM53_DISK_CACHE_BYTES", size, self.budget_bytes,
-                                self.dir)
+                                "nothing is written; %s", size, self.budget_bytes, self.dir, remedy)
                 return False
             freed = sum(self.index[v].size for v in victims if v in self.index)
             return self._make_room(size - freed, protect | set(victims))
@@ -363,6 +377,7 @@ class DiskTier:
         final = self.dir / (node.hash.hex() + SUFFIX)
         tmp = self.dir / f"{TMP_PREFIX}{os.getpid()}.{uuid.uuid4().hex}"
         try:
+            self.dir.mkdir(parents=True, exist_ok=True)  # removed under us (by hand, say): made again
             with tmp.open("wb") as f:
                 for piece in pieces:
                     f.write(piece)
@@ -392,14 +407,14 @@ class DiskTier:
         """The filesystem is full: hold the tier at what it has (its files then turn over, LRU).
         Whether a retry may find room (the budget was lowered just now, over files to evict)."""
         with self._lock:
-            if self.used_bytes >= self.budget_bytes:
+            if self.used_bytes == 0 or self.used_bytes >= self.budget_bytes:  # nothing of ours to turn over
                 log.warning("kv_cache disk: disk full at %s; write skipped (free space there)", self.dir.parent)
                 return False
             log.warning("kv_cache disk: disk full at %s; the disk tier's budget is lowered from %d to the %d bytes "
-                        "it holds for this run (free space there or lower TF_GLM53_DISK_CACHE_BYTES)",
+                        "it holds for this run (free space there, then restart to raise it again)",
                         self.dir.parent, self.budget_bytes, self.used_bytes)
-            self.budget_bytes = self.used_bytes
-            return self.used_bytes > 0
+            self.budget_bytes = self._full_at = self.used_bytes
+            return True
 
     def _make_room(self, need: int, protect: set[bytes]) -> bool:
         if self.used_bytes + need <= self.budget_bytes:
@@ -450,9 +465,24 @@ def _is_key_folder(d: Path, name_len: int) -> bool:
     return d.is_dir() and len(d.name) == name_len and all(c in "0123456789abcdef" for c in d.name)
 
 
+def _hold_live_lock(d: Path):  # noqa: ANN202 - an open file or None
+    """A shared flock on d's LIVE_LOCK, held while the returned file stays open (None where the
+    folder is read-only or flock is not supported: the age rule alone protects it then)."""
+    try:
+        f = open(d / LIVE_LOCK, "a+b")  # noqa: SIM115 - kept open on purpose
+    except OSError:
+        return None
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:  # another process holds it exclusively (a trim in progress): it will skip us
+        pass
+    return f
+
+
 def _folder_usage(d: Path) -> tuple[int, int]:
-    """(bytes, newest mtime in ns) of a key folder's files, its quarantine included."""
-    size, newest = 0, 0
+    """(bytes, newest mtime in ns) of a key folder's files, its quarantine and the folder itself
+    included (a folder just made, still empty, is recent)."""
+    size, newest = 0, d.stat().st_mtime_ns
     for p in [*d.iterdir(), *((d / QUARANTINE).iterdir() if (d / QUARANTINE).is_dir() else ())]:
         try:
             st = p.stat()
@@ -464,19 +494,30 @@ def _folder_usage(d: Path) -> tuple[int, int]:
     return size, newest
 
 
-def _remove_key_folder(d: Path) -> None:
-    """Only what a disk tier writes (entries, temp files, the quarantine), then the folder if empty."""
-    for p in [*((d / QUARANTINE).iterdir() if (d / QUARANTINE).is_dir() else ()), *d.iterdir()]:
+def _remove_key_folder(d: Path) -> bool:
+    """Only what a disk tier writes (entries, temp files, the quarantine, its live lock), then the
+    folder if empty; never while a tier holds its live lock. Whether it was removed."""
+    try:
+        lock = open(d / LIVE_LOCK, "a+b")  # noqa: SIM115
+    except OSError:
+        return False
+    with lock:
         try:
-            if p.is_file() and (p.suffix == SUFFIX or p.name.startswith(TMP_PREFIX) or p.parent.name == QUARANTINE):
-                p.unlink()
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # a running tier holds it
+            return False
+        try:
+            for p in [*((d / QUARANTINE).iterdir() if (d / QUARANTINE).is_dir() else ()), *d.iterdir()]:
+                if p.is_file() and (p.suffix == SUFFIX or p.name.startswith(TMP_PREFIX) or p.name == LIVE_LOCK
+                                    or p.parent.name == QUARANTINE):
+                    with contextlib.suppress(OSError):
+                        p.unlink()
         except OSError:
-            pass
+            return False
     for folder in (d / QUARANTINE, d):
-        try:
+        with contextlib.suppress(OSError):
             folder.rmdir()
-        except OSError:
-            pass
+    return True
 
 
 def _fsync_dir(d: Path) -> None:

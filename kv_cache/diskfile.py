@@ -286,7 +286,7 @@ def layout(h: Header) -> list[Run]:
             if prod(shape) * dt.itemsize != n:
                 raise CorruptEntry(f"tensor {names[0]}: shape {shape} does not fit {n} bytes")
             runs.append(Run(names, h.payload_start + off, n, dt, shape))
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, OverflowError) as e:
         raise CorruptEntry(f"malformed tensor list ({e})") from e
     if len({name for r in runs for name in r.names}) != sum(len(r.names) for r in runs):
         raise CorruptEntry("a tensor name appears twice")

@@ -3,6 +3,7 @@ old-format and half-written files are misses (never wrong rows); dominated tails
 LRU by mtime under a byte budget; a full filesystem."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -485,6 +486,7 @@ def test_full_filesystem_is_logged_and_leaves_no_partial_entry(tmp_path):
     k = key()
     mnt = tmp_path / "small"
     mounted = _try_small_tmpfs(mnt)
+    tier = None
     try:
         target = mnt if mounted else tmp_path / "limited"
         limit = 0 if mounted else 100 * 1024
@@ -518,8 +520,10 @@ def test_full_filesystem_is_logged_and_leaves_no_partial_entry(tmp_path):
                 assert torch.equal(tier.load(ho[i])["latent.0"], torch.full((C, 4096), 50.0 + i, dtype=torch.bfloat16))
             assert not any(p.name.startswith(TMP_PREFIX) for p in d.iterdir())
     finally:
+        if tier is not None:
+            tier.close()  # its live lock is a file open on the mount
         if mounted:
-            subprocess.run(["umount", str(mnt)], timeout=10)
+            assert subprocess.run(["umount", str(mnt)], timeout=10).returncode == 0
 
 
 def test_background_writer_keeps_disk_io_off_the_store_call(tmp_path):
@@ -639,29 +643,34 @@ def test_stale_temp_files_go_even_when_their_pid_is_reused_and_quarantine_keeps_
     assert len(kept) == 16 and any(name.startswith(victim.name) for name in kept)
 
 
-def test_other_keys_folders_are_trimmed_at_start_but_not_other_ranks_or_recent_ones(tmp_path, caplog):
+def test_other_keys_folders_are_trimmed_at_start_but_not_other_ranks_live_or_recent_ones(tmp_path, caplog):
     """The budget covers DIR: an older kit's folder, unused for hours, goes (only its own files),
-    while this server's other rank (same key but the rank) and a folder touched lately stay."""
+    while this server's other rank (same key but the rank), a folder a running tier holds (its
+    live lock) and a folder touched lately stay."""
     caplog.set_level(logging.INFO, logger="kv_cache")
     ours, sibling = key(ranks=2, rank=0), key(ranks=2, rank=1)
     old_kit, recent = key(ranks=2, rank=0, kit_version="old"), key(ranks=2, rank=0, model_revision="other")
-    for k in (ours, sibling, old_kit, recent):
+    live = key(ranks=2, rank=0, device_kind="another GPU")
+    for k in (ours, sibling, old_kit, recent, live):
         _store(tmp_path, k)
+    running = DiskTier(tmp_path, live, 1 << 30)  # open while ours starts: another server, idle for hours
     stray = tmp_path / ("f" * len(ours.digest().hex()))  # named like a key folder, holding a user's file
     stray.mkdir()
     (stray / "notes.txt").write_text("mine")
     long_ago = time.time() - 3 * 3600
-    for k in (sibling, old_kit):
-        for f in (tmp_path / k.digest().hex()).iterdir():
+    for k in (sibling, old_kit, live):
+        d = tmp_path / k.digest().hex()
+        for f in [*d.iterdir(), d]:
             os.utime(f, (long_ago, long_ago))
-    os.utime(stray / "notes.txt", (long_ago, long_ago))
+    for f in (stray / "notes.txt", stray):
+        os.utime(f, (long_ago, long_ago))
     size = sum(f.stat().st_size for f in (tmp_path / ours.digest().hex()).iterdir())
     tier = DiskTier(tmp_path, ours, 2 * size)  # ours + any one other fits, not more
     assert not (tmp_path / old_kit.digest().hex()).exists()
-    assert len(list((tmp_path / sibling.digest().hex()).glob("*" + SUFFIX))) == 6
-    assert len(list((tmp_path / recent.digest().hex()).glob("*" + SUFFIX))) == 6
+    for k in (sibling, recent, live):
+        assert len(list((tmp_path / k.digest().hex()).glob("*" + SUFFIX))) == 6, k
     assert (stray / "notes.txt").read_text() == "mine"
-    assert len(tier.index) == 6 and "another key's" in caplog.text
+    assert len(tier.index) == 6 and len(running.index) == 6 and "another key's" in caplog.text
 
 
 def _read_only_view(src: Path, dst: Path) -> bool:
@@ -706,4 +715,58 @@ def test_a_read_only_folder_still_serves_its_files(tmp_path, monkeypatch, caplog
             assert cache.disk.write_errors == 1 and "Read-only file system" in caplog.text
     finally:
         if mounted:
-            subprocess.run(["umount", str(ro)], timeout=10)
+            assert subprocess.run(["umount", str(ro)], timeout=10).returncode == 0
+
+
+def _chain(k: CacheKey, base: int, blocks: int, fill: float) -> list:
+    toks = [base + t for t in range(blocks * C)]
+    hs = chain_hashes(k, toks)
+    parents = [root_hash(k)] + hs[:-1]
+    return [Node(hs[i], parents[i], np.array(toks[i * C:(i + 1) * C], dtype=np.int64),
+                 {"latent.0": torch.full((C, 4096), fill + i, dtype=torch.bfloat16)}) for i in range(blocks)]
+
+
+def test_a_full_filesystem_before_any_write_keeps_the_budget_and_a_removed_folder_is_made_again(
+        tmp_path, monkeypatch, caplog):
+    """With nothing of its own to turn over, a full filesystem must not lower the budget to 0
+    (that turned the tier off for the run); once space is back, writes go through. A folder
+    removed under a running tier is made again by its next write."""
+    import errno
+
+    k = key()
+    mnt = tmp_path / "small"
+    mounted = _try_small_tmpfs(mnt)
+    target = mnt if mounted else tmp_path / "plain"
+    tier = DiskTier(target, k, 1 << 30)
+    try:
+        if mounted:
+            filler = mnt / "filler"
+            with filler.open("wb") as f:  # the filesystem full before the tier writes anything
+                with contextlib.suppress(OSError):
+                    while True:
+                        f.write(b"\0" * 65536)
+                        f.flush()
+        else:  # not root: the kernel's answer to a full disk, from fsync
+            real_fsync = os.fsync
+
+            def full(fd):
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+            monkeypatch.setattr(os, "fsync", full)
+        assert tier.put_chain(root_hash(k), _chain(k, 0, 2, 1.0)) == 0
+        assert tier.budget_bytes == 1 << 30 and "disk full" in caplog.text
+        if mounted:
+            filler.unlink()
+        else:
+            monkeypatch.setattr(os, "fsync", real_fsync)
+        assert tier.put_chain(root_hash(k), _chain(k, 0, 2, 1.0)) == 2
+        for p in tier.dir.iterdir():
+            p.unlink()
+        tier.dir.rmdir()
+        nodes = _chain(k, 500, 1, 9.0)
+        assert tier.put_chain(root_hash(k), nodes) == 1
+        assert torch.equal(tier.load(nodes[0].hash)["latent.0"], nodes[0].rows["latent.0"])
+    finally:
+        tier.close()
+        if mounted:
+            assert subprocess.run(["umount", str(mnt)], timeout=10).returncode == 0

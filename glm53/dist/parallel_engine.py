@@ -100,7 +100,7 @@ class DistRankPlan(RankPlan):
         all-gather of the queries (dcp.PendingSelection: one round trip for both)."""
         if key_positions is None:
             return select_topk(scores, k, nan_flag)
-        if nan_flag is not None and torch.cuda.is_current_stream_capturing():
+        if nan_flag is not None and nan_flag.is_cuda and torch.cuda.is_current_stream_capturing():
             raise NotImplementedError("a DCP rank's top-k syncs with its peers; it is never graph-captured")
         # an eager forward's flag is left alone: the merge raises on NaN at once (dcp._orderable)
         return dcp.PendingSelection.of(scores, key_positions, self.ownership, k)
@@ -373,10 +373,11 @@ class RankEngine:
 
             self.engine.drafter = DraftPlan.from_contract(self.engine, drafter=drafter or None, no_drafts=no_drafts,
                                                           mtp_drafts=mtp_drafts, world=tp)
-            if engine_options.get("prefix_cache") is None:
-                attach_prefix_cache(self.engine, comm=self.comm)
         # ranks load at different speeds (minutes at full size): meet on the store, not in a collective
         self.comm.store_barrier("weights_loaded", load_timeout_s)
+        if serve_features and engine_options.get("prefix_cache") is None:
+            # after the barrier: attaching checks the ranks' cache settings in a collective
+            attach_prefix_cache(self.engine, comm=self.comm)
         self.eos = self.engine.eos
         self._seq = 0
         self._unread: list[int] = []  # rank 0: published requests some follower may not have read yet
