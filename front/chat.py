@@ -19,6 +19,13 @@ class TemplateError(ValueError):
     """The checkpoint's chat template failed for a request; the message says why."""
 
 
+class TemplateArgumentError(TemplateError):
+    """chat_template_kwargs named an argument render() passes the template itself."""
+
+
+RENDER_ARGUMENTS = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
+
+
 def _raise_exception(message: str) -> None:
     raise TemplateError(message)
 
@@ -65,6 +72,10 @@ class ChatText:
         if self.template is None:
             raise TemplateError("the checkpoint has no chat template (tokenizer_config.json chat_template "
                                 "or chat_template.jinja); use /v1/completions with a raw prompt")
+        clash = sorted(set(template_kwargs or {}) & RENDER_ARGUMENTS)
+        if clash:
+            raise TemplateArgumentError(f"'chat_template_kwargs' may not set {', '.join(clash)}: the server "
+                                        "passes those itself")
         try:
             return self.template.render(messages=messages, tools=tools, add_generation_prompt=True,
                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "",

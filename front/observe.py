@@ -4,7 +4,7 @@ glm53_prefix_cache_* / glm53_draft_* families of /metrics.
 Found on the engine by attribute, never imported (the front also runs stand-in engines):
   engine.last_stats          dict of the last request (glm53: prompt/cached/prefill/completion tokens,
                              "drafted", "draft" = that request's drafter counters)
-  engine.prefix_cache        an object with stats_dict() (kv_cache.PrefixCache; attach_prefix_cache)
+  engine.prefix_cache        an object with stats_dict(settle=False) (kv_cache.PrefixCache; attach_prefix_cache)
   engine.drafter.stats       cumulative acceptance counters (drafter.policy.AcceptanceStats on a
                              drafter.glm53_target.DraftPlan): steps, proposed, accepted, committed,
                              lossy_steps, histogram[n] (verify steps that kept n drafts), per_source
@@ -12,7 +12,6 @@ A multi-rank engine (glm53.dist RankEngine) keeps these on its inner `engine`; `
 """
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 from dataclasses import dataclass
@@ -62,9 +61,7 @@ def cache_stats(engine: Any) -> dict[str, float] | None:
     stats_dict = getattr(cache, "stats_dict", None)
     if not callable(stats_dict):
         return None
-    waits = "settle" in inspect.signature(stats_dict).parameters
-    raw = stats_dict(settle=False) if waits else stats_dict()
-    return {k: v for k, v in raw.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return {k: v for k, v in stats_dict(settle=False).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 def draft_stats(engine: Any) -> Any | None:

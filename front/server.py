@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
-from front.chat import ChatText, IncrementalDecoder, TemplateError
+from front.chat import ChatText, IncrementalDecoder, TemplateArgumentError, TemplateError
 from front import observe
 from front.metrics import Metrics
 from front.protocol import GenerationRequest, RequestError, parse
@@ -38,10 +38,6 @@ class FrontSettings:
     prefix_cache: str = "absent"  # "on", "off" or "absent" (the engine has none): shown by /health
     drafting: bool = False  # the engine drafts (speculative decoding) unless a request says "draft": false
     prefill_chunk: int | None = None  # the engine's prefill grid: reuse happens in whole chunks
-
-
-# what ChatText.render passes the template itself (front/chat.py); chat_template_kwargs may not repeat them
-TEMPLATE_ARGUMENTS = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
 
 
 def prefix_cache_state(engine: Any) -> str:
@@ -95,12 +91,10 @@ class App:
     # ---- request preparation ---------------------------------------------------------------
     def prompt_ids(self, request: GenerationRequest) -> list[int]:
         if request.kind == "chat":
-            clash = sorted(set(request.template_kwargs or {}) & TEMPLATE_ARGUMENTS)
-            if clash:
-                raise RequestError(f"'chat_template_kwargs' may not set {', '.join(clash)}: the server passes "
-                                   "those itself", "chat_template_kwargs")
             try:
                 rendered = self.text.render(request.messages or [], request.tools, request.template_kwargs)
+            except TemplateArgumentError as exc:
+                raise RequestError(str(exc), "chat_template_kwargs") from exc
             except (TemplateError, TypeError) as exc:  # a TypeError: content the template cannot handle
                 raise RequestError(f"chat template failed: {exc}" if isinstance(exc, TypeError) else str(exc),
                                    "messages") from exc

@@ -468,6 +468,9 @@ class PrefixCache:
     @_locked
     def evictions(self) -> int:
         self._settle(wait=True)
+        return self._evictions()
+
+    def _evictions(self) -> int:
         return self.host.evictions + (self.disk.evictions if self.disk is not None else 0)
 
     @_locked
@@ -495,5 +498,5 @@ class PrefixCache:
                  disk_chunks=len(disk.index) if disk is not None else 0,
                  disk_evictions=disk.evictions if disk is not None else 0,
                  disk_quarantined=disk.quarantined if disk is not None else 0,
-                 evictions=self.host.evictions + (disk.evictions if disk is not None else 0))
+                 evictions=self._evictions())
         return d

@@ -97,7 +97,7 @@ class DiskTier:
         self.write_errors = 0
         self._warned_size = False  # a node over the whole budget: said once
         self._warned_touch = False  # file times that cannot be set (a read-only folder): said once
-        self._full_at: int | None = None  # the budget a full filesystem lowered it to (the advice changes)
+        self._lowered_by_full = False  # a full filesystem lowered the budget (the advice changes)
         self._scan()
         with self._lock:
             self._trim_other_keys()
@@ -363,7 +363,7 @@ class DiskTier:
                 if not self._warned_size:
                     self._warned_size = True
                     remedy = ("the filesystem filled and lowered it: free space there and restart"
-                              if self._full_at is not None else "raise TF_GLM53_DISK_CACHE_BYTES")
+                              if self._lowered_by_full else "raise TF_GLM53_DISK_CACHE_BYTES")
                     log.warning("kv_cache disk: a %d-byte node is larger than the budget (%d bytes) of %s: "
                                 "nothing is written; %s", size, self.budget_bytes, self.dir, remedy)
                 return False
@@ -413,7 +413,7 @@ class DiskTier:
             log.warning("kv_cache disk: disk full at %s; the disk tier's budget is lowered from %d to the %d bytes "
                         "it holds for this run (free space there, then restart to raise it again)",
                         self.dir.parent, self.budget_bytes, self.used_bytes)
-            self.budget_bytes = self._full_at = self.used_bytes
+            self.budget_bytes, self._lowered_by_full = self.used_bytes, True
             return True
 
     def _make_room(self, need: int, protect: set[bytes]) -> bool:

@@ -77,11 +77,7 @@ class HostStore:
         need = sum(rows_nbytes(n.rows) - self._bytes(self._victims(n)) for n in new)
         self._make_room(need, protect)
         inserted = 0
-        for node in nodes:
-            if node.hash in self._nodes:
-                continue
-            if node.rows is None or (node.parent != root and node.parent not in self._nodes):
-                break  # absent without rows, or an orphan: the rest of the chain is unreachable
+        for node in new:
             if self.dominated(node.parent, node.tokens):
                 continue  # a tail a sibling already covers (a tail is last in its chain)
             victims = self._victims(node)

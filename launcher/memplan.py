@@ -45,6 +45,7 @@ class MemoryPlan:
     weights_source: str
     kv_bytes_per_token: int  # all layers, one position, before DCP
     unified: bool
+    max_context: int = 0  # the model's max_position_embeddings (0: unknown)
 
     @property
     def fits(self) -> bool:
@@ -63,6 +64,10 @@ class MemoryPlan:
         return "\n".join(rows)
 
     def refusal(self) -> str | None:
+        if self.max_context and self.context > self.max_context:
+            # the front would accept requests the engine then refuses, stopping the lane
+            return (f"--context {self.context} is more than the model holds (config.json "
+                    f"max_position_embeddings = {self.max_context}): serve at most --context {self.max_context}")
         bad = [r for r in self.ranks if not r.fits]
         if not bad:
             return None
@@ -149,7 +154,7 @@ def plan_memory(*, context: int, per_token: int, kv_for: Callable[[int], list[in
             lo = mid
         else:
             hi = mid - 1
-    return MemoryPlan(context, rows, lo, weights_source, per_token, unified)
+    return MemoryPlan(context, rows, lo, weights_source, per_token, unified, max_context)
 
 
 def config_dict(model_dir: str | Path) -> dict:

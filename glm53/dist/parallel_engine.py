@@ -421,7 +421,6 @@ class RankEngine:
         if self.rank != 0:
             raise RuntimeError(f"generate runs on rank 0; rank {self.rank} runs follow()")
         params = self.engine._params(sampling).with_seed()  # one seed for every rank
-        self.engine._check_prompt(prompt, max_tokens)  # a request the engine refuses is never published
         self._publish(("generate", list(prompt), max_tokens, params))
         if self.engine.will_draft(params):  # cancellation travels with the windows (END)
             return self.engine.generate(prompt, max_tokens, params, on_tokens)
