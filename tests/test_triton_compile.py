@@ -37,8 +37,9 @@ def test_selection_kernel_compiles_for_sm90(sample: int) -> None:
     from glm53.ops import triton_topk
 
     signature = {"s_ptr": "*fp32", "idx_ptr": "*i64", "valid_ptr": "*i8", "nan_ptr": "*i32", "cand_ptr": "*fp32",
-                 "bracketed_ptr": "*i8", "N": "i32", "WIDTH": "i32", "CAP": "i32", "stride_s": "i32",
-                 "stride_i": "i32", "stride_v": "i32", "stride_c": "i32"}
+                 "kept_ptr": "*i32", "bracketed_ptr": "*i8", "N": "i32", "WIDTH": "i32", "CAP": "i32",
+                 "KEPT_CAP": "i32", "stride_s": "i32", "stride_i": "i32", "stride_v": "i32", "stride_c": "i32",
+                 "stride_k": "i32"}
     _compile(triton_topk._select_kernel, signature,
              {"BLOCK": triton_topk.ROW_BLOCK, "BITS": triton_topk.DIGIT_BITS, "SAMPLE": sample}, 4)
 

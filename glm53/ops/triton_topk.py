@@ -25,12 +25,15 @@ all of them first try a bracket (`_sample_bracket`, `_bracket_pass`): the keys a
 spread columns, sorted, give lo and hi around the width-th key's expected rank in the sample, four
 standard deviations of a sampled rank either side (plus 8). One pass over the row counts the keys
 above hi and gathers the scores in [lo, hi] into a scratch row in column order (a cumsum; at most
-min(N / 4, CANDIDATES_MAX) of them). Where exact counts show the width-th key inside (above <
+min(N / 4, CANDIDATES_MAX) of them), and in the same scan the columns of every key >= lo into a
+second list (fewer than width + that many). Where exact counts show the width-th key inside (above <
 width <= above + inside) and the scratch held them all, the radix passes run over the scratch
-(~10% of a row of 16k keys at k = 2048) with need = width - above; else over the row, as above.
-Either way the same threshold and tie count come out, and the write pass is the same, except that
-a threshold found early (its lower bits zero) is raised to lo: keys below lo share its high bits
-but are not chosen. The sample only decides how fast, never what: a bad one (a row whose sampled
+(~10% of a row of 16k keys at k = 2048) with need = width - above, and the write pass walks the
+list of keys >= lo instead of the row: every chosen key is among them, in column order, so the
+same blocks' arithmetic writes the same columns (a few thousand elements where the row has 16k or
+262k). Else the passes and the write run over the row, as above. Either way the same threshold and
+tie count come out, except that a threshold found early (its lower bits zero) is raised to lo: keys
+below lo share its high bits but are not chosen. The sample only decides how fast, never what: a bad one (a row whose sampled
 columns all hold its lowest keys, a row of one value) costs one pass and falls back.
 Why: a 256-bin histogram is ~80 instructions a key (Triton lowers it to 8 ballots and 8 masked
 popcounts a lane), so three passes over every key were the cost, not the reads (holding the row in
@@ -185,9 +188,10 @@ def _sample_bracket(base, N, WIDTH, SAMPLE: tl.constexpr):
 
 
 @triton.jit
-def _bracket_pass(base, N, offs, lo, hi, cand_row, CAP, BLOCK: tl.constexpr):
+def _bracket_pass(base, N, offs, lo, hi, cand_row, CAP, kept_row, KEPT_CAP, BLOCK: tl.constexpr):
     """One pass over the row: (keys above hi, keys in [lo, hi], NaN scores); the scores in [lo, hi]
-    go to cand_row in column order (the first CAP of them)."""
+    go to cand_row and the columns of every key >= lo to kept_row, both in column order (the first
+    CAP and KEPT_CAP of them)."""
     above = tl.full([], 0, tl.int32)
     count = tl.full([], 0, tl.int32)
     nans = tl.full([], 0, tl.int32)
@@ -195,11 +199,16 @@ def _bracket_pass(base, N, offs, lo, hi, cand_row, CAP, BLOCK: tl.constexpr):
         cols, inside, s = _block(base, start, offs, N)
         key = _keys(s)
         cand = (inside & (key >= lo) & (key <= hi)).to(tl.int32)
-        slot = count + tl.cumsum(cand, 0) - cand
+        high = (inside & (key > hi)).to(tl.int32)
+        # one scan for both lists: the candidates in the low 16 bits, the keys above hi in the high
+        # (BLOCK < 65536); a key >= lo is one or the other
+        scan = tl.cumsum(cand | (high << 16), 0)
+        slot = count + (scan & 0xFFFF) - cand
         tl.store(cand_row + slot, s, mask=(cand != 0) & (slot < CAP))
-        # the three counts in one reduction: 16 bits each (BLOCK < 65536)
-        packed = tl.sum(cand.to(tl.int64) | ((inside & (key > hi)).to(tl.int64) << 16)
-                        | ((inside & (s != s)).to(tl.int64) << 32))
+        kept_slot = slot + above + (scan >> 16) - high
+        tl.store(kept_row + kept_slot, cols, mask=((cand | high) != 0) & (kept_slot < KEPT_CAP))
+        # the three counts in one reduction: 16 bits each
+        packed = tl.sum(cand.to(tl.int64) | (high.to(tl.int64) << 16) | ((inside & (s != s)).to(tl.int64) << 32))
         count += (packed & 0xFFFF).to(tl.int32)
         above += ((packed >> 16) & 0xFFFF).to(tl.int32)
         nans += (packed >> 32).to(tl.int32)
@@ -207,8 +216,9 @@ def _bracket_pass(base, N, offs, lo, hi, cand_row, CAP, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _select_kernel(s_ptr, idx_ptr, valid_ptr, nan_ptr, cand_ptr, bracketed_ptr, N, WIDTH, CAP, stride_s, stride_i,
-                   stride_v, stride_c, BLOCK: tl.constexpr, BITS: tl.constexpr, SAMPLE: tl.constexpr):
+def _select_kernel(s_ptr, idx_ptr, valid_ptr, nan_ptr, cand_ptr, kept_ptr, bracketed_ptr, N, WIDTH, CAP, KEPT_CAP,
+                   stride_s, stride_i, stride_v, stride_c, stride_k, BLOCK: tl.constexpr, BITS: tl.constexpr,
+                   SAMPLE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = s_ptr + row * stride_s
     offs = tl.arange(0, BLOCK)
@@ -218,17 +228,20 @@ def _select_kernel(s_ptr, idx_ptr, valid_ptr, nan_ptr, cand_ptr, bracketed_ptr, 
     sharing = tl.full([], 0, tl.int32)
     floor = tl.full([], 0, tl.uint32)  # no key below it is chosen
     bracketed = tl.full([], 0, tl.int32)
+    kept_n = tl.full([], 0, tl.int32)  # columns at kept_row: every key >= lo, where bracketed
+    kept_row = kept_ptr + row * stride_k
     if SAMPLE > 0:
         if (N >= 4 * SAMPLE) & (WIDTH < N):
             # a bracket from a sample, checked by exact counts: where it holds the WIDTH-th key, the
             # passes run over the scores inside it (a few % of the row), not over the row
             lo, hi = _sample_bracket(base, N, WIDTH, SAMPLE)
             cand_row = cand_ptr + row * stride_c
-            above, count, nans = _bracket_pass(base, N, offs, lo, hi, cand_row, CAP, BLOCK)
+            above, count, nans = _bracket_pass(base, N, offs, lo, hi, cand_row, CAP, kept_row, KEPT_CAP, BLOCK)
             tl.store(nan_ptr + row, nans)
             if (above < WIDTH) & (above + count >= WIDTH) & (count <= CAP):
-                tl.debug_barrier()  # the candidates written by every thread, before any reads them
+                tl.debug_barrier()  # the lists written by every thread, before any reads them
                 bracketed = 1
+                kept_n = above + count  # < WIDTH + CAP <= KEPT_CAP: all held
                 floor = lo
                 need -= above
                 prefix, need, sharing, _ = _threshold(cand_row, count, offs, bins, need, False, BLOCK, BITS)
@@ -244,10 +257,22 @@ def _select_kernel(s_ptr, idx_ptr, valid_ptr, nan_ptr, cand_ptr, bracketed_ptr, 
     prefix = tl.maximum(prefix, floor)
     written = tl.full([], 0, tl.int32)
     ties_seen = tl.full([], 0, tl.int32)
-    for start in range(0, N, BLOCK):
-        cols, inside, s = _block(base, start, offs, N)
-        written, ties_seen = _write_block(idx_ptr + row * stride_i, valid_ptr + row * stride_v, cols, inside,
-                                          _keys(s), prefix, need, plain, written, ties_seen)
+    idx_row = idx_ptr + row * stride_i
+    valid_row = valid_ptr + row * stride_v
+    if bracketed != 0:
+        # every chosen key is >= lo and the list holds them all, in column order: the write walks it
+        # (a few thousand columns) instead of the row, with the same blocks' arithmetic
+        for start in range(0, kept_n, BLOCK):
+            inside = start + offs < kept_n
+            cols = tl.load(kept_row + start + offs, mask=inside, other=0)
+            s = tl.load(base + cols, mask=inside, other=0.0)
+            written, ties_seen = _write_block(idx_row, valid_row, cols, inside, _keys(s), prefix, need, plain,
+                                              written, ties_seen)
+    else:
+        for start in range(0, N, BLOCK):
+            cols, inside, s = _block(base, start, offs, N)
+            written, ties_seen = _write_block(idx_row, valid_row, cols, inside, _keys(s), prefix, need, plain,
+                                              written, ties_seen)
 
 
 @triton.jit
@@ -434,9 +459,11 @@ def select_rows(scores: torch.Tensor, k: int, bits: int = DIGIT_BITS, sample: in
         sample = sample if sample and n >= 4 * sample else 0
         cap = min(triton.cdiv(n, 4), CANDIDATES_MAX) if sample else 0
         candidates = torch.empty(t if sample else 1, max(cap, 1), dtype=torch.float32, device=scores.device)
-        _select_kernel[(t,)](scores, indices, valid, nans, candidates, bracketed, n, min(k, n), cap, scores.stride(0),
-                             indices.stride(0), valid.stride(0), candidates.stride(0), BLOCK=block, BITS=bits,
-                             SAMPLE=sample, num_warps=warps)
+        kept_cap = min(k, n) + cap if sample else 0
+        kept = torch.empty(t if sample else 1, max(kept_cap, 1), dtype=torch.int32, device=scores.device)
+        _select_kernel[(t,)](scores, indices, valid, nans, candidates, kept, bracketed, n, min(k, n), cap, kept_cap,
+                             scores.stride(0), indices.stride(0), valid.stride(0), candidates.stride(0), kept.stride(0),
+                             BLOCK=block, BITS=bits, SAMPLE=sample, num_warps=warps)
     return indices, valid.view(torch.bool), nans, bracketed.view(torch.bool)
 
 
