@@ -4,6 +4,7 @@ torch form it replaced for prefill pieces (glm53/model/indexer.py select_topk_to
     python bench/bench_select_topk.py            # per call, prefill-sized cases (CUDA)
     python bench/bench_select_topk.py --engine   # both inside the engine's turns (CUDA, 4 layers)
     python bench/bench_select_topk.py --short    # decode windows: torch, split kernels, row kernel
+    python bench/bench_select_topk.py --dcp 4    # one DCP rank's share: the reference merge vs the kernels
 
 The torch form takes a top-(k + 1) per row, tests the k-th score for a tie (a host sync), takes
 packed int64 keys for tied rows and sorts the chosen columns; the kernel does a radix select per
@@ -210,6 +211,55 @@ def short_windows(args: argparse.Namespace) -> int:
     return finish(args.out, result, ["t", "keys"], "selection")
 
 
+def dcp_ranks(args: argparse.Namespace) -> int:
+    """--dcp R: one DCP rank's share of a 'full' layer's selection, rank 0 of R (every rank does the
+    same work on its quarter, at the same time). 'torch': the reference (its owned keys' sorted int64
+    top-k, the gathered keys' top-k with a host sync for the pads, owned_selection's sort; the NaN
+    check a host sync), 'triton': dcp.PendingSelection (the selection kernels over its keys, a
+    threshold from the gathered keys, no sort, no host sync). The other ranks' parts are computed
+    outside the timing and stacked as the all-gather would hand them over; wall of rank 0's part."""
+    from glm53.dist import dcp
+
+    device, ranks = torch.device("cuda"), args.dcp
+    own = dcp.Ownership(0, ranks)
+    rows, mismatches = [], []
+    for t, history in CASES:
+        scores = chunk_scores(t, history, device, seed=t + history)
+        n = scores.shape[1]
+        positions = torch.arange(n, device=device)
+        owned = [dcp.Ownership(r, ranks).owned_positions(0, n, device=device) for r in range(ranks)]
+        parts = [scores[:, p].contiguous() for p in owned]
+        words = torch.stack([dcp.PendingSelection.of(part, positions[p], dcp.Ownership(r, ranks), K).words
+                             for r, (part, p) in enumerate(zip(parts, owned))])
+        keys = torch.stack([dcp.local_topk_keys(part, positions[p], K) for part, p in zip(parts, owned)])
+
+        def reference(part: torch.Tensor, k: int) -> Selection:
+            dcp.local_topk_keys(part, owned[0], k)  # rank 0's own work; its result is keys[0]
+            return dcp.owned_selection(*dcp.merge_topk_keys(keys, k), own, k)
+
+        def pending(part: torch.Tensor, k: int) -> Selection:
+            return dcp.PendingSelection.of(part, owned[0], own, k).resolve(words)
+
+        arms = {"torch": reference, "triton": pending}
+        for fn in arms.values():
+            timed(fn, parts[0])
+        samples: dict[str, list[float]] = {name: [] for name in arms}
+        for i in range(args.repeats):
+            got = {}
+            for name in (list(arms) if i % 2 == 0 else list(reversed(arms))):
+                dt, got[name] = timed(arms[name], parts[0])
+                samples[name].append(dt)
+            a, b = got["torch"], got["triton"]
+            if not (torch.equal(a.indices, b.indices) and torch.equal(a.valid, b.valid)):
+                mismatches.append(f"T={t} history={history} sample {i}")
+        rows.append(arm_row({"t": t, "keys": n, "rank_keys": parts[0].shape[1]}, samples))
+        del scores, parts
+    settings = {"k": K, "ranks": ranks, "repeats": args.repeats,
+                "timing": "wall of rank 0's part (local selection + merge), device synchronized, arms alternating"}
+    result = {**result_header("select_topk_dcp", settings, device=device), "cases": rows, "mismatches": mismatches}
+    return finish(args.out, result, ["t", "keys", "rank_keys"], "selection")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=7)
@@ -224,6 +274,7 @@ def main() -> int:
     p.add_argument("--samples", type=int, nargs="*", default=[],
                    help="arms sampling each row's bracket from this many keys (powers of two)")
     p.add_argument("--blocks", nargs="*", default=[], help="arms of the row form at BLOCKxWARPS, e.g. 4096x8")
+    p.add_argument("--dcp", type=int, metavar="R", help="one DCP rank's share of the selection over R ranks")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "select_topk.json")
     args = p.parse_args()
     if args.repeats < 1:
@@ -237,6 +288,11 @@ def main() -> int:
         return engine_turns(args)
     if args.short:
         return short_windows(args)
+    if args.dcp is not None:
+        if args.dcp < 2:
+            print("error: --dcp R needs R >= 2 ranks", file=sys.stderr)
+            return 2
+        return dcp_ranks(args)
     from glm53.ops import triton_topk
 
     device = torch.device("cuda")

@@ -321,20 +321,33 @@ class PrefixCache:
         return best
 
     def _count(self, hit: Hit, n: int) -> None:
-        s = self.stats
         if hit.reused_tokens:
-            host = sum(p.length for p in hit.pieces if p.source == "host")
-            disk = sum(p.length for p in hit.pieces if p.source == "disk")
-            s.hits += 1
-            s.cached_tokens += hit.reused_tokens
-            s.live_tokens += hit.live_tokens
-            s.host_tokens += host
-            s.disk_tokens += disk
+            host, disk = self._add_hit(hit, +1)
+            hit.abandon = self._abandoned
             log.info("kv_cache hit: %d of %d prompt tokens reused (live %d, host %d, disk %d tokens)",
                      hit.reused_tokens, n, hit.live_tokens, host, disk)
         else:
-            s.misses += 1
+            self.stats.misses += 1
             log.info("kv_cache miss: %d prompt tokens", n)
+
+    def _add_hit(self, hit: Hit, sign: int) -> tuple[int, int]:
+        """Count a hit into the stats (sign +1) or take it out again (-1); (host, disk) tokens."""
+        s = self.stats
+        host = sum(p.length for p in hit.pieces if p.source == "host")
+        disk = sum(p.length for p in hit.pieces if p.source == "disk")
+        s.hits += sign
+        s.cached_tokens += sign * hit.reused_tokens
+        s.live_tokens += sign * hit.live_tokens
+        s.host_tokens += sign * host
+        s.disk_tokens += sign * disk
+        return host, disk
+
+    def _abandoned(self, hit: Hit) -> None:
+        """A hit whose restore raised (the request fails; nothing was reused): out of the stats. The
+        lookup still counts; its hit does not."""
+        with self._lock:
+            self._add_hit(hit, -1)
+        log.warning("kv_cache: restoring a hit of %d tokens failed; not counted as a hit", hit.reused_tokens)
 
     # ---- store ----------------------------------------------------------------------------
     @_locked

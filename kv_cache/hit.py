@@ -37,14 +37,21 @@ class Hit:
     # always set when there are pieces), and settles the result (every rank's minimum, the stats)
     reader: Callable[[list[Piece], WriteRows, object], int] | None = field(default=None, repr=False, compare=False)
     settle: Callable[["Hit", int], int] | None = field(default=None, repr=False, compare=False)
+    # set by the cache on a counted hit: takes it out of the stats if restore raises
+    abandon: Callable[["Hit"], None] | None = field(default=None, repr=False, compare=False)
 
     def restore(self, write_rows: WriteRows, device: object = None) -> int:
         """write_rows(start, length, rows) per piece, in order (rows valid during the call only:
         copy them; `device`: where the engine's cache lives, so disk rows go there in one transfer
         per file). Returns the reused length the engine keeps: reused_tokens, or less where a disk
         file was a miss (agreed over ranks)."""
-        end = self.reader(self.pieces, write_rows, device) if self.pieces else self.reused_tokens
-        return self.settle(self, end) if self.settle is not None else end
+        try:
+            end = self.reader(self.pieces, write_rows, device) if self.pieces else self.reused_tokens
+            return self.settle(self, end) if self.settle is not None else end
+        except BaseException:
+            if self.abandon is not None:
+                self.abandon(self)
+            raise
 
     @property
     def sources(self) -> list[str]:

@@ -36,11 +36,13 @@ def attention_inputs(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor,
 
 
 def topk_inputs(n: int, rows: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scores with many exact ties (small integers, some -inf, a -0.0), positions 0..n-1."""
+    """Scores with many exact ties (small integers, some -inf, a -0.0, a few +inf: ranked first, then
+    dropped from a selection as not finite), positions 0..n-1."""
     g = torch.Generator().manual_seed(77 + n)
     scores = torch.randint(-3, 4, (rows, n), generator=g).float()
     scores[:, ::11] = float("-inf")
     scores[0, 5 % n] = -0.0
+    scores[rows - 1, 1::7] = float("inf")
     return scores, torch.arange(n)
 
 

@@ -109,6 +109,76 @@ def test_topk_merge_over_ranks_equals_single_rank_with_ties() -> None:
             assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0]), (R, k)
 
 
+def _ranks_resolve(scores: torch.Tensor, R: int, k: int, nan_flag: torch.Tensor | None = None):
+    """Every rank's PendingSelection over its owned columns, resolved against the stacked words (what
+    tp_dcp_attention's all-gather hands each rank)."""
+    n = scores.shape[1]
+    positions = torch.arange(n)
+    owned = [dcp.Ownership(r, R).owned_positions(0, n) for r in range(R)]
+    pending = [dcp.PendingSelection.of(scores[:, p], positions[p], dcp.Ownership(r, R), k, nan_flag)
+               for r, p in enumerate(owned)]
+    words = torch.stack([p.words for p in pending])
+    return [p.resolve(words) for p in pending], owned
+
+
+def test_pending_selection_equals_the_reference_merge_with_ties_and_infinities() -> None:
+    """The kernels' local selection + a threshold from the gathered keys gives each rank exactly what
+    the reference (every rank's sorted top-k keys, merged, owned_selection) gives: massive ties, +inf
+    (ranked first, then dropped), -inf, -0.0 against 0.0, rows shorter than k, k past the row."""
+    g = torch.Generator().manual_seed(11)
+    for trial in range(12):
+        n = int(torch.randint(1, 300, (1,), generator=g))
+        scores = torch.randint(0, 3, (6, n), generator=g).float()
+        scores[torch.rand(6, n, generator=g) < 0.05] = float("inf")
+        scores[torch.rand(6, n, generator=g) < 0.1] = float("-inf")
+        scores[1] = float("-inf")  # a query that sees nothing
+        scores[0, 0] = -0.0
+        positions = torch.arange(n)
+        for R in (1, 2, 3, 4):
+            for k in (1, 3, 17, 64, 300):
+                keys = torch.stack([dcp.local_topk_keys(scores[:, p], positions[p], k)
+                                    for p in (dcp.Ownership(r, R).owned_positions(0, n) for r in range(R))])
+                reference = dcp.merge_topk_keys(keys, k)
+                got, _ = _ranks_resolve(scores, R, k)
+                for r in range(R):
+                    want = dcp.owned_selection(*reference, dcp.Ownership(r, R), k)
+                    assert torch.equal(got[r].indices, want.indices) and torch.equal(got[r].valid, want.valid), \
+                        (trial, n, R, k, r)
+
+
+def test_pending_selection_with_more_inf_than_k_keeps_nothing() -> None:
+    """+inf entries fill the global top-k and are dropped as not finite: no finite entry is chosen,
+    although every rank's own candidates are finite."""
+    scores = torch.zeros(2, 40)
+    scores[:, 0:40:4] = float("inf")  # 10 +inf, all on rank 0 of 4
+    got, _ = _ranks_resolve(scores, 4, 8)
+    assert all(int(s.valid.sum()) == 0 for s in got)
+    got, owned = _ranks_resolve(scores, 4, 12)  # room for 2 finite: positions 1 and 2 (lowest first)
+    for row in range(2):
+        chosen = sorted(int(owned[r][i]) for r, s in enumerate(got) for i in s.indices[row][s.valid[row]])
+        assert chosen == [1, 2]
+
+
+def test_pending_selection_nan_on_one_rank_raises_on_every_rank() -> None:
+    """NaN scores travel as a count in the words: every rank's resolve sees them and raises (no rank
+    is left waiting in a collective its peer skipped), or flags them where the caller checks later."""
+    scores = torch.randn(3, 50)
+    scores[2, 13] = float("nan")  # rank 1 of 4 owns position 13
+    n = scores.shape[1]
+    pending = [dcp.PendingSelection.of(scores[:, p], torch.arange(n)[p], dcp.Ownership(r, 4), 8)
+               for r, p in enumerate(dcp.Ownership(r, 4).owned_positions(0, n) for r in range(4))]
+    words = torch.stack([p.words for p in pending])
+    for p in pending:
+        with pytest.raises(ValueError, match="NaN"):
+            p.resolve(words)
+    flag = torch.zeros((), dtype=torch.bool)
+    got, _ = _ranks_resolve(scores, 4, 8, nan_flag=flag)
+    assert bool(flag) and len(got) == 4
+    flag.zero_()
+    _ranks_resolve(torch.randn(3, 50), 4, 8, nan_flag=flag)
+    assert not bool(flag)
+
+
 def test_topk_rejects_nan_scores() -> None:
     with pytest.raises(ValueError, match="NaN"):
         dcp.topk_tiebreak(torch.tensor([1.0, float("nan")]), torch.arange(2), 1)

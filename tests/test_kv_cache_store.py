@@ -264,6 +264,31 @@ def test_stats_and_logging(caplog):
     assert any("kv_cache host evict: 3 chunks" in r.message for r in caplog.records)
 
 
+def test_a_hit_whose_restore_raises_is_not_counted(caplog):
+    """The engine's write fails mid-restore (e.g. out of device memory): the request fails and nothing
+    was reused, so the stats keep the lookup but not the hit or its tokens; the next restore counts."""
+    cache = PrefixCache(key(), host_bytes=8 * block_bytes())
+    a = list(range(24))
+    cache.store(a, 24, rows_of(a))
+    before = cache.stats_dict()
+    hit = cache.lookup(a + [1])
+    assert hit.reused_tokens == 24 and cache.stats_dict()["hits"] == before["hits"] + 1
+
+    def failing(start: int, n: int, rows) -> None:
+        raise MemoryError("no room on the device")
+    with caplog.at_level(logging.WARNING, logger="kv_cache"), pytest.raises(MemoryError):
+        hit.restore(failing)
+    after = cache.stats_dict()
+    for name in ("hits", "cached_tokens", "host_tokens", "live_tokens", "disk_tokens", "misses"):
+        assert after[name] == before[name], name
+    assert after["lookups"] == before["lookups"] + 1
+    assert any("not counted as a hit" in r.message for r in caplog.records)
+    hit = cache.lookup(a + [2])
+    assert replay(hit, a + [2])
+    s = cache.stats_dict()
+    assert (s["hits"], s["cached_tokens"], s["host_tokens"]) == (before["hits"] + 1, 24, 24)
+
+
 # ---- DCP: each rank holds its own rows; a hit counts only where every rank holds it ----------
 def _free_port() -> int:
     with socket.socket() as s:

@@ -147,24 +147,66 @@ def attend_latent(q_lat: torch.Tensor, q_rot: torch.Tensor, rows: torch.Tensor, 
 
 @dataclass
 class PendingSelection:
-    """A 'full' indexer layer's selection under DCP before the exchange: this rank's local top-k
-    keys [T, k]. tp_dcp_attention sends them in the same all-gather as the absorbed queries (one
-    round trip for both, where a separate dcp_topk would take its own) and resolves the Selection
-    here, so the 'shared' layers after it reuse the resolved one. Identical to dcp_topk followed by
-    owned_selection: the same keys, the same merge."""
+    """A 'full' indexer layer's selection under DCP before the exchange. tp_dcp_attention sends
+    `words` in the same all-gather as the absorbed queries (one round trip for both) and resolves
+    the Selection here, so the 'shared' layers after it reuse the resolved one.
 
-    local_keys: torch.Tensor
+    This rank's candidates are its own top-k finite entries (`local`: the single-rank selection over
+    its scores, glm53.model.indexer: the Triton kernels on CUDA, ascending, no sort and no host
+    sync); `words` [T, k + 2] int64 are their keys (PAD_KEY where invalid), then the row's count of
+    +inf scores and of NaN scores. Why that is the global top-k's share (dcp_topk + owned_selection,
+    the reference, which these are tested against): the global top-k ranks all R * n keys; its +inf
+    entries (P of them, summed over ranks) come first and are dropped as not finite, so its finite
+    entries are the best k - P finite keys overall. A rank with p <= P of them chose its best k - p
+    finite ones, which holds every one of its own among those. tau, the (k - P)-th largest gathered
+    finite key, is the same number on every rank; a candidate is kept when its key is >= tau (keys
+    are unique, positions differ). -inf entries rank below every finite one and are never kept."""
+
+    local: "Selection"
+    words: torch.Tensor
     own: Ownership
     k: int
+    nan_flag: torch.Tensor | None = None
     resolved: "Selection | None" = None
 
     @classmethod
-    def of(cls, scores: torch.Tensor, positions: torch.Tensor, own: Ownership, k: int) -> "PendingSelection":
-        return cls(local_topk_keys(scores, positions, k), own, k)
+    def of(cls, scores: torch.Tensor, positions: torch.Tensor, own: Ownership, k: int,
+           nan_flag: torch.Tensor | None = None) -> "PendingSelection":
+        """scores [T, n] fp32 over this rank's rows, positions [n] their positions, ascending (so a
+        lower column is a lower position: the kernels' tie-break is the keys')."""
+        from glm53.model.indexer import select_topk_nan_counts
 
-    def resolve(self, gathered_keys: torch.Tensor) -> "Selection":
-        """gathered_keys [R, T, k]: every rank's local_keys, in rank order."""
-        self.resolved = owned_selection(*merge_topk_keys(gathered_keys, self.k), self.own, self.k)
+        local, nans = select_topk_nan_counts(scores, k)
+        t, n = scores.shape
+        if n:
+            cols = local.indices
+            keys = (_orderable_bits(scores.gather(1, cols)) << POSITION_BITS) \
+                | (_POS_MASK - positions.to(device=cols.device, dtype=torch.int64)[cols])
+            keys = torch.where(local.valid, keys, PAD_KEY)
+        else:
+            keys = torch.full((t, k), PAD_KEY, dtype=torch.int64, device=scores.device)
+        counts = torch.stack([torch.isposinf(scores).sum(dim=1), nans.to(torch.int64)], dim=1)
+        return cls(local, torch.cat([keys, counts], dim=1), own, k, nan_flag)
+
+    def resolve(self, gathered_words: torch.Tensor) -> "Selection":
+        """gathered_words [R, T, k + 2]: every rank's words, in rank order (the same on every rank)."""
+        from glm53.model.indexer import Selection, _check_nan
+
+        k = self.k
+        _check_nan(gathered_words[..., k + 1].sum(dim=0).gt(0).any(), self.nan_flag)  # every rank alike
+        need = (k - gathered_words[..., k].sum(dim=0)).clamp(min=0)  # finite entries the top-k holds
+        every = gathered_words[..., :k].movedim(0, -2).flatten(-2)  # [T, R * k]
+        best = torch.topk(every, k, dim=-1, sorted=True).values  # descending, pads last
+        tau = best.gather(1, (need - 1).clamp(min=0)[:, None])
+        tau = torch.where(need[:, None] > 0, tau, torch.iinfo(torch.int64).max)
+        keep = self.local.valid & (self.words[:, :k] >= tau)
+        # compact the kept ones to the front, in their (ascending) order: a cumsum, not a sort
+        t = keep.shape[0]
+        slot = torch.where(keep, keep.cumsum(dim=1) - 1, k)  # dropped ones land in a spare column
+        indices = torch.zeros(t, k + 1, dtype=torch.int64, device=keep.device)
+        indices.scatter_(1, slot, torch.where(keep, self.local.indices, 0))
+        valid = torch.arange(k, device=keep.device)[None, :] < keep.sum(dim=1, keepdim=True)
+        self.resolved = Selection(torch.where(valid, indices[:, :k], 0), valid)
         return self.resolved
 
 
@@ -186,8 +228,8 @@ def tp_dcp_attention(comm: Comm, q_nope: torch.Tensor, q_rot: torch.Tensor, w_uk
     packed = torch.cat([q_lat, q_rot.to(q_lat.dtype)], dim=-1)
     packed = torch.nn.functional.pad(packed, (0, 0, 0, width - packed.shape[1]))
     if isinstance(selection, PendingSelection) and selection.resolved is None:
-        every, keys = comm.all_gather_packed([packed, selection.local_keys], name="tp_dcp_queries_topk")
-        selection = selection.resolve(keys)
+        every, words = comm.all_gather_packed([packed, selection.words], name="tp_dcp_queries_topk")
+        selection = selection.resolve(words)
     else:
         every = comm.all_gather(packed, name="tp_dcp_queries")  # [R, T, width, r + rope]
         if isinstance(selection, PendingSelection):  # a 'shared' layer after the 'full' one
@@ -271,10 +313,15 @@ def dcp_merge_to_owners(comm: Comm, out: torch.Tensor, lse: torch.Tensor,
 
 # ---- top-k with a deterministic tie-break ---------------------------------------------------
 def _orderable(scores: torch.Tensor) -> torch.Tensor:
-    """fp32 scores -> int64 in [0, 2**32) with the same order (-0.0 and +0.0 equal)."""
-    s = scores.float() + 0.0  # -0.0 + 0.0 == +0.0
-    if bool(torch.isnan(s).any()):
+    """fp32 scores -> int64 in [0, 2**32) with the same order (-0.0 and +0.0 equal); NaN raises."""
+    if bool(torch.isnan(scores).any()):
         raise ValueError("top-k scores contain NaN; the indexer must mask with -inf, never NaN")
+    return _orderable_bits(scores)
+
+
+def _orderable_bits(scores: torch.Tensor) -> torch.Tensor:
+    """_orderable without the NaN check (a host sync): for callers that count NaNs themselves."""
+    s = scores.float() + 0.0  # -0.0 + 0.0 == +0.0
     u = s.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     negative = (u & 0x80000000) != 0
     return torch.where(negative, (~u) & 0xFFFFFFFF, u | 0x80000000)

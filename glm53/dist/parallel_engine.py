@@ -14,7 +14,7 @@ What each plug point does here:
 - gather_logits: all-gather of the vocabulary slices (padded to the largest), concatenated;
 - new_state: DcpKVState, holding (and reading back) only this rank's positions under DCP;
 - merge_topk: DCP on: index scores of the owned positions (with their global positions) -> this
-  rank's local top-k keys (glm53.dist.dcp.PendingSelection), merged after attend's exchange into
+  rank's own top-k candidates and their keys (glm53.dist.dcp.PendingSelection), merged after attend's exchange into
   the global top-k (ties to the lower position, the model's own rule) as a Selection of this
   rank's rows (local slots, fixed width); DCP off: local (every rank holds every position and
   every score);
@@ -102,8 +102,8 @@ class DistRankPlan(RankPlan):
             return select_topk(scores, k, nan_flag)
         if nan_flag is not None and nan_flag.is_cuda and torch.cuda.is_current_stream_capturing():
             raise NotImplementedError("a DCP rank's top-k syncs with its peers; it is never graph-captured")
-        # an eager forward's flag is left alone: the merge raises on NaN at once (dcp._orderable)
-        return dcp.PendingSelection.of(scores, key_positions, self.ownership, k)
+        # NaN scores on any rank reach every rank in the exchange: all raise (or flag) together
+        return dcp.PendingSelection.of(scores, key_positions, self.ownership, k, nan_flag)
 
     def attend(self, w: AttentionWeights, q_nope: torch.Tensor, q_rot: torch.Tensor, rows: torch.Tensor,
                key_positions: torch.Tensor | None, selection: Selection | dcp.PendingSelection,

@@ -115,6 +115,20 @@ def select_topk(scores: torch.Tensor, k: int, nan_flag: torch.Tensor | None = No
     return _select_torch(scores, k, nan_flag)
 
 
+def select_topk_nan_counts(scores: torch.Tensor, k: int) -> tuple[Selection, torch.Tensor]:
+    """select_topk's selection and each row's NaN count ([T] int32), raising nothing: a DCP rank
+    sends the counts to its peers with its candidates, so that every rank sees a NaN and raises
+    together (glm53.dist.dcp). The counts come out of the kernels' own pass where they run."""
+    _check_scores(scores, k)
+    if scores.shape[1] and ops.triton_topk_for(scores):
+        from glm53.ops import triton_topk
+
+        indices, valid, nans = triton_topk.select(scores, k)
+        return Selection(indices, valid), nans
+    absorbed = torch.zeros((), dtype=torch.bool, device=scores.device)  # the rows' counts report it instead
+    return _select_torch(scores, k, absorbed), torch.isnan(scores).sum(dim=1, dtype=torch.int32)
+
+
 def select_topk_torch(scores: torch.Tensor, k: int, nan_flag: torch.Tensor | None = None) -> Selection:
     """select_topk's rule in torch ops (the CPU, and CUDA rows over triton_topk.MAX_KEYS keys).
 

@@ -94,3 +94,33 @@ def test_short_window_selection_replays_in_a_cuda_graph() -> None:
     scores[2, 100] = float("nan")
     graph.replay()
     assert bool(flag)
+
+
+@pytest.mark.parametrize("n,t", [(16205, 300), (262144, 40), (16205, 1), (94001, 4), (3000, 16)])
+def test_dcp_pending_selection_on_cuda_equals_the_reference_merge(n: int, t: int) -> None:
+    """Under DCP a rank's candidates come from the selection kernels over its own quarter of the
+    keys (glm53.dist.dcp.PendingSelection), the global share from a threshold on the gathered keys:
+    each of 4 ranks' Selection equals the reference (sorted int64 top-k keys per rank, merged,
+    owned_selection), with ties at the k-th score, +inf and -inf among the keys. Ranks simulated on
+    one device: their words stacked as the all-gather would hand them over."""
+    _cuda()
+    from glm53.dist import dcp
+
+    k, R = 2048, 4
+    g = torch.Generator().manual_seed(n + t)
+    scores = torch.randn(t, n, generator=g)
+    scores[: t // 2] = (scores[: t // 2] * 4).round()  # ties everywhere
+    scores[:, n - n // 5:] = float("-inf")  # the future
+    scores[t - 1, ::997] = float("inf")
+    scores = scores.cuda()
+    positions = torch.arange(n, device="cuda")
+    owned = [dcp.Ownership(r, R).owned_positions(0, n, device="cuda") for r in range(R)]
+    pending = [dcp.PendingSelection.of(scores[:, p], positions[p], dcp.Ownership(r, R), k)
+               for r, p in enumerate(owned)]
+    words = torch.stack([p.words for p in pending])
+    keys = torch.stack([dcp.local_topk_keys(scores[:, p], positions[p], k) for p in owned])
+    reference = dcp.merge_topk_keys(keys, k)
+    for r in range(R):
+        want = dcp.owned_selection(*reference, dcp.Ownership(r, R), k)
+        got = pending[r].resolve(words)
+        assert torch.equal(got.valid, want.valid) and torch.equal(got.indices, want.indices), r
