@@ -1,5 +1,6 @@
 """Kernels whose control flow the interpreter cannot vouch for compile for the H200 (sm_90) without
-a GPU: the selection kernels (glm53/ops/triton_topk.py: data-dependent while loops, a sampled
+a GPU, and every kernel, at the config the kit runs there, fits the shared memory of our users' GPU,
+GB10 (DGX Spark, sm_121, 99 KB a block) and of the H200: the selection kernels (glm53/ops/triton_topk.py: data-dependent while loops, a sampled
 bracket; the short windows' four), the
 indexer's scores kernel in each of its mask forms (glm53/ops/triton_indexer.py) and the prefill
 attention kernel (glm53/ops/triton_attention.py) at GLM-5.3's shape.
@@ -16,7 +17,13 @@ import importlib.util
 import pytest
 
 
-def _compile(fn, signature: dict[str, str], constexprs: dict[str, object], warps: int):
+# shared memory a block (the opt-in maximum): the H200 (sm_90) 227 KB; GB10, the DGX Spark's GPU
+# (sm_121), 99 KB (cudaDevAttrMaxSharedMemoryPerBlockOptin as GB10 owners report it)
+H200_SHARED, GB10_SHARED = 232448, 101376
+
+
+def _compile(fn, signature: dict[str, str], constexprs: dict[str, object], warps: int, capability: int = 90,
+             stages: int | None = None):
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed here: the compile check needs it (pip install triton)")
     import triton
@@ -25,9 +32,10 @@ def _compile(fn, signature: dict[str, str], constexprs: dict[str, object], warps
 
     source = ASTSource(fn=fn, signature={**signature, **{name: "constexpr" for name in constexprs}},
                        constexprs=constexprs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    options = {"num_warps": warps, **({"num_stages": stages} if stages is not None else {})}
+    compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
     assert compiled.asm["cubin"], "no machine code"
-    assert ".target sm_90" in compiled.asm["ptx"]
+    assert f".target sm_{capability}" in compiled.asm["ptx"]
     return compiled
 
 
@@ -99,3 +107,77 @@ def test_prefill_attention_kernel_compiles_for_sm90_at_glm53_dims() -> None:
     compiled = _compile(ta._latent_attention_kernel, signature,
                         {**ta._query_blocks(576, 512), "BLOCK_H": block_h, "BLOCK_N": block_n, "IEEE": False}, warps)
     assert "wgmma" in compiled.asm["ptx"]
+
+
+ATTENTION_SIGNATURE = {"q_ptr": "*bf16", "rows_ptr": "*bf16", "idx_ptr": "*i64", "valid_ptr": "*u8", "end_ptr": "*i32",
+                       "out_ptr": "*bf16", "lse_ptr": "*fp32", "scale": "fp32",
+                       **{name: "i32" for name in ("T", "K_SLOTS", "H", "stride_qt", "stride_qh", "stride_r",
+                                                   "stride_it", "stride_vt", "stride_ot", "stride_oh", "stride_lt")}}
+SCORES_SIGNATURE = {**{k: v for k, v in ATTENTION_SIGNATURE.items() if k not in ("out_ptr", "lse_ptr", "stride_ot",
+                                                                                  "stride_oh", "stride_lt")},
+                    "s_ptr": "*fp32", "stride_st": "i32", "stride_sh": "i32"}
+
+
+@pytest.mark.parametrize("capability,limit,preferred", [(90, H200_SHARED, True), (121, GB10_SHARED, False)],
+                         ids=["h200-sm90", "gb10-sm121"])
+@pytest.mark.parametrize("heads", [64, 16], ids=["64-heads", "16-heads"])
+def test_attention_config_that_fits_each_device(capability: int, limit: int, preferred: bool, heads: int) -> None:
+    """fit_prefill's rule (the first candidate whose compiled prefill kernel fits the device's shared
+    memory a block) with the real compiler's numbers: the H200 runs the preferred config; on GB10 that
+    one needs more than its 99 KB (the kernel would not launch there) and a later candidate fits;
+    the split's scores kernel at the chosen config fits too. 64 heads: the engine's call under TP4 +
+    DCP4 as well (every rank attends with all heads over its own rows)."""
+    import torch
+
+    from glm53.ops import triton_attention as ta
+
+    def shared(fn, signature, config) -> int:
+        block_h, block_n, warps, stages = config
+        return _compile(fn, signature, {**ta._query_blocks(576, 512), "BLOCK_H": block_h, "BLOCK_N": block_n,
+                                        "IEEE": False}, warps, capability, stages).metadata.shared
+
+    candidates = ta.attention_candidates(heads, 576, 512, torch.bfloat16)
+    chosen = ta.first_fitting(candidates, lambda c: shared(ta._latent_attention_kernel, ATTENTION_SIGNATURE, c),
+                              limit)
+    assert chosen is not None, f"no candidate fits {limit} bytes on sm_{capability}"
+    assert (chosen == candidates[0]) == preferred, chosen
+    assert shared(ta._latent_scores_kernel, SCORES_SIGNATURE, chosen) <= limit
+
+
+@pytest.mark.parametrize("m,n,k", [(2048, 6144, 2048), (2048, 12288, 6144), (1, 2048, 6144), (64, 2048, 6144)])
+def test_linear_configs_fit_gb10(m: int, n: int, k: int) -> None:
+    import torch
+
+    from glm53.ops import triton_linear as tlin
+
+    c = tlin.linear_config(m, n, k, torch.bfloat16)
+    signature = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
+                 **{name: "i32" for name in ("M", "N", "K", "stride_xm", "stride_xh", "stride_wh", "stride_wn",
+                                             "stride_om", "stride_oh")}}
+    compiled = _compile(tlin._matmul_kernel, signature, {"BLOCK_M": c.block_m, "BLOCK_N": c.block_n,
+                                                         "BLOCK_K": c.block_k, "GROUP_M": c.group_m, "IEEE": False},
+                        c.num_warps, 121, c.num_stages)
+    assert compiled.metadata.shared <= GB10_SHARED, (c, compiled.metadata.shared)
+
+
+def test_index_scores_and_selection_fit_gb10() -> None:
+    import torch
+
+    from glm53.ops import triton_indexer, triton_topk
+
+    block_t, block_n, warps, stages = triton_indexer.index_config(32, 128, torch.bfloat16)
+    signature = {"q_ptr": "*bf16", "hw_ptr": "*fp32", "k_ptr": "*bf16", "qpos_ptr": "*i64", "kpos_ptr": "*i64",
+                 "out_ptr": "*fp32", **{name: "i32" for name in ("T", "N", "H", "D", "stride_qt", "stride_qh",
+                                                                 "stride_hwt", "stride_hwh", "stride_kn", "stride_ot")},
+                 "scale": "fp32"}
+    compiled = _compile(triton_indexer._index_scores_kernel, signature,
+                        {"BLOCK_T": block_t, "BLOCK_N": block_n, "BLOCK_D": 128, "IEEE": False, "CAUSAL": True,
+                         "KEY_POSITIONS": True}, warps, 121, stages)
+    assert compiled.metadata.shared <= GB10_SHARED
+    signature = {"s_ptr": "*fp32", "idx_ptr": "*i64", "valid_ptr": "*i8", "nan_ptr": "*i32", "cand_ptr": "*fp32",
+                 "kept_ptr": "*i32", "bracketed_ptr": "*i8",
+                 **{name: "i32" for name in ("N", "WIDTH", "CAP", "KEPT_CAP", "stride_s", "stride_i", "stride_v",
+                                             "stride_c", "stride_k")}}
+    compiled = _compile(triton_topk._select_kernel, signature, {"BLOCK": triton_topk.ROW_BLOCK,
+                                                                "BITS": triton_topk.DIGIT_BITS, "SAMPLE": 1024}, 4, 121)
+    assert compiled.metadata.shared <= GB10_SHARED

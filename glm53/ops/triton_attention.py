@@ -25,8 +25,10 @@ for each candidate config) before a short window uses the split; where none agre
 windows run the prefill kernel, slower and still exact.
 
 Invariance: a program sees one query only, in a fixed order, with configs from (H, D, value_dim,
-dtype) alone (T and k are do_not_specialize), so neither T nor the query's position changes its
-bits. A block with no valid slot is an exact no-op (alpha = 1, p = 0), so invalid trailing slots (a
+dtype) and the device alone (T and k are do_not_specialize), so neither T nor the query's position
+changes its bits. The device decides once per shape key which candidate config runs: the first
+whose compiled kernel fits its shared memory a block (`fit_prefill`; the H200's 227 KB hold the
+preferred one, GB10's 99 KB do not). A block with no valid slot is an exact no-op (alpha = 1, p = 0), so invalid trailing slots (a
 wider k) change nothing, and the loop stops after the block holding the query's last valid slot:
 the same bits, without the work (a short context, a DCP rank that owns a quarter of the selection).
 No valid slot at all gives out 0 and lse -inf, never NaN.
@@ -43,18 +45,45 @@ SPLIT_ROWS = 16  # up to this many queries a call takes the split kernels (where
 _ZEROS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}  # the re-layout's zero operand, per device and dtype
 
 
-def attention_config(heads: int, d: int, value_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(BLOCK_H, BLOCK_N, num_warps, num_stages) from the fixed dims only."""
+def attention_candidates(heads: int, d: int, value_dim: int, dtype: torch.dtype) -> list[tuple[int, int, int, int]]:
+    """(BLOCK_H, BLOCK_N, num_warps, num_stages) configs from the fixed dims only, preferred first: a
+    device runs the first whose compiled prefill kernel fits its shared memory a block
+    (`attention_config`). Each is exact and row-invariant; they differ in bits (BLOCK_N sets the
+    online softmax's steps), so a device keeps one for good (the prefix cache's key names the device
+    and the compiler)."""
     block_h = max(16, min(64, triton.next_power_of_2(heads)))  # tl.dot needs >= 16 rows
     if dtype == torch.float32:
-        return min(block_h, 16), 16, 4, 1
+        return [(min(block_h, 16), 16, 4, 1)]
     # all 64 heads of a query share its gathered rows: one program per query reads each row once
     # H200, T=2048 H=64 k=2048 D=576: 2.9 ms, 255 registers, no spills (3 stages spill: 3.7 ms;
-    # BLOCK_N 32: 4.1 ms; BLOCK_H 32: 7.7 ms); BLOCK_N 128 runs out of shared memory
-    return block_h, 64, 8, 2
+    # BLOCK_N 32: 4.1 ms; BLOCK_H 32: 7.7 ms); BLOCK_N 128 runs out of shared memory.
+    # The rest are for GPUs with less shared memory a block: GB10 (DGX Spark, sm_121) has 99 KB,
+    # where the first needs 168 KB (Triton 3.9, AOT for sm_121: tests/test_triton_compile.py);
+    # 16-slot blocks keep one program reading each row once (92 KB there); 32 heads a program
+    # (76 KB) read each row twice
+    return [(block_h, 64, 8, 2), (block_h, 16, 4, 2), (min(block_h, 32), 32, 4, 2), (16, 16, 4, 2)]
 
 
-def split_candidates(heads: int, d: int, value_dim: int, dtype: torch.dtype) -> list[tuple[int, int, int, int]]:
+_FITTED: dict[tuple, tuple[int, int, int, int]] = {}
+
+
+def attention_config(heads: int, d: int, value_dim: int, dtype: torch.dtype,
+                     fitted: tuple | None = None) -> tuple[int, int, int, int]:
+    """The config the prefill kernel (and the split scores kernel) run with: the one found for this
+    shape key on this device (`fit_prefill`, key `fitted`), else the preferred candidate."""
+    if fitted is not None and fitted in _FITTED:
+        return _FITTED[fitted]
+    return attention_candidates(heads, d, value_dim, dtype)[0]
+
+
+def first_fitting(candidates: list, shared_bytes, limit: int):
+    """The first candidate whose kernel needs at most `limit` bytes of shared memory a block
+    (shared_bytes(candidate): the compiled kernel's), or None."""
+    return next((c for c in candidates if shared_bytes(c) <= limit), None)
+
+
+def split_candidates(heads: int, d: int, value_dim: int, dtype: torch.dtype,
+                     fitted: tuple | None = None) -> list[tuple[int, int, int, int]]:
     """(BLOCK_V, num_warps, num_stages, RELAYOUT) configs of the values kernel, fastest first (its scores
     kernel runs attention_config). num_warps is the prefill kernel's: the re-layout must land on its
     layout (the tiny model's 4 heads with 4 warps differ in bits). RELAYOUT 1 dots constant zeros
@@ -62,7 +91,7 @@ def split_candidates(heads: int, d: int, value_dim: int, dtype: torch.dtype) -> 
     H200 (bench/probe_split_attention.py, bench/results/split_attention_h200.json), T = 1 over 2048
     slots: GLM-5.3 bf16 60 us against the prefill kernel's 182, fp32 133 against 1725, the tiny
     model 45 against 55."""
-    warps = attention_config(heads, d, value_dim, dtype)[2]
+    warps = attention_config(heads, d, value_dim, dtype, fitted)[2]
     stages = 1 if dtype == torch.float32 else 2
     return [(32, warps, stages, 1), (32, warps, stages, 2)]
 
@@ -251,15 +280,62 @@ def _query_blocks(d: int, value_dim: int) -> dict[str, int]:
             "BLOCK_DR": max(16, triton.next_power_of_2(max(dr, 1)))}
 
 
-def _run_prefill(q, rows, indices, valid, end, out, lse, scale: float, value_dim: int) -> None:
+def _shape_key(heads: int, d: int, value_dim: int, dtype: torch.dtype, rows_dtype: torch.dtype,
+               device: torch.device) -> tuple:
+    """What the configs are chosen by: the fixed dims and the device (its index made explicit)."""
+    if device.index is None:
+        device = torch.device(device.type, torch.cuda.current_device())
+    return (heads, d, value_dim, dtype, rows_dtype, device)
+
+
+def _prefill_launch(args: tuple, scale: float, value_dim: int, config: tuple[int, int, int, int], warmup: bool):
+    """The prefill kernel over `args` (q, rows, indices, valid, end, out, lse) with `config`; warmup:
+    compile only (Triton's JITFunction.warmup), returning the compiled kernel."""
+    q, rows, indices, valid, end, out, lse = args
     t, heads, d = q.shape
-    block_h, block_n, warps, stages = attention_config(heads, d, value_dim, q.dtype)
+    block_h, block_n, warps, stages = config
     grid = (t, triton.cdiv(heads, block_h))
-    _latent_attention_kernel[grid](q, rows, indices, valid, end, out, lse, t, indices.shape[1], heads, float(scale),
-                                   q.stride(0), q.stride(1), rows.stride(0), indices.stride(0), valid.stride(0),
-                                   out.stride(0), out.stride(1), lse.stride(0), **_query_blocks(d, value_dim),
-                                   BLOCK_H=block_h, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
-                                   num_warps=warps, num_stages=stages)
+    kernel = _latent_attention_kernel.warmup if warmup else _latent_attention_kernel[grid]
+    extra = {"grid": grid} if warmup else {}
+    return kernel(q, rows, indices, valid, end, out, lse, t, indices.shape[1], heads, float(scale),
+                  q.stride(0), q.stride(1), rows.stride(0), indices.stride(0), valid.stride(0),
+                  out.stride(0), out.stride(1), lse.stride(0), **_query_blocks(d, value_dim),
+                  BLOCK_H=block_h, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
+                  num_warps=warps, num_stages=stages, **extra)
+
+
+def fit_prefill(args: tuple, scale: float, value_dim: int) -> tuple | None:
+    """On CUDA: the shape key whose config `attention_config` returns, found once per key on this
+    device: the first candidate whose compiled prefill kernel fits the device's shared memory a
+    block (compiled with these arguments, not launched). None elsewhere (the interpreter)."""
+    q, rows = args[0], args[1]
+    if q.device.type != "cuda":
+        return None
+    key = _shape_key(q.shape[1], q.shape[2], value_dim, q.dtype, rows.dtype, q.device)
+    if key not in _FITTED:
+        heads, d = q.shape[1], q.shape[2]
+        limit = triton.runtime.driver.active.utils.get_device_properties(q.device.index)["max_shared_mem"]
+        candidates = attention_candidates(heads, d, value_dim, q.dtype)
+        found = first_fitting(candidates, lambda c: _prefill_launch(args, scale, value_dim, c, True).metadata.shared,
+                              limit)
+        if found is None:
+            raise RuntimeError(f"latent_attention: none of the prefill kernel's configs {candidates} fits "
+                               f"{torch.cuda.get_device_name(q.device)}'s {limit} bytes of shared memory a block "
+                               f"({heads} heads x {d}, {q.dtype}); a smaller candidate is needed in "
+                               "glm53/ops/triton_attention.py attention_candidates")
+        if found != candidates[0]:
+            print(f"glm53: latent_attention runs {found} (BLOCK_H, BLOCK_N, warps, stages) on "
+                  f"{torch.cuda.get_device_name(q.device)}: its {limit} bytes of shared memory a block do not hold "
+                  f"{candidates[0]}", file=sys.stderr)
+        _FITTED[key] = found
+    return key
+
+
+def _run_prefill(q, rows, indices, valid, end, out, lse, scale: float, value_dim: int) -> None:
+    args = (q, rows, indices, valid, end, out, lse)
+    fitted = fit_prefill(args, scale, value_dim)
+    _prefill_launch(args, scale, value_dim, attention_config(q.shape[1], q.shape[2], value_dim, q.dtype, fitted),
+                    False)
 
 
 def _zeros(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -273,8 +349,9 @@ def _run_split(q, rows, indices, valid, end, out, lse, scale: float, value_dim: 
                config: tuple[int, int, int, int] | None = None) -> None:
     t, heads, d = q.shape
     k = indices.shape[1]
-    block_h, block_n, warps, stages = attention_config(heads, d, value_dim, q.dtype)
-    block_v, warps_v, stages_v, relayout = config or split_candidates(heads, d, value_dim, q.dtype)[0]
+    fitted = fit_prefill((q, rows, indices, valid, end, out, lse), scale, value_dim)  # the scores kernel runs its config
+    block_h, block_n, warps, stages = attention_config(heads, d, value_dim, q.dtype, fitted)
+    block_v, warps_v, stages_v, relayout = config or split_candidates(heads, d, value_dim, q.dtype, fitted)[0]
     ieee = q.dtype == torch.float32
     scores = torch.empty(t, heads, triton.cdiv(k, block_n) * block_n, dtype=torch.float32, device=q.device)
     head_blocks = triton.cdiv(heads, block_h)
@@ -317,7 +394,9 @@ def latent_attention(q: torch.Tensor, rows: torch.Tensor, indices: torch.Tensor,
         config = split_choice(heads, d, value_dim, q.dtype, rows.dtype, q.device)
     elif split:
         config = split_choice(heads, d, value_dim, q.dtype, rows.dtype, q.device) \
-            or split_candidates(heads, d, value_dim, q.dtype)[0]
+            or split_candidates(heads, d, value_dim, q.dtype,
+                                _fit_for(heads, d, value_dim, q.dtype, rows.dtype, q.device)
+                                if q.device.type == "cuda" else None)[0]
     q, rows, indices, valid, end = _prepared(q, rows, indices, valid)
     out = torch.empty(t, heads, value_dim, dtype=q.dtype, device=q.device)  # every element is written
     lse = torch.empty(t, heads, dtype=torch.float32, device=q.device)
@@ -345,14 +424,39 @@ def split_choice(heads: int, d: int, value_dim: int, dtype: torch.dtype, rows_dt
         return _CHOSEN[key]
     if torch.cuda.is_current_stream_capturing():
         return None
-    found = next((c for c in split_candidates(heads, d, value_dim, dtype)
-                  if agreement(heads, d, value_dim, dtype, rows_dtype, device, c)), None)
+    fitted = _fit_for(heads, d, value_dim, dtype, rows_dtype, device)  # the split runs the prefill's warps
+    found = next((c for c in split_candidates(heads, d, value_dim, dtype, fitted)
+                  if _agrees(heads, d, value_dim, dtype, rows_dtype, device, c)), None)
     _CHOSEN[key] = found
     if found is None:
         print(f"glm53: latent_attention's split kernels differ from the prefill kernel in their bits for "
               f"{heads} heads x {d} ({dtype}, rows {rows_dtype}) on this device; short windows run the "
               "prefill kernel (exact, slower)", file=sys.stderr)
     return found
+
+
+def _fit_for(heads: int, d: int, value_dim: int, dtype: torch.dtype, rows_dtype: torch.dtype,
+             device: torch.device) -> tuple | None:
+    """fit_prefill for a shape key before any call of it: compiled over a one-query case shaped
+    like the engine's (GLM-5.3's 2048-slot selection), nothing launched."""
+    q = torch.zeros(1, heads, d, dtype=dtype, device=device)
+    rows = torch.zeros(16, d, dtype=rows_dtype, device=device)
+    indices = torch.zeros(1, 2048, dtype=torch.int64, device=device)
+    args = (*_prepared(q, rows, indices, torch.ones(1, 2048, dtype=torch.bool, device=device)),
+            torch.empty(1, heads, value_dim, dtype=dtype, device=device),
+            torch.empty(1, heads, dtype=torch.float32, device=device))
+    return fit_prefill(args, d ** -0.5, value_dim)
+
+
+def _agrees(*args) -> bool:
+    """agreement, where a split config whose scores kernel does not fit the device's shared memory
+    does not agree."""
+    from triton.runtime.errors import OutOfResources
+
+    try:
+        return agreement(*args)
+    except OutOfResources:
+        return False
 
 
 def agreement(heads: int, d: int, value_dim: int, dtype: torch.dtype, rows_dtype: torch.dtype,
