@@ -159,7 +159,8 @@ class PendingSelection:
     entries (P of them, summed over ranks) come first and are dropped as not finite, so its finite
     entries are the best k - P finite keys overall. A rank with p <= P of them chose its best k - p
     finite ones, which holds every one of its own among those. tau, the (k - P)-th largest gathered
-    finite key, is the same number on every rank; a candidate is kept when its key is >= tau (keys
+    finite key (the k-th largest once P keys above all stand for the +inf ones), is the same number
+    on every rank; a candidate is kept when its key is >= tau (keys
     are unique, positions differ). -inf entries rank below every finite one and are never kept."""
 
     local: "Selection"
@@ -194,11 +195,14 @@ class PendingSelection:
 
         k = self.k
         _check_nan(gathered_words[..., k + 1].sum(dim=0).gt(0).any(), self.nan_flag)  # every rank alike
-        need = (k - gathered_words[..., k].sum(dim=0)).clamp(min=0)  # finite entries the top-k holds
         every = gathered_words[..., :k].movedim(0, -2).flatten(-2)  # [T, R * k]
-        best = torch.topk(every, k, dim=-1, sorted=True).values  # descending, pads last
-        tau = best.gather(1, (need - 1).clamp(min=0)[:, None])
-        tau = torch.where(need[:, None] > 0, tau, torch.iinfo(torch.int64).max)
+        # the row's +inf entries as P keys above every finite one: the k-th largest of them all is
+        # then the (k - P)-th largest finite key (above every key where P >= k, -1 where fewer than
+        # k keys exist), with an unsorted top-k and no per-row index
+        plus_inf = gathered_words[..., k].sum(dim=0)[:, None]
+        above = torch.where(torch.arange(k, device=every.device)[None, :] < plus_inf, torch.iinfo(torch.int64).max,
+                            PAD_KEY)
+        tau = torch.topk(torch.cat([every, above], dim=1), k, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
         keep = self.local.valid & (self.words[:, :k] >= tau)
         # compact the kept ones to the front, in their (ascending) order: a cumsum, not a sort
         t = keep.shape[0]
