@@ -30,7 +30,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 INTERP_TOL = dict(atol=1e-4, rtol=1e-4)
-CHECKS = ["linear", "linear_leading_dims", "head_linear_strided", "rms_norm", "layer_norm", "index_scores",
+CHECKS = ["linear", "linear_row_tiles_check", "linear_leading_dims", "head_linear_strided", "rms_norm", "layer_norm", "index_scores",
           "index_scores_causal",
           "latent_attention", "latent_attention_edge_cases", "latent_attention_split", "select_topk"]
 WORKER_TIMEOUT_S = 300
@@ -93,6 +93,27 @@ def _worker() -> dict[str, list]:
             big = triton_linear.linear(x, w)
             for s, n in slices:
                 same(triton_linear.linear(x[s:s + n], w), big[s:s + n], f"linear rows [{s}, {s + n})")
+
+    def check_linear_row_tiles_check() -> None:
+        """The device check of the row-count tiles (triton_linear.row_tiles_agree), run here where
+        they differ: the interpreter's numpy dots give other bits per tile shape. It must say so,
+        and with that recorded every row count runs the prefill tile (expert_linear's kernel too):
+        slices equal the big call bit for bit, by-rows left on."""
+        assert triton_linear.CONFIG_BY_ROWS
+        x, w = randn(45, 70, std=70 ** -0.5), randn(50, 70)
+        assert triton_linear._row_tiles_check("linear", w, torch.float32) is False
+        key = triton_linear._agree_key("linear", w, torch.float32)
+        triton_linear._AGREE[key] = False
+        try:
+            big = triton_linear.linear(x, w)
+            for s, n in slices:
+                same(triton_linear.linear(x[s:s + n], w), big[s:s + n], f"linear rows [{s}, {s + n}), prefill tile")
+            ids = torch.zeros(45, dtype=torch.int64)
+            same(triton_linear.expert_linear(x, w[None], ids), big, "expert_linear rows, prefill tile")
+        finally:
+            del triton_linear._AGREE[key]
+        # head_linear in fp32 has one tile for every row count: nothing can differ
+        assert triton_linear._row_tiles_check("head", randn(3, 20, 70), torch.float32) is True
 
     def check_linear_leading_dims() -> None:
         x, w = randn(3, 15, 40), randn(33, 40)
@@ -317,7 +338,8 @@ def _worker() -> dict[str, list]:
             assert triton_topk.select(s, 32, form=form)[2].tolist() == [0, 0, 0, 1] + [0] * 8, (
                 f"NaN counted in its row only ({form})")
 
-    checks = {"linear": check_linear, "linear_leading_dims": check_linear_leading_dims,
+    checks = {"linear": check_linear, "linear_row_tiles_check": check_linear_row_tiles_check,
+              "linear_leading_dims": check_linear_leading_dims,
               "head_linear_strided": check_head_linear_strided, "rms_norm": check_rms_norm,
               "layer_norm": check_layer_norm, "index_scores": check_index_scores,
               "index_scores_causal": check_index_scores_causal,

@@ -26,9 +26,12 @@ glm53/model/indexer.py, one program per query row.
 On CUDA the Triton kernels (glm53/ops/triton_*.py) are row-invariant by construction: a fixed tile
 configuration per op and shape, a sequential reduction over K in fixed blocks, no split-K, no
 atomics, each (row, column) computed by the same instructions whatever M. Two places use another
-tile or kernel for few rows, where the H200 measured the same bits: linear's M <= 16 tiles
-(CONFIG_BY_ROWS) and latent_attention's split kernels for T <= 16 (checked again on every device
-at first use, falling back to the one-program kernel where the bits differ). On the CPU the torch path
+tile or kernel for few rows, where the H200 measured the same bits: linear's M <= 256 tiles
+(CONFIG_BY_ROWS) and latent_attention's split kernels for T <= 16, both checked again on every
+device at first use of a shape, falling back to the prefill tile or kernel where the bits differ.
+Which config latent_attention's prefill kernel runs is the device's too: the first candidate
+whose compiled kernel fits its shared memory a block (GB10, the DGX Spark's GPU, has 99 KB; the
+H200 227). On the CPU the torch path
 (glm53/ops/torch_ops.py) runs each row of a projection as its own one-row product, each indexer
 query as its own product of its heads by the keys (keys padded to 16), and computes sigmoid/silu
 through exp (measured on MKL, AVX2 and AVX-512 + AMX, 1 or 2 threads, and on the latter with MKL

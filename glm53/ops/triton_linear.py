@@ -14,14 +14,18 @@ ascending k16 steps into one fp32 accumulator) give bitwise-equal per-element su
 the H200 by bench/bench_kernels.py's probe (seven configs, every M and offset tried: identical
 bits; bench/results/kernels_h200.json) and by bench/probe_decode_tiles.py (36 decode configs over
 eleven GLM-5.3 shapes: identical bits; bench/results/decode_tiles_h200.json), and guarded by
-tests/gpu/test_triton_cuda.py. False: one config per (N, K, dtype) for all M, row-invariant by
-construction on any GPU (set it there until the probe has run on that GPU). First
+tests/gpu/test_triton_cuda.py. Every device checks it again at first use of each shape
+(`row_tiles_agree`: random rows against the layer's own weight, each row-count tile against the
+prefill tile, torch.equal); where they differ (another GPU, e.g. GB10 whose tensor cores take other
+instructions, or another compiler) that shape runs the prefill tile for every M there. False: one
+config per (N, K, dtype) for all M, row-invariant by construction on any GPU. First
 reading (H200, triton 3.6, torch 2.11): all seven probe configs (BLOCK_M 16/64/128) gave identical
 bits at M = 1, 7, 64, 2048 and two offsets, for (N, K) = (2048, 2048), (6144, 2048), (2048, 6144).
 """
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +33,9 @@ import triton
 import triton.language as tl
 
 CONFIG_BY_ROWS = True
+PREFILL_ROWS = 2048  # a row count past every row-count tile: the prefill tile's
+CHECK_ROWS = (1, 5, 16, 48)  # the row counts a device's agreement check runs (decode, odd, window, mid tile)
+_AGREE: dict[tuple, bool] = {}  # (kind, N, K, dtype, out dtype, heads, device) -> the row-count tiles agree
 
 
 @dataclass(frozen=True)
@@ -159,6 +166,70 @@ def _check_dtypes(x: torch.Tensor, w: torch.Tensor, what: str) -> None:
         raise ValueError(f"{what}: dtype {x.dtype} not supported (bf16, fp16, fp32)")
 
 
+# ---- the row-count tiles, checked on each device ------------------------------------------------
+def _agree_key(kind: str, w: torch.Tensor, out_dtype: torch.dtype) -> tuple:
+    return (kind, tuple(w.shape[-2:]), w.dtype, out_dtype, w.shape[0] if kind == "head" else 1, w.device)
+
+
+def row_tiles_agree(kind: str, w: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    """Whether this device gives a row the prefill tile's bits under the row-count tiles (CONFIG_BY_ROWS)
+    for w's shape: the H200 measured it (module docstring); any other GPU (GB10's tensor cores take
+    other instructions) is checked once per shape key, at first use, on random rows against w itself:
+    linear (kind "linear": w [N, K]; also expert_linear's kernel, whose rows must carry linear's bits)
+    or head_linear ("head": w [H, N, K]) at CHECK_ROWS rows against the prefill tile's, torch.equal.
+    Where they differ, every row count runs the prefill tile there (exact, slower for few rows; said
+    on stderr). Inside a graph capture an unchecked key answers False without caching: the prefill
+    tile is exact, and an eager call checks later."""
+    key = _agree_key(kind, w, out_dtype)
+    found = _AGREE.get(key)
+    if found is not None:
+        return found
+    if w.device.type != "cuda":
+        return True  # Triton's interpreter (tests): CONFIG_BY_ROWS decides, unless a check was recorded
+    if torch.cuda.is_current_stream_capturing():
+        return False
+    found = _AGREE[key] = _row_tiles_check(kind, w.contiguous(), out_dtype)
+    if not found:
+        print(f"glm53: linear's row-count tiles differ from its prefill tile in their bits for {kind} "
+              f"{tuple(w.shape)} ({w.dtype}) on {torch.cuda.get_device_name(w.device)}; every row count runs the "
+              "prefill tile there (exact, slower for few rows)", file=sys.stderr)
+    return found
+
+
+def _row_tiles_check(kind: str, w: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    g = torch.Generator(device=w.device).manual_seed(20261203)
+    rows = max(CHECK_ROWS)
+    k, n = w.shape[-1], w.shape[-2]
+    heads = w.shape[0] if kind == "head" else 1
+    x = torch.randn(rows, heads, k, generator=g, device=w.device).to(w.dtype)
+
+    def run(m: int, cfg: LinearConfig) -> torch.Tensor:
+        out = torch.empty(m, heads, n, dtype=out_dtype, device=w.device)
+        _launch(x[:m], w, out, m, n, k, heads, x.stride(0), x.stride(1), w.stride(0) if kind == "head" else 0,
+                out.stride(0), out.stride(1), cfg)
+        return out
+
+    tile = (lambda m: head_linear_config(n, k, w.dtype, m)) if kind == "head" else \
+        (lambda m: linear_config(m, n, k, w.dtype))
+    want = run(rows, tile(PREFILL_ROWS))
+    same = all(torch.equal(run(m, tile(m)), want[:m]) for m in CHECK_ROWS)
+    if kind == "linear" and same:
+        ids = torch.zeros(rows, dtype=torch.int64, device=w.device)
+        same = torch.equal(_expert_rows(x[:, 0], w[None], ids, out_dtype, linear_config(1, n, k, w.dtype)), want[:, 0])
+    return same
+
+
+def _config(kind: str, m: int, w: torch.Tensor, out_dtype: torch.dtype) -> LinearConfig:
+    """The tile for m rows: by m where CONFIG_BY_ROWS and this device's rows agree (row_tiles_agree;
+    nothing to check past the mid tile's rows), else the prefill tile."""
+    n, k = w.shape[-2], w.shape[-1]
+    tile = (lambda r: head_linear_config(n, k, w.dtype, r)) if kind == "head" else \
+        (lambda r: linear_config(r, n, k, w.dtype))
+    if m > 256 or (CONFIG_BY_ROWS and row_tiles_agree(kind, w, out_dtype)):
+        return tile(m)
+    return tile(PREFILL_ROWS)
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, config: LinearConfig | None = None,
            out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [..., K] @ w[N, K]^T -> [..., N] in out_dtype (default x's dtype), fp32 accumulation.
@@ -178,7 +249,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, config: LinearConfig | None = None,
         if k == 0:
             out.zero_()
         else:
-            cfg = config or linear_config(m, n, k, x.dtype)
+            cfg = config or _config("linear", m, w, out.dtype)
             _launch(flat, w, out, m, n, k, 1, flat.stride(0), 0, 0, out.stride(0), 0, cfg)
     return out.reshape(*lead, n)
 
@@ -200,7 +271,7 @@ def head_linear(x: torch.Tensor, w: torch.Tensor, config: LinearConfig | None = 
         if k == 0:
             out.zero_()
         else:
-            cfg = config or head_linear_config(n, k, x.dtype, t)
+            cfg = config or _config("head", t, w, x.dtype)
             _launch(x, w, out, t, n, k, heads, x.stride(0), x.stride(1), w.stride(0), out.stride(0), out.stride(1),
                     cfg)
     return out
@@ -223,10 +294,19 @@ def expert_linear(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.
         if k == 0:
             out.zero_()
         else:
-            cfg = linear_config(1, n, k, x.dtype)
-            grid = (r * triton.cdiv(n, cfg.block_n),)
-            _row_expert_kernel[grid](x, w, ids.contiguous(), out, r, n, k, x.stride(0), w.stride(0), w.stride(1),
-                                     out.stride(0), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                                     IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps,
-                                     num_stages=cfg.num_stages)
+            by_rows = CONFIG_BY_ROWS and row_tiles_agree("linear", w[0], x.dtype)
+            out = _expert_rows(x, w, ids, x.dtype, linear_config(1 if by_rows else PREFILL_ROWS, n, k, x.dtype))
+    return out
+
+
+def _expert_rows(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, out_dtype: torch.dtype,
+                 cfg: LinearConfig) -> torch.Tensor:
+    """_row_expert_kernel over every row of x (one row a program, `cfg`'s tile)."""
+    r, k = x.shape
+    n = w.shape[1]
+    out = torch.empty(r, n, dtype=out_dtype, device=x.device)
+    grid = (r * triton.cdiv(n, cfg.block_n),)
+    _row_expert_kernel[grid](x, w, ids.contiguous(), out, r, n, k, x.stride(0), w.stride(0), w.stride(1),
+                             out.stride(0), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                             IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out

@@ -111,6 +111,43 @@ def test_linear_config_by_rows_is_row_invariant(k, monkeypatch):
             f"CONFIG_BY_ROWS=True: rows {rows} differ from the 2048-row call: set CONFIG_BY_ROWS False on this GPU")
 
 
+def test_linear_row_tiles_device_check(k, monkeypatch):
+    """The device check (triton_linear.row_tiles_agree) finds on the H200 what its probes measured:
+    the row-count tiles agree for GLM-5.3's shapes (linear, linear_fp32's bf16 form, head_linear,
+    expert_linear). Inside a graph capture an unchecked shape runs the prefill tile and is not
+    remembered. Where a device's check fails (forced here), every row count runs the prefill tile:
+    rows and expert rows equal the 2048-row call."""
+    tl_ = k.linear
+    monkeypatch.setattr(tl_, "CONFIG_BY_ROWS", True)
+    monkeypatch.setattr(tl_, "_AGREE", {})
+    g = _gen(21)
+    shapes = [(2048, 6144, torch.bfloat16), (6144, 2048, torch.bfloat16), (32, 6144, torch.float32)]
+    for n, kdim, out_dtype in shapes:
+        w = _randn(g, n, kdim, std=kdim ** -0.5, dtype=torch.bfloat16)
+        assert tl_.row_tiles_agree("linear", w, out_dtype), (n, kdim, out_dtype)
+    wh = _randn(g, 16, 512, 192, dtype=torch.bfloat16)
+    assert tl_.row_tiles_agree("head", wh, torch.bfloat16)
+    assert len(tl_._AGREE) == 4
+    w = _randn(g, 1024, 6144, std=6144 ** -0.5, dtype=torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()
+    x1 = _randn(g, 1, 6144, dtype=torch.bfloat16)
+    tl_.linear(x1, w)  # warm-up outside the capture: compiles, and checks the shape
+    monkeypatch.setattr(tl_, "_AGREE", {})
+    with torch.cuda.graph(graph):
+        assert tl_.row_tiles_agree("linear", w, torch.bfloat16) is False
+        tl_.linear(x1, w)
+    assert tl_._AGREE == {}, "a check answered inside a capture was remembered"
+    x = _randn(g, 2048, 6144, dtype=torch.bfloat16)
+    big = tl_.linear(x, w)
+    monkeypatch.setitem(tl_._AGREE, tl_._agree_key("linear", w, torch.bfloat16), False)
+    assert tl_._config("linear", 1, w, torch.bfloat16) == tl_.linear_config(2048, 1024, 6144, torch.bfloat16)
+    for start, count in [(0, 1), (7, 5), (0, 16), (100, 64)]:
+        rows = slice(start, start + count)
+        assert torch.equal(tl_.linear(x[rows], w), big[rows]), rows
+    ids = torch.zeros(16, dtype=torch.int64, device="cuda")
+    assert torch.equal(tl_.expert_linear(x[:16], w[None], ids), big[:16])
+
+
 @pytest.mark.parametrize("n", [32, 256])
 def test_linear_fp32_of_bf16_operands_is_exact_products_and_row_invariant(k, n, monkeypatch):
     """ops.linear_fp32 on bf16 operands (the indexer's head weights [32, 6144], the router [256, 6144]):
