@@ -76,6 +76,12 @@ def test_split_selection_kernels_compile_for_sm90(name: str, first: bool | None)
     _compile(fn, signature, constexprs, 4)
 
 
+INDEX_SIGNATURE = {"q_ptr": "*bf16", "hw_ptr": "*fp32", "k_ptr": "*bf16", "qpos_ptr": "*i64", "kpos_ptr": "*i64",
+                   "out_ptr": "*fp32", "scale": "fp32",
+                   **{name: "i32" for name in ("T", "N", "H", "D", "stride_qt", "stride_qh", "stride_hwt",
+                                               "stride_hwh", "stride_kn", "stride_ot")}}
+
+
 @pytest.mark.parametrize("causal,key_positions", [(False, False), (True, False), (True, True)])
 def test_index_scores_kernel_compiles_for_sm90_in_each_mask_form(causal: bool, key_positions: bool) -> None:
     import torch
@@ -83,10 +89,7 @@ def test_index_scores_kernel_compiles_for_sm90_in_each_mask_form(causal: bool, k
     from glm53.ops import triton_indexer
 
     block_t, block_n, warps, _ = triton_indexer.index_config(32, 128, torch.bfloat16)
-    signature = {"q_ptr": "*bf16", "hw_ptr": "*fp32", "k_ptr": "*bf16", "qpos_ptr": "*i64", "kpos_ptr": "*i64",
-                 "out_ptr": "*fp32", **{name: "i32" for name in ("T", "N", "H", "D", "stride_qt", "stride_qh",
-                                                                 "stride_hwt", "stride_hwh", "stride_kn", "stride_ot")},
-                 "scale": "fp32"}
+    signature = INDEX_SIGNATURE
     compiled = _compile(triton_indexer._index_scores_kernel, signature,
                         {"BLOCK_T": block_t, "BLOCK_N": block_n, "BLOCK_D": 128, "IEEE": False, "CAUSAL": causal,
                          "KEY_POSITIONS": key_positions}, warps)
@@ -166,10 +169,7 @@ def test_index_scores_and_selection_fit_gb10() -> None:
     from glm53.ops import triton_indexer, triton_topk
 
     block_t, block_n, warps, stages = triton_indexer.index_config(32, 128, torch.bfloat16)
-    signature = {"q_ptr": "*bf16", "hw_ptr": "*fp32", "k_ptr": "*bf16", "qpos_ptr": "*i64", "kpos_ptr": "*i64",
-                 "out_ptr": "*fp32", **{name: "i32" for name in ("T", "N", "H", "D", "stride_qt", "stride_qh",
-                                                                 "stride_hwt", "stride_hwh", "stride_kn", "stride_ot")},
-                 "scale": "fp32"}
+    signature = INDEX_SIGNATURE
     compiled = _compile(triton_indexer._index_scores_kernel, signature,
                         {"BLOCK_T": block_t, "BLOCK_N": block_n, "BLOCK_D": 128, "IEEE": False, "CAUSAL": True,
                          "KEY_POSITIONS": True}, warps, 121, stages)

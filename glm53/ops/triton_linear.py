@@ -209,8 +209,7 @@ def _row_tiles_check(kind: str, w: torch.Tensor, out_dtype: torch.dtype) -> bool
                 out.stride(0), out.stride(1), cfg)
         return out
 
-    tile = (lambda m: head_linear_config(n, k, w.dtype, m)) if kind == "head" else \
-        (lambda m: linear_config(m, n, k, w.dtype))
+    tile = _tiles(kind, w)
     want = run(rows, tile(PREFILL_ROWS))
     same = all(torch.equal(run(m, tile(m)), want[:m]) for m in CHECK_ROWS)
     if kind == "linear" and same:
@@ -219,12 +218,18 @@ def _row_tiles_check(kind: str, w: torch.Tensor, out_dtype: torch.dtype) -> bool
     return same
 
 
+def _tiles(kind: str, w: torch.Tensor):
+    """rows -> the tile config of linear ("linear", w [N, K]) or head_linear ("head", w [H, N, K])."""
+    n, k = w.shape[-2], w.shape[-1]
+    if kind == "head":
+        return lambda rows: head_linear_config(n, k, w.dtype, rows)
+    return lambda rows: linear_config(rows, n, k, w.dtype)
+
+
 def _config(kind: str, m: int, w: torch.Tensor, out_dtype: torch.dtype) -> LinearConfig:
     """The tile for m rows: by m where CONFIG_BY_ROWS and this device's rows agree (row_tiles_agree;
     nothing to check past the mid tile's rows), else the prefill tile."""
-    n, k = w.shape[-2], w.shape[-1]
-    tile = (lambda r: head_linear_config(n, k, w.dtype, r)) if kind == "head" else \
-        (lambda r: linear_config(r, n, k, w.dtype))
+    tile = _tiles(kind, w)
     if m > 256 or (CONFIG_BY_ROWS and row_tiles_agree(kind, w, out_dtype)):
         return tile(m)
     return tile(PREFILL_ROWS)
@@ -289,14 +294,10 @@ def expert_linear(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.
     if x.stride(1) != 1:
         x = x.contiguous()
     w = w.contiguous()
-    out = torch.empty(r, n, dtype=x.dtype, device=x.device)
-    if r and n:
-        if k == 0:
-            out.zero_()
-        else:
-            by_rows = CONFIG_BY_ROWS and row_tiles_agree("linear", w[0], x.dtype)
-            out = _expert_rows(x, w, ids, x.dtype, linear_config(1 if by_rows else PREFILL_ROWS, n, k, x.dtype))
-    return out
+    if not (r and n and k):
+        return torch.zeros(r, n, dtype=x.dtype, device=x.device)
+    by_rows = CONFIG_BY_ROWS and row_tiles_agree("linear", w[0], x.dtype)
+    return _expert_rows(x, w, ids, x.dtype, linear_config(1 if by_rows else PREFILL_ROWS, n, k, x.dtype))
 
 
 def _expert_rows(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, out_dtype: torch.dtype,
