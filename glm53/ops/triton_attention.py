@@ -422,6 +422,8 @@ def split_choice(heads: int, d: int, value_dim: int, dtype: torch.dtype, rows_dt
     if device.type != "cuda":  # Triton's interpreter (tests): the prefill kernel unless a call forces the split
         return None
     key = (heads, d, value_dim, dtype, rows_dtype, device)  # per call on short windows: no string building
+    if key not in _CHOSEN and device.index is None:  # 'cuda' and 'cuda:0' share one check
+        key = _shape_key(heads, d, value_dim, dtype, rows_dtype, device)
     if key in _CHOSEN:
         return _CHOSEN[key]
     if torch.cuda.is_current_stream_capturing():
