@@ -160,8 +160,8 @@ class PendingSelection:
     entries are the best k - P finite keys overall. A rank with p <= P of them chose its best k - p
     finite ones, which holds every one of its own among those. tau, the (k - P)-th largest gathered
     finite key (the k-th largest once P keys above all stand for the +inf ones), is the same number
-    on every rank; a candidate is kept when its key is >= tau (keys
-    are unique, positions differ). -inf entries rank below every finite one and are never kept."""
+    on every rank; a candidate is kept when its key is >= tau (keys are unique: positions differ).
+    -inf entries rank below every finite one and are never kept."""
 
     local: "Selection"
     words: torch.Tensor
