@@ -26,12 +26,12 @@ windows run the prefill kernel, slower and still exact.
 
 Invariance: a program sees one query only, in a fixed order, with configs from (H, D, value_dim,
 dtype) and the device alone (T and k are do_not_specialize), so neither T nor the query's position
-changes its bits. The device decides once per shape key which candidate config runs: the first
-whose compiled kernel fits its shared memory a block (`fit_prefill`; the H200's 227 KB hold the
-preferred one, GB10's 99 KB do not). A block with no valid slot is an exact no-op (alpha = 1, p = 0), so invalid trailing slots (a
-wider k) change nothing, and the loop stops after the block holding the query's last valid slot:
-the same bits, without the work (a short context, a DCP rank that owns a quarter of the selection).
-No valid slot at all gives out 0 and lse -inf, never NaN.
+changes its bits. The device decides once per shape key which candidate config runs: the first whose
+compiled kernel fits its shared memory a block (`fit_prefill`; the H200's 227 KB hold the preferred
+one, GB10's 99 KB do not). A block with no valid slot is an exact no-op (alpha = 1, p = 0), so
+invalid trailing slots (a wider k) change nothing, and the loop stops after the block holding the
+query's last valid slot: the same bits, without the work (a short context, a DCP rank that owns a
+quarter of the selection). No valid slot at all gives out 0 and lse -inf, never NaN.
 """
 from __future__ import annotations
 
