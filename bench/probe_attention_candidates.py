@@ -57,6 +57,8 @@ def gpu_ms(fn, repeats: int) -> float:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--configs", nargs="*", default=[], metavar="HxNxWxS",
+                   help="configs to time instead of attention_candidates' (BLOCK_H x BLOCK_N x warps x stages)")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "attention_candidates.json")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -67,11 +69,13 @@ def main() -> int:
     rows = torch.randn(ROWS, D, generator=g, device="cuda").to(torch.bfloat16)
     idx = torch.rand(2048, ROWS, generator=g, device="cuda").topk(SLOTS, dim=1).indices.sort(dim=1).values
     valid = torch.ones_like(idx, dtype=torch.bool)
-    candidates = ta.attention_candidates(HEADS, D, DV, torch.bfloat16)
+    candidates = [tuple(int(v) for v in c.split("x")) for c in args.configs] or \
+        ta.attention_candidates(HEADS, D, DV, torch.bfloat16)
     limit = triton.runtime.driver.active.utils.get_device_properties(q.device.index)["max_shared_mem"]
     outputs: dict[tuple, torch.Tensor] = {}
     times: dict[tuple, dict[str, list[float]]] = {c: {"prefill": [], "decode": []} for c in candidates}
     shared: dict[tuple, int] = {}
+    splits: dict[tuple, object] = {}
     for rnd in range(3):
         for c in (candidates if rnd % 2 == 0 else list(reversed(candidates))):
             forced(c)
@@ -86,11 +90,13 @@ def main() -> int:
                                             torch.empty(1, HEADS, device="cuda")), D ** -0.5, DV, c, True
                                            ).metadata.shared
             assert ta._FITTED[key] == c
+            splits[c] = ta.split_choice(HEADS, D, DV, torch.bfloat16, torch.bfloat16, q.device)
     base = outputs[candidates[0]].float()
     rows_out = []
     for c in candidates:
         row = {"config": list(c), "shared_bytes": shared[c], "prefill_ms": statistics.median(times[c]["prefill"]),
                "decode_us": statistics.median(times[c]["decode"]) * 1e3,
+               "split_config": list(splits[c]) if splits[c] else None,
                "max_abs_diff_vs_preferred": float((outputs[c].float() - base).abs().max()),
                "samples": times[c]}
         rows_out.append(row)
@@ -98,10 +104,11 @@ def main() -> int:
                 "device_shared_limit": limit, "timing": "T=2048: CUDA events, median of --repeats calls; T=1: GPU time a call from a CUDA graph of 8 calls; medians of 3 rounds"}
     write_json(args.out, {**result_header("attention_candidates", settings, device="cuda"), "cases": rows_out})
     print(f"{'config (BLOCK_H, BLOCK_N, warps, stages)':>42} {'shared':>8} {'T=2048 ms':>10} {'T=1 us':>8} "
-          f"{'vs first':>8} {'max diff':>9}")
+          f"{'vs first':>8} {'max diff':>9} split")
     for r in rows_out:
         print(f"{str(tuple(r['config'])):>42} {r['shared_bytes']:8d} {r['prefill_ms']:10.3f} {r['decode_us']:8.1f} "
-              f"{r['prefill_ms'] / rows_out[0]['prefill_ms']:7.2f}x {r['max_abs_diff_vs_preferred']:9.2e}")
+              f"{r['prefill_ms'] / rows_out[0]['prefill_ms']:7.2f}x {r['max_abs_diff_vs_preferred']:9.2e} "
+              f"{'agrees' if r['split_config'] else 'differs (decode on the prefill kernel)'}")
     print(f"full results: {args.out}")
     return 0
 
