@@ -59,10 +59,13 @@ def attention_candidates(heads: int, d: int, value_dim: int, dtype: torch.dtype)
     # BLOCK_N 32: 4.1 ms; BLOCK_H 32: 7.7 ms); BLOCK_N 128 runs out of shared memory.
     # The rest are for GPUs with less shared memory a block: GB10 (DGX Spark, sm_121) has 99 KB,
     # where the first needs 168 KB (Triton 3.9, AOT for sm_121: tests/test_triton_compile.py).
-    # H200 side by side (bench/probe_attention_candidates.py, Triton 3.6; GB10's own times need a
-    # GB10): 32 heads x 32 slots 1.80x the first's time (88 KB there, 76 KB for sm_121 on 3.9),
-    # 64 heads x 16 slots 3.31x (108 KB; 92 KB), 16 x 16 3.45x (44 KB)
-    found = [(block_h, 64, 8, 2), (min(block_h, 32), 32, 4, 2), (block_h, 16, 4, 2), (16, 16, 4, 2)]
+    # H200 side by side (bench/probe_attention_candidates.py --configs, Triton 3.6; GB10's own
+    # times need a GB10), prefill time against the first's, whether the split decode kernels agree
+    # (else decode runs the prefill kernel), shared memory there / for sm_121 on Triton 3.9:
+    # 64 heads x 16 slots, 8 warps 1.81x, agree (108 / 96 KB); 16 x 64, 4 warps 2.20x, agree
+    # (106 / 90 KB); 32 x 32, 4 warps 1.83x, differ (88 / 76 KB); 16 x 16 3.41x (44 KB)
+    found = [(block_h, 64, 8, 2), (block_h, 16, 8, 2), (16, 64, 4, 2), (min(block_h, 32), 32, 4, 2),
+             (16, 16, 4, 2)]
     return list(dict.fromkeys(found))  # in order, once each (few heads repeat one)
 
 

@@ -353,7 +353,7 @@ def test_latent_attention_split_gives_the_prefill_bits(k, heads, d, dv, dtype, m
         assert split_calls == [], "a prefill-sized call took the split kernels"
 
 
-@pytest.mark.parametrize("index", range(4), ids=["preferred", "32-heads", "16-slots", "smallest"])
+@pytest.mark.parametrize("index", range(5), ids=["preferred", "16-slots", "16-heads", "32-heads", "smallest"])
 def test_latent_attention_each_candidate_config_is_exact(k, index, monkeypatch, capsys):
     """A GPU with less shared memory a block than the H200 runs a later candidate config (GB10: not
     the first; tests/test_triton_compile.py says which fits there). Each, forced here, is close to
