@@ -446,6 +446,9 @@ def _fit_for(heads: int, d: int, value_dim: int, dtype: torch.dtype, rows_dtype:
              device: torch.device) -> tuple | None:
     """fit_prefill for a shape key before any call of it: compiled over a one-query case shaped
     like the engine's (GLM-5.3's 2048-slot selection), nothing launched."""
+    key = _shape_key(heads, d, value_dim, dtype, rows_dtype, device)
+    if key in _FITTED:  # found already: no tensors to build
+        return key
     q = torch.zeros(1, heads, d, dtype=dtype, device=device)
     rows = torch.zeros(16, d, dtype=rows_dtype, device=device)
     indices = torch.zeros(1, 2048, dtype=torch.int64, device=device)
