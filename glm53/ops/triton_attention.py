@@ -58,13 +58,16 @@ def attention_candidates(heads: int, d: int, value_dim: int, dtype: torch.dtype)
     # H200, T=2048 H=64 k=2048 D=576: 2.9 ms, 255 registers, no spills (3 stages spill: 3.7 ms;
     # BLOCK_N 32: 4.1 ms; BLOCK_H 32: 7.7 ms); BLOCK_N 128 runs out of shared memory.
     # The rest are for GPUs with less shared memory a block: GB10 (DGX Spark, sm_121) has 99 KB,
-    # where the first needs 168 KB (Triton 3.9, AOT for sm_121: tests/test_triton_compile.py).
-    # H200 side by side (bench/probe_attention_candidates.py --configs, Triton 3.6; GB10's own
-    # times need a GB10), prefill time against the first's, whether the split decode kernels agree
-    # (else decode runs the prefill kernel), shared memory there / for sm_121 on Triton 3.9:
-    # 64 heads x 16 slots, 8 warps 1.81x, agree (108 / 96 KB); 16 x 64, 4 warps 2.20x, agree
-    # (106 / 90 KB); 32 x 32, 4 warps 1.83x, differ (88 / 76 KB); 16 x 16 3.41x (44 KB)
-    found = [(block_h, 64, 8, 2), (block_h, 16, 8, 2), (16, 64, 4, 2), (min(block_h, 32), 32, 4, 2),
+    # where the first needs 176 KB (Triton 3.9, AOT for sm_121 with the launch's specialization:
+    # tests/test_triton_compile.py). H200 side by side (bench/probe_attention_candidates.py --configs,
+    # Triton 3.6; GB10's own times need a GB10), prefill time against the first's, whether the split
+    # decode kernels agree (else decode runs the prefill kernel: 260 us a layer against 59-107),
+    # shared memory there / for sm_121:
+    # 64 heads x 16 slots, 8 warps: 1.85x, agree (108 / 98 KB: GB10's on Triton 3.9, 1 KB to spare);
+    # the same unpipelined (1 stage): the same bits, 2.18x (90 / 96 KB), for a compiler that needs
+    # more; 32 x 32, 4 warps 1.81x, differ (88 / 88 KB); 16 x 16 3.41x (44 KB). 16 x 64 is left out:
+    # 106 KB for sm_121 pipelined, 98 not (2.37x), it fits nowhere the unpipelined 64 x 16 does not.
+    found = [(block_h, 64, 8, 2), (block_h, 16, 8, 2), (block_h, 16, 8, 1), (min(block_h, 32), 32, 4, 2),
              (16, 16, 4, 2)]
     return list(dict.fromkeys(found))  # in order, once each (few heads repeat one)
 

@@ -353,7 +353,8 @@ def test_latent_attention_split_gives_the_prefill_bits(k, heads, d, dv, dtype, m
         assert split_calls == [], "a prefill-sized call took the split kernels"
 
 
-@pytest.mark.parametrize("index", range(5), ids=["preferred", "16-slots", "16-heads", "32-heads", "smallest"])
+@pytest.mark.parametrize("index", range(5), ids=["preferred", "16-slots", "16-slots-unpipelined", "32-heads",
+                                                  "smallest"])
 def test_latent_attention_each_candidate_config_is_exact(k, index, monkeypatch, capsys):
     """A GPU with less shared memory a block than the H200 runs a later candidate config (GB10: not
     the first; tests/test_triton_compile.py says which fits there). Each, forced here, is close to
@@ -381,6 +382,27 @@ def test_latent_attention_each_candidate_config_is_exact(k, index, monkeypatch, 
     chosen = ta.split_choice(64, d, dv, torch.bfloat16, torch.bfloat16, torch.device("cuda"))
     with capsys.disabled():
         print(f"\ncandidate {candidate}: split config {chosen} (None: short windows run the prefill kernel)")
+
+
+@pytest.mark.parametrize("config", [(64, 64, 8), (64, 16, 8)], ids=["preferred", "16-slots"])
+def test_latent_attention_pipelining_keeps_bits(k, config, monkeypatch):
+    """A config and its unpipelined twin (1 stage: a later candidate, for a GPU whose compiler needs
+    more shared memory for the pipelined one) give the same bits: the stages only decide when the
+    gathered rows are copied, not the arithmetic."""
+    ta = k.attention
+    g = _gen(91)
+    t, n_rows, slots, d, dv = 40, 6000, 2048, 576, 512
+    q = _randn(g, t, 64, d, std=d ** -0.5, dtype=torch.bfloat16)
+    rows = _randn(g, n_rows, d, dtype=torch.bfloat16)
+    idx, valid = _selection(g, t, n_rows, slots, 0.9)
+    idx = idx.clamp(min=0)
+    outs = []
+    for stages in (2, 1):
+        monkeypatch.setattr(ta, "attention_candidates", lambda *a, s=stages: [(*config, s)])
+        monkeypatch.setattr(ta, "_FITTED", {})
+        outs.append(ta.latent_attention(q, rows, idx, valid, d ** -0.5, dv, split=False))
+        assert list(ta._FITTED.values()) == [(*config, stages)]
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
 def test_latent_attention_all_invalid_and_empty(k):
