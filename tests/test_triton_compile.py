@@ -41,7 +41,9 @@ def _compile(fn, signature: dict[str, str], constexprs: dict[str, object], warps
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     source = ASTSource(fn=fn, signature={**signature, **{name: "constexpr" for name in constexprs}},
                        constexprs=constexprs, attrs=attrs)
-    options = {"num_warps": warps, **({"num_stages": stages} if stages is not None else {})}
+    from glm53.ops.triton_launch import OPTIONS
+
+    options = {"num_warps": warps, **({"num_stages": stages} if stages is not None else {}), **OPTIONS}
     compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
     assert compiled.asm["cubin"], "no machine code"
     assert f".target sm_{capability}" in compiled.asm["ptx"]

@@ -29,7 +29,8 @@ atomics, each (row, column) computed by the same instructions whatever M. Two pl
 tile or kernel for few rows, where the H200 measured the same bits: linear's M <= 256 tiles
 (CONFIG_BY_ROWS) and latent_attention's split kernels for T <= 16, both checked again on every
 device at first use of a shape, falling back to the prefill tile or kernel where the bits differ.
-Which config latent_attention's prefill kernel runs is the device's too: the first candidate
+Every launch passes glm53/ops/triton_launch.py's options (FP fusion on, whatever Triton's
+default). Which config latent_attention's prefill kernel runs is the device's too: the first candidate
 whose compiled kernel fits its shared memory a block (GB10, the DGX Spark's GPU, has 99 KB; the
 H200 227). On the CPU the torch path
 (glm53/ops/torch_ops.py) runs each row of a projection as its own one-row product, each indexer

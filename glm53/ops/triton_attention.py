@@ -41,6 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
+from glm53.ops.triton_launch import OPTIONS
+
 SPLIT_ROWS = 16  # up to this many queries a call takes the split kernels (where they agree bitwise)
 _ZEROS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}  # the re-layout's zero operand, per device and dtype
 
@@ -309,7 +311,7 @@ def _prefill_launch(args: tuple, scale: float, value_dim: int, config: tuple[int
                   q.stride(0), q.stride(1), rows.stride(0), indices.stride(0), valid.stride(0),
                   out.stride(0), out.stride(1), lse.stride(0), **_query_blocks(d, value_dim),
                   BLOCK_H=block_h, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
-                  num_warps=warps, num_stages=stages, **extra)
+                  num_warps=warps, num_stages=stages, **OPTIONS, **extra)
 
 
 def fit_prefill(args: tuple, scale: float, value_dim: int) -> tuple | None:
@@ -367,12 +369,12 @@ def _run_split(q, rows, indices, valid, end, out, lse, scale: float, value_dim: 
         q, rows, indices, valid, end, scores, t, k, heads, float(scale),
         q.stride(0), q.stride(1), rows.stride(0), indices.stride(0), valid.stride(0), scores.stride(0),
         scores.stride(1), **_query_blocks(d, value_dim), BLOCK_H=block_h, BLOCK_N=block_n, IEEE=ieee,
-        num_warps=warps, num_stages=stages)
+        num_warps=warps, num_stages=stages, **OPTIONS)
     _latent_values_kernel[(t, triton.cdiv(value_dim, block_v), head_blocks)](
         scores, rows, indices, valid, end, _zeros(q.device, q.dtype), out, lse, t, k, heads,
         scores.stride(0), scores.stride(1), rows.stride(0), indices.stride(0), valid.stride(0),
         out.stride(0), out.stride(1), lse.stride(0), DV=value_dim, BLOCK_H=block_h, BLOCK_V=block_v,
-        BLOCK_N=block_n, RELAYOUT=relayout, IEEE=ieee, num_warps=warps_v, num_stages=stages_v)
+        BLOCK_N=block_n, RELAYOUT=relayout, IEEE=ieee, num_warps=warps_v, num_stages=stages_v, **OPTIONS)
 
 
 def _check(q, rows, indices, valid, value_dim: int) -> None:

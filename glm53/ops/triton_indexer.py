@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from glm53.ops.triton_launch import OPTIONS
+
 from glm53.ops import torch_ops
 
 
@@ -110,5 +112,5 @@ def index_scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor
                                q.stride(0), q.stride(1), hw.stride(0), hw.stride(1), keys.stride(0), out.stride(0),
                                BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_D=block_d, IEEE=q.dtype == torch.float32,
                                CAUSAL=q_positions is not None, KEY_POSITIONS=key_positions is not None,
-                               num_warps=warps, num_stages=stages)
+                               num_warps=warps, num_stages=stages, **OPTIONS)
     return out

@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from glm53.ops.triton_launch import OPTIONS
+
 CONFIG_BY_ROWS = True
 PREFILL_ROWS = 2048  # a row count past every row-count tile: the prefill tile's
 CHECK_ROWS = (1, 5, 16, 48)  # the row counts a device's agreement check runs (decode, odd, window, mid tile)
@@ -156,7 +158,8 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, m: int, n: int,
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), heads)
     _matmul_kernel[grid](x, w, out, m, n, k, stride_xm, stride_xh, stride_wh, w.stride(-2), stride_om, stride_oh,
                          BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                         IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                         IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                         **OPTIONS)
 
 
 def _check_dtypes(x: torch.Tensor, w: torch.Tensor, what: str) -> None:
@@ -309,5 +312,6 @@ def _expert_rows(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, out_dtype:
     grid = (r * triton.cdiv(n, cfg.block_n),)
     _row_expert_kernel[grid](x, w, ids.contiguous(), out, r, n, k, x.stride(0), w.stride(0), w.stride(1),
                              out.stride(0), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                             IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                             IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                         **OPTIONS)
     return out

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from glm53.ops.triton_launch import OPTIONS
+
 MAX_DIM = 32768  # one block per row; the model's widest norm is the hidden size, 6144
 
 
@@ -67,7 +69,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if flat.shape[0] and d:
         block, warps = _block_and_warps(d)
         _rms_norm_kernel[(flat.shape[0],)](flat, weight.contiguous(), out, d, flat.stride(0), out.stride(0),
-                                           float(eps), BLOCK=block, num_warps=warps)
+                                           float(eps), BLOCK=block, num_warps=warps, **OPTIONS)
     return out.reshape(x.shape)
 
 
@@ -81,5 +83,5 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
     if flat.shape[0] and d:
         block, warps = _block_and_warps(d)
         _layer_norm_kernel[(flat.shape[0],)](flat, weight.contiguous(), bias.contiguous(), out, d, flat.stride(0),
-                                             out.stride(0), float(eps), BLOCK=block, num_warps=warps)
+                                             out.stride(0), float(eps), BLOCK=block, num_warps=warps, **OPTIONS)
     return out.reshape(x.shape)

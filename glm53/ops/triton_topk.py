@@ -64,6 +64,8 @@ import torch
 import triton
 import triton.language as tl
 
+from glm53.ops.triton_launch import OPTIONS
+
 BLOCK = 2048  # columns a program of the split form handles
 # columns the row form's program handles per step (H200, bench_select_topk --blocks: 1024 x 4 warps
 # 0.539 ms at 1869 x 16205 keys against 0.703 for 2048 x 4 and 0.661 for 4096 x 8)
@@ -463,7 +465,7 @@ def select_rows(scores: torch.Tensor, k: int, bits: int = DIGIT_BITS, sample: in
         kept = torch.empty(t if sample else 1, max(kept_cap, 1), dtype=torch.int32, device=scores.device)
         _select_kernel[(t,)](scores, indices, valid, nans, candidates, kept, bracketed, n, min(k, n), cap, kept_cap,
                              scores.stride(0), indices.stride(0), valid.stride(0), candidates.stride(0), kept.stride(0),
-                             BLOCK=block, BITS=bits, SAMPLE=sample, num_warps=warps)
+                             BLOCK=block, BITS=bits, SAMPLE=sample, num_warps=warps, **OPTIONS)
     return indices, valid.view(torch.bool), nans, bracketed.view(torch.bool)
 
 
@@ -490,10 +492,11 @@ def _select_split(scores: torch.Tensor, indices: torch.Tensor, valid: torch.Tens
     counts = torch.empty(t, blocks, 2, dtype=torch.int32, device=dev)
     for first in [True] + [False] * (32 // bits - 1):
         _split_hist_kernel[(t, blocks)](scores, state, hist, nan_part, n, blocks, scores.stride(0), FIRST=first,
-                                        BLOCK=BLOCK, BITS=bits, num_warps=4)
+                                        BLOCK=BLOCK, BITS=bits, num_warps=4, **OPTIONS)
         _split_resolve_kernel[(t,)](state, hist, nan_part, nans, n, blocks, width, FIRST=first, BITS=bits,
-                                    BLOCK=BLOCK, BLOCK_P=RESOLVE_BLOCKS, num_warps=4)
-    _split_count_kernel[(t, blocks)](scores, state, counts, n, blocks, scores.stride(0), BLOCK=BLOCK, num_warps=4)
+                                    BLOCK=BLOCK, BLOCK_P=RESOLVE_BLOCKS, num_warps=4, **OPTIONS)
+    _split_count_kernel[(t, blocks)](scores, state, counts, n, blocks, scores.stride(0), BLOCK=BLOCK, num_warps=4,
+                                     **OPTIONS)
     _split_write_kernel[(t, blocks)](scores, state, counts, indices, valid, n, blocks, scores.stride(0),
                                      indices.stride(0), valid.stride(0), BLOCK=BLOCK, BLOCK_P=MAX_KEYS // BLOCK,
-                                     num_warps=4)
+                                     num_warps=4, **OPTIONS)
