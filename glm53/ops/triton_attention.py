@@ -359,7 +359,8 @@ def _run_split(q, rows, indices, valid, end, out, lse, scale: float, value_dim: 
                config: tuple[int, int, int, int] | None = None) -> None:
     t, heads, d = q.shape
     k = indices.shape[1]
-    fitted = fit_prefill((q, rows, indices, valid, end, out, lse), scale, value_dim)  # the scores kernel runs its config
+    # the scores kernel runs the prefill kernel's config
+    fitted = fit_prefill((q, rows, indices, valid, end, out, lse), scale, value_dim)
     block_h, block_n, warps, stages = attention_config(heads, d, value_dim, q.dtype, fitted)
     block_v, warps_v, stages_v, relayout = config or split_candidates(heads, d, value_dim, q.dtype, fitted)[0]
     ieee = q.dtype == torch.float32

@@ -33,8 +33,9 @@ list of keys >= lo instead of the row: every chosen key is among them, in column
 same blocks' arithmetic writes the same columns (a few thousand elements where the row has 16k or
 262k). Else the passes and the write run over the row, as above. Either way the same threshold and
 tie count come out, except that a threshold found early (its lower bits zero) is raised to lo: keys
-below lo share its high bits but are not chosen. The sample only decides how fast, never what: a bad one (a row whose sampled
-columns all hold its lowest keys, a row of one value) costs one pass and falls back.
+below lo share its high bits but are not chosen. The sample only decides how fast, never what: a
+bad one (a row whose sampled columns all hold its lowest keys, a row of one value) costs one pass
+and falls back.
 Why: a 256-bin histogram is ~80 instructions a key (Triton lowers it to 8 ballots and 8 masked
 popcounts a lane), so three passes over every key were the cost, not the reads (holding the row in
 registers instead of re-reading it was slower: 0.87-1.19 ms against 0.76 at 1869 x 16205, more
