@@ -30,11 +30,12 @@ def _compile(fn, signature: dict[str, str], constexprs: dict[str, object], warps
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    # the launch's specialization: Triton marks a pointer or an integer argument divisible by 16 (all
-    # of the kit's at GLM-5.3's dims, torch's allocations are aligned) unless do_not_specialize names
-    # it. Without the mark, loads cannot vectorize and the pipeliner leaves them alone: the kernel
-    # compiled here would need less shared memory than the one the GPU runs (attention: 96 against
-    # 98 KB for sm_121).
+    # the launch's specialization: Triton marks a pointer or an integer argument divisible by 16
+    # unless do_not_specialize names it. Here every one gets the mark: the most a launch can get
+    # (torch's allocations are aligned; at GLM-5.3's dims every stride of attention, linear and the
+    # indexer is a multiple of 16), so the largest shared memory. Without the mark, loads cannot
+    # vectorize and the pipeliner leaves them alone: the kernel compiled here would need less
+    # shared memory than the one the GPU runs (attention: 96 against 98 KB for sm_121).
     names = list(signature)
     aligned = [n for n, kind in signature.items() if kind.startswith("*") or
                (kind == "i32" and n not in fn.do_not_specialize)]

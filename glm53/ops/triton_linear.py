@@ -313,5 +313,5 @@ def _expert_rows(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, out_dtype:
     _row_expert_kernel[grid](x, w, ids.contiguous(), out, r, n, k, x.stride(0), w.stride(0), w.stride(1),
                              out.stride(0), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                              IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                         **OPTIONS)
+                             **OPTIONS)
     return out
