@@ -33,8 +33,8 @@ Every launch passes glm53/ops/triton_launch.py's options (FP fusion on, whatever
 default). Which config latent_attention's prefill kernel runs is the device's too: the first
 candidate whose compiled kernel fits its shared memory a block (GB10, the DGX Spark's GPU, has
 99 KB; the H200 227). On the CPU the torch path (glm53/ops/torch_ops.py) runs each row of a
-projection as its own one-row product, each indexer query as its own product of its heads by the keys (keys padded to 16), and computes sigmoid/silu
-through exp (measured on MKL, AVX2 and AVX-512 + AMX, 1 or 2 threads, and on the latter with MKL
+projection as its own one-row product, each indexer query as its own product of its heads by the
+keys (keys padded to 16), and computes sigmoid/silu through exp (measured on MKL, AVX2 and AVX-512 + AMX, 1 or 2 threads, and on the latter with MKL
 held to its AVX2 and SSE4.2 kernels: tests/test_row_invariance.py; batched products run in fp32 and
 never as a batch of one, torch_ops._matmul32; MKL's vector math is initialised from one thread at
 import, torch_ops._settle_mkl_vml); torch's last-dim reductions on the CPU are sequential per row.
