@@ -29,15 +29,16 @@ atomics, each (row, column) computed by the same instructions whatever M. Two pl
 tile or kernel for few rows, where the H200 measured the same bits: linear's M <= 256 tiles
 (CONFIG_BY_ROWS) and latent_attention's split kernels for T <= 16, both checked again on every
 device at first use of a shape, falling back to the prefill tile or kernel where the bits differ.
-Every launch passes glm53/ops/triton_launch.py's options (FP fusion on, whatever Triton's
-default). Which config latent_attention's prefill kernel runs is the device's too: the first
-candidate whose compiled kernel fits its shared memory a block (GB10, the DGX Spark's GPU, has
-99 KB; the H200 227). On the CPU the torch path (glm53/ops/torch_ops.py) runs each row of a
-projection as its own one-row product, each indexer query as its own product of its heads by the
-keys (keys padded to 16), and computes sigmoid/silu through exp (measured on MKL, AVX2 and AVX-512 + AMX, 1 or 2 threads, and on the latter with MKL
-held to its AVX2 and SSE4.2 kernels: tests/test_row_invariance.py; batched products run in fp32 and
-never as a batch of one, torch_ops._matmul32; MKL's vector math is initialised from one thread at
-import, torch_ops._settle_mkl_vml); torch's last-dim reductions on the CPU are sequential per row.
+Every launch passes glm53/ops/triton_launch.py's options (FP fusion on, whatever Triton's default).
+Which config latent_attention's prefill kernel runs is the device's too: the first candidate whose
+compiled kernel fits its shared memory a block (GB10, the DGX Spark's GPU, has 99 KB; the H200 227).
+On the CPU the torch path (glm53/ops/torch_ops.py) runs each row of a projection as its own one-row
+product, each indexer query as its own product of its heads by the keys (keys padded to 16), and
+computes sigmoid/silu through exp (measured on MKL, AVX2 and AVX-512 + AMX, 1 or 2 threads, and on
+the latter with MKL held to its AVX2 and SSE4.2 kernels: tests/test_row_invariance.py; batched
+products run in fp32 and never as a batch of one, torch_ops._matmul32; MKL's vector math is
+initialised from one thread at import, torch_ops._settle_mkl_vml); torch's last-dim reductions on
+the CPU are sequential per row.
 TF_GLM53_KERNELS=torch forces the torch path on CUDA (debugging); it is not row-invariant there, so
 the engine then reuses only at prefill-grid boundaries.
 """
