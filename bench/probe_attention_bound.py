@@ -1,0 +1,160 @@
+"""What bounds latent_attention's prefill kernel: its time with one part of each slot block's work
+left out (GLM-5.3: 64 heads x 576, value 512, bf16, 2048 selected slots of a 16k-row cache).
+
+    python bench/probe_attention_bound.py --out bench/results/attention_bound_h200.json      # GPU
+    python bench/probe_attention_bound.py --ncu-target      # one launch of the kernel in use, for ncu
+
+Each form is the kernel in use (glm53.ops.triton_attention._latent_attention_kernel's loop, its
+config) with one change; none computes attention (only 'in use' does): they are timing arms, and
+the differences between their times place the kernel's time in its parts:
+  * no_pv: the values product left out (the scores, the softmax and the gather stay);
+  * no_qk: the scores product left out (scores 0 at valid slots; the rope columns are not gathered);
+  * no_softmax: the scores go to the values product as they are (no max, exp, rescale or sums);
+  * contiguous: each block gathers 64 consecutive rows (the same bytes, as whole cache lines in a row);
+  * hot_rows: every index taken modulo 256, so the gathered rows stay in L2 (and L1);
+  * dots_only: no_softmax over hot rows.
+Time: a CUDA graph of 4 calls on rotating queries, replayed, CUDA events (probe_decode_tiles).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.benchmeta import result_header, write_json  # noqa: E402
+from bench.probe_decode_tiles import graph_time_us  # noqa: E402
+from bench.probe_prefill_attention import asm_stats, inputs  # noqa: E402
+from glm53.ops import triton_attention as ta  # noqa: E402
+from glm53.ops.triton_launch import OPTIONS  # noqa: E402
+
+HEADS, D, DV, SLOTS, T = 64, 576, 512, 2048, 2048
+FORMS = {"in use": 0, "no_pv": 1, "no_qk": 2, "no_softmax": 3, "contiguous": 4, "hot_rows": 5, "dots_only": 6}
+
+
+@triton.jit(do_not_specialize=["T", "K_SLOTS"])
+def _ablation_kernel(q_ptr, rows_ptr, idx_ptr, valid_ptr, end_ptr, out_ptr, lse_ptr, T, K_SLOTS, H, scale,
+                     stride_qt, stride_qh, stride_r, stride_it, stride_vt, stride_ot, stride_oh, stride_lt,
+                     DV: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr,
+                     BLOCK_DR: tl.constexpr, BLOCK_N: tl.constexpr, FORM: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_v = tl.arange(0, BLOCK_DV)
+    offs_r = tl.arange(0, BLOCK_DR)
+    h_mask, v_mask, r_mask = offs_h < H, offs_v < DV, offs_r < DR
+    q_v, q_r = ta._load_queries(q_ptr, t, stride_qt, stride_qh, offs_h, h_mask, offs_v, v_mask, offs_r, r_mask,
+                                DV, DR, BLOCK_H, BLOCK_DR)
+    m = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+    l = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_DV), dtype=tl.float32)
+    end = tl.load(end_ptr + t)
+    for jb in range(0, tl.cdiv(end, BLOCK_N)):
+        idx, ok = ta._block_slots(idx_ptr, valid_ptr, t, jb, K_SLOTS, stride_it, stride_vt, BLOCK_N)
+        if FORM == 4:
+            idx = (t * 131 + jb * BLOCK_N + tl.arange(0, BLOCK_N)) % 16384
+        if FORM == 5 or FORM == 6:
+            idx = idx % 256
+        row = rows_ptr + idx[:, None] * stride_r
+        kv_v = tl.load(row + offs_v[None, :], mask=ok[:, None] & v_mask[None, :], other=0.0)
+        if FORM == 2:
+            s = tl.where(ok[None, :], tl.zeros((BLOCK_H, BLOCK_N), dtype=tl.float32), float("-inf"))
+        else:
+            s = tl.dot(q_v, tl.trans(kv_v))
+            kv_r = tl.load(row + DV + offs_r[None, :], mask=ok[:, None] & r_mask[None, :], other=0.0)
+            s = tl.dot(q_r, tl.trans(kv_r), s)
+            s = tl.where(ok[None, :], s * scale, float("-inf"))
+        if FORM == 3 or FORM == 6:
+            acc = tl.dot(s.to(kv_v.dtype), kv_v, acc)
+            l = l + 1.0  # else l stays 0, the output is 0 and the compiler drops the loop
+        elif FORM == 1:
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            p = tl.exp(s - m_new[:, None])
+            l = l * tl.exp(m - m_new) + tl.sum(p, axis=1)
+            m = m_new
+        else:
+            m, l, acc = ta._softmax_step(m, l, acc, s, ok, kv_v, False)
+    ta._store_result(out_ptr, lse_ptr, t, stride_ot, stride_oh, stride_lt, acc, l, m, offs_h, h_mask, offs_v, v_mask,
+                     True)
+
+
+ASM: dict[str, dict] = {}
+
+
+def launch(form: str, q, rows, indices, valid, end, out, lse, scale: float) -> None:
+    t, heads, d = q.shape
+    block_h, block_n, warps, stages = ta.attention_config(heads, d, DV, q.dtype)
+    grid = (t, triton.cdiv(heads, block_h))
+    args = (q, rows, indices, valid, end, out, lse, t, indices.shape[1], heads, float(scale),
+            q.stride(0), q.stride(1), rows.stride(0), indices.stride(0), valid.stride(0), out.stride(0),
+            out.stride(1), lse.stride(0))
+    if form == "in use":
+        k = ta._latent_attention_kernel[grid](*args, **ta._query_blocks(d, DV), BLOCK_H=block_h, BLOCK_N=block_n,
+                                              IEEE=False, num_warps=warps, num_stages=stages, **OPTIONS)
+    else:
+        k = _ablation_kernel[grid](*args, **ta._query_blocks(d, DV), BLOCK_H=block_h, BLOCK_N=block_n,
+                                   FORM=FORMS[form], num_warps=warps, num_stages=stages, **OPTIONS)
+    if form not in ASM:
+        ASM[form] = asm_stats(k)
+
+
+def probe(dev: torch.device) -> list[dict[str, Any]]:
+    scale = D ** -0.5
+    qs, rows, idx, valid = inputs(16384, False, dev)
+    q0, rows_p, idx64, valid_p, end = ta._prepared(qs[0], rows, idx, valid)
+    lse = torch.empty(T, HEADS, dtype=torch.float32, device=dev)
+    results, base = [], None
+    for form in FORMS:
+        outs = [torch.empty(T, HEADS, DV, dtype=torch.bfloat16, device=dev) for _ in qs]
+        us = graph_time_us([lambda q=q, o=o: launch(form, q, rows_p, idx64, valid_p, end, o, lse, scale)
+                            for q, o in zip(qs, outs)], replays=5)
+        base = base or us
+        # per slot block of one program (132 SMs, one program an SM)
+        per_block_us = us * torch.cuda.get_device_properties(dev).multi_processor_count / (T * SLOTS / 64)
+        row = {"form": form, "us": round(us, 1), "of_in_use": round(us / base, 3),
+               "us_per_block_per_sm": round(per_block_us, 3), "asm": ASM.get(form)}
+        results.append(row)
+        print(f"{form:>12}: {us / 1e3:7.3f} ms  {us / base:5.2f} of in use  {per_block_us:6.2f} us a block an SM  "
+              f"{ASM.get(form)}", flush=True)
+    return results
+
+
+def ncu_target(dev: torch.device) -> None:
+    """Three launches of the kernel in use (ncu: --launch-skip 2 --launch-count 1)."""
+    qs, rows, idx, valid = inputs(16384, False, dev, copies=1)
+    q0, rows_p, idx64, valid_p, end = ta._prepared(qs[0], rows, idx, valid)
+    out = torch.empty(T, HEADS, DV, dtype=torch.bfloat16, device=dev)
+    lse = torch.empty(T, HEADS, dtype=torch.float32, device=dev)
+    for _ in range(3):
+        launch("in use", q0, rows_p, idx64, valid_p, end, out, lse, D ** -0.5)
+    torch.cuda.synchronize()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "attention_bound.json")
+    ap.add_argument("--ncu-target", action="store_true", help="only launch the kernel in use three times")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("probe_attention_bound: needs a CUDA device", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
+    if args.ncu_target:
+        ncu_target(dev)
+        return 0
+    result = result_header("probe_attention_bound", {"heads": HEADS, "d": D, "value_dim": DV, "slots": SLOTS,
+                                                     "queries": T, "history": 16384}, dev)
+    result["rows"] = probe(dev)
+    write_json(args.out, result)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
