@@ -36,7 +36,17 @@ from glm53.ops import triton_attention as ta  # noqa: E402
 from glm53.ops.triton_launch import OPTIONS  # noqa: E402
 
 HEADS, D, DV, SLOTS, T = 64, 576, 512, 2048, 2048
-FORMS = {"in use": 0, "no_pv": 1, "no_qk": 2, "no_softmax": 3, "contiguous": 4, "hot_rows": 5, "dots_only": 6}
+FORMS = {"in use": 0, "no_pv": 1, "no_qk": 2, "no_softmax": 3, "contiguous": 4, "hot_rows": 5, "dots_only": 6,
+         "no_valid": 7, "lean_masks": 8, "exp2_ftz": 9, "exp2_lazy": 10, "prefix": 11, "prefix_lean": 12,
+         "prefix_lazy": 13}
+LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453
+
+
+@triton.jit
+def _ex2_ftz(x):
+    """2^x as one MUFU.EX2 (outputs below 2^-126 flush to 0), without tl.exp's range fix-up."""
+    return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                     pack=1)
 
 
 @triton.jit(do_not_specialize=["T", "K_SLOTS"])
@@ -57,13 +67,22 @@ def _ablation_kernel(q_ptr, rows_ptr, idx_ptr, valid_ptr, end_ptr, out_ptr, lse_
     end = tl.load(end_ptr + t)
     for jb in range(0, tl.cdiv(end, BLOCK_N)):
         idx, ok = ta._block_slots(idx_ptr, valid_ptr, t, jb, K_SLOTS, stride_it, stride_vt, BLOCK_N)
+        if FORM == 7:
+            ok = tl.full((BLOCK_N,), 1, tl.int1)
+        if FORM >= 11:  # validity a prefix of the slots (every Selection's form): no load of it
+            ok = jb * BLOCK_N + tl.arange(0, BLOCK_N) < end
         if FORM == 4:
             idx = (t * 131 + jb * BLOCK_N + tl.arange(0, BLOCK_N)) % 16384
         if FORM == 5 or FORM == 6:
             idx = idx % 256
         row = rows_ptr + idx[:, None] * stride_r
         kv_v = tl.load(row + offs_v[None, :], mask=ok[:, None] & v_mask[None, :], other=0.0)
-        if FORM == 2:
+        if FORM == 9 or FORM == 10 or FORM == 13:  # scores in log2 units: scale * log2(e) folded into one multiply
+            s = tl.dot(q_v, tl.trans(kv_v))
+            kv_r = tl.load(row + DV + offs_r[None, :], mask=ok[:, None] & r_mask[None, :], other=0.0)
+            s = tl.dot(q_r, tl.trans(kv_r), s)
+            s = tl.where(ok[None, :], s * (scale * 1.4426950408889634), float("-inf"))
+        elif FORM == 2:
             s = tl.where(ok[None, :], tl.zeros((BLOCK_H, BLOCK_N), dtype=tl.float32), float("-inf"))
         else:
             s = tl.dot(q_v, tl.trans(kv_v))
@@ -73,6 +92,33 @@ def _ablation_kernel(q_ptr, rows_ptr, idx_ptr, valid_ptr, end_ptr, out_ptr, lse_
         if FORM == 3 or FORM == 6:
             acc = tl.dot(s.to(kv_v.dtype), kv_v, acc)
             l = l + 1.0  # else l stays 0, the output is 0 and the compiler drops the loop
+        elif FORM == 8 or FORM == 12:  # exp(-inf) is 0: the masks on p are redundant (same bits for finite inputs)
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            seen = m_new > float("-inf")
+            alpha = tl.where(seen, tl.exp(m - m_new), 1.0)
+            p = tl.exp(s - tl.where(seen, m_new, 0.0)[:, None])
+            l = l * alpha + tl.sum(p, axis=1)
+            acc = tl.dot(p.to(kv_v.dtype), kv_v, acc * alpha[:, None])
+            m = m_new
+        elif FORM == 9:
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            seen = m_new > float("-inf")
+            alpha = tl.where(seen, _ex2_ftz(m - m_new), 1.0)
+            p = _ex2_ftz(s - tl.where(seen, m_new, 0.0)[:, None])
+            l = l * alpha + tl.sum(p, axis=1)
+            acc = tl.dot(p.to(kv_v.dtype), kv_v, acc * alpha[:, None])
+            m = m_new
+        elif FORM == 10 or FORM == 13:  # the running max moves only when a score passes it by 2^8: rescales are rare
+            m_blk = tl.max(s, axis=1)
+            if tl.max((m_blk > m + 8.0).to(tl.int32)) > 0:
+                m_new = tl.maximum(m, m_blk)
+                alpha = tl.where(m_new > float("-inf"), _ex2_ftz(m - m_new), 1.0)
+                acc = acc * alpha[:, None]
+                l = l * alpha
+                m = m_new
+            p = _ex2_ftz(s - tl.where(m > float("-inf"), m, 0.0)[:, None])
+            l = l + tl.sum(p, axis=1)
+            acc = tl.dot(p.to(kv_v.dtype), kv_v, acc)
         elif FORM == 1:
             m_new = tl.maximum(m, tl.max(s, axis=1))
             p = tl.exp(s - m_new[:, None])
@@ -80,6 +126,8 @@ def _ablation_kernel(q_ptr, rows_ptr, idx_ptr, valid_ptr, end_ptr, out_ptr, lse_
             m = m_new
         else:
             m, l, acc = ta._softmax_step(m, l, acc, s, ok, kv_v, False)
+    if FORM == 9 or FORM == 10 or FORM == 13:
+        m = m * 0.6931471805599453  # back to natural-log units for the lse
     ta._store_result(out_ptr, lse_ptr, t, stride_ot, stride_oh, stride_lt, acc, l, m, offs_h, h_mask, offs_v, v_mask,
                      True)
 
@@ -109,19 +157,41 @@ def probe(dev: torch.device) -> list[dict[str, Any]]:
     qs, rows, idx, valid = inputs(16384, False, dev)
     q0, rows_p, idx64, valid_p, end = ta._prepared(qs[0], rows, idx, valid)
     lse = torch.empty(T, HEADS, dtype=torch.float32, device=dev)
-    results, base = [], None
+    results, base, ref = [], None, None
     for form in FORMS:
         outs = [torch.empty(T, HEADS, DV, dtype=torch.bfloat16, device=dev) for _ in qs]
+        launch(form, q0, rows_p, idx64, valid_p, end, outs[0], lse, scale)
+        torch.cuda.synchronize()
+        if ref is None:
+            ref = (outs[0].clone(), lse.clone())
+        same = bool(torch.equal(outs[0], ref[0]) and torch.equal(lse, ref[1]))
+        out_diff = (outs[0].float() - ref[0].float()).abs().max().item()
+        lse_diff = (lse - ref[1]).abs().max().item()
         us = graph_time_us([lambda q=q, o=o: launch(form, q, rows_p, idx64, valid_p, end, o, lse, scale)
                             for q, o in zip(qs, outs)], replays=5)
         base = base or us
         # per slot block of one program (132 SMs, one program an SM)
         per_block_us = us * torch.cuda.get_device_properties(dev).multi_processor_count / (T * SLOTS / 64)
         row = {"form": form, "us": round(us, 1), "of_in_use": round(us / base, 3),
-               "us_per_block_per_sm": round(per_block_us, 3), "asm": ASM.get(form)}
+               "us_per_block_per_sm": round(per_block_us, 3), "bitwise_as_in_use": same,
+               "max_abs_diff_out": out_diff, "max_abs_diff_lse": lse_diff, "asm": ASM.get(form)}
         results.append(row)
         print(f"{form:>12}: {us / 1e3:7.3f} ms  {us / base:5.2f} of in use  {per_block_us:6.2f} us a block an SM  "
-              f"{ASM.get(form)}", flush=True)
+              f"bitwise {same}  diff out {out_diff:.3g} lse {lse_diff:.3g}  {ASM.get(form)}", flush=True)
+    # the exact forms on a first piece's fill-up (query t: its first min(t + 1, 2048) slots valid)
+    qs, rows, idx, valid = inputs(16384, True, dev, copies=1)
+    q0, rows_p, idx64, valid_p, end = ta._prepared(qs[0], rows, idx, valid)
+    outs = {}
+    for form in ("in use", "prefix", "lean_masks", "prefix_lean"):
+        out = torch.empty(T, HEADS, DV, dtype=torch.bfloat16, device=dev)
+        lse_f = torch.empty(T, HEADS, dtype=torch.float32, device=dev)
+        launch(form, q0, rows_p, idx64, valid_p, end, out, lse_f, scale)
+        outs[form] = (out, lse_f)
+    torch.cuda.synchronize()
+    for form in ("prefix", "lean_masks", "prefix_lean"):
+        same = bool(torch.equal(outs[form][0], outs["in use"][0]) and torch.equal(outs[form][1], outs["in use"][1]))
+        results.append({"form": form, "fill": True, "bitwise_as_in_use": same})
+        print(f"{form:>12} (fill-up): bitwise {same}", flush=True)
     return results
 
 
