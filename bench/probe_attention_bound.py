@@ -4,15 +4,21 @@ left out (GLM-5.3: 64 heads x 576, value 512, bf16, 2048 selected slots of a 16k
     python bench/probe_attention_bound.py --out bench/results/attention_bound_h200.json      # GPU
     python bench/probe_attention_bound.py --ncu-target      # one launch of the kernel in use, for ncu
 
-Each form is the kernel in use (glm53.ops.triton_attention._latent_attention_kernel's loop, its
-config) with one change; none computes attention (only 'in use' does): they are timing arms, and
-the differences between their times place the kernel's time in its parts:
+'in use' is glm53.ops.triton_attention._latent_attention_kernel as the engine runs it (validity a
+prefix of the slots); 'loaded_valid' the same kernel loading validity from the mask (the same bits).
+The other forms are its loop with one change; the first six do not compute attention: they are
+timing arms, and the differences between their times place the kernel's time in its parts:
   * no_pv: the values product left out (the scores, the softmax and the gather stay);
   * no_qk: the scores product left out (scores 0 at valid slots; the rope columns are not gathered);
   * no_softmax: the scores go to the values product as they are (no max, exp, rescale or sums);
   * contiguous: each block gathers 64 consecutive rows (the same bytes, as whole cache lines in a row);
   * hot_rows: every index taken modulo 256, so the gathered rows stay in L2 (and L1);
-  * dots_only: no_softmax over hot rows.
+  * dots_only: no_softmax over hot rows;
+  * exp2_ftz: scores in log2 units and 2^x as one ex2.approx.ftz (new bits, within bf16 rounding);
+  * exp2_lazy: exp2_ftz with the running max moved only when a score passes it by 2^8 (new bits).
+At 30beb74 (bench/results/attention_bound_h200_b.json) the kernel before validity became a
+prefix compare and the masks on p were dropped was the baseline; those two forms, now in the
+kernel, were 0.91x and 0.95x of its time, both 0.88x, bitwise the same.
 Time: a CUDA graph of 4 calls on rotating queries, replayed, CUDA events (probe_decode_tiles).
 """
 from __future__ import annotations
@@ -36,9 +42,8 @@ from glm53.ops import triton_attention as ta  # noqa: E402
 from glm53.ops.triton_launch import OPTIONS  # noqa: E402
 
 HEADS, D, DV, SLOTS, T = 64, 576, 512, 2048, 2048
-FORMS = {"in use": 0, "no_pv": 1, "no_qk": 2, "no_softmax": 3, "contiguous": 4, "hot_rows": 5, "dots_only": 6,
-         "no_valid": 7, "lean_masks": 8, "exp2_ftz": 9, "exp2_lazy": 10, "prefix": 11, "prefix_lean": 12,
-         "prefix_lazy": 13}
+FORMS = {"in use": 0, "loaded_valid": 0, "no_pv": 1, "no_qk": 2, "no_softmax": 3, "contiguous": 4, "hot_rows": 5,
+         "dots_only": 6, "exp2_ftz": 9, "exp2_lazy": 10}
 LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453
 
 
@@ -66,18 +71,14 @@ def _ablation_kernel(q_ptr, rows_ptr, idx_ptr, valid_ptr, end_ptr, out_ptr, lse_
     acc = tl.zeros((BLOCK_H, BLOCK_DV), dtype=tl.float32)
     end = tl.load(end_ptr + t)
     for jb in range(0, tl.cdiv(end, BLOCK_N)):
-        idx, ok = ta._block_slots(idx_ptr, valid_ptr, t, jb, K_SLOTS, stride_it, stride_vt, BLOCK_N)
-        if FORM == 7:
-            ok = tl.full((BLOCK_N,), 1, tl.int1)
-        if FORM >= 11:  # validity a prefix of the slots (every Selection's form): no load of it
-            ok = jb * BLOCK_N + tl.arange(0, BLOCK_N) < end
+        idx, ok = ta._block_slots(idx_ptr, valid_ptr, end, t, jb, K_SLOTS, stride_it, stride_vt, BLOCK_N, True)
         if FORM == 4:
             idx = (t * 131 + jb * BLOCK_N + tl.arange(0, BLOCK_N)) % 16384
         if FORM == 5 or FORM == 6:
             idx = idx % 256
         row = rows_ptr + idx[:, None] * stride_r
         kv_v = tl.load(row + offs_v[None, :], mask=ok[:, None] & v_mask[None, :], other=0.0)
-        if FORM == 9 or FORM == 10 or FORM == 13:  # scores in log2 units: scale * log2(e) folded into one multiply
+        if FORM == 9 or FORM == 10:  # scores in log2 units: scale * log2(e) in one multiply
             s = tl.dot(q_v, tl.trans(kv_v))
             kv_r = tl.load(row + DV + offs_r[None, :], mask=ok[:, None] & r_mask[None, :], other=0.0)
             s = tl.dot(q_r, tl.trans(kv_r), s)
@@ -92,14 +93,6 @@ def _ablation_kernel(q_ptr, rows_ptr, idx_ptr, valid_ptr, end_ptr, out_ptr, lse_
         if FORM == 3 or FORM == 6:
             acc = tl.dot(s.to(kv_v.dtype), kv_v, acc)
             l = l + 1.0  # else l stays 0, the output is 0 and the compiler drops the loop
-        elif FORM == 8 or FORM == 12:  # exp(-inf) is 0: the masks on p are redundant (same bits for finite inputs)
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            seen = m_new > float("-inf")
-            alpha = tl.where(seen, tl.exp(m - m_new), 1.0)
-            p = tl.exp(s - tl.where(seen, m_new, 0.0)[:, None])
-            l = l * alpha + tl.sum(p, axis=1)
-            acc = tl.dot(p.to(kv_v.dtype), kv_v, acc * alpha[:, None])
-            m = m_new
         elif FORM == 9:
             m_new = tl.maximum(m, tl.max(s, axis=1))
             seen = m_new > float("-inf")
@@ -108,7 +101,7 @@ def _ablation_kernel(q_ptr, rows_ptr, idx_ptr, valid_ptr, end_ptr, out_ptr, lse_
             l = l * alpha + tl.sum(p, axis=1)
             acc = tl.dot(p.to(kv_v.dtype), kv_v, acc * alpha[:, None])
             m = m_new
-        elif FORM == 10 or FORM == 13:  # the running max moves only when a score passes it by 2^8: rescales are rare
+        elif FORM == 10:  # the running max moves only when a score passes it by 2^8: rescales are rare
             m_blk = tl.max(s, axis=1)
             if tl.max((m_blk > m + 8.0).to(tl.int32)) > 0:
                 m_new = tl.maximum(m, m_blk)
@@ -125,8 +118,8 @@ def _ablation_kernel(q_ptr, rows_ptr, idx_ptr, valid_ptr, end_ptr, out_ptr, lse_
             l = l * tl.exp(m - m_new) + tl.sum(p, axis=1)
             m = m_new
         else:
-            m, l, acc = ta._softmax_step(m, l, acc, s, ok, kv_v, False)
-    if FORM == 9 or FORM == 10 or FORM == 13:
+            m, l, acc = ta._softmax_step(m, l, acc, s, kv_v, False)
+    if FORM == 9 or FORM == 10:
         m = m * 0.6931471805599453  # back to natural-log units for the lse
     ta._store_result(out_ptr, lse_ptr, t, stride_ot, stride_oh, stride_lt, acc, l, m, offs_h, h_mask, offs_v, v_mask,
                      True)
@@ -142,9 +135,10 @@ def launch(form: str, q, rows, indices, valid, end, out, lse, scale: float) -> N
     args = (q, rows, indices, valid, end, out, lse, t, indices.shape[1], heads, float(scale),
             q.stride(0), q.stride(1), rows.stride(0), indices.stride(0), valid.stride(0), out.stride(0),
             out.stride(1), lse.stride(0))
-    if form == "in use":
+    if form in ("in use", "loaded_valid"):
         k = ta._latent_attention_kernel[grid](*args, **ta._query_blocks(d, DV), BLOCK_H=block_h, BLOCK_N=block_n,
-                                              IEEE=False, num_warps=warps, num_stages=stages, **OPTIONS)
+                                              IEEE=False, PREFIX=form == "in use", num_warps=warps, num_stages=stages,
+                                              **OPTIONS)
     else:
         k = _ablation_kernel[grid](*args, **ta._query_blocks(d, DV), BLOCK_H=block_h, BLOCK_N=block_n,
                                    FORM=FORMS[form], num_warps=warps, num_stages=stages, **OPTIONS)
@@ -178,17 +172,17 @@ def probe(dev: torch.device) -> list[dict[str, Any]]:
         results.append(row)
         print(f"{form:>12}: {us / 1e3:7.3f} ms  {us / base:5.2f} of in use  {per_block_us:6.2f} us a block an SM  "
               f"bitwise {same}  diff out {out_diff:.3g} lse {lse_diff:.3g}  {ASM.get(form)}", flush=True)
-    # the exact forms on a first piece's fill-up (query t: its first min(t + 1, 2048) slots valid)
+    # the two exact forms on a first piece's fill-up (query t: its first min(t + 1, 2048) slots valid)
     qs, rows, idx, valid = inputs(16384, True, dev, copies=1)
     q0, rows_p, idx64, valid_p, end = ta._prepared(qs[0], rows, idx, valid)
     outs = {}
-    for form in ("in use", "prefix", "lean_masks", "prefix_lean"):
+    for form in ("in use", "loaded_valid"):
         out = torch.empty(T, HEADS, DV, dtype=torch.bfloat16, device=dev)
         lse_f = torch.empty(T, HEADS, dtype=torch.float32, device=dev)
         launch(form, q0, rows_p, idx64, valid_p, end, out, lse_f, scale)
         outs[form] = (out, lse_f)
     torch.cuda.synchronize()
-    for form in ("prefix", "lean_masks", "prefix_lean"):
+    for form in ("loaded_valid",):
         same = bool(torch.equal(outs[form][0], outs["in use"][0]) and torch.equal(outs[form][1], outs["in use"][1]))
         results.append({"form": form, "fill": True, "bitwise_as_in_use": same})
         print(f"{form:>12} (fill-up): bitwise {same}", flush=True)

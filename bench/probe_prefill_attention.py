@@ -68,7 +68,7 @@ def _variant_kernel(q_ptr, rows_ptr, idx_ptr, valid_ptr, end_ptr, out_ptr, lse_p
     end = tl.load(end_ptr + t)
     for jb in tl.range(0, tl.cdiv(end, BLOCK_N), warp_specialize=SPECIALIZE):
         if UNMASKED:
-            idx, ok = ta._block_slots(idx_ptr, valid_ptr, t, jb, K_SLOTS, stride_it, stride_vt, BLOCK_N)
+            idx, ok = ta._block_slots(idx_ptr, valid_ptr, end, t, jb, K_SLOTS, stride_it, stride_vt, BLOCK_N, False)
             row = rows_ptr + tl.where(ok, idx, 0).to(tl.int64)[:, None] * stride_r
             kv_v = tl.load(row + offs_v[None, :]).to(q_v.dtype)
             s = tl.dot(q_v, tl.trans(kv_v))
@@ -76,10 +76,10 @@ def _variant_kernel(q_ptr, rows_ptr, idx_ptr, valid_ptr, end_ptr, out_ptr, lse_p
             s = tl.dot(q_r, tl.trans(kv_r), s)
             s = tl.where(ok[None, :], s * scale, float("-inf"))
         else:
-            s, ok, kv_v = ta._block_scores(q_v, q_r, rows_ptr, idx_ptr, valid_ptr, t, jb, K_SLOTS, scale, stride_r,
-                                           stride_it, stride_vt, offs_v, v_mask, offs_r, r_mask, DV, DR, BLOCK_N,
-                                           IEEE)
-        m, l, acc = ta._softmax_step(m, l, acc, s, ok, kv_v, IEEE)
+            s, kv_v = ta._block_scores(q_v, q_r, rows_ptr, idx_ptr, valid_ptr, end, t, jb, K_SLOTS, scale, stride_r,
+                                       stride_it, stride_vt, offs_v, v_mask, offs_r, r_mask, DV, DR, BLOCK_N, IEEE,
+                                       False)
+        m, l, acc = ta._softmax_step(m, l, acc, s, kv_v, IEEE)
     ta._store_result(out_ptr, lse_ptr, t, stride_ot, stride_oh, stride_lt, acc, l, m, offs_h, h_mask, offs_v, v_mask,
                      True)
 

@@ -32,7 +32,8 @@ REPO = Path(__file__).resolve().parents[1]
 INTERP_TOL = dict(atol=1e-4, rtol=1e-4)
 CHECKS = ["linear", "linear_row_tiles_check", "linear_leading_dims", "head_linear_strided", "rms_norm", "layer_norm", "index_scores",
           "index_scores_causal",
-          "latent_attention", "latent_attention_edge_cases", "latent_attention_split", "select_topk"]
+          "latent_attention", "latent_attention_edge_cases", "latent_attention_split", "latent_attention_prefix",
+          "select_topk"]
 WORKER_TIMEOUT_S = 300
 SKIP_KEY = "__skip__"
 
@@ -254,6 +255,22 @@ def _worker() -> dict[str, list]:
                 assert triton_attention.agreement(h, d, dv, torch.float32, torch.float32, torch.device("cpu"),
                                                   queries=4, slots=37, n_rows=40)
 
+    def check_latent_attention_prefix() -> None:
+        # validity in a Selection's form (each row's valid slots first), given as such: the kernels
+        # compare with the row's end instead of loading the mask; the same bits as loading it
+        t, n_rows, slots = 8, 30, 40
+        for h, d, dv in [(4, 80, 64), (3, 48, 32)]:
+            q, rows = randn(t, h, d), randn(n_rows, d)
+            counts = torch.tensor([0, 1, 17, 40, 39, 24, 25, 40])[:, None]
+            valid = torch.arange(slots)[None, :] < counts
+            idx = torch.where(valid, torch.randint(0, n_rows, (t, slots), generator=g), 0)
+            for split in (False, True):
+                want = triton_attention.latent_attention(q, rows, idx, valid, d ** -0.5, dv, split=split)
+                got = triton_attention.latent_attention(q, rows, idx, valid, d ** -0.5, dv, split=split,
+                                                        valid_prefix=True)
+                for a, b, part in zip(got, want, ("out", "lse")):
+                    same(a, b, f"latent_attention {part}, validity as a prefix ({h} heads, split {split})")
+
     def check_select_bracket() -> None:
         # rows of >= 4 x sample keys: passes over a sampled bracket where it holds the k-th key (most
         # rows), over the whole row where it does not (a sample that misses, too many candidates).
@@ -345,7 +362,8 @@ def _worker() -> dict[str, list]:
               "index_scores_causal": check_index_scores_causal,
               "latent_attention": check_latent_attention,
               "latent_attention_edge_cases": check_latent_attention_edge_cases,
-              "latent_attention_split": check_latent_attention_split, "select_topk": check_select_topk}
+              "latent_attention_split": check_latent_attention_split,
+              "latent_attention_prefix": check_latent_attention_prefix, "select_topk": check_select_topk}
     results: dict[str, list] = {}
     for name in CHECKS:
         try:

@@ -240,7 +240,8 @@ def tp_dcp_attention(comm: Comm, q_nope: torch.Tensor, q_rot: torch.Tensor, w_uk
             selection = selection.resolved
     q_all = torch.cat([every[j][:, : b - a] for j, (a, b) in enumerate(head_ranges)], dim=1)  # [T, H, r + rope]
     r = q_lat.shape[-1]
-    latent_out, lse = ops.latent_attention(q_all, rows, selection.indices, selection.valid, scale, r)
+    latent_out, lse = ops.latent_attention(q_all, rows, selection.indices, selection.valid, scale, r,
+                                           valid_prefix=True)
     merged, _ = dcp_merge_to_owners(comm, latent_out.transpose(0, 1), lse.transpose(0, 1), head_ranges)
     return ops.head_linear(merged.to(q_lat.dtype).transpose(0, 1).contiguous(), w_uv)
 

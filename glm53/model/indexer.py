@@ -38,7 +38,9 @@ class IndexerWeights:
 class Selection:
     """Per query, the cache rows it attends to: indices [T, k] (rows of the cache this rank reads,
     ascending, padded with 0) and valid [T, k]. A fixed width k (index_topk) for every query, so a
-    query's attention has the same shape whatever else is in its forward."""
+    query's attention has the same shape whatever else is in its forward. Every producer writes the
+    valid slots first (valid[t, j] exactly for j < the row's count): attention relies on it
+    (`ops.latent_attention(valid_prefix=True)`), tests/test_selection_form.py checks each producer."""
 
     indices: torch.Tensor
     valid: torch.Tensor

@@ -73,7 +73,7 @@ def attend(w: AttentionWeights, q_nope: torch.Tensor, q_rot: torch.Tensor, rows:
            selection: Selection) -> tuple[torch.Tensor, torch.Tensor]:
     """Queries [T, H, *] over their selected cache rows (rows [n, r + rope]): (out [T, H, v], lse [T, H])."""
     latent, lse = ops.latent_attention(absorbed_queries(w, q_nope, q_rot), rows, selection.indices,
-                                       selection.valid, w.scale, w.kv_rank)
+                                       selection.valid, w.scale, w.kv_rank, valid_prefix=True)
     return ops.head_linear(latent, w.w_uv), lse
 
 

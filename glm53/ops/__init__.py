@@ -166,13 +166,16 @@ def index_scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor
 
 
 def latent_attention(q: torch.Tensor, rows: torch.Tensor, indices: torch.Tensor, valid: torch.Tensor,
-                     scale: float, value_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+                     scale: float, value_dim: int, valid_prefix: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Each query over its own selected rows: q [T, H, D], rows [N, D], indices [T, k] (int64 into rows),
     valid [T, k] bool. s_j = scale * q[t, h] . rows[indices[t, j]] over valid j; returns
     (sum_j softmax(s)_j * rows[indices[t, j], :value_dim] as [T, H, value_dim] in q's dtype,
-    lse [T, H] fp32 natural-log); a query with no valid slot gets out 0 and lse -inf (never NaN)."""
+    lse [T, H] fp32 natural-log); a query with no valid slot gets out 0 and lse -inf (never NaN).
+    valid_prefix: each row's valid slots come first (a Selection's form): the CUDA kernels then skip
+    loading validity (the same result; a mask of another form gives a wrong one)."""
     if _triton_for(q):
         from glm53.ops import triton_attention
 
-        return triton_attention.latent_attention(q, rows, indices, valid, scale, value_dim)
+        return triton_attention.latent_attention(q, rows, indices, valid, scale, value_dim,
+                                                 valid_prefix=valid_prefix)
     return torch_ops.latent_attention(q, rows, indices, valid, scale, value_dim)
