@@ -118,7 +118,7 @@ def _ablation_kernel(q_ptr, rows_ptr, idx_ptr, valid_ptr, end_ptr, out_ptr, lse_
             l = l * tl.exp(m - m_new) + tl.sum(p, axis=1)
             m = m_new
         else:
-            m, l, acc = ta._softmax_step(m, l, acc, s, kv_v, False)
+            m, l, acc = ta._softmax_step(m, l, acc, s, ok, kv_v, False)
     if FORM == 9 or FORM == 10:
         m = m * 0.6931471805599453  # back to natural-log units for the lse
     ta._store_result(out_ptr, lse_ptr, t, stride_ot, stride_oh, stride_lt, acc, l, m, offs_h, h_mask, offs_v, v_mask,

@@ -76,10 +76,10 @@ def _variant_kernel(q_ptr, rows_ptr, idx_ptr, valid_ptr, end_ptr, out_ptr, lse_p
             s = tl.dot(q_r, tl.trans(kv_r), s)
             s = tl.where(ok[None, :], s * scale, float("-inf"))
         else:
-            s, kv_v = ta._block_scores(q_v, q_r, rows_ptr, idx_ptr, valid_ptr, end, t, jb, K_SLOTS, scale, stride_r,
-                                       stride_it, stride_vt, offs_v, v_mask, offs_r, r_mask, DV, DR, BLOCK_N, IEEE,
-                                       False)
-        m, l, acc = ta._softmax_step(m, l, acc, s, kv_v, IEEE)
+            s, ok, kv_v = ta._block_scores(q_v, q_r, rows_ptr, idx_ptr, valid_ptr, end, t, jb, K_SLOTS, scale,
+                                           stride_r, stride_it, stride_vt, offs_v, v_mask, offs_r, r_mask, DV, DR,
+                                           BLOCK_N, IEEE, False)
+        m, l, acc = ta._softmax_step(m, l, acc, s, ok, kv_v, IEEE)
     ta._store_result(out_ptr, lse_ptr, t, stride_ot, stride_oh, stride_lt, acc, l, m, offs_h, h_mask, offs_v, v_mask,
                      True)
 
