@@ -353,6 +353,32 @@ def test_latent_attention_split_gives_the_prefill_bits(k, heads, d, dv, dtype, m
         assert split_calls == [], "a prefill-sized call took the split kernels"
 
 
+@pytest.mark.parametrize("heads,d,dv", [(64, 576, 512), (16, 576, 512), (4, 80, 64)],
+                         ids=["glm53", "dcp4-heads", "tiny"])
+def test_latent_attention_prefix_form_keeps_bits(k, heads, d, dv):
+    """The engine's calls give validity as a prefix (Selection's form): where prefix_choice allows it
+    (checked on the device) the kernels compare with each row's end instead of loading the mask.
+    Either way a call gives the bits of the loaded form, in prefill and in short windows; GLM-5.3's
+    shape takes the faster form on the H200."""
+    ta = k.attention
+    dtype, dev = torch.bfloat16, torch.device("cuda")
+    chosen = ta.prefix_choice(heads, d, dv, dtype, dtype, dev)
+    if heads == 64:
+        assert chosen, "GLM-5.3's shape does not take the prefix form here"
+    g = _gen(heads * 7 + d)
+    t, n_rows, slots = 40, 6000, 2048
+    q = _randn(g, t, heads, d, std=d ** -0.5, dtype=dtype)
+    rows = _randn(g, n_rows, d, dtype=dtype)
+    counts = torch.randint(0, slots + 1, (t, 1), generator=g, device="cuda")
+    counts[:10] = slots
+    valid = torch.arange(slots, device="cuda")[None, :] < counts
+    idx = torch.where(valid, torch.randint(0, n_rows, (t, slots), generator=g, device="cuda"), 0)
+    for a, b in ((0, t), (3, 4), (9, 10)):  # the prefill kernel, then short windows (split where it agrees)
+        want = ta.latent_attention(q[a:b], rows, idx[a:b], valid[a:b], d ** -0.5, dv)
+        got = ta.latent_attention(q[a:b], rows, idx[a:b], valid[a:b], d ** -0.5, dv, valid_prefix=True)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (a, b, chosen)
+
+
 @pytest.mark.parametrize("index", range(5), ids=["preferred", "16-slots", "16-slots-unpipelined", "32-heads",
                                                   "smallest"])
 def test_latent_attention_each_candidate_config_is_exact(k, index, monkeypatch, capsys):
