@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.benchmeta import result_header, write_json  # noqa: E402
 from bench.probe_decode_tiles import graph_time_us  # noqa: E402
-from bench.probe_prefill_attention import asm_stats, inputs  # noqa: E402
+from bench.probe_prefill_attention import _program_start, asm_stats, inputs  # noqa: E402
 from glm53.ops import triton_attention as ta  # noqa: E402
 from glm53.ops.triton_launch import OPTIONS  # noqa: E402
 
@@ -59,17 +59,8 @@ def _ablation_kernel(q_ptr, rows_ptr, idx_ptr, valid_ptr, end_ptr, out_ptr, lse_
                      stride_qt, stride_qh, stride_r, stride_it, stride_vt, stride_ot, stride_oh, stride_lt,
                      DV: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr,
                      BLOCK_DR: tl.constexpr, BLOCK_N: tl.constexpr, FORM: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_v = tl.arange(0, BLOCK_DV)
-    offs_r = tl.arange(0, BLOCK_DR)
-    h_mask, v_mask, r_mask = offs_h < H, offs_v < DV, offs_r < DR
-    q_v, q_r = ta._load_queries(q_ptr, t, stride_qt, stride_qh, offs_h, h_mask, offs_v, v_mask, offs_r, r_mask,
-                                DV, DR, BLOCK_H, BLOCK_DR)
-    m = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
-    l = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_H, BLOCK_DV), dtype=tl.float32)
-    end = tl.load(end_ptr + t)
+    t, offs_h, offs_v, offs_r, h_mask, v_mask, r_mask, q_v, q_r, m, l, acc, end = _program_start(
+        q_ptr, end_ptr, H, stride_qt, stride_qh, DV, DR, BLOCK_H, BLOCK_DV, BLOCK_DR)
     for jb in range(0, tl.cdiv(end, BLOCK_N)):
         idx, ok = ta._block_slots(idx_ptr, valid_ptr, end, t, jb, K_SLOTS, stride_it, stride_vt, BLOCK_N, True)
         if FORM == 4:

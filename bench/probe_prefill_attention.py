@@ -44,6 +44,24 @@ from glm53.ops import triton_attention as ta  # noqa: E402
 HEADS, D, DV, SLOTS, T = 64, 576, 512, 2048, 2048
 
 
+@triton.jit
+def _program_start(q_ptr, end_ptr, H, stride_qt, stride_qh, DV: tl.constexpr, DR: tl.constexpr,
+                   BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr):
+    """What the prefill kernel holds before its slot loop (the probes' variants start the same way):
+    the query, head and column offsets and masks, the queries, the softmax state and the row's end."""
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_v = tl.arange(0, BLOCK_DV)
+    offs_r = tl.arange(0, BLOCK_DR)
+    h_mask, v_mask, r_mask = offs_h < H, offs_v < DV, offs_r < DR
+    q_v, q_r = ta._load_queries(q_ptr, t, stride_qt, stride_qh, offs_h, h_mask, offs_v, v_mask, offs_r, r_mask,
+                                DV, DR, BLOCK_H, BLOCK_DR)
+    m = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+    l = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_DV), dtype=tl.float32)
+    return t, offs_h, offs_v, offs_r, h_mask, v_mask, r_mask, q_v, q_r, m, l, acc, tl.load(end_ptr + t)
+
+
 @triton.jit(do_not_specialize=["T", "K_SLOTS"])
 def _variant_kernel(q_ptr, rows_ptr, idx_ptr, valid_ptr, end_ptr, out_ptr, lse_ptr, T, K_SLOTS, H, scale,
                     stride_qt, stride_qh, stride_r, stride_it, stride_vt, stride_ot, stride_oh, stride_lt,
@@ -55,17 +73,8 @@ def _variant_kernel(q_ptr, rows_ptr, idx_ptr, valid_ptr, end_ptr, out_ptr, lse_p
     so the gather can go straight to shared memory. SPECIALIZE: the slot loop as
     tl.range(warp_specialize=True), whether Triton splits it into producer and consumer warps (the
     overlap the kernel lacks)."""
-    t = tl.program_id(0).to(tl.int64)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_v = tl.arange(0, BLOCK_DV)
-    offs_r = tl.arange(0, BLOCK_DR)
-    h_mask, v_mask, r_mask = offs_h < H, offs_v < DV, offs_r < DR
-    q_v, q_r = ta._load_queries(q_ptr, t, stride_qt, stride_qh, offs_h, h_mask, offs_v, v_mask, offs_r, r_mask,
-                                DV, DR, BLOCK_H, BLOCK_DR)
-    m = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
-    l = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_H, BLOCK_DV), dtype=tl.float32)
-    end = tl.load(end_ptr + t)
+    t, offs_h, offs_v, offs_r, h_mask, v_mask, r_mask, q_v, q_r, m, l, acc, end = _program_start(
+        q_ptr, end_ptr, H, stride_qt, stride_qh, DV, DR, BLOCK_H, BLOCK_DV, BLOCK_DR)
     for jb in tl.range(0, tl.cdiv(end, BLOCK_N), warp_specialize=SPECIALIZE):
         if UNMASKED:
             idx, ok = ta._block_slots(idx_ptr, valid_ptr, end, t, jb, K_SLOTS, stride_it, stride_vt, BLOCK_N, False)

@@ -172,7 +172,8 @@ def latent_attention(q: torch.Tensor, rows: torch.Tensor, indices: torch.Tensor,
     (sum_j softmax(s)_j * rows[indices[t, j], :value_dim] as [T, H, value_dim] in q's dtype,
     lse [T, H] fp32 natural-log); a query with no valid slot gets out 0 and lse -inf (never NaN).
     valid_prefix: each row's valid slots come first (a Selection's form): the CUDA kernels then skip
-    loading validity (the same result; a mask of another form gives a wrong one)."""
+    loading validity where the device's check allows it (the same result; a mask of another form
+    gives a wrong one)."""
     if _triton_for(q):
         from glm53.ops import triton_attention
 
