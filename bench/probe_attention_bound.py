@@ -15,7 +15,11 @@ timing arms, and the differences between their times place the kernel's time in 
   * hot_rows: every index taken modulo 256, so the gathered rows stay in L2 (and L1);
   * dots_only: no_softmax over hot rows;
   * exp2_ftz: scores in log2 units and 2^x as one ex2.approx.ftz (new bits, within bf16 rounding);
-  * exp2_lazy: exp2_ftz with the running max moved only when a score passes it by 2^8 (new bits).
+  * exp2_lazy: exp2_ftz with the running max moved only when a score passes it by 2^8 (new bits);
+  * transposed: the slots as the products' M (128 a block, unpipelined), so that no warpgroup
+    computes the other's scores (new bits; `_transposed_kernel`). Compiled here for sm_90 (Triton
+    3.9) its loop is 17.5 instructions a warp per slot against the kernel in use's 24.9; not yet
+    timed on a GPU.
 At 30beb74 (bench/results/attention_bound_h200_b.json) the kernel before validity became a
 prefix compare and the masks on p were dropped was the baseline; those two forms, now in the
 kernel, were 0.91x and 0.95x of its time, both 0.88x, bitwise the same.
@@ -43,7 +47,8 @@ from glm53.ops.triton_launch import OPTIONS  # noqa: E402
 
 HEADS, D, DV, SLOTS, T = 64, 576, 512, 2048, 2048
 FORMS = {"in use": 0, "loaded_valid": 0, "no_pv": 1, "no_qk": 2, "no_softmax": 3, "contiguous": 4, "hot_rows": 5,
-         "dots_only": 6, "exp2_ftz": 9, "exp2_lazy": 10}
+         "dots_only": 6, "exp2_ftz": 9, "exp2_lazy": 10, "transposed": -1}
+TRANSPOSED = (128, 8, 1)  # BLOCK_N (the products' M), warps, stages: 221 KB for sm_90 unpipelined
 LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453
 
 
@@ -116,6 +121,41 @@ def _ablation_kernel(q_ptr, rows_ptr, idx_ptr, valid_ptr, end_ptr, out_ptr, lse_
                      True)
 
 
+@triton.jit(do_not_specialize=["T", "K_SLOTS"])
+def _transposed_kernel(q_ptr, rows_ptr, idx_ptr, valid_ptr, end_ptr, out_ptr, lse_ptr, T, K_SLOTS, H, scale,
+                       stride_qt, stride_qh, stride_r, stride_it, stride_vt, stride_ot, stride_oh, stride_lt,
+                       DV: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr,
+                       BLOCK_DR: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Attention with the slots as the products' M: S^T = K Q^T [BLOCK_N, BLOCK_H], the softmax down
+    its columns, O^T += V^T P^T [BLOCK_DV, BLOCK_H] (P^T through shared memory, a B operand). Nothing
+    chains one product's registers into the next, so Triton need not lay S over all 8 warps along M
+    and compute it in both warpgroups. Other bits than the kernel in use (other sums)."""
+    t, offs_h, offs_v, offs_r, h_mask, v_mask, r_mask, q_v, q_r, m, l, acc0, end = _program_start(
+        q_ptr, end_ptr, H, stride_qt, stride_qh, DV, DR, BLOCK_H, BLOCK_DV, BLOCK_DR)
+    acc = tl.zeros((BLOCK_DV, BLOCK_H), dtype=tl.float32)
+    for jb in range(0, tl.cdiv(end, BLOCK_N)):
+        idx, ok = ta._block_slots(idx_ptr, valid_ptr, end, t, jb, K_SLOTS, stride_it, stride_vt, BLOCK_N, True)
+        row = rows_ptr + idx[:, None] * stride_r
+        kv_v = tl.load(row + offs_v[None, :], mask=ok[:, None] & v_mask[None, :], other=0.0)
+        kv_r = tl.load(row + DV + offs_r[None, :], mask=ok[:, None] & r_mask[None, :], other=0.0)
+        st = tl.dot(kv_v, tl.trans(q_v))
+        st = tl.dot(kv_r, tl.trans(q_r), st)
+        st = tl.where(ok[:, None], st * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(st, axis=0))
+        seen = m_new > float("-inf")
+        alpha = tl.where(seen, tl.exp(m - m_new), 1.0)
+        p = tl.where(ok[:, None] & seen[None, :], tl.exp(st - tl.where(seen, m_new, 0.0)[None, :]), 0.0)
+        l = l * alpha + tl.sum(p, axis=0)
+        acc = tl.dot(tl.trans(kv_v), p.to(kv_v.dtype), acc * alpha[None, :])
+        m = m_new
+    has = l > 0.0
+    out = tl.where(has[None, :], acc / tl.where(has, l, 1.0)[None, :], 0.0)
+    tl.store(out_ptr + t * stride_ot + offs_h[None, :] * stride_oh + offs_v[:, None], out.to(out_ptr.dtype.element_ty),
+             mask=h_mask[None, :] & v_mask[:, None])
+    lse = tl.where(has, m + tl.log(tl.where(has, l, 1.0)), float("-inf"))
+    tl.store(lse_ptr + t * stride_lt + offs_h, lse, mask=h_mask)
+
+
 ASM: dict[str, dict] = {}
 
 
@@ -126,7 +166,11 @@ def launch(form: str, q, rows, indices, valid, end, out, lse, scale: float) -> N
     args = (q, rows, indices, valid, end, out, lse, t, indices.shape[1], heads, float(scale),
             q.stride(0), q.stride(1), rows.stride(0), indices.stride(0), valid.stride(0), out.stride(0),
             out.stride(1), lse.stride(0))
-    if form in ("in use", "loaded_valid"):
+    if form == "transposed":
+        block_n, warps, stages = TRANSPOSED
+        k = _transposed_kernel[grid](*args, **ta._query_blocks(d, DV), BLOCK_H=block_h, BLOCK_N=block_n,
+                                     num_warps=warps, num_stages=stages, **OPTIONS)
+    elif form in ("in use", "loaded_valid"):
         k = ta._latent_attention_kernel[grid](*args, **ta._query_blocks(d, DV), BLOCK_H=block_h, BLOCK_N=block_n,
                                               IEEE=False, PREFIX=form == "in use", num_warps=warps, num_stages=stages,
                                               **OPTIONS)
