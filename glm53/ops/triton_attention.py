@@ -481,8 +481,8 @@ _PREFIX_OK: dict[tuple, bool] = {}
 def prefix_choice(heads: int, d: int, value_dim: int, dtype: torch.dtype, rows_dtype: torch.dtype,
                   device: torch.device) -> bool:
     """Whether calls that give validity as a prefix may compare instead of loading it: checked once
-    per shape key on the device (`prefix_agreement`; on the H200 the split kernels' bits differ in
-    that form at 16 heads and fewer), so the form never changes a result. The interpreter: yes (the
+    per shape key on the device (`prefix_agreement`; on the H200 it fails at 16 heads and fewer),
+    so the form never changes a result. The interpreter: yes (the
     CPU tests compare both forms). Inside a graph capture an unchecked key answers no."""
     if device.type != "cuda":
         return True
