@@ -165,8 +165,8 @@ def test_attention_config_that_fits_each_device(capability: int, limit: int, pre
 
     from glm53.ops import triton_attention as ta
 
-    def shared(fn, signature, config) -> int:  # both forms of validity, as fit_prefill
-        return max(_attention_shared(config, capability, {"PREFIX": prefix}, fn, signature) for prefix in (False, True))
+    def shared(fn, signature, config, prefix: bool = False) -> int:  # fit_prefill decides with validity loaded
+        return _attention_shared(config, capability, {"PREFIX": prefix}, fn, signature)
 
     candidates = ta.attention_candidates(heads, 576, 512, torch.bfloat16)
     chosen = ta.first_fitting(candidates, lambda c: shared(ta._latent_attention_kernel, ATTENTION_SIGNATURE, c),
@@ -178,10 +178,13 @@ def test_attention_config_that_fits_each_device(capability: int, limit: int, pre
         twin = (64, 16, 8, 1)  # next: the same bits unpipelined, for a compiler that needs more there
         assert candidates[candidates.index(chosen) + 1] == twin
         # smaller with validity loaded (96 against 98 KB); with validity a compare Triton 3.9 gives
-        # the twin 104 KB against the pipelined form's 92: there it backs nothing (see attention_candidates)
+        # the twin 104 KB against the pipelined form's 92 (a GB10 on the twin runs it loaded)
         loaded = {"PREFIX": False}
         assert _attention_shared(twin, capability, loaded) < _attention_shared(chosen, capability, loaded)
     assert shared(ta._latent_scores_kernel, SCORES_SIGNATURE, chosen) <= limit
+    # the chosen config's prefix form (the engine's calls) fits as well: prefix_choice can take it
+    assert shared(ta._latent_attention_kernel, ATTENTION_SIGNATURE, chosen, True) <= limit
+    assert shared(ta._latent_scores_kernel, SCORES_SIGNATURE, chosen, True) <= limit
 
 
 @pytest.mark.parametrize("m,n,k", [(2048, 6144, 2048), (2048, 12288, 6144), (1, 2048, 6144), (64, 2048, 6144)])

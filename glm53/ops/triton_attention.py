@@ -73,9 +73,9 @@ def attention_candidates(heads: int, d: int, value_dim: int, dtype: torch.dtype)
     # the same unpipelined (1 stage): the same bits, 2.18x (90 / 96 KB), for a compiler that needs
     # more; 32 x 32, 4 warps 1.81x, differ (88 / 88 KB); 16 x 16 3.41x (44 KB). 16 x 64 is left out:
     # 106 KB for sm_121 pipelined, 98 not (2.37x), it fits nowhere the unpipelined 64 x 16 does not.
-    # A config must fit in both forms of validity (fit_prefill). With validity a prefix compare,
-    # Triton 3.9 gives sm_121 64 x 16 pipelined 92 KB, but its unpipelined twin 104: for the
-    # engine's calls the twin backs nothing there (kept: it still does with validity loaded).
+    # Fitting is decided with validity loaded; the prefix compare runs only where its kernel fits
+    # too (prefix_choice). Triton 3.9 for sm_121: 64 x 16 pipelined 92 KB that way, its unpipelined
+    # twin 104 KB, so a GB10 that falls back to the twin runs it with validity loaded.
     found = [(block_h, 64, 8, 2), (block_h, 16, 8, 2), (block_h, 16, 8, 1), (min(block_h, 32), 32, 4, 2),
              (16, 16, 4, 2)]
     return list(dict.fromkeys(found))  # in order, once each (few heads repeat one)
@@ -336,8 +336,8 @@ def _prefill_launch(args: tuple, scale: float, value_dim: int, config: tuple[int
 def fit_prefill(args: tuple, scale: float, value_dim: int) -> tuple | None:
     """On CUDA: the shape key whose config `attention_config` returns, found once per key on this
     device: the first candidate whose compiled prefill kernel fits the device's shared memory a
-    block in both forms of validity, loaded and a prefix (compiled with these arguments, not
-    launched). None elsewhere (the interpreter)."""
+    block (compiled with these arguments, validity loaded, not launched). The prefix form of that
+    config runs only where it fits too (`prefix_choice`). None elsewhere (the interpreter)."""
     q, rows = args[0], args[1]
     if q.device.type != "cuda":
         return None
@@ -346,8 +346,8 @@ def fit_prefill(args: tuple, scale: float, value_dim: int) -> tuple | None:
         heads, d = q.shape[1], q.shape[2]
         limit = triton.runtime.driver.active.utils.get_device_properties(q.device.index)["max_shared_mem"]
         candidates = attention_candidates(heads, d, value_dim, q.dtype)
-        found = first_fitting(candidates, lambda c: max(_prefill_launch(args, scale, value_dim, c, True, prefix)
-                                                        .metadata.shared for prefix in (False, True)), limit)
+        found = first_fitting(candidates, lambda c: _prefill_launch(args, scale, value_dim, c, True).metadata.shared,
+                              limit)
         if found is None:
             raise RuntimeError(f"latent_attention: none of the prefill kernel's configs {candidates} fits "
                                f"{torch.cuda.get_device_name(q.device)}'s {limit} bytes of shared memory a block "
@@ -457,9 +457,7 @@ def split_choice(heads: int, d: int, value_dim: int, dtype: torch.dtype, rows_dt
     an unchecked key answers None (no check can run there): the prefill kernel is exact, only slower."""
     if device.type != "cuda":  # Triton's interpreter (tests): the prefill kernel unless a call forces the split
         return None
-    key = (heads, d, value_dim, dtype, rows_dtype, device)  # per call on short windows: no string building
-    if key not in _CHOSEN and device.index is None:  # 'cuda' and 'cuda:0' share one check
-        key = _shape_key(heads, d, value_dim, dtype, rows_dtype, device)
+    key = _checked_key(_CHOSEN, heads, d, value_dim, dtype, rows_dtype, device)
     if key in _CHOSEN:
         return _CHOSEN[key]
     if torch.cuda.is_current_stream_capturing():
@@ -481,21 +479,36 @@ _PREFIX_OK: dict[tuple, bool] = {}
 def prefix_choice(heads: int, d: int, value_dim: int, dtype: torch.dtype, rows_dtype: torch.dtype,
                   device: torch.device) -> bool:
     """Whether calls that give validity as a prefix may compare instead of loading it: checked once
-    per shape key on the device (`prefix_agreement`; on the H200 it fails at 16 heads and fewer),
-    so the form never changes a result. The interpreter: yes (the
-    CPU tests compare both forms). Inside a graph capture an unchecked key answers no."""
+    per shape key on the device (`prefix_agreement`; on the H200 it fails at 16 heads and fewer; a
+    prefix form that does not fit the device's shared memory fails too), so the form never changes
+    a result. The interpreter: yes (the CPU tests compare both forms). Inside a graph capture an
+    unchecked key answers no."""
     if device.type != "cuda":
         return True
-    key = (heads, d, value_dim, dtype, rows_dtype, device)
-    if key not in _PREFIX_OK and device.index is None:
-        key = _shape_key(heads, d, value_dim, dtype, rows_dtype, device)
+    key = _checked_key(_PREFIX_OK, heads, d, value_dim, dtype, rows_dtype, device)
     if key in _PREFIX_OK:
         return _PREFIX_OK[key]
     if torch.cuda.is_current_stream_capturing():
         return False
+    from triton.runtime.errors import OutOfResources
+
     split_cfg = split_choice(heads, d, value_dim, dtype, rows_dtype, device)
-    _PREFIX_OK[key] = prefix_agreement(heads, d, value_dim, dtype, rows_dtype, device, split_cfg)
+    try:
+        _PREFIX_OK[key] = prefix_agreement(heads, d, value_dim, dtype, rows_dtype, device, split_cfg)
+    except OutOfResources:
+        _PREFIX_OK[key] = False
     return _PREFIX_OK[key]
+
+
+def _checked_key(store: dict, heads: int, d: int, value_dim: int, dtype: torch.dtype, rows_dtype: torch.dtype,
+                 device: torch.device) -> tuple:
+    """The key a once-per-shape check is stored under: the call's own (per call on short windows: no
+    string building), or, for a device without an index not yet stored, the explicit one ('cuda' and
+    'cuda:0' share one check)."""
+    key = (heads, d, value_dim, dtype, rows_dtype, device)
+    if key not in store and device.index is None:
+        key = _shape_key(heads, d, value_dim, dtype, rows_dtype, device)
+    return key
 
 
 def _fit_for(heads: int, d: int, value_dim: int, dtype: torch.dtype, rows_dtype: torch.dtype,
