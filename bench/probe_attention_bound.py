@@ -49,7 +49,6 @@ HEADS, D, DV, SLOTS, T = 64, 576, 512, 2048, 2048
 FORMS = {"in use": 0, "loaded_valid": 0, "no_pv": 1, "no_qk": 2, "no_softmax": 3, "contiguous": 4, "hot_rows": 5,
          "dots_only": 6, "exp2_ftz": 9, "exp2_lazy": 10, "transposed": -1}
 TRANSPOSED = (128, 8, 1)  # BLOCK_N (the products' M), warps, stages: 221 KB for sm_90 unpipelined
-LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453
 
 
 @triton.jit
