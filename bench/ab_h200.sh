@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Two kit versions side by side on one lent GPU: the prefix-cache bench at GLM-5.3's 78 layers (4
 # distinct layers repeated) on one checkpoint, the old checkout then this one, each its own process.
-#   [REPEATS=N] [OFF_REPEATS=M] [TURN_GAP=S] bash bench/ab_h200.sh <old_dir> <old_commit> <new_commit> [scenario ...]
+#   [REPEATS=N] [OFF_REPEATS=M] [TURN_GAP=S] [DEPTH=L] bash bench/ab_h200.sh <old_dir> <old_commit> <new_commit> [scenario ...]
 # (default scenario: turns; OFF_REPEATS: turns with cache off in the first M repeats only, so more
 # cache-on samples fit in the same time; TURN_GAP: seconds idle after each turn; both need an old
-# checkout whose bench has --off-repeats / --turn-gap)
+# checkout whose bench has --off-repeats / --turn-gap; DEPTH: layers run, default 78, 4 = the checkpoint's own)
 # old_dir: e.g. `git archive <old_commit> | tar -x -C ab_old` (carried to the GPU machine); the copies
 # there have no .git, hence the commits. Logs and JSON to $OUT (or ./gpu_out) as <scenario>_{old,new}.*
 set -uo pipefail
@@ -32,7 +32,7 @@ for scenario in "${scenarios[@]}"; do
         [ "$arm" = old ] && { dir="$old_dir"; commit="$old_commit"; }
         echo "== $scenario, $arm ($commit)" >&2
         (cd "$dir" && GLM53_KIT_COMMIT="$commit" python3 bench/bench_prefix_cache.py --real-dims \
-            --model-dir "$ckpt/real_dims" --device cuda --depth 78 --repeats "$repeats" --scenarios "$scenario" \
+            --model-dir "$ckpt/real_dims" --device cuda --depth "${DEPTH:-78}" --repeats "$repeats" --scenarios "$scenario" \
             ${OFF_REPEATS:+--off-repeats "$OFF_REPEATS"} ${TURN_GAP:+--turn-gap "$TURN_GAP"} \
             --out "$out/${scenario}_$arm.json" > "$out/${scenario}_$arm.log" 2>&1)
         status=$(( status | $? ))

@@ -14,15 +14,16 @@ timing arms, and the differences between their times place the kernel's time in 
   * contiguous: each block gathers 64 consecutive rows (the same bytes, as whole cache lines in a row);
   * hot_rows: every index taken modulo 256, so the gathered rows stay in L2 (and L1);
   * dots_only: no_softmax over hot rows;
-  * exp2_ftz: scores in log2 units and 2^x as one ex2.approx.ftz (new bits, within bf16 rounding);
-  * exp2_lazy: exp2_ftz with the running max moved only when a score passes it by 2^8 (new bits);
+  * exp2_lazy: the running max moved only when a score passes it by 2^8 (new bits);
   * transposed: the slots as the products' M (128 a block, unpipelined), so that no warpgroup
     computes the other's scores (new bits; `_transposed_kernel`). Compiled here for sm_90 (Triton
-    3.9) its loop is 17.5 instructions a warp per slot against the kernel in use's 24.9; not yet
-    timed on a GPU.
+    3.9) its loop is 17.5 instructions a warp per slot against 24.9, but on the H200 (Triton 3.6)
+    it took 1.22x the kernel's time, with 124 registers spilled (attention_bound_h200_d.json).
 At 30beb74 (bench/results/attention_bound_h200_b.json) the kernel before validity became a
 prefix compare and the masks on p were dropped was the baseline; those two forms, now in the
-kernel, were 0.91x and 0.95x of its time, both 0.88x, bitwise the same.
+kernel, were 0.91x and 0.95x of its time, both 0.88x, bitwise the same. At fd25b13
+(attention_bound_h200_d.json) an exp2_ftz form (scores in log2 units, 2^x as one ex2.approx.ftz)
+took 0.84x of the kernel's time; the kernel has run that way since the twentieth session.
 Time: a CUDA graph of 4 calls on rotating queries, replayed, CUDA events (probe_decode_tiles).
 """
 from __future__ import annotations
@@ -47,15 +48,8 @@ from glm53.ops.triton_launch import OPTIONS  # noqa: E402
 
 HEADS, D, DV, SLOTS, T = 64, 576, 512, 2048, 2048
 FORMS = {"in use": 0, "loaded_valid": 0, "no_pv": 1, "no_qk": 2, "no_softmax": 3, "contiguous": 4, "hot_rows": 5,
-         "dots_only": 6, "exp2_ftz": 9, "exp2_lazy": 10, "transposed": -1}
+         "dots_only": 6, "exp2_lazy": 10, "transposed": -1}
 TRANSPOSED = (128, 8, 1)  # BLOCK_N (the products' M), warps, stages: 221 KB for sm_90 unpipelined
-
-
-@triton.jit
-def _ex2_ftz(x):
-    """2^x as one MUFU.EX2 (outputs below 2^-126 flush to 0), without tl.exp's range fix-up."""
-    return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
-                                     pack=1)
 
 
 @triton.jit(do_not_specialize=["T", "K_SLOTS"])
@@ -73,12 +67,7 @@ def _ablation_kernel(q_ptr, rows_ptr, idx_ptr, valid_ptr, end_ptr, out_ptr, lse_
             idx = idx % 256
         row = rows_ptr + idx[:, None] * stride_r
         kv_v = tl.load(row + offs_v[None, :], mask=ok[:, None] & v_mask[None, :], other=0.0)
-        if FORM == 9 or FORM == 10:  # scores in log2 units: scale * log2(e) in one multiply
-            s = tl.dot(q_v, tl.trans(kv_v))
-            kv_r = tl.load(row + DV + offs_r[None, :], mask=ok[:, None] & r_mask[None, :], other=0.0)
-            s = tl.dot(q_r, tl.trans(kv_r), s)
-            s = tl.where(ok[None, :], s * (scale * 1.4426950408889634), float("-inf"))
-        elif FORM == 2:
+        if FORM == 2:
             s = tl.where(ok[None, :], tl.zeros((BLOCK_H, BLOCK_N), dtype=tl.float32), float("-inf"))
         else:
             s = tl.dot(q_v, tl.trans(kv_v))
@@ -88,34 +77,24 @@ def _ablation_kernel(q_ptr, rows_ptr, idx_ptr, valid_ptr, end_ptr, out_ptr, lse_
         if FORM == 3 or FORM == 6:
             acc = tl.dot(s.to(kv_v.dtype), kv_v, acc)
             l = l + 1.0  # else l stays 0, the output is 0 and the compiler drops the loop
-        elif FORM == 9:
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            seen = m_new > float("-inf")
-            alpha = tl.where(seen, _ex2_ftz(m - m_new), 1.0)
-            p = _ex2_ftz(s - tl.where(seen, m_new, 0.0)[:, None])
-            l = l * alpha + tl.sum(p, axis=1)
-            acc = tl.dot(p.to(kv_v.dtype), kv_v, acc * alpha[:, None])
-            m = m_new
         elif FORM == 10:  # the running max moves only when a score passes it by 2^8: rescales are rare
             m_blk = tl.max(s, axis=1)
             if tl.max((m_blk > m + 8.0).to(tl.int32)) > 0:
                 m_new = tl.maximum(m, m_blk)
-                alpha = tl.where(m_new > float("-inf"), _ex2_ftz(m - m_new), 1.0)
+                alpha = tl.where(m_new > float("-inf"), ta._exp2(m - m_new), 1.0)
                 acc = acc * alpha[:, None]
                 l = l * alpha
                 m = m_new
-            p = _ex2_ftz(s - tl.where(m > float("-inf"), m, 0.0)[:, None])
+            p = ta._exp2(s - tl.where(m > float("-inf"), m, 0.0)[:, None])
             l = l + tl.sum(p, axis=1)
             acc = tl.dot(p.to(kv_v.dtype), kv_v, acc)
         elif FORM == 1:
             m_new = tl.maximum(m, tl.max(s, axis=1))
-            p = tl.exp(s - m_new[:, None])
-            l = l * tl.exp(m - m_new) + tl.sum(p, axis=1)
+            p = ta._exp2(s - m_new[:, None])
+            l = l * ta._exp2(m - m_new) + tl.sum(p, axis=1)
             m = m_new
         else:
             m, l, acc = ta._softmax_step(m, l, acc, s, ok, kv_v, False)
-    if FORM == 9 or FORM == 10:
-        m = m * 0.6931471805599453  # back to natural-log units for the lse
     ta._store_result(out_ptr, lse_ptr, t, stride_ot, stride_oh, stride_lt, acc, l, m, offs_h, h_mask, offs_v, v_mask,
                      True)
 
@@ -162,7 +141,9 @@ def launch(form: str, q, rows, indices, valid, end, out, lse, scale: float) -> N
     t, heads, d = q.shape
     block_h, block_n, warps, stages = ta.attention_config(heads, d, DV, q.dtype)
     grid = (t, triton.cdiv(heads, block_h))
-    args = (q, rows, indices, valid, end, out, lse, t, indices.shape[1], heads, float(scale),
+    # the kernel in use takes the scale in log2 units (its softmax is 2^x); the other forms their own
+    kernel_scale = float(scale) if form == "transposed" else ta._kernel_scale(scale)
+    args = (q, rows, indices, valid, end, out, lse, t, indices.shape[1], heads, kernel_scale,
             q.stride(0), q.stride(1), rows.stride(0), indices.stride(0), valid.stride(0), out.stride(0),
             out.stride(1), lse.stride(0))
     if form == "transposed":

@@ -4,8 +4,10 @@ A query's arithmetic, whichever kernel runs it: its k selection slots in blocks 
 ascending slot order, gathering rows[indices[t, j]] (masked by valid, so an invalid slot's index is
 never dereferenced); per block the scaled scores (two tl.dots: the value part [0, value_dim) and the
 rest; GLM-5.3 512 latent + 64 rope, the tiny model 64 + 16, each padded to a power of two with
-masks), then one online-softmax step: running max m, sum l and fp32 accumulator. `_block_scores`
-and `_softmax_step` are that arithmetic, shared by the kernels below.
+masks), then one online-softmax step: running max m, sum l and fp32 accumulator. The scores are
+kept in log2 units (the scale times log2(e), one multiply) and exponentiated by 2^x as one
+ex2.approx.ftz (`_exp2`); the lse goes out in natural units. `_block_scores` and `_softmax_step`
+are that arithmetic, shared by the kernels below.
 
 Two ways to run it, chosen by the query count T alone:
   * T > SPLIT_ROWS (prefill): grid (query, block of BLOCK_H heads); one program walks all slots.
@@ -45,8 +47,11 @@ import torch
 import triton
 import triton.language as tl
 
+from triton.runtime.interpreter import InterpretedFunction
+
 from glm53.ops.triton_launch import OPTIONS
 
+LOG2E, LN2 = 1.4426950408889634, tl.constexpr(0.6931471805599453)  # the softmax runs in log2 units
 SPLIT_ROWS = 16  # up to this many queries a call takes the split kernels (where they agree bitwise)
 _ZEROS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}  # the re-layout's zero operand, per device and dtype
 
@@ -146,8 +151,9 @@ def _block_slots(idx_ptr, valid_ptr, end, t, jb, K_SLOTS, stride_it, stride_vt, 
 def _block_scores(q_v, q_r, rows_ptr, idx_ptr, valid_ptr, end, t, jb, K_SLOTS, scale, stride_r, stride_it,
                   stride_vt, offs_v, v_mask, offs_r, r_mask, DV: tl.constexpr, DR: tl.constexpr,
                   BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PREFIX: tl.constexpr):
-    """Slot block jb of query t: scaled scores [BLOCK_H, BLOCK_N] (-inf at invalid slots), the slots'
-    validity, and their gathered value columns [BLOCK_N, BLOCK_DV] in q's dtype."""
+    """Slot block jb of query t: scaled scores [BLOCK_H, BLOCK_N] (scale: the softmax scale times
+    log2(e), `_kernel_scale`; -inf at invalid slots), the slots' validity, and their gathered value
+    columns [BLOCK_N, BLOCK_DV] in q's dtype."""
     idx, ok = _block_slots(idx_ptr, valid_ptr, end, t, jb, K_SLOTS, stride_it, stride_vt, BLOCK_N, PREFIX)
     row = rows_ptr + idx[:, None] * stride_r  # int64 indices: int64 offsets
     kv_v = tl.load(row + offs_v[None, :], mask=ok[:, None] & v_mask[None, :], other=0.0).to(q_v.dtype)
@@ -166,15 +172,33 @@ def _block_scores(q_v, q_r, rows_ptr, idx_ptr, valid_ptr, end, t, jb, K_SLOTS, s
 
 
 @triton.jit
+def _exp2_ftz(x):
+    """2^x as one MUFU.EX2 (results below 2^-126 flush to 0; 2^-inf is 0), without tl.exp's multiply by
+    log2(e) and its range fix-up for subnormal results: the prefill kernel 1.19x (H200, GLM-5.3's
+    shape; bench/probe_attention_bound.py exp2_ftz). The accuracy of FlashAttention's fast-math exp2."""
+    return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
+def _exp2_interpreted(x):
+    """Triton's interpreter (the CPU tests) runs no PTX: numpy's 2^x, other bits, the same rules."""
+    return tl.exp2(x)
+
+
+_exp2 = _exp2_interpreted if isinstance(_exp2_ftz, InterpretedFunction) else _exp2_ftz
+
+
+@triton.jit
 def _softmax_step(m, l, acc, s, ok, kv, IEEE: tl.constexpr):
-    """One block of the online softmax: (m, l, acc) after scores s [BLOCK_H, BLOCK_N] (-inf at invalid
-    slots) over values kv [BLOCK_N, columns]."""
+    """One block of the online softmax in log2 units: (m, l, acc) after scores s [BLOCK_H, BLOCK_N]
+    (already times log2(e); -inf at invalid slots) over values kv [BLOCK_N, columns]."""
     m_new = tl.maximum(m, tl.max(s, axis=1))
     seen = m_new > float("-inf")  # else no valid slot so far: alpha 1, p 0, all stays exactly 0
-    alpha = tl.where(seen, tl.exp(m - m_new), 1.0)
-    # exp(-inf) is exactly 0, so the mask on p is redundant; without it the prefill kernel is 1.05x
+    alpha = tl.where(seen, _exp2(m - m_new), 1.0)
+    # 2^-inf is exactly 0, so the mask on p is redundant; without it the prefill kernel is 1.05x
     # faster (H200), but the split kernels' row sums then differ in bits at 16 heads and fewer
-    p = tl.where(ok[None, :] & seen[:, None], tl.exp(s - tl.where(seen, m_new, 0.0)[:, None]), 0.0)
+    p = tl.where(ok[None, :] & seen[:, None], _exp2(s - tl.where(seen, m_new, 0.0)[:, None]), 0.0)
     l = l * alpha + tl.sum(p, axis=1)
     if IEEE:
         acc = tl.dot(p, kv, acc * alpha[:, None], input_precision="ieee")
@@ -191,7 +215,7 @@ def _store_result(out_ptr, lse_ptr, t, stride_ot, stride_oh, stride_lt, acc, l, 
     out_ptrs = out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_c[None, :]
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & c_mask[None, :])
     if WRITE_LSE:
-        lse = tl.where(has, m + tl.log(tl.where(has, l, 1.0)), float("-inf"))
+        lse = tl.where(has, m * LN2 + tl.log(tl.where(has, l, 1.0)), float("-inf"))  # m in log2 units
         tl.store(lse_ptr + t * stride_lt + offs_h, lse, mask=h_mask)
 
 
@@ -307,6 +331,12 @@ def _query_blocks(d: int, value_dim: int) -> dict[str, int]:
             "BLOCK_DR": max(16, triton.next_power_of_2(max(dr, 1)))}
 
 
+def _kernel_scale(scale: float) -> float:
+    """The scale the kernels multiply scores by: the softmax's, in log2 units (one rounding, to fp32 at
+    the launch, the same for every kernel so that their bits agree)."""
+    return float(scale) * LOG2E
+
+
 def _shape_key(heads: int, d: int, value_dim: int, dtype: torch.dtype, rows_dtype: torch.dtype,
                device: torch.device) -> tuple:
     """What the configs are chosen by: the fixed dims and the device (its index made explicit)."""
@@ -326,7 +356,7 @@ def _prefill_launch(args: tuple, scale: float, value_dim: int, config: tuple[int
     grid = (t, triton.cdiv(heads, block_h))
     kernel = _latent_attention_kernel.warmup if warmup else _latent_attention_kernel[grid]
     extra = {"grid": grid} if warmup else {}
-    return kernel(q, rows, indices, valid, end, out, lse, t, indices.shape[1], heads, float(scale),
+    return kernel(q, rows, indices, valid, end, out, lse, t, indices.shape[1], heads, _kernel_scale(scale),
                   q.stride(0), q.stride(1), rows.stride(0), indices.stride(0), valid.stride(0),
                   out.stride(0), out.stride(1), lse.stride(0), **_query_blocks(d, value_dim),
                   BLOCK_H=block_h, BLOCK_N=block_n, IEEE=q.dtype == torch.float32, PREFIX=prefix,
@@ -387,7 +417,7 @@ def _run_split(q, rows, indices, valid, end, out, lse, scale: float, value_dim: 
     scores = torch.empty(t, heads, triton.cdiv(k, block_n) * block_n, dtype=torch.float32, device=q.device)
     head_blocks = triton.cdiv(heads, block_h)
     _latent_scores_kernel[(t, triton.cdiv(k, block_n), head_blocks)](
-        q, rows, indices, valid, end, scores, t, k, heads, float(scale),
+        q, rows, indices, valid, end, scores, t, k, heads, _kernel_scale(scale),
         q.stride(0), q.stride(1), rows.stride(0), indices.stride(0), valid.stride(0), scores.stride(0),
         scores.stride(1), **_query_blocks(d, value_dim), BLOCK_H=block_h, BLOCK_N=block_n, IEEE=ieee,
         PREFIX=prefix, num_warps=warps, num_stages=stages, **OPTIONS)
