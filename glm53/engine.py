@@ -44,6 +44,13 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 OnTokens = Callable[[list[int]], Any]
 
 
+def _wait_for(t: torch.Tensor) -> None:
+    """Block until the device has computed `t` (a host timestamp taken after queueing its kernels
+    would time the launches, not the work; sampling waits for it next anyway)."""
+    if t.is_cuda:
+        torch.cuda.current_stream(t.device).synchronize()
+
+
 class EngineError(ValueError):
     """A request or option the engine cannot take; the message names the field and the remedy."""
 
@@ -297,6 +304,7 @@ class Glm53Engine:
         taps = tuple(getattr(self.drafter, "taps", ()) or ()) if use_drafts else ()
         outs = self.run(state, prompt[cached:], cached, len(prompt), taps=taps)
         logits = self.model.logits(outs[-1].hidden[-1:])[0]
+        _wait_for(logits)  # the first token's logits exist: until here the device may still be computing
         t_first = time.perf_counter()
         stats["ttft_s"] = t_first - t0
         stats["drafted"] = use_drafts
