@@ -125,6 +125,8 @@ def test_prefill_attention_kernel_compiles_for_sm90_at_glm53_dims() -> None:
                             {**ta._query_blocks(576, 512), "BLOCK_H": block_h, "BLOCK_N": block_n, "IEEE": False,
                              "PREFIX": prefix}, warps)
         assert "wgmma" in compiled.asm["ptx"]
+        # the softmax's 2^x is one ex2.approx.ftz each (no multiply by log2(e), no subnormal fix-up)
+        assert "ex2.approx.ftz.f32" in compiled.asm["ptx"] and "ex2.approx.f32" not in compiled.asm["ptx"]
         # the gathered rows are copied ahead of the dots (cp.async), as in the kernel the H200 runs: its
         # measured shared memory (110592 bytes for 64 heads x 16 slots) is this compile's
         assert "async_copy" in compiled.asm["ttgir"], "the slot loop is not pipelined: not the launch's kernel"

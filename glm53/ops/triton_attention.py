@@ -509,9 +509,12 @@ _PREFIX_OK: dict[tuple, bool] = {}
 def prefix_choice(heads: int, d: int, value_dim: int, dtype: torch.dtype, rows_dtype: torch.dtype,
                   device: torch.device) -> bool:
     """Whether calls that give validity as a prefix may compare instead of loading it: checked once
-    per shape key on the device (`prefix_agreement`; on the H200 it fails at 16 heads and fewer; a
-    prefix form that does not fit the device's shared memory fails too), so the form never changes
-    a result. The interpreter: yes (the CPU tests compare both forms). Inside a graph capture an
+    per shape key on the device (`prefix_agreement`; a prefix form that does not fit the device's
+    shared memory fails too), so the form never changes a result. On the H200 it fails at 16 heads
+    and fewer (bench/probe_prefix_form.py): there BLOCK_H 16 makes the dots mma.sync ones, and Triton
+    gives their operands another kWidth in the two forms (4 loaded, 2 compared; Triton 3.9's TTGIR),
+    which groups the K products otherwise, so the prefill kernel's own bits differ, full rows too.
+    At 64 heads the dots are wgmma ones from shared memory, and both forms agree. The interpreter: yes (the CPU tests compare both forms). Inside a graph capture an
     unchecked key answers no."""
     if device.type != "cuda":
         return True
