@@ -80,8 +80,13 @@ def tiny_checkpoint(root: Path) -> Path:
     return write_tiny_checkpoint(root / "tiny")
 
 
-def real_dims_checkpoint(root: Path, layers: int, vocab: int) -> Path:
-    """GLM-5.3 layer dimensions, all-dense layers (no routed experts), plain bf16 weights."""
+EXPERTS_PER_SHARD = 32  # a real-width expert's three projections are 75 MB of bf16
+
+
+def real_dims_checkpoint(root: Path, layers: int, vocab: int, moe_experts: int = 0) -> Path:
+    """GLM-5.3 layer dimensions, plain bf16 weights: all-dense layers, or with `moe_experts` > 0
+    MoE layers as GLM-5.3's (top 8 of that many routed experts of width 2048, one shared expert;
+    256 is GLM-5.3's: 19 GB a layer)."""
     from safetensors.torch import save_file
 
     from glm53.config import Glm53Config
@@ -91,29 +96,53 @@ def real_dims_checkpoint(root: Path, layers: int, vocab: int) -> Path:
     cfg = {**TINY_CONFIG, **{k: getattr(real, k) for k in (
         "hidden_size", "intermediate_size", "moe_intermediate_size", "num_attention_heads", "q_lora_rank",
         "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "index_topk", "index_head_dim",
-        "index_n_heads", "rms_norm_eps")}}
+        "index_n_heads", "rms_norm_eps", "n_shared_experts", "routed_scaling_factor", "n_group", "topk_group")}}
+    moe = moe_experts > 0
     cfg.update(num_hidden_layers=layers, num_key_value_heads=cfg["num_attention_heads"], vocab_size=vocab,
-               first_k_dense_replace=layers, mlp_layer_types=["dense"] * layers,
+               first_k_dense_replace=0 if moe else layers, mlp_layer_types=["sparse" if moe else "dense"] * layers,
                indexer_types=[("full" if i % 2 == 0 else "shared") for i in range(layers)],
                num_nextn_predict_layers=0, max_position_embeddings=1 << 20, bos_token_id=0,
                eos_token_id=[1], head_dim=cfg["qk_rope_head_dim"])
+    if moe:
+        cfg.update(n_routed_experts=moe_experts, num_experts_per_tok=min(real.num_experts_per_tok, moe_experts))
     out = root / "real_dims"
     out.mkdir()
     h = cfg["hidden_size"]
-    log(f"writing a {layers}-layer checkpoint at GLM-5.3 layer dimensions (hidden {h}) ...")
+    kind = f"MoE ({moe_experts} routed experts)" if moe else "dense"
+    log(f"writing a {layers}-layer checkpoint at GLM-5.3 layer dimensions (hidden {h}, {kind}) ...")
     files: dict[str, str] = {}
-    head = {"model.embed_tokens.weight": _randn("model.embed_tokens", (vocab, h), 0, 1.0),
-            "model.norm.weight": _norm("model.norm", h, 0), "lm_head.weight": _linear("lm_head", vocab, h, 0)}
-    parts = [head] + [None] * layers
-    for i, part in enumerate(parts):
-        tensors = part if part is not None else _layer_plain(i - 1, cfg, 0)
-        name = f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors"
+
+    def save(tensors: dict[str, torch.Tensor], name: str) -> None:
         save_file({k: v.to(torch.bfloat16).contiguous() for k, v in tensors.items()}, str(out / name),
                   metadata={"format": "pt"})
         files.update({k: name for k in tensors})
-        log(f"  shard {i + 1}/{len(parts)}")
+
+    head = {"model.embed_tokens.weight": _randn("model.embed_tokens", (vocab, h), 0, 1.0),
+            "model.norm.weight": _norm("model.norm", h, 0), "lm_head.weight": _linear("lm_head", vocab, h, 0)}
+    save(head, "model-head.safetensors")
+    for layer in range(layers):
+        save(_layer_plain(layer, cfg, 0), f"model-layer{layer:03d}.safetensors")
+        for first in range(0, moe_experts, EXPERTS_PER_SHARD):
+            save(_expert_weights(layer, range(first, min(first + EXPERTS_PER_SHARD, moe_experts)), cfg),
+                 f"model-layer{layer:03d}-experts{first:03d}.safetensors")
+        log(f"  layer {layer + 1}/{layers}")
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": files}))
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    return out
+
+
+def _expert_weights(layer: int, experts: range, cfg: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Routed experts of one layer, [out, in] with std 1/sqrt(in) (glm53.tiny's init), drawn on the
+    GPU where there is one: GLM-5.3's 256 experts a layer are 9.7 G values, minutes for the CPU."""
+    h, width = cfg["hidden_size"], cfg["moe_intermediate_size"]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device=device).manual_seed(1009 * layer + experts.start)
+    out = {}
+    for proj, (out_f, in_f) in (("gate_proj", (width, h)), ("up_proj", (width, h)), ("down_proj", (h, width))):
+        block = (torch.randn((len(experts), out_f, in_f), generator=gen, device=device) * in_f ** -0.5)
+        block = block.to(torch.bfloat16).cpu()
+        for i, e in enumerate(experts):  # each its own storage: safetensors refuses shared ones
+            out[f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"] = block[i].clone()
     return out
 
 
@@ -580,7 +609,10 @@ def main() -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-dir", type=Path, help="an existing checkpoint (default: generate one)")
     p.add_argument("--real-dims", action="store_true", help="generate a GLM-5.3-layer-size checkpoint (GPU)")
-    p.add_argument("--layers", type=int, default=4, help="--real-dims: dense layers (default 4)")
+    p.add_argument("--layers", type=int, default=4, help="--real-dims: layers (default 4)")
+    p.add_argument("--moe-experts", type=int, default=0,
+                   help="--real-dims: MoE layers with this many routed experts (top 8, one shared; 256 is "
+                        "GLM-5.3's, 19 GB of bf16 a layer) instead of dense ones (default 0: dense)")
     p.add_argument("--vocab", type=int, default=32768, help="--real-dims: vocabulary (default 32768)")
     p.add_argument("--depth", type=int, default=None,
                    help="run the model at this many layers, the checkpoint's repeated with shared weights "
@@ -636,6 +668,9 @@ def main() -> int:
     if args.turn_gap < 0:
         print("error: --turn-gap must be >= 0 seconds", file=sys.stderr)
         return 2
+    if args.moe_experts < 0 or (args.moe_experts and not args.real_dims):
+        print("error: --moe-experts takes a count >= 0 and goes with --real-dims", file=sys.stderr)
+        return 2
     if args.warmup_repeats < 0:
         print("error: --warmup-repeats must be >= 0", file=sys.stderr)
         return 2
@@ -649,7 +684,7 @@ def main() -> int:
         if args.model_dir:
             model_dir = args.model_dir
         elif args.real_dims:
-            model_dir = real_dims_checkpoint(work, args.layers, args.vocab)
+            model_dir = real_dims_checkpoint(work, args.layers, args.vocab, args.moe_experts)
         else:
             model_dir = tiny_checkpoint(work)
         log(f"loading the engine on {model_dir} ...")
@@ -669,6 +704,7 @@ def main() -> int:
         warm.generate(rand_tokens(rng, min(2 * engine.chunk + 3, 4096), engine.vocab_size), 2)  # discarded
         args.on_env = {}
         settings = {"model_dir": str(model_dir), "real_dims": args.real_dims, "layers": len(engine.model.w.layers),
+                    "moe_experts": engine.cfg.n_routed_experts if "sparse" in engine.cfg.mlp_layer_types else 0,
                     "distinct_layers": distinct_layers,
                     "hidden": engine.cfg.hidden_size, "compute_dtype": engine.dtype_name,
                     "kv_dtype": engine.kv_dtype, "chunk": engine.chunk, "ranks": 1, "dcp": False,
