@@ -30,7 +30,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 INTERP_TOL = dict(atol=1e-4, rtol=1e-4)
-CHECKS = ["linear", "linear_row_tiles_check", "linear_leading_dims", "head_linear_strided", "rms_norm", "layer_norm", "index_scores",
+CHECKS = ["linear", "linear_row_tiles_check", "grouped_expert_linear", "linear_leading_dims", "head_linear_strided", "rms_norm", "layer_norm", "index_scores",
           "index_scores_causal",
           "latent_attention", "latent_attention_edge_cases", "latent_attention_split", "latent_attention_prefix",
           "select_topk"]
@@ -130,6 +130,42 @@ def _worker() -> dict[str, list]:
             del triton_linear._AGREE[key]
         # head_linear in fp32 has one tile for every row count: nothing can differ
         assert triton_linear._row_tiles_check("head", randn(3, 20, 70), torch.float32) is True
+
+    def check_grouped_expert_linear() -> None:
+        """Every expert's run of rows in one launch (MoE prefill on CUDA): the tile table, each run
+        bitwise against linear over that run (one tile config, runs start on a tile as linear's rows
+        do), the device check saying so, and DecodedExperts' sorted form against its per-expert loop."""
+        from glm53 import ops
+        from glm53.model.moe import DecodedExperts
+
+        counts = torch.tensor([0, 1, 33, 0, 70, 32])  # empty, one row, a tile and one, 2 tiles and a part
+        expert, first, rows = triton_linear._tile_table(counts, 32, 136 // 32 + 1 + 6)
+        real = rows > 0
+        assert expert[real].tolist() == [1, 2, 2, 4, 4, 4, 5], expert.tolist()
+        assert first[real].tolist() == [0, 1, 33, 34, 66, 98, 104], first.tolist()
+        assert rows[real].tolist() == [1, 32, 1, 32, 32, 6, 32] and int(rows.sum()) == 136, rows.tolist()
+        x, w = randn(136, 70, std=70 ** -0.5), randn(6, 50, 70)
+        with one_tile_config():
+            got = triton_linear.grouped_expert_linear(x, w, counts)
+            begin = 0
+            for e, c in enumerate(counts.tolist()):
+                same(got[begin:begin + c], triton_linear.linear(x[begin:begin + c], w[e]), f"expert {e}'s run")
+                begin += c
+            assert triton_linear.grouped_agrees(w)
+            # the sorted form against the loop over experts, both through this interpreter's kernels
+            bank = DecodedExperts(randn(6, 2 * 24, 70), randn(6, 70, 24))
+            tokens = randn(40, 70, std=70 ** -0.5)
+            ids = torch.stack([torch.randperm(6, generator=g)[:3] for _ in range(40)])
+            weights = torch.rand(40, 3, generator=g)
+            real_linear = ops.linear
+            ops.linear = triton_linear.linear
+            try:
+                loop = bank.grouped(tokens, ids, weights)  # CPU tensors: the loop form
+            finally:
+                ops.linear = real_linear
+            same(bank.runs(tokens, ids, weights), loop, "DecodedExperts.runs vs the per-expert loop")
+        close(got, torch.cat([x[a:b] @ w[e].T for e, (a, b) in enumerate(zip(
+            [0, 0, 1, 34, 34, 104], [0, 1, 34, 34, 104, 136])) if b > a]), "grouped vs torch")
 
     def check_linear_leading_dims() -> None:
         x, w = randn(3, 15, 40), randn(33, 40)
@@ -371,6 +407,7 @@ def _worker() -> dict[str, list]:
                 f"NaN counted in its row only ({form})")
 
     checks = {"linear": check_linear, "linear_row_tiles_check": check_linear_row_tiles_check,
+              "grouped_expert_linear": check_grouped_expert_linear,
               "linear_leading_dims": check_linear_leading_dims,
               "head_linear_strided": check_head_linear_strided, "rms_norm": check_rms_norm,
               "layer_norm": check_layer_norm, "index_scores": check_index_scores,

@@ -82,7 +82,8 @@ class DecodedExperts:
     """Experts as dense matrices in the compute dtype (EXL3 decoded once at load).
 
     Two forms, the same bits: many rows group the token slots by expert (each expert's matrices
-    read once; the grouping needs the counts on the host, a sync); a short window (at most
+    read once; on CUDA one grouped launch per projection, `runs`, else a loop over the experts
+    that reads the counts on the host, a sync); a short window (at most
     SLOT_ROWS tokens: decode, verification) runs every slot against its own expert through
     ops.expert_linear and sums a token's slots in ascending expert order, as the grouped form's
     index_add_ does, with no sync, so it can be graph-captured."""
@@ -114,6 +115,8 @@ class DecodedExperts:
         return out
 
     def grouped(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if ops.grouped_experts_for(x, self.gate_up, self.down):
+            return self.runs(x, ids, weights)
         out = torch.zeros_like(x)
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # token slots grouped by expert, ascending
@@ -130,6 +133,28 @@ class DecodedExperts:
             # weight in fp32, then back to the compute dtype (the reference's rounding point)
             out.index_add_(0, rows, (y * slot_weights[begin:begin + n, None]).to(out.dtype))
             begin += n
+        return out
+
+
+    def runs(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """`grouped` on the device without a sync: the token slots sorted by expert, each projection
+        one launch over every expert's run of rows (the per-expert loop launched ~10 kernels an expert
+        after reading the counts on the host: 256 experts a layer), then each token's slots summed in
+        ascending expert order from zeros, rounding after each add, as the loop's index_add_ does."""
+        t, k = ids.shape
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.n_experts)
+        tokens = order // k
+        gate, up = ops.grouped_expert_linear(x[tokens], self.gate_up, counts).chunk(2, dim=-1)
+        y = ops.grouped_expert_linear(ops.silu(gate) * up, self.down, counts)
+        parts = (y * weights.reshape(-1)[order, None]).to(x.dtype)
+        rank = ids.argsort(dim=1, stable=True).argsort(dim=1)  # a slot's place among its token's experts
+        place = tokens * k + rank.reshape(-1)[order]
+        by_token = torch.empty_like(parts).index_copy_(0, place, parts).view(t, k, -1)
+        out = torch.zeros_like(x)
+        for j in range(k):
+            out = out + by_token[:, j]
         return out
 
 

@@ -12,6 +12,7 @@ So every op of the forward with a reduction goes through here:
 
     linear(x, w)              x [..., K] @ w[N, K]^T, fp32 accumulation, out in x's dtype
     expert_linear(x, w, ids)  row r times its own matrix w[ids[r]] (routed experts, short windows)
+    grouped_expert_linear     rows grouped by expert times their experts' matrices (CUDA prefill)
     head_linear(x, w)         per-head projection: x [T, H, K], w [H, N, K] -> [T, H, N]
     rms_norm / layer_norm     over the last dim
     sigmoid / silu            elementwise, but torch's CPU kernels give a value other bits in a
@@ -114,6 +115,26 @@ def expert_linear(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.
 
         return triton_linear.expert_linear(x, w, ids)
     return torch_ops.expert_linear(x, w, ids)
+
+
+def grouped_experts_for(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether routed experts over many rows of x run as one grouped product per expert bank
+    (`grouped_expert_linear`): on CUDA, where the device gives each expert's rows linear's bits for
+    these banks' shapes (triton_linear.grouped_agrees, checked once per shape)."""
+    if not _triton_for(x):
+        return False
+    from glm53.ops import triton_linear
+
+    return all(triton_linear.grouped_agrees(w) for w in weights)
+
+
+def grouped_expert_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """x [S, K] with its rows grouped by expert in ascending order, counts [E] device ints (never
+    read on the host), w [E, N, K] -> [S, N]: each expert's rows times its matrix, in one launch,
+    each row with the bits linear gives it. CUDA only: callers ask `grouped_experts_for` first."""
+    from glm53.ops import triton_linear
+
+    return triton_linear.grouped_expert_linear(x, w, counts)
 
 
 def head_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

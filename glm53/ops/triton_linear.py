@@ -152,6 +152,29 @@ def _row_expert_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, R, N, K, stride_xm, strid
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit(do_not_specialize=["TILES"])
+def _grouped_expert_kernel(x_ptr, w_ptr, tile_expert_ptr, tile_row_ptr, tile_rows_ptr, out_ptr, TILES, N, K,
+                           stride_xm, stride_we, stride_wn, stride_om, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    # row tile `tile` of one expert's run of rows (tile_rows of them from tile_row; 0: an idle
+    # program of the grid's bound) times that expert's matrix: the tile and K loop of `linear`
+    num_n = tl.cdiv(N, BLOCK_N)
+    tile = tl.program_id(0) // num_n  # a row tile's column tiles run side by side: its rows stay in L2
+    rows = tl.load(tile_rows_ptr + tile)
+    if rows > 0:
+        expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
+        first = tl.load(tile_row_ptr + tile).to(tl.int64)
+        lane = tl.arange(0, BLOCK_M)
+        offs_n = (tl.program_id(0) % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_mask = lane < rows
+        n_mask = offs_n < N
+        x_rows = x_ptr + (first + lane.to(tl.int64))[:, None] * stride_xm
+        w_rows = w_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
+        acc = _tile_product(x_rows, w_rows, m_mask, n_mask, K, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
+        out = out_ptr + (first + lane.to(tl.int64))[:, None] * stride_om + offs_n[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
 def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, m: int, n: int, k: int, heads: int,
             stride_xm: int, stride_xh: int, stride_wh: int, stride_om: int, stride_oh: int,
             cfg: LinearConfig) -> None:
@@ -315,3 +338,84 @@ def _expert_rows(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, out_dtype:
                              IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                              **OPTIONS)
     return out
+
+
+# ---- routed experts over many rows: one launch for every expert ---------------------------------
+GROUPED_ROWS = 64  # the row tile of the grouped form: GLM-5.3's prefill gives an expert ~84 rows of 2700 tokens
+
+
+def grouped_expert_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """out = x @ w[e]^T for each expert's run of rows: x [S, K] holds the rows grouped by expert in
+    ascending order, counts [E] (device ints, never read on the host) how many each has; w [E, N, K].
+    One launch, no sync; each run's rows get the bits `linear(x[run], w[e])` gives them (its tiles
+    for GROUPED_ROWS rows: the same as every row count's where `row_tiles_agree`, else the prefill
+    tile's; checked per shape on each device by `grouped_agrees` before the model uses it)."""
+    _check_dtypes(x, w, "grouped_expert_linear")
+    if x.dim() != 2 or w.dim() != 3 or w.shape[2] != x.shape[1] or counts.shape != (w.shape[0],):
+        raise ValueError(f"grouped_expert_linear: x {tuple(x.shape)} [S, K], w {tuple(w.shape)} [E, N, K], "
+                         f"counts {tuple(counts.shape)} [E] do not fit")
+    s, k = x.shape
+    n = w.shape[1]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    w = w.contiguous()
+    out = torch.empty(s, n, dtype=x.dtype, device=x.device)
+    if not (s and n and k):
+        return out.zero_()
+    cfg = _config("linear", GROUPED_ROWS, w[0], x.dtype)
+    expert, first, rows = _tile_table(counts, cfg.block_m, triton.cdiv(s, cfg.block_m) + w.shape[0])
+    grid = (expert.shape[0] * triton.cdiv(n, cfg.block_n),)
+    _grouped_expert_kernel[grid](x, w, expert, first, rows, out, expert.shape[0], n, k, x.stride(0), w.stride(0),
+                                 w.stride(1), out.stride(0), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                                 BLOCK_K=cfg.block_k, IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps,
+                                 num_stages=cfg.num_stages, **OPTIONS)
+    return out
+
+
+def _tile_table(counts: torch.Tensor, block_m: int, bound: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The row tiles of runs of `counts` rows (expert order), on the device: per tile its expert, its
+    first row and its row count, padded with idle tiles (0 rows) to `bound` (a bound the host knows
+    without reading counts: ceil(S / block_m) + E)."""
+    counts = counts.to(torch.int64)
+    tiles = (counts + block_m - 1) // block_m
+    ends = torch.cumsum(tiles, 0)
+    index = torch.arange(bound, device=counts.device)
+    expert = torch.searchsorted(ends, index, right=True)
+    real = expert < counts.shape[0]
+    expert = expert.clamp(max=counts.shape[0] - 1)
+    local = index - (ends[expert] - tiles[expert])
+    first = torch.cumsum(counts, 0)[expert] - counts[expert] + local * block_m
+    rows = torch.where(real, (counts[expert] - local * block_m).clamp(max=block_m), 0)
+    return expert.to(torch.int32), first.to(torch.int64), rows.to(torch.int32)
+
+
+_GROUPED_AGREE: dict[tuple, bool] = {}
+GROUPED_CHECK_COUNTS = (1, 70, 0, 150, 64)  # runs: one row, a partial tile, an empty expert, tiles and a part, a whole tile
+
+
+def grouped_agrees(w: torch.Tensor) -> bool:
+    """Whether grouped_expert_linear gives each run the bits of linear over that run, for w's shape
+    on this device: once per shape key, random rows through the first experts of w itself against
+    `linear(x[run], w[e])`, torch.equal. Inside a graph capture an unchecked key answers False (the
+    per-expert loop is exact; an eager call checks later)."""
+    key = ("grouped", tuple(w.shape), w.dtype, w.device)
+    found = _GROUPED_AGREE.get(key)
+    if found is not None:
+        return found
+    if w.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return False
+    n_experts = min(w.shape[0], len(GROUPED_CHECK_COUNTS))
+    counts = torch.tensor(GROUPED_CHECK_COUNTS[:n_experts], device=w.device)
+    g = torch.Generator(device=w.device).manual_seed(20261203)
+    x = torch.randn(int(sum(GROUPED_CHECK_COUNTS[:n_experts])), w.shape[2], generator=g, device=w.device).to(w.dtype)
+    got = grouped_expert_linear(x, w[:n_experts], counts)
+    begin, same = 0, True
+    for e, c in enumerate(GROUPED_CHECK_COUNTS[:n_experts]):
+        if c:
+            same = same and torch.equal(got[begin:begin + c], linear(x[begin:begin + c], w[e]))
+        begin += c
+    _GROUPED_AGREE[key] = same
+    if not same:
+        print(f"glm53: the grouped expert product differs from linear's bits for {tuple(w.shape)} ({w.dtype}) "
+              f"on this device; MoE prefill runs one product per expert there (exact, slower)", file=sys.stderr)
+    return same

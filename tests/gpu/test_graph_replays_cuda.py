@@ -2,6 +2,8 @@
 
 - ops.expert_linear (the routed experts' slot form) gives every row the bits linear() gives it,
   alone and among many rows of its expert (the grouped form's tile configs);
+- the MoE prefill's sorted form (ops.grouped_expert_linear, one launch per projection) gives the
+  bits of the per-expert loop it replaces;
 - the engine decoding with graphs equals the engine without them (tokens and every position's
   logits), over bound steps and cache growth, in bf16, bf16 with an fp8 cache, and fp32;
 - a one-word extension reused from the prefix cache replays a graph and equals a cold run.
@@ -47,6 +49,43 @@ def test_expert_linear_rows_equal_linear_rows(dtype: torch.dtype, n: int, k: int
         assert torch.equal(got[rows], grouped), (e, "grouped")
         for r in rows[:3].tolist():
             assert torch.equal(got[r:r + 1], ops.linear(x[r:r + 1], w[e])), (e, r)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("experts,hidden,width,tokens", [(16, 512, 256, 300), (256, 1024, 256, 700), (4, 96, 64, 17)])
+def test_grouped_experts_give_the_loop_bits(dtype: torch.dtype, experts: int, hidden: int, width: int,
+                                            tokens: int) -> None:
+    """The MoE prefill's sorted form (one grouped launch per projection, no sync) against the loop
+    over experts that it replaces, and each expert's run against linear over it, bit for bit."""
+    from glm53 import ops
+    from glm53.model.moe import DecodedExperts
+    from glm53.ops import triton_linear
+
+    g = torch.Generator(device="cuda").manual_seed(experts + hidden + tokens)
+    bank = DecodedExperts((torch.randn(experts, 2 * width, hidden, generator=g, device="cuda") * hidden ** -0.5).to(dtype),
+                          (torch.randn(experts, hidden, width, generator=g, device="cuda") * width ** -0.5).to(dtype))
+    x = torch.randn(tokens, hidden, generator=g, device="cuda").to(dtype)
+    ids = torch.stack([torch.randperm(experts, generator=g, device="cuda")[:min(8, experts)] for _ in range(tokens)])
+    weights = torch.rand(tokens, ids.shape[1], generator=g, device="cuda")
+    assert ops.grouped_experts_for(x, bank.gate_up, bank.down), "the H200 should give the grouped form linear's bits"
+    runs = bank.runs(x, ids, weights)
+    saved = triton_linear._GROUPED_AGREE.copy()
+    triton_linear._GROUPED_AGREE.update({k: False for k in saved})  # the loop form
+    try:
+        loop = bank.grouped(x, ids, weights)
+    finally:
+        triton_linear._GROUPED_AGREE.clear()
+        triton_linear._GROUPED_AGREE.update(saved)
+    assert torch.equal(runs, loop)
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=experts)
+    xs = x[order // ids.shape[1]]
+    got = ops.grouped_expert_linear(xs, bank.gate_up, counts)
+    begin = 0
+    for e, c in enumerate(counts.tolist()):
+        assert torch.equal(got[begin:begin + c], ops.linear(xs[begin:begin + c], bank.gate_up[e])), e
+        begin += c
 
 
 def _engine(tiny_dirs, compute: str, kv: str, graphs: str, **kw):  # noqa: ANN001, F811

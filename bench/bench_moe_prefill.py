@@ -1,0 +1,112 @@
+"""One MoE layer's routed experts over a prefill piece: the per-expert loop against the sorted form
+(one grouped launch per projection, no host sync), side by side, bit for bit.
+
+    python bench/bench_moe_prefill.py --out bench/results/moe_prefill_h200.json     # GPU
+
+GLM-5.3's bank by default (256 experts of width 2048 over hidden 6144, top 8, bf16 as the engine
+holds them after decoding EXL3: 19 GB), random routing, T tokens a piece (default 2700 and 2048).
+Time: wall clock of the call with the device synchronised before and after (the loop is bound by
+its launches and its host sync, so events alone would miss its host time); arms alternate, the
+first call of each discarded, median with min and max.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.benchmeta import result_header, write_json  # noqa: E402
+
+
+def timed(fn: Callable[[], torch.Tensor]) -> tuple[float, torch.Tensor]:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0, out
+
+
+def run(experts: int, hidden: int, width: int, top_k: int, tokens: list[int], repeats: int) -> list[dict[str, Any]]:
+    from glm53.model.moe import DecodedExperts
+    from glm53.ops import triton_linear
+
+    g = torch.Generator(device="cuda").manual_seed(2026)
+    gate_up = torch.empty(experts, 2 * width, hidden, dtype=torch.bfloat16, device="cuda")
+    down = torch.empty(experts, hidden, width, dtype=torch.bfloat16, device="cuda")
+    for e in range(experts):  # one expert at a time: no fp32 copy of the whole bank
+        gate_up[e] = torch.randn(2 * width, hidden, generator=g, device="cuda") * hidden ** -0.5
+        down[e] = torch.randn(hidden, width, generator=g, device="cuda") * width ** -0.5
+    bank = DecodedExperts(gate_up, down)
+    rows = []
+    for t in tokens:
+        x = torch.randn(t, hidden, generator=g, device="cuda").to(torch.bfloat16)
+        ids = torch.rand(t, experts, generator=g, device="cuda").topk(top_k, dim=1).indices
+        weights = torch.rand(t, top_k, generator=g, device="cuda")
+        agrees = triton_linear.grouped_agrees(gate_up) and triton_linear.grouped_agrees(down)
+
+        def loop() -> torch.Tensor:
+            saved = dict(triton_linear._GROUPED_AGREE)
+            triton_linear._GROUPED_AGREE.update({k: False for k in saved})
+            try:
+                return bank.grouped(x, ids, weights)
+            finally:
+                triton_linear._GROUPED_AGREE.update(saved)
+
+        arms = {"loop": loop, "sorted": lambda: bank.runs(x, ids, weights)}
+        samples: dict[str, list[float]] = {name: [] for name in arms}
+        outs: dict[str, torch.Tensor] = {}
+        for i in range(repeats + 1):
+            for name, fn in arms.items():
+                s, outs[name] = timed(fn)
+                if i:
+                    samples[name].append(s)
+        same = bool(torch.equal(outs["loop"], outs["sorted"]))
+        row = {"tokens": t, "grouped_agrees": agrees, "bitwise_equal": same}
+        for name, s in samples.items():
+            row[name] = {"median_s": statistics.median(s), "min_s": min(s), "max_s": max(s), "samples_s": s}
+        row["speedup"] = row["loop"]["median_s"] / row["sorted"]["median_s"]
+        rows.append(row)
+        print(f"T {t}: loop {row['loop']['median_s'] * 1e3:.2f} ms, sorted {row['sorted']['median_s'] * 1e3:.2f} ms "
+              f"({row['speedup']:.1f}x), bitwise {same}, device check {agrees}", flush=True)
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--hidden", type=int, default=6144)
+    ap.add_argument("--width", type=int, default=2048)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[2700, 2048])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "moe_prefill.json")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_moe_prefill: needs a CUDA device", file=sys.stderr)
+        return 2
+    if min(args.experts, args.hidden, args.width, args.top_k, args.repeats, *args.tokens) <= 0 or args.top_k > args.experts:
+        print("error: every size must be positive and --top-k at most --experts", file=sys.stderr)
+        return 2
+    result = result_header("bench_moe_prefill", {"experts": args.experts, "hidden": args.hidden, "width": args.width,
+                                                 "top_k": args.top_k, "tokens": args.tokens, "repeats": args.repeats,
+                                                 "dtype": "bfloat16", "routing": "random top-k"}, torch.device("cuda"))
+    result["rows"] = run(args.experts, args.hidden, args.width, args.top_k, args.tokens, args.repeats)
+    print("tokens | loop (ms) | sorted (ms) | speedup | bitwise")
+    for r in result["rows"]:
+        print(f"{r['tokens']:6d} | {r['loop']['median_s'] * 1e3:9.2f} | {r['sorted']['median_s'] * 1e3:11.2f} | "
+              f"{r['speedup']:6.1f}x | {r['bitwise_equal']}")
+    write_json(args.out, result)
+    print(f"wrote {args.out}")
+    return 0 if all(r["bitwise_equal"] for r in result["rows"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
