@@ -205,6 +205,28 @@ def test_linear_configs_fit_gb10(m: int, n: int, k: int) -> None:
     assert compiled.metadata.shared <= GB10_SHARED, (c, compiled.metadata.shared)
 
 
+@pytest.mark.parametrize("capability,limit", [(90, H200_SHARED), (121, GB10_SHARED)], ids=["h200-sm90", "gb10-sm121"])
+@pytest.mark.parametrize("rows", [64, 2048])  # the grouped tile, or the prefill one
+@pytest.mark.parametrize("n,k", [(4096, 6144), (6144, 2048)])  # GLM-5.3's expert gate_up and down
+def test_grouped_expert_kernel_compiles_and_fits(capability: int, limit: int, rows: int, n: int, k: int) -> None:
+    """The MoE prefill's grouped kernel in either tile it may run (the grouped row tile where the
+    device's row tiles agree, else the prefill tile) at GLM-5.3's expert shapes."""
+    import torch
+
+    from glm53.ops import triton_linear as tlin
+
+    c = tlin.linear_config(rows, n, k, torch.bfloat16)
+    signature = {"x_ptr": "*bf16", "w_ptr": "*bf16", "tile_expert_ptr": "*i32", "tile_row_ptr": "*i64",
+                 "tile_rows_ptr": "*i32", "out_ptr": "*bf16",
+                 **{name: "i32" for name in ("TILES", "N", "K", "stride_xm", "stride_we", "stride_wn", "stride_om")}}
+    compiled = _compile(tlin._grouped_expert_kernel, signature, {"BLOCK_M": c.block_m, "BLOCK_N": c.block_n,
+                                                                 "BLOCK_K": c.block_k, "IEEE": False},
+                        c.num_warps, capability, c.num_stages)
+    assert compiled.metadata.shared <= limit, (c, compiled.metadata.shared)
+    if capability == 90:
+        assert "wgmma" in compiled.asm["ptx"]
+
+
 def test_index_scores_and_selection_fit_gb10() -> None:
     import torch
 

@@ -404,6 +404,20 @@ def grouped_agrees(w: torch.Tensor) -> bool:
         return found
     if w.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return False
+    from triton.runtime.errors import OutOfResources
+
+    try:
+        same = _grouped_check(w)
+    except OutOfResources:  # a device whose shared memory the tile does not fit: the loop, as when bits differ
+        same = False
+    _GROUPED_AGREE[key] = same
+    if not same:
+        print(f"glm53: the grouped expert product differs from linear's bits for {tuple(w.shape)} ({w.dtype}) "
+              f"on this device; MoE prefill runs one product per expert there (exact, slower)", file=sys.stderr)
+    return same
+
+
+def _grouped_check(w: torch.Tensor) -> bool:
     n_experts = min(w.shape[0], len(GROUPED_CHECK_COUNTS))
     counts = torch.tensor(GROUPED_CHECK_COUNTS[:n_experts], device=w.device)
     g = torch.Generator(device=w.device).manual_seed(20261203)
@@ -414,8 +428,4 @@ def grouped_agrees(w: torch.Tensor) -> bool:
         if c:
             same = same and torch.equal(got[begin:begin + c], linear(x[begin:begin + c], w[e]))
         begin += c
-    _GROUPED_AGREE[key] = same
-    if not same:
-        print(f"glm53: the grouped expert product differs from linear's bits for {tuple(w.shape)} ({w.dtype}) "
-              f"on this device; MoE prefill runs one product per expert there (exact, slower)", file=sys.stderr)
     return same
