@@ -30,8 +30,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 INTERP_TOL = dict(atol=1e-4, rtol=1e-4)
-CHECKS = ["linear", "linear_row_tiles_check", "grouped_expert_linear", "linear_leading_dims", "head_linear_strided", "rms_norm", "layer_norm", "index_scores",
-          "index_scores_causal",
+CHECKS = ["linear", "linear_row_tiles_check", "grouped_expert_linear", "linear_leading_dims", "head_linear_strided",
+          "rms_norm", "layer_norm", "index_scores", "index_scores_causal",
           "latent_attention", "latent_attention_edge_cases", "latent_attention_split", "latent_attention_prefix",
           "select_topk"]
 WORKER_TIMEOUT_S = 300

@@ -135,7 +135,6 @@ class DecodedExperts:
             begin += n
         return out
 
-
     def runs(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """`grouped` on the device without a sync: the token slots sorted by expert, each projection
         one launch over every expert's run of rows (the per-expert loop launched ~10 kernels an expert

@@ -46,7 +46,6 @@ import sys
 import torch
 import triton
 import triton.language as tl
-
 from triton.runtime.interpreter import InterpretedFunction
 
 from glm53.ops.triton_launch import OPTIONS
@@ -174,8 +173,9 @@ def _block_scores(q_v, q_r, rows_ptr, idx_ptr, valid_ptr, end, t, jb, K_SLOTS, s
 @triton.jit
 def _exp2_ftz(x):
     """2^x as one MUFU.EX2 (results below 2^-126 flush to 0; 2^-inf is 0), without tl.exp's multiply by
-    log2(e) and its range fix-up for subnormal results: the prefill kernel 1.19x (H200, GLM-5.3's
-    shape; bench/probe_attention_bound.py exp2_ftz). The accuracy of FlashAttention's fast-math exp2."""
+    log2(e) and its range fix-up for subnormal results: the prefill kernel 1.16x (H200, GLM-5.3's
+    shape, 2.310 against 2.680 ms; bench/results/attention_bound_h200_e.json). The accuracy of
+    FlashAttention's fast-math exp2."""
     return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
                                      pack=1)
 
@@ -514,8 +514,8 @@ def prefix_choice(heads: int, d: int, value_dim: int, dtype: torch.dtype, rows_d
     and fewer (bench/probe_prefix_form.py): there BLOCK_H 16 makes the dots mma.sync ones, and Triton
     gives their operands another kWidth in the two forms (4 loaded, 2 compared; Triton 3.9's TTGIR),
     which groups the K products otherwise, so the prefill kernel's own bits differ, full rows too.
-    At 64 heads the dots are wgmma ones from shared memory, and both forms agree. The interpreter: yes (the CPU tests compare both forms). Inside a graph capture an
-    unchecked key answers no."""
+    At 64 heads the dots are wgmma ones from shared memory, and both forms agree. The interpreter:
+    yes (the CPU tests compare both forms). Inside a graph capture an unchecked key answers no."""
     if device.type != "cuda":
         return True
     key = _checked_key(_PREFIX_OK, heads, d, value_dim, dtype, rows_dtype, device)
