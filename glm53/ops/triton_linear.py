@@ -311,19 +311,25 @@ def head_linear(x: torch.Tensor, w: torch.Tensor, config: LinearConfig | None = 
 def expert_linear(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """out[r] = x[r] @ w[ids[r]]^T: x [R, K], w [E, N, K], ids [R] (device ints, never read on the
     host) -> [R, N] in x's dtype; each row with linear()'s tile for one row, hence its bits."""
-    _check_dtypes(x, w, "expert_linear")
-    if x.dim() != 2 or w.dim() != 3 or w.shape[2] != x.shape[1] or ids.shape != (x.shape[0],):
-        raise ValueError(f"expert_linear: x {tuple(x.shape)} [R, K], w {tuple(w.shape)} [E, N, K], "
-                         f"ids {tuple(ids.shape)} [R] do not fit")
+    x, w = _expert_operands("expert_linear", x, w, "ids", ids, per_row=True)
     r, k = x.shape
     n = w.shape[1]
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    w = w.contiguous()
     if not (r and n and k):
         return torch.zeros(r, n, dtype=x.dtype, device=x.device)
     by_rows = CONFIG_BY_ROWS and row_tiles_agree("linear", w[0], x.dtype)
     return _expert_rows(x, w, ids, x.dtype, linear_config(1 if by_rows else PREFILL_ROWS, n, k, x.dtype))
+
+
+def _expert_operands(what: str, x: torch.Tensor, w: torch.Tensor, index_name: str, index: torch.Tensor,
+                     per_row: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, K] and w [E, N, K] of a product of rows by their experts' matrices, checked with
+    `index` (one per row of x, or one per expert of w), x with unit column stride and w contiguous."""
+    _check_dtypes(x, w, what)
+    fits = x.dim() == 2 and w.dim() == 3 and w.shape[2] == x.shape[1]
+    if not fits or index.shape != ((x.shape[0],) if per_row else (w.shape[0],)):
+        raise ValueError(f"{what}: x {tuple(x.shape)} [R, K], w {tuple(w.shape)} [E, N, K], "
+                         f"{index_name} {tuple(index.shape)} {'[R]' if per_row else '[E]'} do not fit")
+    return (x if x.stride(1) == 1 else x.contiguous()), w.contiguous()
 
 
 def _expert_rows(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, out_dtype: torch.dtype,
@@ -350,15 +356,9 @@ def grouped_expert_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor
     One launch, no sync; each run's rows get the bits `linear(x[run], w[e])` gives them (its tiles
     for GROUPED_ROWS rows: the same as every row count's where `row_tiles_agree`, else the prefill
     tile's; checked per shape on each device by `grouped_agrees` before the model uses it)."""
-    _check_dtypes(x, w, "grouped_expert_linear")
-    if x.dim() != 2 or w.dim() != 3 or w.shape[2] != x.shape[1] or counts.shape != (w.shape[0],):
-        raise ValueError(f"grouped_expert_linear: x {tuple(x.shape)} [S, K], w {tuple(w.shape)} [E, N, K], "
-                         f"counts {tuple(counts.shape)} [E] do not fit")
+    x, w = _expert_operands("grouped_expert_linear", x, w, "counts", counts, per_row=False)
     s, k = x.shape
     n = w.shape[1]
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    w = w.contiguous()
     out = torch.empty(s, n, dtype=x.dtype, device=x.device)
     if not (s and n and k):
         return out.zero_()
