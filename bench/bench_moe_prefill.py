@@ -54,15 +54,7 @@ def run(experts: int, hidden: int, width: int, top_k: int, tokens: list[int], re
         weights = torch.rand(t, top_k, generator=g, device="cuda")
         agrees = triton_linear.grouped_agrees(gate_up) and triton_linear.grouped_agrees(down)
 
-        def loop() -> torch.Tensor:
-            saved = dict(triton_linear._GROUPED_AGREE)
-            triton_linear._GROUPED_AGREE.update({k: False for k in saved})
-            try:
-                return bank.grouped(x, ids, weights)
-            finally:
-                triton_linear._GROUPED_AGREE.update(saved)
-
-        arms = {"loop": loop, "sorted": lambda: bank.runs(x, ids, weights)}
+        arms = {"loop": lambda: bank.by_expert(x, ids, weights), "sorted": lambda: bank.runs(x, ids, weights)}
         samples: dict[str, list[float]] = {name: [] for name in arms}
         outs: dict[str, torch.Tensor] = {}
         for i in range(repeats + 1):

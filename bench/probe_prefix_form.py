@@ -5,7 +5,7 @@ from the loaded form: which kernel, which queries, by how much.
 
 `prefix_choice` runs `prefix_agreement`'s case (16 queries over 2053 slots, half of them full, the
 rest a random count of valid slots first) and says yes or no per shape. This probe runs the same
-case at GLM-5.3's 64 heads, a DCP rank's 16 and the tiny model's 4, every way a call can go: the
+case at GLM-5.3's 64 heads, a TP4 rank's 16 and the tiny model's 4, every way a call can go: the
 prefill kernel with the mask loaded (the reference), the prefill kernel comparing, and the split
 kernels (each candidate config) both ways. For each way against the reference: equal or not, the
 queries that differ with their valid counts, and the largest difference in out and lse.
@@ -25,26 +25,9 @@ sys.path.insert(0, str(REPO))
 from bench.benchmeta import result_header, write_json  # noqa: E402
 from glm53.ops import triton_attention as ta  # noqa: E402
 
-SHAPES = {"glm53_64": (64, 576, 512), "dcp_16": (16, 576, 512), "tiny_4": (4, 80, 64)}
-
-
-def prefix_case(heads: int, d: int, dev: torch.device) -> tuple[tuple, torch.Tensor]:
-    """prefix_agreement's inputs, prepared, and each query's valid count."""
-    q, rows, indices, _ = ta._check_case(heads, d, torch.bfloat16, torch.bfloat16, dev, ta.CHECK_QUERIES,
-                                         ta.CHECK_SLOTS, ta.CHECK_ROWS)
-    g = torch.Generator(device=dev).manual_seed(20261203)
-    counts = torch.randint(0, ta.CHECK_SLOTS + 1, (ta.CHECK_QUERIES, 1), generator=g, device=dev)
-    counts[: ta.CHECK_QUERIES // 2] = ta.CHECK_SLOTS
-    first = torch.arange(ta.CHECK_SLOTS, device=dev)[None, :] < counts
-    return ta._prepared(q, rows, torch.where(first, indices, 0), first), counts[:, 0]
-
-
-def run_way(way: Callable, args: tuple, heads: int, d: int, dv: int) -> tuple[torch.Tensor, torch.Tensor]:
-    n = args[0].shape[0]
-    out = torch.empty(n, heads, dv, dtype=torch.bfloat16, device=args[0].device)
-    lse = torch.empty(n, heads, dtype=torch.float32, device=args[0].device)
-    way(*args, out, lse, d ** -0.5, dv)
-    return out, lse
+# GLM-5.3's 64 heads (DCP too: a rank gathers every head), a TP4 rank's 16 without DCP, the tiny model's 4
+# (bench/results/prefix_form_h200.json calls the 16-head shape dcp_16)
+SHAPES = {"glm53_64": (64, 576, 512), "tp4_rank_16": (16, 576, 512), "tiny_4": (4, 80, 64)}
 
 
 def compare(ref: tuple, got: tuple, counts: torch.Tensor) -> dict[str, Any]:
@@ -58,17 +41,17 @@ def compare(ref: tuple, got: tuple, counts: torch.Tensor) -> dict[str, Any]:
 
 
 def probe_shape(name: str, heads: int, d: int, dv: int, dev: torch.device) -> list[dict[str, Any]]:
-    args, counts = prefix_case(heads, d, dev)
+    args, counts = ta.prefix_case(heads, d, torch.bfloat16, torch.bfloat16, dev)
     ways: dict[str, Callable] = {"prefill prefix": lambda *a: ta._run_prefill(*a, prefix=True)}
     fitted = ta._fit_for(heads, d, dv, torch.bfloat16, torch.bfloat16, dev)
     for cfg in ta.split_candidates(heads, d, dv, torch.bfloat16, fitted):
         for prefix in (False, True):
             ways[f"split {cfg} {'prefix' if prefix else 'loaded'}"] = (
                 lambda *a, cfg=cfg, prefix=prefix: ta._run_split(*a, config=cfg, prefix=prefix))
-    ref = run_way(ta._run_prefill, args, heads, d, dv)
+    ref = ta.run_outputs(ta._run_prefill, args, heads, d, dv, torch.bfloat16)
     rows = []
     for way, run in ways.items():
-        row = {"shape": name, "heads": heads, "way": way, **compare(ref, run_way(run, args, heads, d, dv), counts)}
+        row = {"shape": name, "heads": heads, "way": way, **compare(ref, ta.run_outputs(run, args, heads, d, dv, torch.bfloat16), counts)}
         rows.append(row)
         print(f"{name:>9} {way:>34}: bitwise {row['bitwise']}  queries {row['queries_differing']} "
               f"(valid {row['their_valid_counts']})  diff out {row['max_abs_diff_out']:.3g} "

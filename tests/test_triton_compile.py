@@ -218,7 +218,7 @@ def test_grouped_expert_kernel_compiles_and_fits(capability: int, limit: int, ro
     c = tlin.linear_config(rows, n, k, torch.bfloat16)
     signature = {"x_ptr": "*bf16", "w_ptr": "*bf16", "tile_expert_ptr": "*i32", "tile_row_ptr": "*i64",
                  "tile_rows_ptr": "*i32", "out_ptr": "*bf16",
-                 **{name: "i32" for name in ("TILES", "N", "K", "stride_xm", "stride_we", "stride_wn", "stride_om")}}
+                 **{name: "i32" for name in ("N", "K", "stride_xm", "stride_we", "stride_wn", "stride_om")}}
     compiled = _compile(tlin._grouped_expert_kernel, signature, {"BLOCK_M": c.block_m, "BLOCK_N": c.block_n,
                                                                  "BLOCK_K": c.block_k, "IEEE": False},
                         c.num_warps, capability, c.num_stages)

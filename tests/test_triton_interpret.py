@@ -160,7 +160,7 @@ def _worker() -> dict[str, list]:
             real_linear = ops.linear
             ops.linear = triton_linear.linear
             try:
-                loop = bank.grouped(tokens, ids, weights)  # CPU tensors: the loop form
+                loop = bank.by_expert(tokens, ids, weights)
             finally:
                 ops.linear = real_linear
             same(bank.runs(tokens, ids, weights), loop, "DecodedExperts.runs vs the per-expert loop")

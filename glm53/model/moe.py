@@ -108,21 +108,19 @@ class DecodedExperts:
         flat_ids = sorted_ids.reshape(-1)
         gate, up = ops.expert_linear(x.repeat_interleave(k, dim=0), self.gate_up, flat_ids).chunk(2, dim=-1)
         y = ops.expert_linear(ops.silu(gate) * up, self.down, flat_ids)
-        parts = (y * slot_weights).to(x.dtype).view(t, k, -1)
-        out = torch.zeros_like(x)
-        for j in range(k):  # in ascending expert order, rounding after each add like index_add_
-            out = out + parts[:, j]
-        return out
+        return _sum_in_expert_order((y * slot_weights).to(x.dtype).view(t, k, -1), x)
 
     def grouped(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Many rows: `runs` where the device gives its grouped products linear's bits, else `by_expert`."""
         if ops.grouped_experts_for(x, self.gate_up, self.down):
             return self.runs(x, ids, weights)
+        return self.by_expert(x, ids, weights)
+
+    def by_expert(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The grouped form as a loop over the experts, which reads their counts on the host (a sync)."""
         out = torch.zeros_like(x)
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # token slots grouped by expert, ascending
-        counts = torch.bincount(flat, minlength=self.n_experts).tolist()
-        tokens = order // ids.shape[1]
-        slot_weights = weights.reshape(-1)[order]
+        _, tokens, slot_weights = _slots_by_expert(ids, weights)
+        counts = torch.bincount(ids.reshape(-1), minlength=self.n_experts).tolist()
         begin = 0
         for expert, n in enumerate(counts):
             if n == 0:
@@ -136,25 +134,35 @@ class DecodedExperts:
         return out
 
     def runs(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """`grouped` on the device without a sync: the token slots sorted by expert, each projection
-        one launch over every expert's run of rows (the per-expert loop launched ~10 kernels an expert
-        after reading the counts on the host: 256 experts a layer), then each token's slots summed in
-        ascending expert order from zeros, rounding after each add, as the loop's index_add_ does."""
+        """The grouped form on the device without a sync: the token slots sorted by expert, each
+        projection one launch over every expert's run of rows (`by_expert` launches ~10 kernels an
+        expert, counted in its loop, after reading the counts on the host), then each token's slots
+        summed in ascending expert order, as `by_expert`'s index_add_ adds them."""
         t, k = ids.shape
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.n_experts)
-        tokens = order // k
+        order, tokens, slot_weights = _slots_by_expert(ids, weights)
+        counts = torch.bincount(ids.reshape(-1), minlength=self.n_experts)
         gate, up = ops.grouped_expert_linear(x[tokens], self.gate_up, counts).chunk(2, dim=-1)
         y = ops.grouped_expert_linear(ops.silu(gate) * up, self.down, counts)
-        parts = (y * weights.reshape(-1)[order, None]).to(x.dtype)
+        parts = (y * slot_weights[:, None]).to(x.dtype)
         rank = ids.argsort(dim=1, stable=True).argsort(dim=1)  # a slot's place among its token's experts
         place = tokens * k + rank.reshape(-1)[order]
-        by_token = torch.empty_like(parts).index_copy_(0, place, parts).view(t, k, -1)
-        out = torch.zeros_like(x)
-        for j in range(k):
-            out = out + by_token[:, j]
-        return out
+        return _sum_in_expert_order(torch.empty_like(parts).index_copy_(0, place, parts).view(t, k, -1), x)
+
+
+def _slots_by_expert(ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The token slots [T, k] in ascending expert order (stable, so a run's tokens ascend): the
+    order of the flat slots, each slot's token and its routing weight."""
+    order = torch.argsort(ids.reshape(-1), stable=True)
+    return order, order // ids.shape[1], weights.reshape(-1)[order]
+
+
+def _sum_in_expert_order(parts: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """sum_j parts[:, j] from zeros, j ascending (each token's experts in ascending order), rounding
+    after each add as index_add_ does: parts [T, k, hidden] in the compute dtype."""
+    out = torch.zeros_like(like)
+    for j in range(parts.shape[1]):
+        out = out + parts[:, j]
+    return out
 
 
 @dataclass

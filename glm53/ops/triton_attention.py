@@ -42,6 +42,7 @@ quarter of the selection). No valid slot at all gives out 0 and lse -inf, never 
 from __future__ import annotations
 
 import sys
+from typing import Callable
 
 import torch
 import triton
@@ -588,15 +589,22 @@ def prefix_agreement(heads: int, d: int, value_dim: int, dtype: torch.dtype, row
     """agreement's case with validity in a Selection's form (each row's valid slots first, random
     counts): the prefill kernel comparing with the row's end gives the bits of the one loading the
     mask, and so do the split kernels (with `split_cfg`, where one agrees) in that form."""
+    runs = [_run_prefill, lambda *a: _run_prefill(*a, prefix=True)]
+    if split_cfg is not None:
+        runs.append(lambda *a: _run_split(*a, config=split_cfg, prefix=True))
+    return _same_results(prefix_case(heads, d, dtype, rows_dtype, device)[0], heads, d, value_dim, dtype, runs)
+
+
+def prefix_case(heads: int, d: int, dtype: torch.dtype, rows_dtype: torch.dtype, device: torch.device
+                ) -> tuple[tuple, torch.Tensor]:
+    """prefix_agreement's case, prepared (each row's valid slots first: half of the rows full, the
+    rest a random count), and each row's valid count."""
     q, rows, indices, _ = _check_case(heads, d, dtype, rows_dtype, device, CHECK_QUERIES, CHECK_SLOTS, CHECK_ROWS)
     g = torch.Generator(device=device).manual_seed(20261203)
     counts = torch.randint(0, CHECK_SLOTS + 1, (CHECK_QUERIES, 1), generator=g, device=device)
     counts[: CHECK_QUERIES // 2] = CHECK_SLOTS
     first = torch.arange(CHECK_SLOTS, device=device)[None, :] < counts
-    runs = [_run_prefill, lambda *a: _run_prefill(*a, prefix=True)]
-    if split_cfg is not None:
-        runs.append(lambda *a: _run_split(*a, config=split_cfg, prefix=True))
-    return _same_results(_prepared(q, rows, torch.where(first, indices, 0), first), heads, d, value_dim, dtype, runs)
+    return _prepared(q, rows, torch.where(first, indices, 0), first), counts[:, 0]
 
 
 def _check_case(heads: int, d: int, dtype: torch.dtype, rows_dtype: torch.dtype, device: torch.device,
@@ -613,11 +621,15 @@ def _check_case(heads: int, d: int, dtype: torch.dtype, rows_dtype: torch.dtype,
 
 def _same_results(args: tuple, heads: int, d: int, value_dim: int, dtype: torch.dtype, runs: list) -> bool:
     """Whether every run over the prepared `args` gives the first's out and lse, bit for bit."""
-    n = args[0].shape[0]
-    results = []
-    for run in runs:
-        out = torch.empty(n, heads, value_dim, dtype=dtype, device=args[0].device)
-        lse = torch.empty(n, heads, dtype=torch.float32, device=args[0].device)
-        run(*args, out, lse, d ** -0.5, value_dim)
-        results.append((out, lse))
+    results = [run_outputs(run, args, heads, d, value_dim, dtype) for run in runs]
     return all(torch.equal(o, results[0][0]) and torch.equal(e, results[0][1]) for o, e in results[1:])
+
+
+def run_outputs(run: Callable[..., None], args: tuple, heads: int, d: int, value_dim: int, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of one way (`_run_prefill`, `_run_split` with its options) over the prepared `args`."""
+    n = args[0].shape[0]
+    out = torch.empty(n, heads, value_dim, dtype=dtype, device=args[0].device)
+    lse = torch.empty(n, heads, dtype=torch.float32, device=args[0].device)
+    run(*args, out, lse, d ** -0.5, value_dim)
+    return out, lse

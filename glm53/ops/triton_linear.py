@@ -152,8 +152,8 @@ def _row_expert_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, R, N, K, stride_xm, strid
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-@triton.jit(do_not_specialize=["TILES"])
-def _grouped_expert_kernel(x_ptr, w_ptr, tile_expert_ptr, tile_row_ptr, tile_rows_ptr, out_ptr, TILES, N, K,
+@triton.jit
+def _grouped_expert_kernel(x_ptr, w_ptr, tile_expert_ptr, tile_row_ptr, tile_rows_ptr, out_ptr, N, K,
                            stride_xm, stride_we, stride_wn, stride_om, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
     # row tile `tile` of one expert's run of rows (tile_rows of them from tile_row; 0: an idle
@@ -365,7 +365,7 @@ def grouped_expert_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor
     cfg = _config("linear", GROUPED_ROWS, w[0], x.dtype)
     expert, first, rows = _tile_table(counts, cfg.block_m, triton.cdiv(s, cfg.block_m) + w.shape[0])
     grid = (expert.shape[0] * triton.cdiv(n, cfg.block_n),)
-    _grouped_expert_kernel[grid](x, w, expert, first, rows, out, expert.shape[0], n, k, x.stride(0), w.stride(0),
+    _grouped_expert_kernel[grid](x, w, expert, first, rows, out, n, k, x.stride(0), w.stride(0),
                                  w.stride(1), out.stride(0), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                                  BLOCK_K=cfg.block_k, IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps,
                                  num_stages=cfg.num_stages, **OPTIONS)

@@ -59,7 +59,6 @@ def test_grouped_experts_give_the_loop_bits(dtype: torch.dtype, experts: int, hi
     over experts that it replaces, and each expert's run against linear over it, bit for bit."""
     from glm53 import ops
     from glm53.model.moe import DecodedExperts
-    from glm53.ops import triton_linear
 
     g = torch.Generator(device="cuda").manual_seed(experts + hidden + tokens)
     bank = DecodedExperts((torch.randn(experts, 2 * width, hidden, generator=g, device="cuda") * hidden ** -0.5).to(dtype),
@@ -68,15 +67,7 @@ def test_grouped_experts_give_the_loop_bits(dtype: torch.dtype, experts: int, hi
     ids = torch.stack([torch.randperm(experts, generator=g, device="cuda")[:min(8, experts)] for _ in range(tokens)])
     weights = torch.rand(tokens, ids.shape[1], generator=g, device="cuda")
     assert ops.grouped_experts_for(x, bank.gate_up, bank.down), "the H200 should give the grouped form linear's bits"
-    runs = bank.runs(x, ids, weights)
-    saved = triton_linear._GROUPED_AGREE.copy()
-    triton_linear._GROUPED_AGREE.update({k: False for k in saved})  # the loop form
-    try:
-        loop = bank.grouped(x, ids, weights)
-    finally:
-        triton_linear._GROUPED_AGREE.clear()
-        triton_linear._GROUPED_AGREE.update(saved)
-    assert torch.equal(runs, loop)
+    assert torch.equal(bank.runs(x, ids, weights), bank.by_expert(x, ids, weights))
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=experts)
