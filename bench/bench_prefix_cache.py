@@ -62,6 +62,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.benchmeta import result_header, summary, write_json  # noqa: E402
+from glm53.config import Glm53Config  # noqa: E402
 from glm53.cuda_graphs import WindowGraphs  # noqa: E402
 from glm53.engine import Glm53Engine  # noqa: E402
 from glm53.model.transformer import Glm53Model  # noqa: E402
@@ -83,13 +84,12 @@ def tiny_checkpoint(root: Path) -> Path:
 EXPERTS_PER_SHARD = 32  # a real-width expert's three projections are 75 MB of bf16
 
 
-def real_dims_checkpoint(root: Path, layers: int, vocab: int, moe_experts: int = 0) -> Path:
+def real_dims_checkpoint(root: Path, layers: int, vocab: int, moe_experts: int = 0, dense_layers: int = 0) -> Path:
     """GLM-5.3 layer dimensions, plain bf16 weights: all-dense layers, or with `moe_experts` > 0
     MoE layers as GLM-5.3's (top 8 of that many routed experts of width 2048, one shared expert;
-    256 is GLM-5.3's: 19 GB a layer)."""
+    256 is GLM-5.3's: 19 GB a layer) after the first `dense_layers` dense ones."""
     from safetensors.torch import save_file
 
-    from glm53.config import Glm53Config
     from glm53.tiny import TINY_CONFIG, _layer_plain, _linear, _norm, _randn
 
     real = Glm53Config()  # the defaults are GLM-5.3's published dimensions
@@ -98,8 +98,11 @@ def real_dims_checkpoint(root: Path, layers: int, vocab: int, moe_experts: int =
         "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "index_topk", "index_head_dim",
         "index_n_heads", "rms_norm_eps", "n_shared_experts", "routed_scaling_factor", "n_group", "topk_group")}}
     moe = moe_experts > 0
+    if not 0 <= dense_layers < layers or (dense_layers and not moe):
+        raise ValueError(f"dense_layers {dense_layers}: needs MoE layers after it, below the {layers} layers")
+    n_dense = dense_layers if moe else layers
     cfg.update(num_hidden_layers=layers, num_key_value_heads=cfg["num_attention_heads"], vocab_size=vocab,
-               first_k_dense_replace=0 if moe else layers, mlp_layer_types=["sparse" if moe else "dense"] * layers,
+               first_k_dense_replace=n_dense, mlp_layer_types=["dense"] * n_dense + ["sparse"] * (layers - n_dense),
                indexer_types=[("full" if i % 2 == 0 else "shared") for i in range(layers)],
                num_nextn_predict_layers=0, max_position_embeddings=1 << 20, bos_token_id=0,
                eos_token_id=[1], head_dim=cfg["qk_rope_head_dim"])
@@ -108,7 +111,7 @@ def real_dims_checkpoint(root: Path, layers: int, vocab: int, moe_experts: int =
     out = root / "real_dims"
     out.mkdir()
     h = cfg["hidden_size"]
-    kind = f"MoE ({moe_experts} routed experts)" if moe else "dense"
+    kind = f"{n_dense} dense then MoE ({moe_experts} routed experts)" if moe else "dense"
     log(f"writing a {layers}-layer checkpoint at GLM-5.3 layer dimensions (hidden {h}, {kind}) ...")
     files: dict[str, str] = {}
 
@@ -122,7 +125,7 @@ def real_dims_checkpoint(root: Path, layers: int, vocab: int, moe_experts: int =
     save(head, "model-head.safetensors")
     for layer in range(layers):
         save(_layer_plain(layer, cfg, 0), f"model-layer{layer:03d}.safetensors")
-        for first in range(0, moe_experts, EXPERTS_PER_SHARD):
+        for first in range(0, moe_experts if layer >= n_dense else 0, EXPERTS_PER_SHARD):
             save(_expert_weights(layer, range(first, min(first + EXPERTS_PER_SHARD, moe_experts)), cfg),
                  f"model-layer{layer:03d}-experts{first:03d}.safetensors")
         log(f"  layer {layer + 1}/{layers}")
@@ -152,14 +155,16 @@ def deepen(engine: Glm53Engine, depth: int | None) -> None:
     its layer dimensions do not fit this machine's disk as a checkpoint (~67 GB of bf16); shared
     tensors cost the same time per layer, since a layer's weights (~0.86 GB) are far larger than L2
     and are read again from memory by every layer that uses them. (Layer 0 runs its own indexer,
-    the config guarantees it, so every repeat's 'shared' layers follow a 'full' one.)"""
+    the config guarantees it, so every repeat's 'shared' layers follow a 'full' one.)
+    A checkpoint with both dense and MoE layers gets GLM-5.3's mix: its dense layers repeated over
+    the first GLM-5.3's-count (3) layers, its MoE layers over the rest (75 of 78)."""
     w, cfg = engine.model.w, engine.cfg
     n = len(w.layers)
     if depth is not None and depth < n:
         raise ValueError(f"--depth {depth} is below the checkpoint's {n} layers")
     if depth is None or depth == n:
         return
-    pick = [i % n for i in range(depth)]
+    pick = layer_pick(list(cfg.mlp_layer_types), depth)
     layers = [dataclasses.replace(w.layers[j], index=i) for i, j in enumerate(pick)]
     engine.cfg = dataclasses.replace(cfg, num_hidden_layers=depth,
                                      indexer_types=tuple(cfg.indexer_types[j] for j in pick),
@@ -167,6 +172,19 @@ def deepen(engine: Glm53Engine, depth: int | None) -> None:
     engine.model = Glm53Model(engine.cfg, dataclasses.replace(w, layers=layers), engine.plan,
                               engine.model.dtype, engine.device)
     engine.graphs = engine._window_graphs("1" if engine.graphs is not None else "0")
+
+
+def layer_pick(mlp_layer_types: list[str], depth: int) -> list[int]:
+    """Which checkpoint layer runs at each of `depth` positions: all of one kind cycle in order;
+    dense layers followed by MoE ones take GLM-5.3's first 3 positions and the MoE ones the rest."""
+    dense = [i for i, t in enumerate(mlp_layer_types) if t == "dense"]
+    sparse = [i for i, t in enumerate(mlp_layer_types) if t == "sparse"]
+    if not dense or not sparse:
+        return [i % len(mlp_layer_types) for i in range(depth)]
+    if dense != list(range(len(dense))):
+        raise ValueError("the checkpoint's dense layers must come before its MoE layers (first_k_dense_replace)")
+    n_dense = min(Glm53Config().first_k_dense_replace, depth - 1)
+    return [dense[i % len(dense)] if i < n_dense else sparse[(i - n_dense) % len(sparse)] for i in range(depth)]
 
 
 # ---- measurement -------------------------------------------------------------------------------
@@ -613,6 +631,9 @@ def main() -> int:
     p.add_argument("--moe-experts", type=int, default=0,
                    help="--real-dims: MoE layers with this many routed experts (top 8, one shared; 256 is "
                         "GLM-5.3's, 19 GB of bf16 a layer) instead of dense ones (default 0: dense)")
+    p.add_argument("--dense-layers", type=int, default=0,
+                   help="--moe-experts: the checkpoint's first this many layers dense (with --depth they fill "
+                        "GLM-5.3's first 3 positions, the MoE ones the rest; default 0)")
     p.add_argument("--vocab", type=int, default=32768, help="--real-dims: vocabulary (default 32768)")
     p.add_argument("--depth", type=int, default=None,
                    help="run the model at this many layers, the checkpoint's repeated with shared weights "
@@ -671,6 +692,10 @@ def main() -> int:
     if args.moe_experts < 0 or (args.moe_experts and not args.real_dims):
         print("error: --moe-experts takes a count >= 0 and goes with --real-dims", file=sys.stderr)
         return 2
+    if args.dense_layers and not (args.moe_experts and 0 < args.dense_layers < args.layers):
+        print("error: --dense-layers goes with --moe-experts and must leave MoE layers after it (below --layers)",
+              file=sys.stderr)
+        return 2
     if args.warmup_repeats < 0:
         print("error: --warmup-repeats must be >= 0", file=sys.stderr)
         return 2
@@ -684,7 +709,7 @@ def main() -> int:
         if args.model_dir:
             model_dir = args.model_dir
         elif args.real_dims:
-            model_dir = real_dims_checkpoint(work, args.layers, args.vocab, args.moe_experts)
+            model_dir = real_dims_checkpoint(work, args.layers, args.vocab, args.moe_experts, args.dense_layers)
         else:
             model_dir = tiny_checkpoint(work)
         log(f"loading the engine on {model_dir} ...")
@@ -706,6 +731,7 @@ def main() -> int:
         settings = {"model_dir": str(model_dir), "real_dims": args.real_dims, "layers": len(engine.model.w.layers),
                     "moe_experts": engine.cfg.n_routed_experts if "sparse" in engine.cfg.mlp_layer_types else 0,
                     "distinct_layers": distinct_layers,
+                    "mlp_layer_types": "".join("D" if t == "dense" else "M" for t in engine.cfg.mlp_layer_types),
                     "hidden": engine.cfg.hidden_size, "compute_dtype": engine.dtype_name,
                     "kv_dtype": engine.kv_dtype, "chunk": engine.chunk, "ranks": 1, "dcp": False,
                     "drafting": False, "reply_tokens": args.reply, "turns": args.turns,

@@ -2,15 +2,16 @@
 # One lent-GPU session: the CUDA tests of the row-invariant forward, the CUDA graphs and the prefix
 # cache, then the prefix-cache and decode (graphs vs eager) benchmarks at GLM-5.3 layer dimensions. Logs and JSON go to $OUT (the device tool's
 # folder) or ./gpu_out. The copy on the GPU machine has no .git: pass the commit as the first argument.
-#   bash bench/run_h200.sh <commit> [tests|bench|all|depth|disk|moe]
+#   bash bench/run_h200.sh <commit> [tests|bench|all|depth|disk|moe-prefill|moe]
 # depth: the prefix cache (turns, one-word) and decode at GLM-5.3's 78 layers (4 distinct layers
 # repeated, bench_prefix_cache.deepen); disk: the disk resume at 78 layers and at 4, each also
-# from the page cache (both ~5 minutes); moe: the routed experts' sorted form against the loop
-# (bench_moe_prefill), then the turns with GLM-5.3's layer mix (two MoE layers of 256 experts
-# repeated to 78; a 38 GB checkpoint, ~7 minutes with the loop's turns).
+# from the page cache (both ~5 minutes); moe-prefill: the routed experts' sorted form against the
+# loop (bench_moe_prefill, ~30 s); moe: the turns, the one-word extension and the disk resume with
+# GLM-5.3's layer mix (a checkpoint of one dense and two MoE layers of 256 experts, 40 GB, run as
+# 3 dense + 75 MoE layers; ~8 minutes).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-commit="${1:?usage: bash bench/run_h200.sh <commit> [tests|bench|all|depth|disk|moe]}"
+commit="${1:?usage: bash bench/run_h200.sh <commit> [tests|bench|all|depth|disk|moe-prefill|moe]}"
 what="${2:-all}"
 out="${OUT:-gpu_out}"
 mkdir -p "$out"
@@ -53,12 +54,20 @@ if [ "$what" = disk ]; then
         --out "$out/prefix_cache_h200_disk_depth78.json" 2>&1 | tee "$out/prefix_cache_h200_disk_depth78.log"
     status=$(( status | ${PIPESTATUS[0]} ))
 fi
-if [ "$what" = moe ]; then
+if [ "$what" = moe-prefill ]; then
     python3 bench/bench_moe_prefill.py --out "$out/moe_prefill_h200.json" 2>&1 | tee "$out/moe_prefill_h200.log"
     status=$(( status | ${PIPESTATUS[0]} ))
-    python3 bench/bench_prefix_cache.py --real-dims --layers 2 --moe-experts 256 --device cuda --depth 78 \
-        --scenarios turns --repeats 4 --off-repeats 1 --out "$out/prefix_cache_h200_depth78_moe256.json" 2>&1 \
-        | tee "$out/prefix_cache_h200_depth78_moe256.log"
+fi
+if [ "$what" = moe ]; then
+    ckpt="$(mktemp -d)"
+    python3 -c "import sys; from pathlib import Path; sys.path.insert(0, '.'); \
+from bench.bench_prefix_cache import real_dims_checkpoint; real_dims_checkpoint(Path('$ckpt'), 3, 32768, 256, 1)"
+    mix=(--real-dims --model-dir "$ckpt/real_dims" --device cuda --depth 78)
+    python3 bench/bench_prefix_cache.py "${mix[@]}" --scenarios turns one-word --repeats 3 --off-repeats 1 \
+        --out "$out/prefix_cache_h200_glm53mix.json" 2>&1 | tee "$out/prefix_cache_h200_glm53mix.log"
+    status=$(( status | ${PIPESTATUS[0]} ))
+    python3 bench/bench_prefix_cache.py "${mix[@]}" --scenarios disk --repeats 1 --page-cache-samples 2 \
+        --out "$out/prefix_cache_h200_glm53mix_disk.json" 2>&1 | tee "$out/prefix_cache_h200_glm53mix_disk.log"
     status=$(( status | ${PIPESTATUS[0]} ))
 fi
 [ -n "${ckpt:-}" ] && rm -rf "$ckpt"
