@@ -398,7 +398,7 @@ def grouped_agrees(w: torch.Tensor) -> bool:
     on this device: once per shape key, random rows through the first experts of w itself against
     `linear(x[run], w[e])`, torch.equal. Inside a graph capture an unchecked key answers False (the
     per-expert loop is exact; an eager call checks later)."""
-    key = ("grouped", tuple(w.shape), w.dtype, w.device)
+    key = ("grouped", tuple(w.shape), w.dtype, w.device, GROUPED_ROWS)
     found = _GROUPED_AGREE.get(key)
     if found is not None:
         return found
