@@ -51,14 +51,19 @@ def test_expert_linear_rows_equal_linear_rows(dtype: torch.dtype, n: int, k: int
             assert torch.equal(got[r:r + 1], ops.linear(x[r:r + 1], w[e])), (e, r)
 
 
+@pytest.mark.parametrize("row_tile", [64, 2048])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("experts,hidden,width,tokens", [(16, 512, 256, 300), (256, 1024, 256, 700), (4, 96, 64, 17)])
 def test_grouped_experts_give_the_loop_bits(dtype: torch.dtype, experts: int, hidden: int, width: int,
-                                            tokens: int) -> None:
+                                            tokens: int, row_tile: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The MoE prefill's sorted form (one grouped launch per projection, no sync) against the loop
-    over experts that it replaces, and each expert's run against linear over it, bit for bit."""
+    over experts that it replaces, and each expert's run against linear over it, bit for bit; with
+    linear's tile for 64 rows and its prefill tile (GROUPED_ROWS)."""
     from glm53 import ops
     from glm53.model.moe import DecodedExperts
+    from glm53.ops import triton_linear
+
+    monkeypatch.setattr(triton_linear, "GROUPED_ROWS", row_tile)
 
     g = torch.Generator(device="cuda").manual_seed(experts + hidden + tokens)
     bank = DecodedExperts((torch.randn(experts, 2 * width, hidden, generator=g, device="cuda") * hidden ** -0.5).to(dtype),
