@@ -733,7 +733,7 @@ def main() -> int:
                     "distinct_layers": distinct_layers,
                     "mlp_layer_types": "".join("D" if t == "dense" else "M" for t in engine.cfg.mlp_layer_types),
                     "hidden": engine.cfg.hidden_size, "compute_dtype": engine.dtype_name,
-                    "kv_dtype": engine.kv_dtype, "chunk": engine.chunk, "ranks": 1, "dcp": False,
+                    "kv_dtype": engine.kv_dtype, "chunk": engine.chunk, "wave": engine.wave, "ranks": 1, "dcp": False,
                     "drafting": False, "reply_tokens": args.reply, "turns": args.turns,
                     "turn_tokens": args.turn_tokens, "long": args.long, "disk_long": args.disk_long,
                     "repeats": args.repeats, "off_repeats": args.off_repeats, "warmup_repeats": args.warmup_repeats,

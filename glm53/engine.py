@@ -12,6 +12,9 @@ Knobs (options override the environment):
     TF_GLM53_KV_DTYPE       bf16 | fp8 | fp32 latent-cache dtype (default bf16)
     TF_GLM53_PREFILL_CHUNK  prefill piece size C (default 2048 on cuda, 256 on cpu): bounds a piece's memory;
                             pieces follow the absolute grid [kC, (k+1)C) only in the grid-boundary mode
+    TF_GLM53_PREFILL_WAVE   tokens of consecutive prefill pieces run as one wave (default 4C): each piece's
+                            attention as alone, each layer's feed-forward block over the wave's rows at once
+                            (a MoE layer reads its experts once a wave); only where the ops are row-invariant
     TF_GLM53_CACHE_BLOCK    prefix-cache block size B (default 256): the hash chain's granularity
     TF_GLM53_PREFIX_REUSE_BOUNDARY  auto | 1 | 0: 1 floors reuse to the prefill grid (only needed where
                             the ops are not row-invariant: auto does it then), 0 reuses at any token
@@ -91,6 +94,18 @@ def prefill_pieces(start: int, stop: int, chunk: int, aligned: bool = True) -> l
     return pieces
 
 
+def prefill_waves(pieces: list[tuple[int, int]], wave: int) -> list[list[tuple[int, int]]]:
+    """Consecutive pieces grouped in order, each group at most `wave` positions (a piece longer
+    than that alone)."""
+    waves: list[list[tuple[int, int]]] = []
+    for a, b in pieces:
+        if waves and b - waves[-1][0][0] <= wave:
+            waves[-1].append((a, b))
+        else:
+            waves.append([(a, b)])
+    return waves
+
+
 class _Cancelled(Exception):
     """on_tokens returned False: the client went away."""
 
@@ -134,7 +149,8 @@ class Glm53Engine:
     def __init__(self, model_dir: str | Path, *, drafter: Any = None, tp: int = 1, rank: int = 0,
                  master: str = "127.0.0.1", master_port: int = 29551, no_drafts: bool = False,
                  mtp_drafts: int | None = None, device: str | None = None, dtype: str | None = None,
-                 kv_dtype: str | None = None, prefill_chunk: int | None = None, cache_block: int | None = None,
+                 kv_dtype: str | None = None, prefill_chunk: int | None = None, prefill_wave: int | None = None,
+                 cache_block: int | None = None,
                  prefix_reuse_boundary: str | None = None, prefix_cache: Any = None,
                  plan: RankPlan | None = None, reuse_live: bool = True, cuda_graphs: str | None = None,
                  progress: Callable[[str], None] | None = None, **unknown: Any) -> None:
@@ -156,6 +172,9 @@ class Glm53Engine:
             boundary = "0" if ops.row_invariant(self.device) else "1"
         # None: reuse resumes at any token (row-invariant ops); else at a multiple of the prefill grid
         self.reuse_boundary: int | None = self.chunk if boundary == "1" else None
+        # a wave's rows get each piece's bits only where the ops are row-invariant: else one piece a wave
+        wave = _env_int("TF_GLM53_PREFILL_WAVE", prefill_wave, 4 * self.chunk)
+        self.wave = wave if self.reuse_boundary is None else self.chunk
         self.plan = plan or RankPlan(world=tp, rank=rank)
         self.master, self.master_port = master, master_port
         self.drafter, self.no_drafts, self.mtp_drafts = drafter, no_drafts, mtp_drafts
@@ -206,10 +225,16 @@ class Glm53Engine:
         stop = start + len(tokens)
         split = max(start, min(stop, prompt_length))
         # the absolute grid only where reuse stops at it (ops that are not row-invariant)
-        for a, b in prefill_pieces(start, split, self.chunk, aligned=self.reuse_boundary is not None):
-            outs.append(self.forward(state, tokens[a - start:b - start], a, taps))
-            if state.frontier == a:
-                state.frontier = b
+        pieces = prefill_pieces(start, split, self.chunk, aligned=self.reuse_boundary is not None)
+        for wave in prefill_waves(pieces, self.wave):
+            (a, _), (_, b) = wave[0], wave[-1]
+            if len(wave) == 1:
+                outs.append(self.forward(state, tokens[a - start:b - start], a, taps))
+            else:
+                outs.extend(self.model.forward_wave(state, tokens[a - start:b - start], wave, taps))
+            for a, b in wave:
+                if state.frontier == a:
+                    state.frontier = b
         if split < stop:
             outs.append(self.forward(state, tokens[split - start:], split, taps))
         return outs

@@ -9,7 +9,7 @@ import random
 
 import torch
 
-from glm53.engine import prefill_pieces
+from glm53.engine import EngineError, prefill_pieces, prefill_waves
 from glm53.sampling import SamplingParams
 from tests.fixtures_tiny import TINY_CHUNK, fresh_engine_state, tiny_dirs, tiny_engine  # noqa: F401
 
@@ -47,6 +47,65 @@ def test_unaligned_pieces_run_from_the_start_in_chunks() -> None:
         b = a + rng.randint(0, 300)
         ps = prefill_pieces(a, b, c, aligned=False)
         assert [s for s, _ in ps] == list(range(a, b, c)) and (not ps or ps[-1][1] == b)
+
+
+def test_waves_group_consecutive_pieces_up_to_their_size() -> None:
+    pieces = prefill_pieces(45, 300, 32, aligned=False)
+    assert prefill_waves(pieces, 128) == [pieces[0:4], pieces[4:8]]
+    assert prefill_waves([(0, 32), (32, 64), (64, 70)], 64) == [[(0, 32), (32, 64)], [(64, 70)]]
+    assert prefill_waves([(0, 32), (32, 50)], 16) == [[(0, 32)], [(32, 50)]]  # a piece over the wave: alone
+    assert prefill_waves([], 128) == []
+    rng = random.Random(9)
+    for _ in range(200):
+        c, a, w = rng.randint(1, 50), rng.randint(0, 300), rng.randint(1, 200)
+        ps = prefill_pieces(a, a + rng.randint(0, 300), c, aligned=False)
+        waves = prefill_waves(ps, w)
+        assert [p for wave in waves for p in wave] == ps
+        assert all(len(wave) == 1 or wave[-1][1] - wave[0][0] <= w for wave in waves)
+        assert all(later[-1][1] - earlier[0][0] > w for earlier, later in zip(waves, waves[1:]))  # greedy
+
+
+def test_prefill_in_waves_gives_one_piece_at_a_times_bits(tiny_dirs) -> None:  # noqa: F811
+    """The engine's waves (TF_GLM53_PREFILL_WAVE: pieces' attention apart, the feed-forward blocks
+    over the wave at once) against one piece a wave: the same logits and cache rows, bit for bit,
+    also after a resume that starts mid-wave; the grid-boundary mode never groups pieces."""
+    from glm53.engine import Glm53Engine
+
+    prompt = _prompt(300, 21)
+    got, calls = {}, {}
+    for wave in (TINY_CHUNK, 3 * TINY_CHUNK + 5):
+        engine = Glm53Engine(tiny_dirs.model, device="cpu", dtype="fp32", kv_dtype="fp32", prefill_chunk=TINY_CHUNK,
+                             prefill_wave=wave)
+        seen, forward_wave = [], engine.model.forward_wave
+
+        def counted(state, tokens, pieces, taps=(), forward_wave=forward_wave, seen=seen):
+            seen.append(list(pieces))
+            return forward_wave(state, tokens, pieces, taps)
+
+        engine.model.forward_wave = counted
+        engine.trace = []
+        engine.generate(prompt[:110], 1, {"ignore_eos": True})
+        engine.generate(prompt, 1, {"ignore_eos": True})  # resumes at 110
+        rows = engine.state.export_rows(0, len(prompt))
+        got[wave], calls[wave] = ([t[1] for t in engine.trace], rows), seen
+    assert calls[TINY_CHUNK] == []
+    assert calls[3 * TINY_CHUNK + 5] == [[(0, 32), (32, 64), (64, 96)], [(110, 142), (142, 174), (174, 206)],
+                                         [(206, 238), (238, 270), (270, 300)]]
+    assert all(torch.equal(a, b) for a, b in zip(got[TINY_CHUNK][0], got[3 * TINY_CHUNK + 5][0]))
+    assert _rows_equal(got[TINY_CHUNK][1], got[3 * TINY_CHUNK + 5][1])
+    grid = Glm53Engine(tiny_dirs.model, device="cpu", dtype="fp32", kv_dtype="fp32", prefill_chunk=TINY_CHUNK,
+                       prefill_wave=4 * TINY_CHUNK, prefix_reuse_boundary="1")
+    assert grid.wave == TINY_CHUNK
+
+
+def test_a_bad_wave_size_is_refused(tiny_dirs, monkeypatch) -> None:  # noqa: F811
+    import pytest
+
+    from glm53.engine import Glm53Engine
+
+    monkeypatch.setenv("TF_GLM53_PREFILL_WAVE", "lots")
+    with pytest.raises(EngineError, match="TF_GLM53_PREFILL_WAVE='lots': expected a positive integer"):
+        Glm53Engine(tiny_dirs.model, device="cpu")
 
 
 def test_a_short_turn_across_a_grid_boundary_is_one_forward_and_the_same_bits(tiny_dirs) -> None:  # noqa: F811

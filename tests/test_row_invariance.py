@@ -119,26 +119,41 @@ def _pieces(rng: random.Random, n: int) -> list[tuple[int, int]]:
     pytest.param("cuda", "bf16", "fp8", marks=pytest.mark.gpu),
     pytest.param("cuda", "fp32", "fp32", marks=pytest.mark.gpu)])
 def test_forward_in_any_pieces_equals_one_prefill(tiny_dirs, device: str, compute: str, kv: str) -> None:  # noqa: F811
-    """The tiny GLM-5.3 (MLA, indexer past its top-k, MoE, fp8 cache) run over random cuts, and one
-    token at a time, writes the same cache rows and hidden states as one forward of the whole prompt."""
+    """The tiny GLM-5.3 (MLA, indexer past its top-k, MoE, fp8 cache) run over random cuts, one
+    token at a time, and in waves (forward_wave: pieces' attention apart, their feed-forward blocks
+    over the wave's rows at once), writes the same cache rows and hidden states as one forward of
+    the whole prompt."""
     from glm53.engine import Glm53Engine
 
     engine = Glm53Engine(tiny_dirs.model, device=device, dtype=compute, kv_dtype=kv, prefill_chunk=1 << 20)
     model, rng = engine.model, random.Random(4)
     prompt = [rng.randrange(3, engine.vocab_size) for _ in range(90)]  # past index_topk (32)
 
-    def run(pieces):
-        state = model.new_state(kv)
+    def run(waves: list[list[tuple[int, int]]]):
+        state, hidden = model.new_state(kv), []
         with torch.inference_mode():
-            hidden = torch.cat([model.forward(state, prompt[a:b], a).hidden for a, b in pieces])
-        return hidden, state.export_rows(0, len(prompt))
+            for wave in waves:
+                (a, _), (_, b) = wave[0], wave[-1]
+                outs = model.forward_wave(state, prompt[a:b], wave) if len(wave) > 1 else \
+                    [model.forward(state, prompt[a:b], a)]
+                assert len(outs) == len(wave) and [o.hidden.shape[0] for o in outs] == [q - p for p, q in wave]
+                hidden += [o.hidden for o in outs]
+        return torch.cat(hidden), state.export_rows(0, len(prompt))
 
-    ref_hidden, ref_rows = run([(0, 90)])
-    for pieces in (_pieces(rng, 90), _pieces(rng, 90), [(i, i + 1) for i in range(90)]):
-        hidden, rows = run(pieces)
-        assert torch.equal(hidden, ref_hidden), pieces
+    def grouped(pieces: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:  # random consecutive waves
+        cuts = sorted(rng.sample(range(1, len(pieces)), rng.randrange(0, len(pieces) - 1)))
+        bounds = [0, *cuts, len(pieces)]
+        return [pieces[i:j] for i, j in zip(bounds, bounds[1:])]
+
+    ref_hidden, ref_rows = run([[(0, 90)]])
+    singles = [(i, i + 1) for i in range(90)]
+    cases = [[[p] for p in _pieces(rng, 90)], [[p] for p in _pieces(rng, 90)], [[p] for p in singles],
+             [_pieces(rng, 90)], grouped(_pieces(rng, 90)), grouped(singles[:40]) + [[(40, 75), (75, 90)]]]
+    for waves in cases:
+        hidden, rows = run(waves)
+        assert torch.equal(hidden, ref_hidden), waves
         for name in ref_rows:
-            assert torch.equal(rows[name].view(torch.uint8), ref_rows[name].view(torch.uint8)), (name, pieces)
+            assert torch.equal(rows[name].view(torch.uint8), ref_rows[name].view(torch.uint8)), (name, waves)
 
 
 def test_sigmoid_and_silu_give_an_element_the_same_bits_in_any_tensor() -> None:

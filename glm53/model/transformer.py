@@ -112,6 +112,45 @@ class Glm53Model:
         return ForwardOutput(hidden=rms_norm(last, self.w.final_norm, self.cfg.rms_norm_eps),
                              last_layer=last, taps=taken)
 
+    def forward_wave(self, state: KVState, tokens: list[int], pieces: list[tuple[int, int]],
+                     taps: tuple[int, ...] = ()) -> list[ForwardOutput]:
+        """Consecutive prefill pieces [a, b) as one wave, layer by layer: each piece's attention as
+        forward() runs it (its rows written, its queries over keys [0, b)), each layer's feed-forward
+        block over the whole wave's rows at once. Every op is row-invariant, so each row gets the
+        bits of forward() piece by piece, while a MoE layer reads its experts once a wave instead
+        of once a piece (bench/bench_moe_prefill.py). One ForwardOutput a piece."""
+        ids = self._ids(tokens)
+        start, stop = pieces[0][0], pieces[-1][1]
+        sizes = [b - a for a, b in pieces]
+        if any(b <= a for a, b in pieces) or any(p[1] != q[0] for p, q in zip(pieces, pieces[1:])) \
+                or stop - start != ids.shape[0]:
+            raise ValueError(f"forward_wave: pieces {pieces} must be non-empty, consecutive and cover the "
+                             f"{ids.shape[0]} tokens")
+        if start != state.length:
+            raise ValueError(f"forward at position {start} but the cache holds {state.length} rows; windows must continue it")
+        state.reserve(stop)
+        nan_flag = torch.zeros((), dtype=torch.bool, device=self.device) if self.device.type == "cuda" else None
+        spans = [Span(torch.arange(a, b, device=self.device), a, b, nan_flag) for a, b in pieces]
+        angles = [rope_angles(self.inv_freq, span.positions, self.dtype) for span in spans]
+        xs = list(self.plan.embed(self.w.embed, ids).to(self.dtype).split(sizes))
+        selections: list[Selection | None] = [None] * len(pieces)
+        taken: list[dict[int, torch.Tensor]] = [{} for _ in pieces]
+        for layer in self.w.layers:
+            hs = []
+            for i, span in enumerate(spans):
+                xs[i], h, selections[i] = self._attention(state, layer, xs[i], span, *angles[i], selections[i])
+                hs.append(h)
+            ys = self.plan.sum_partials(layer.ffn(torch.cat(hs))).split(sizes)
+            xs = [x + y for x, y in zip(xs, ys)]
+            if layer.index in taps:
+                for i, x in enumerate(xs):
+                    taken[i][layer.index] = x
+        if nan_flag is not None and bool(nan_flag):
+            raise ValueError("indexer scores contain NaN; the selection is undefined")
+        state.tokens.extend(tokens)
+        return [ForwardOutput(hidden=rms_norm(x, self.w.final_norm, self.cfg.rms_norm_eps), last_layer=x, taps=t)
+                for x, t in zip(xs, taken)]
+
     def forward_window(self, state: KVState, ids: torch.Tensor, span: Span, taps: tuple[int, ...] = ()
                        ) -> ForwardOutput:
         """The forward of a short window as glm53.cuda_graphs captures it: ids [T] and span.positions
@@ -187,6 +226,14 @@ class Glm53Model:
     def _layer(self, state: KVState, layer: LayerWeights, x: torch.Tensor, span: Span,
                cos: torch.Tensor, sin: torch.Tensor, selection: Selection | None
                ) -> tuple[torch.Tensor, Selection]:
+        x, h, selection = self._attention(state, layer, x, span, cos, sin, selection)
+        return x + self.plan.sum_partials(layer.ffn(h)), selection
+
+    def _attention(self, state: KVState, layer: LayerWeights, x: torch.Tensor, span: Span,
+                   cos: torch.Tensor, sin: torch.Tensor, selection: Selection | None
+                   ) -> tuple[torch.Tensor, torch.Tensor, Selection]:
+        """A layer up to its feed-forward block: x after the attention's residual, the normed input
+        of the feed-forward block, and the selection (the next 'shared' layers reuse it)."""
         cfg, a, plan = self.cfg, layer.attn, self.plan
         h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
         q_resid, q_nope, q_rot = project_queries(a, h, cos, sin)
@@ -205,8 +252,7 @@ class Glm53Model:
             raise ValueError(f"layer {layer.index} shares the indexer selection but no earlier full layer ran")
         out = plan.attend(a, q_nope, q_rot, cached, key_positions, selection, cfg.num_attention_heads)
         x = x + plan.sum_partials(output_projection(a, out))
-        h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
-        return x + plan.sum_partials(layer.ffn(h)), selection
+        return x, rms_norm(x, layer.post_norm, cfg.rms_norm_eps), selection
 
 
 def _write(at_start, at_positions, layer: int, span: Span, rows: torch.Tensor) -> None:  # noqa: ANN001
