@@ -63,7 +63,7 @@ if [ "$what" = moe ]; then
     python3 -c "import sys; from pathlib import Path; sys.path.insert(0, '.'); \
 from bench.bench_prefix_cache import real_dims_checkpoint; real_dims_checkpoint(Path('$ckpt'), 3, 32768, 256, 1)"
     mix=(--real-dims --model-dir "$ckpt/real_dims" --device cuda --depth 78)
-    python3 bench/bench_prefix_cache.py "${mix[@]}" --scenarios turns one-word --repeats 3 --off-repeats 1 \
+    python3 bench/bench_prefix_cache.py "${mix[@]}" --scenarios turns one-word --repeats 4 --off-repeats 1 \
         --out "$out/prefix_cache_h200_glm53mix.json" 2>&1 | tee "$out/prefix_cache_h200_glm53mix.log"
     status=$(( status | ${PIPESTATUS[0]} ))
     python3 bench/bench_prefix_cache.py "${mix[@]}" --scenarios disk --repeats 1 --page-cache-samples 2 \
