@@ -33,14 +33,14 @@ INTERP_TOL = dict(atol=1e-4, rtol=1e-4)
 CHECKS = ["linear", "linear_row_tiles_check", "grouped_expert_linear", "linear_leading_dims", "head_linear_strided",
           "rms_norm", "layer_norm", "index_scores", "index_scores_causal",
           "latent_attention", "latent_attention_edge_cases", "latent_attention_split", "latent_attention_prefix",
-          "select_topk"]
+          "select_topk", "select_bracket"]
 WORKER_TIMEOUT_S = 300
 SKIP_KEY = "__skip__"
 
 
 # ------------------------------------------------------------------------------- worker (subprocess)
 
-def _worker() -> dict[str, list]:
+def _worker(names: list[str]) -> dict[str, list]:
     import warnings
 
     warnings.filterwarnings("ignore", category=RuntimeWarning)  # numpy's -inf - -inf inside tl.where
@@ -394,7 +394,6 @@ def _worker() -> dict[str, list]:
             assert "exceed MAX_KEYS" in str(exc) and "torch form" in str(exc)
         else:
             raise AssertionError("a row over MAX_KEYS accepted by the split form")
-        check_select_bracket()
         s = randn(12, 300).masked_fill(torch.arange(300)[None, :] > (288 + torch.arange(12))[:, None],
                                        float("-inf"))
         want, (idx, valid, _) = select_topk(s, 32), triton_topk.select(s, 32)
@@ -415,9 +414,10 @@ def _worker() -> dict[str, list]:
               "latent_attention": check_latent_attention,
               "latent_attention_edge_cases": check_latent_attention_edge_cases,
               "latent_attention_split": check_latent_attention_split,
-              "latent_attention_prefix": check_latent_attention_prefix, "select_topk": check_select_topk}
+              "latent_attention_prefix": check_latent_attention_prefix, "select_topk": check_select_topk,
+              "select_bracket": check_select_bracket}
     results: dict[str, list] = {}
-    for name in CHECKS:
+    for name in names:
         try:
             checks[name]()
             results[name] = [True, ""]
@@ -428,17 +428,31 @@ def _worker() -> dict[str, list]:
 
 # ------------------------------------------------------------------------------------ tests (parent)
 
+# two workers side by side (~55 s each on this project's 2-core host): the selection checks take
+# most of the interpreter's time
+WORKER_SPLIT = (["select_topk"], [name for name in CHECKS if name != "select_topk"])
+
+
 @pytest.fixture(scope="module")
 def verdicts() -> dict[str, list]:
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed here: the interpreter checks need it (pip install triton)")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode != 0 or not lines:
-        pytest.fail(f"interpreter worker failed (rc {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    found = json.loads(lines[-1])
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+    workers = [subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker", *names], cwd=REPO,
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for names in WORKER_SPLIT]
+    found: dict[str, list] = {}
+    try:
+        for worker in workers:
+            out, err = worker.communicate(timeout=WORKER_TIMEOUT_S)
+            lines = [line for line in out.splitlines() if line.startswith("{")]
+            if worker.returncode != 0 or not lines:
+                pytest.fail(f"interpreter worker {worker.args[3:]} failed (rc {worker.returncode}):\n{out[-3000:]}\n{err[-3000:]}")
+            found.update(json.loads(lines[-1]))
+    finally:
+        for worker in workers:
+            worker.kill()
+            worker.wait()
     if SKIP_KEY in found:
         pytest.skip(found[SKIP_KEY][1])
     return found
@@ -450,5 +464,5 @@ def test_interpreted_kernel(verdicts, name):
     assert ok, message
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:
-    print(json.dumps(_worker()), flush=True)
+if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
+    print(json.dumps(_worker(sys.argv[2:] or CHECKS)), flush=True)
