@@ -1,8 +1,9 @@
 """The Triton kernels (glm53/ops/triton_*.py) on the CPU, through Triton's interpreter (TRITON_INTERPRET=1).
 
-TRITON_INTERPRET must be set before triton is imported, so the checks run in one subprocess: this
-file run as a script (`python tests/test_triton_interpret.py --worker`) executes every check and
-prints a JSON verdict per check; the tests below assert them one by one. Inputs are fp32 (the
+TRITON_INTERPRET must be set before triton is imported, so the checks run in subprocesses: this
+file run as a script (`python tests/test_triton_interpret.py --worker [CHECK ...]`) executes the named
+checks (default all) and prints a JSON verdict per check; the fixture runs two such workers side by
+side (WORKER_SPLIT) and the tests below assert the verdicts one by one. Inputs are fp32 (the
 interpreter of triton 3.9 with numpy 2.4 mis-loads bf16), shapes small and chosen to hit the masks:
 dims that are not powers of two, row counts that are not multiples of the tile, a non-contiguous
 head_linear input, invalid slots, an all-invalid query, an empty selection. The indexer's selection
