@@ -105,51 +105,22 @@ class Glm53Model:
     # ---- forward --------------------------------------------------------------------------
     def forward(self, state: KVState, tokens: list[int] | torch.Tensor, start: int,
                 taps: tuple[int, ...] = ()) -> ForwardOutput:
-        ids = self._ids(tokens)
-        x = self.plan.embed(self.w.embed, ids).to(self.dtype)
-        last, taken = self._run_layers(state, self.w.layers, x, ids, start, taps)
-        state.tokens.extend(tokens if isinstance(tokens, list) else ids.tolist())
-        return ForwardOutput(hidden=rms_norm(last, self.w.final_norm, self.cfg.rms_norm_eps),
-                             last_layer=last, taps=taken)
+        return self.forward_wave(state, tokens, [(start, start + self._ids(tokens).shape[0])], taps)[0]
 
-    def forward_wave(self, state: KVState, tokens: list[int], pieces: list[tuple[int, int]],
+    def forward_wave(self, state: KVState, tokens: list[int] | torch.Tensor, pieces: list[tuple[int, int]],
                      taps: tuple[int, ...] = ()) -> list[ForwardOutput]:
         """Consecutive prefill pieces [a, b) as one wave, layer by layer: each piece's attention as
         forward() runs it (its rows written, its queries over keys [0, b)), each layer's feed-forward
         block over the whole wave's rows at once. Every op is row-invariant, so each row gets the
         bits of forward() piece by piece, while a MoE layer reads its experts once a wave instead
-        of once a piece (bench/bench_moe_prefill.py). One ForwardOutput a piece."""
+        of once a piece (bench/bench_moe_prefill.py). One ForwardOutput a piece; forward() is a wave
+        of one piece."""
         ids = self._ids(tokens)
-        start, stop = pieces[0][0], pieces[-1][1]
-        sizes = [b - a for a, b in pieces]
-        if any(b <= a for a, b in pieces) or any(p[1] != q[0] for p, q in zip(pieces, pieces[1:])) \
-                or stop - start != ids.shape[0]:
-            raise ValueError(f"forward_wave: pieces {pieces} must be non-empty, consecutive and cover the "
-                             f"{ids.shape[0]} tokens")
-        if start != state.length:
-            raise ValueError(f"forward at position {start} but the cache holds {state.length} rows; windows must continue it")
-        state.reserve(stop)
-        nan_flag = torch.zeros((), dtype=torch.bool, device=self.device) if self.device.type == "cuda" else None
-        spans = [Span(torch.arange(a, b, device=self.device), a, b, nan_flag) for a, b in pieces]
-        angles = [rope_angles(self.inv_freq, span.positions, self.dtype) for span in spans]
-        xs = list(self.plan.embed(self.w.embed, ids).to(self.dtype).split(sizes))
-        selections: list[Selection | None] = [None] * len(pieces)
-        taken: list[dict[int, torch.Tensor]] = [{} for _ in pieces]
-        for layer in self.w.layers:
-            hs = []
-            for i, span in enumerate(spans):
-                xs[i], h, selections[i] = self._attention(state, layer, xs[i], span, *angles[i], selections[i])
-                hs.append(h)
-            ys = self.plan.sum_partials(layer.ffn(torch.cat(hs))).split(sizes)
-            xs = [x + y for x, y in zip(xs, ys)]
-            if layer.index in taps:
-                for i, x in enumerate(xs):
-                    taken[i][layer.index] = x
-        if nan_flag is not None and bool(nan_flag):
-            raise ValueError("indexer scores contain NaN; the selection is undefined")
-        state.tokens.extend(tokens)
+        x = self.plan.embed(self.w.embed, ids).to(self.dtype)
+        outs = self._run_pieces(state, self.w.layers, x, pieces, taps)
+        state.tokens.extend(tokens if isinstance(tokens, list) else ids.tolist())
         return [ForwardOutput(hidden=rms_norm(x, self.w.final_norm, self.cfg.rms_norm_eps), last_layer=x, taps=t)
-                for x, t in zip(xs, taken)]
+                for x, t in outs]
 
     def forward_window(self, state: KVState, ids: torch.Tensor, span: Span, taps: tuple[int, ...] = ()
                        ) -> ForwardOutput:
@@ -184,7 +155,7 @@ class Glm53Model:
         x = ops.linear(torch.cat([rms_norm(e, m.enorm, self.cfg.rms_norm_eps),
                                   rms_norm(prev_hidden.to(self.dtype), m.hnorm, self.cfg.rms_norm_eps)], dim=-1),
                        m.eh_proj)
-        out, _ = self._run_layers(state, [m.layer], x, ids, start, ())
+        [(out, _)] = self._run_pieces(state, [m.layer], x, [(start, start + ids.shape[0])], ())
         state.tokens.extend(next_tokens if isinstance(next_tokens, list) else ids.tolist())
         normed = rms_norm(out, m.head_norm, self.cfg.rms_norm_eps)
         head = m.head if m.head is not None else self.w.head
@@ -197,20 +168,38 @@ class Glm53Model:
             raise ValueError("forward needs at least one token")
         return ids
 
-    def _run_layers(self, state: KVState, layers: list[LayerWeights], x: torch.Tensor, ids: torch.Tensor,
-                    start: int, taps: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    def _run_pieces(self, state: KVState, layers: list[LayerWeights], x: torch.Tensor, pieces: list[tuple[int, int]],
+                    taps: tuple[int, ...]) -> list[tuple[torch.Tensor, dict[int, torch.Tensor]]]:
+        """`layers` over x's rows at the consecutive pieces [a, b) (eager: slice writes), each piece's
+        attention apart, each feed-forward block over all the rows; per piece its output and taps."""
+        start, stop = pieces[0][0], pieces[-1][1]
+        sizes = [b - a for a, b in pieces]
+        if min(sizes) <= 0 or any(p[1] != q[0] for p, q in zip(pieces, pieces[1:])) or stop - start != x.shape[0]:
+            raise ValueError(f"pieces {pieces} must be non-empty, consecutive and cover the {x.shape[0]} rows")
         if start != state.length:
             raise ValueError(f"forward at position {start} but the cache holds {state.length} rows; windows must continue it")
-        n = ids.shape[0]
-        state.reserve(start + n)
+        state.reserve(stop)
         # on a GPU the full layers' NaN checks go into one device flag, read once after the layers:
         # a host sync per full layer would stall the launch queue 39 times a prefill piece
         nan_flag = torch.zeros((), dtype=torch.bool, device=self.device) if self.device.type == "cuda" else None
-        span = Span(torch.arange(start, start + n, device=self.device), start, start + n, nan_flag)
-        out = self._layers_over(state, layers, x, span, taps)
+        spans = [Span(torch.arange(a, b, device=self.device), a, b, nan_flag) for a, b in pieces]
+        angles = [rope_angles(self.inv_freq, span.positions, self.dtype) for span in spans]
+        xs = list(x.split(sizes))
+        selections: list[Selection | None] = [None] * len(pieces)
+        taken: list[dict[int, torch.Tensor]] = [{} for _ in pieces]
+        for layer in layers:
+            hs = []
+            for i, span in enumerate(spans):
+                xs[i], h, selections[i] = self._attention(state, layer, xs[i], span, *angles[i], selections[i])
+                hs.append(h)
+            ys = self.plan.sum_partials(layer.ffn(hs[0] if len(hs) == 1 else torch.cat(hs))).split(sizes)
+            xs = [x + y for x, y in zip(xs, ys)]
+            if layer.index in taps:
+                for i, x in enumerate(xs):
+                    taken[i][layer.index] = x
         if nan_flag is not None and bool(nan_flag):
             raise ValueError("indexer scores contain NaN; the selection is undefined")
-        return out
+        return list(zip(xs, taken))
 
     def _layers_over(self, state: KVState, layers: list[LayerWeights], x: torch.Tensor, span: Span,
                      taps: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
