@@ -105,7 +105,8 @@ class Glm53Model:
     # ---- forward --------------------------------------------------------------------------
     def forward(self, state: KVState, tokens: list[int] | torch.Tensor, start: int,
                 taps: tuple[int, ...] = ()) -> ForwardOutput:
-        return self.forward_wave(state, tokens, [(start, start + self._ids(tokens).shape[0])], taps)[0]
+        n = len(tokens) if isinstance(tokens, list) else tokens.numel()
+        return self.forward_wave(state, tokens, [(start, start + n)], taps)[0]
 
     def forward_wave(self, state: KVState, tokens: list[int] | torch.Tensor, pieces: list[tuple[int, int]],
                      taps: tuple[int, ...] = ()) -> list[ForwardOutput]:
@@ -129,7 +130,7 @@ class Glm53Model:
         shape that depends on the position, so one capture serves every window of that length and
         bound. The caller reserves room and keeps state.tokens. The per-row arithmetic is forward()'s."""
         x = self.plan.embed(self.w.embed, ids).to(self.dtype)
-        last, taken = self._layers_over(state, self.w.layers, x, span, taps)
+        [(last, taken)] = self._layers_over(state, self.w.layers, [x], [span], taps)
         return ForwardOutput(hidden=rms_norm(last, self.w.final_norm, self.cfg.rms_norm_eps),
                              last_layer=last, taps=taken)
 
@@ -183,10 +184,20 @@ class Glm53Model:
         # a host sync per full layer would stall the launch queue 39 times a prefill piece
         nan_flag = torch.zeros((), dtype=torch.bool, device=self.device) if self.device.type == "cuda" else None
         spans = [Span(torch.arange(a, b, device=self.device), a, b, nan_flag) for a, b in pieces]
+        outs = self._layers_over(state, layers, list(x.split(sizes)), spans, taps)
+        if nan_flag is not None and bool(nan_flag):
+            raise ValueError("indexer scores contain NaN; the selection is undefined")
+        return outs
+
+    def _layers_over(self, state: KVState, layers: list[LayerWeights], xs: list[torch.Tensor], spans: list[Span],
+                     taps: tuple[int, ...]) -> list[tuple[torch.Tensor, dict[int, torch.Tensor]]]:
+        """The layers over consecutive spans' rows xs (one span: a forward or a captured window):
+        each span's attention apart, each feed-forward block over all the rows at once; per span its
+        output and taps."""
+        sizes = [x.shape[0] for x in xs]
         angles = [rope_angles(self.inv_freq, span.positions, self.dtype) for span in spans]
-        xs = list(x.split(sizes))
-        selections: list[Selection | None] = [None] * len(pieces)
-        taken: list[dict[int, torch.Tensor]] = [{} for _ in pieces]
+        selections: list[Selection | None] = [None] * len(spans)
+        taken: list[dict[int, torch.Tensor]] = [{} for _ in spans]
         for layer in layers:
             hs = []
             for i, span in enumerate(spans):
@@ -197,24 +208,12 @@ class Glm53Model:
             if layer.index in taps:
                 for i, x in enumerate(xs):
                     taken[i][layer.index] = x
-        if nan_flag is not None and bool(nan_flag):
-            raise ValueError("indexer scores contain NaN; the selection is undefined")
         return list(zip(xs, taken))
-
-    def _layers_over(self, state: KVState, layers: list[LayerWeights], x: torch.Tensor, span: Span,
-                     taps: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        cos, sin = rope_angles(self.inv_freq, span.positions, self.dtype)
-        selection: Selection | None = None
-        taken: dict[int, torch.Tensor] = {}
-        for layer in layers:
-            x, selection = self._layer(state, layer, x, span, cos, sin, selection)
-            if layer.index in taps:
-                taken[layer.index] = x
-        return x, taken
 
     def _layer(self, state: KVState, layer: LayerWeights, x: torch.Tensor, span: Span,
                cos: torch.Tensor, sin: torch.Tensor, selection: Selection | None
                ) -> tuple[torch.Tensor, Selection]:
+        """One layer over one span (bench/bench_layer_decode_prefill.py times it alone)."""
         x, h, selection = self._attention(state, layer, x, span, cos, sin, selection)
         return x + self.plan.sum_partials(layer.ffn(h)), selection
 
