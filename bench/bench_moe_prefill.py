@@ -52,6 +52,10 @@ def run(experts: int, hidden: int, width: int, top_k: int, tokens: list[int], re
         down[e] = torch.randn(hidden, width, generator=g, device="cuda") * width ** -0.5
     bank = DecodedExperts(gate_up, down)
     default_rows = triton_linear.GROUPED_ROWS
+    agrees = {}
+    for r in row_tiles:  # the engine's device check, per tile (once per shape)
+        triton_linear.GROUPED_ROWS = r
+        agrees[r] = triton_linear.grouped_agrees(gate_up) and triton_linear.grouped_agrees(down)
     rows = []
     for t in tokens:
         x = torch.randn(t, hidden, generator=g, device="cuda").to(torch.bfloat16)
@@ -66,10 +70,6 @@ def run(experts: int, hidden: int, width: int, top_k: int, tokens: list[int], re
 
         arms = {"loop": lambda: bank.by_expert(x, ids, weights),
                 **{f"sorted_{r}": sorted_at(r) for r in row_tiles}}
-        agrees = {}
-        for r in row_tiles:
-            triton_linear.GROUPED_ROWS = r
-            agrees[r] = triton_linear.grouped_agrees(gate_up) and triton_linear.grouped_agrees(down)
         samples: dict[str, list[float]] = {name: [] for name in arms}
         outs: dict[str, torch.Tensor] = {}
         for i in range(repeats + 1):

@@ -51,7 +51,8 @@ def probe_shape(name: str, heads: int, d: int, dv: int, dev: torch.device) -> li
     ref = ta.run_outputs(ta._run_prefill, args, heads, d, dv, torch.bfloat16)
     rows = []
     for way, run in ways.items():
-        row = {"shape": name, "heads": heads, "way": way, **compare(ref, ta.run_outputs(run, args, heads, d, dv, torch.bfloat16), counts)}
+        got = ta.run_outputs(run, args, heads, d, dv, torch.bfloat16)
+        row = {"shape": name, "heads": heads, "way": way, **compare(ref, got, counts)}
         rows.append(row)
         print(f"{name:>9} {way:>34}: bitwise {row['bitwise']}  queries {row['queries_differing']} "
               f"(valid {row['their_valid_counts']})  diff out {row['max_abs_diff_out']:.3g} "

@@ -206,11 +206,11 @@ def test_linear_configs_fit_gb10(m: int, n: int, k: int) -> None:
 
 
 @pytest.mark.parametrize("capability,limit", [(90, H200_SHARED), (121, GB10_SHARED)], ids=["h200-sm90", "gb10-sm121"])
-@pytest.mark.parametrize("rows", [64, 2048])  # the grouped tile, or the prefill one
+@pytest.mark.parametrize("rows", [64, 2048])  # linear's tile for 64 rows, or the prefill one
 @pytest.mark.parametrize("n,k", [(4096, 6144), (6144, 2048)])  # GLM-5.3's expert gate_up and down
 def test_grouped_expert_kernel_compiles_and_fits(capability: int, limit: int, rows: int, n: int, k: int) -> None:
-    """The MoE prefill's grouped kernel in either tile it may run (the grouped row tile where the
-    device's row tiles agree, else the prefill tile) at GLM-5.3's expert shapes."""
+    """The MoE prefill's grouped kernel at GLM-5.3's expert shapes in the prefill tile (its default,
+    GROUPED_ROWS) and the 64-row tile (bench_moe_prefill's other arm)."""
     import torch
 
     from glm53.ops import triton_linear as tlin

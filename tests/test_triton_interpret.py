@@ -448,7 +448,8 @@ def verdicts() -> dict[str, list]:
             out, err = worker.communicate(timeout=WORKER_TIMEOUT_S)
             lines = [line for line in out.splitlines() if line.startswith("{")]
             if worker.returncode != 0 or not lines:
-                pytest.fail(f"interpreter worker {worker.args[3:]} failed (rc {worker.returncode}):\n{out[-3000:]}\n{err[-3000:]}")
+                pytest.fail(f"interpreter worker {worker.args[3:]} failed (rc {worker.returncode}):\n"
+                            f"{out[-3000:]}\n{err[-3000:]}")
             found.update(json.loads(lines[-1]))
     finally:
         for worker in workers:

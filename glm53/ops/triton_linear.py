@@ -347,15 +347,18 @@ def _expert_rows(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, out_dtype:
 
 
 # ---- routed experts over many rows: one launch for every expert ---------------------------------
-GROUPED_ROWS = PREFILL_ROWS  # the grouped form takes linear's prefill tile (128 rows): bench_moe_prefill, H200, 1.07-1.24x faster than the 64-row tile
+# the row count whose linear tile the grouped form takes: the prefill tile (128 rows), which reads an
+# expert's matrices once for up to 128 rows (bench_moe_prefill, H200: 1.07-1.24x the 64-row tile's speed)
+GROUPED_ROWS = PREFILL_ROWS
 
 
 def grouped_expert_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """out = x @ w[e]^T for each expert's run of rows: x [S, K] holds the rows grouped by expert in
     ascending order, counts [E] (device ints, never read on the host) how many each has; w [E, N, K].
-    One launch, no sync; each run's rows get the bits `linear(x[run], w[e])` gives them (its tiles
-    for GROUPED_ROWS rows: the same as every row count's where `row_tiles_agree`, else the prefill
-    tile's; checked per shape on each device by `grouped_agrees` before the model uses it)."""
+    One launch, no sync; each run's rows get the bits `linear(x[run], w[e])` gives them: linear's
+    tile for GROUPED_ROWS rows (by default the prefill tile, whose bits linear gives every row count,
+    by its own tile where `row_tiles_agree`, else by that tile), checked per shape on each device by
+    `grouped_agrees` before the model uses it."""
     x, w = _expert_operands("grouped_expert_linear", x, w, "counts", counts, per_row=False)
     s, k = x.shape
     n = w.shape[1]

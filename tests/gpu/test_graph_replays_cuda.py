@@ -60,7 +60,7 @@ def test_grouped_experts_give_the_loop_bits(dtype: torch.dtype, experts: int, hi
     over experts that it replaces, and each expert's run against linear over it, bit for bit; with
     linear's tile for 64 rows and its prefill tile (GROUPED_ROWS)."""
     from glm53 import ops
-    from glm53.model.moe import DecodedExperts
+    from glm53.model.moe import DecodedExperts, _slots_by_expert
     from glm53.ops import triton_linear
 
     monkeypatch.setattr(triton_linear, "GROUPED_ROWS", row_tile)
@@ -73,10 +73,8 @@ def test_grouped_experts_give_the_loop_bits(dtype: torch.dtype, experts: int, hi
     weights = torch.rand(tokens, ids.shape[1], generator=g, device="cuda")
     assert ops.grouped_experts_for(x, bank.gate_up, bank.down), "the H200 should give the grouped form linear's bits"
     assert torch.equal(bank.runs(x, ids, weights), bank.by_expert(x, ids, weights))
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=experts)
-    xs = x[order // ids.shape[1]]
+    counts = torch.bincount(ids.reshape(-1), minlength=experts)
+    xs = x[_slots_by_expert(ids, weights)[1]]
     got = ops.grouped_expert_linear(xs, bank.gate_up, counts)
     begin = 0
     for e, c in enumerate(counts.tolist()):
