@@ -1,0 +1,128 @@
+"""EXL3 products from the packed trellis in plain torch: the CPU path, and the arithmetic the CUDA
+kernels (glm53/ops/triton_exl3.py) implement. One linear, for rows x [M, in] in the compute dtype:
+
+    xs  = A(x * suh)                       A: the activation dtype, fp16 (fp32 where the model computes in fp32)
+    xr  = A(H(xs) * 2^-3.5)                H: the 128-block Hadamard (+-1 entries), sums in fp32
+    acc = xr @ W_hat                       W_hat: the codebook values of the trellis (fp16), sums in fp32
+    y   = C(H(acc) * 2^-3.5 * svh)         C: the compute dtype
+
+which is x @ W for W = diag(suh) H W_hat H diag(svh) / 128, the weight exllamav3 reconstructs
+(glm53/exl3/decode.py), computed without ever forming W. An MLP (a routed expert, the shared expert,
+the dense MLP) chains three: act = C(silu(g) * u) from the gate and up outputs g, u (fp32 product,
+one rounding), then down; a routed expert's output is weighted, C(y * w), and a token's parts are
+summed in ascending expert order from zero, rounding after each add (the shared expert, weight 1,
+last). The dense MLP is the same with one expert of weight 1.
+
+Here every product is a one-row product (glm53.ops.torch_ops), so a row's bits never depend on the
+other rows; W_hat is decoded from the bank as used, through a bounded cache (Exl3Bank.rotated).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from glm53.exl3.bank import Exl3Bank
+from glm53.ops import torch_ops
+
+HAD = 128
+SCALE = float(torch.tensor(1 / math.sqrt(HAD), dtype=torch.float32))  # 2^-3.5 as fp32
+CPU_CACHE_BYTES = 1 << 30  # decoded W_hat the CPU path keeps (fp16), least recently used first out
+
+_HADAMARDS: dict[str, torch.Tensor] = {}
+
+
+def hadamard_signs(device: torch.device | str) -> torch.Tensor:
+    """fp32 [128, 128] Sylvester Hadamard, +-1 entries: H[i, j] = (-1)^popcount(i & j)."""
+    key = str(torch.device(device))
+    if key not in _HADAMARDS:
+        i = torch.arange(HAD)
+        bits = (i[:, None] & i[None, :])
+        parity = torch.zeros_like(bits)
+        for b in range(7):
+            parity ^= (bits >> b) & 1
+        _HADAMARDS[key] = (1 - 2 * parity).to(device=device, dtype=torch.float32)
+    return _HADAMARDS[key]
+
+
+def activation_dtype(compute: torch.dtype) -> torch.dtype:
+    """The dtype of the rotated activations the trellis product takes: fp16 (the codebook's dtype,
+    the tensor cores' operand) for a bf16 or fp16 model, fp32 for an fp32 one."""
+    return torch.float32 if compute == torch.float32 else torch.float16
+
+
+def _blocks_times_h(v32: torch.Tensor) -> torch.Tensor:
+    """H applied to each 128-block of each row of fp32 [M, n]: every block its own one-row product."""
+    m, n = v32.shape
+    return torch_ops.linear(v32.reshape(m * n // HAD, HAD), hadamard_signs(v32.device)).reshape(m, n)
+
+
+def rotate(x: torch.Tensor, suh: torch.Tensor, act: torch.dtype) -> torch.Tensor:
+    """xr = A(H(A(x * suh)) * 2^-3.5): x [M, n] (any float dtype), suh fp16 [n] -> [M, n] in `act`."""
+    xs = (x.to(torch.float32) * suh.to(torch.float32)).to(act)
+    return (_blocks_times_h(xs.to(torch.float32)) * SCALE).to(act)
+
+
+def unrotate(acc: torch.Tensor, svh: torch.Tensor) -> torch.Tensor:
+    """fp32 H(acc) * 2^-3.5 * svh for acc fp32 [M, n]."""
+    return _blocks_times_h(acc) * SCALE * svh.to(torch.float32)
+
+
+def trellis_product(bank: Exl3Bank, m: int, xr: torch.Tensor) -> torch.Tensor:
+    """fp32 xr @ W_hat of matrix m (xr [M, in_read]), one-row products."""
+    w_hat = bank.rotated(m, CPU_CACHE_BYTES)
+    return torch_ops.linear(xr.to(torch.float32), w_hat.to(torch.float32).T)
+
+
+def widen(x: torch.Tensor, width: int, start: int) -> torch.Tensor:
+    """x [M, n] placed at columns [start, start + n) of zeros [M, width] (padded or TP-widened inputs)."""
+    if x.shape[1] == width and start == 0:
+        return x
+    out = x.new_zeros(x.shape[0], width)
+    out[:, start:start + x.shape[1]] = x
+    return out
+
+
+def linear(x: torch.Tensor, bank: Exl3Bank, m: int, in_start: int = 0, out_start: int = 0,
+           out_features: int | None = None) -> torch.Tensor:
+    """Matrix m over rows x [M, n] (input columns [in_start, in_start + n) of the matrix, zeros
+    elsewhere) -> [M, out_features] in x's dtype: output columns [out_start, out_start + out_features)."""
+    lay = bank.layouts[m]
+    suh, svh = bank.sign_vectors(m)
+    xr = rotate(widen(x, lay.in_read, in_start), suh, activation_dtype(x.dtype))
+    y = unrotate(trellis_product(bank, m, xr), svh).to(x.dtype)
+    n_out = lay.out_read - out_start if out_features is None else out_features
+    return y[:, out_start:out_start + n_out]
+
+
+def mlp_rows(x: torch.Tensor, bank: Exl3Bank, gate: int, up: int, down: int) -> torch.Tensor:
+    """One MLP (gate, up, down matrix indices) over rows x [M, hidden] -> [M, hidden] in x's dtype."""
+    g = linear(x, bank, gate).to(torch.float32)
+    u = linear(x, bank, up).to(torch.float32)
+    act = (torch_ops.silu(g) * u).to(x.dtype)
+    return linear(act, bank, down)
+
+
+def experts(x: torch.Tensor, bank: Exl3Bank, gate: list[int], up: list[int], down: list[int],
+            ids: torch.Tensor, weights: torch.Tensor | None, shared: int | None) -> torch.Tensor:
+    """x [T, hidden]; ids [T, k] into the expert lists (each token's experts distinct), weights fp32
+    [T, k] (None: weight 1); `shared`: an expert index every token also takes, weight 1, summed last
+    (the shared expert, or the dense MLP as the only expert). -> [T, hidden] in x's dtype."""
+    t = x.shape[0]
+    cols = [ids] if ids.numel() else []
+    wts = [weights if weights is not None else torch.ones(ids.shape, dtype=torch.float32, device=x.device)]
+    if shared is not None:
+        cols.append(torch.full((t, 1), shared, dtype=ids.dtype, device=x.device))
+        wts.append(torch.ones(t, 1, dtype=torch.float32, device=x.device))
+    all_ids = torch.cat(cols, dim=1)
+    all_w = torch.cat(wts, dim=1) if weights is not None or shared is not None else wts[0]
+    order = all_ids.argsort(dim=1, stable=True)  # a token's experts ascending (the shared one is the largest id)
+    parts = torch.zeros(t, all_ids.shape[1], x.shape[1], dtype=x.dtype, device=x.device)
+    for e in torch.unique(all_ids).tolist():
+        token, slot = (all_ids == e).nonzero(as_tuple=True)
+        y = mlp_rows(x[token], bank, gate[e], up[e], down[e])
+        parts[token, slot] = (y.to(torch.float32) * all_w[token, slot, None]).to(x.dtype)
+    out = torch.zeros_like(x)
+    for j in range(all_ids.shape[1]):
+        out = out + parts.gather(1, order[:, j, None, None].expand(t, 1, x.shape[1]))[:, 0]
+    return out
