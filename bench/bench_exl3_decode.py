@@ -52,7 +52,7 @@ def _random_parts(codebook: str, bits: float, in_f: int, out_f: int, seed: int) 
 def _try_exllamav3():
     try:
         sys.path.insert(0, str(REPO / "tests" / "gpu"))
-        from test_exl3_vs_exllamav3 import import_exllamav3  # type: ignore
+        from exllamav3_ref import import_exllamav3  # type: ignore
 
         return import_exllamav3()
     except Exception as exc:  # noqa: BLE001 - the bench runs without exllamav3, saying why

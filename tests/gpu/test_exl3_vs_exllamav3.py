@@ -1,9 +1,9 @@
 """The kit's EXL3 decoder against exllamav3's own reconstruction, bit for bit, on the GPU.
 
-exllamav3 (1.6.x, the format's owner) is imported if installed; otherwise it is installed with
-`pip --no-deps` from the wheel at $TF_GLM53_EXLLAMAV3_WHEEL or .whl/exllamav3-*.whl into a temp
-folder. Its CUDA extension compiles at first import (TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16: about
-4.5 min on an H200; needs nvcc and ninja). It also needs pydantic importable (carry its wheels).
+exllamav3 (1.6.5, the format's owner) comes from exllamav3_ref.import_exllamav3 (beside this file): the
+carried wheels (tests/gpu/prepare_wheels.sh fills .whl/) installed once into a fixed folder, the CUDA
+extension compiled at first import into a fixed build folder that later processes reuse
+(TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16: about 4.5 min on an H200; needs nvcc and ninja).
 
 For every codebook and K in 2, 3, 4 (and 2.5, 3.5 with mul1), on random trellis bits and on
 groups the kit's encoder wrote:
@@ -16,11 +16,7 @@ Run as a script (`python tests/gpu/test_exl3_vs_exllamav3.py --golden FILE`) it 
 """
 from __future__ import annotations
 
-import glob
-import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -28,6 +24,9 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # as pytest does: one exllamav3_ref module
+
+from exllamav3_ref import import_exllamav3  # noqa: E402
 
 from glm53.exl3.decode import decode_rotated, decode_weight  # noqa: E402
 from glm53.exl3.encode import encode_weight  # noqa: E402
@@ -38,33 +37,6 @@ CASES = [(cb, k) for cb in ("3inst", "mcg", "mul1") for k in (2.0, 3.0, 4.0)] + 
 
 def _case_id(case: tuple[str, float]) -> str:
     return f"{case[0]}-K{case[1]:g}"
-
-
-def import_exllamav3():
-    """exllamav3's LinearEXL3 and its compiled extension, installing the carried wheel if needed."""
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
-    os.environ.setdefault("MAX_JOBS", "16")
-    try:
-        import exllamav3  # noqa: F401
-    except ImportError:
-        wheels = [os.environ["TF_GLM53_EXLLAMAV3_WHEEL"]] if "TF_GLM53_EXLLAMAV3_WHEEL" in os.environ else sorted(
-            glob.glob(str(REPO / ".whl" / "exllamav3-*.whl"))
-        )
-        if not wheels:
-            raise RuntimeError(
-                "exllamav3 is not importable and no wheel was found: set TF_GLM53_EXLLAMAV3_WHEEL or put "
-                "exllamav3-1.6.x-py3-none-any.whl in .whl/"
-            )
-        target = tempfile.mkdtemp(prefix="exllamav3-")
-        subprocess.run(
-            [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", target, wheels[-1]],
-            check=True,
-        )
-        sys.path.insert(0, target)
-    from exllamav3.ext import exllamav3_ext as ext
-    from exllamav3.modules.quant.exl3 import LinearEXL3
-
-    return ext, LinearEXL3
 
 
 @pytest.fixture(scope="module")
