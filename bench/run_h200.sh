@@ -2,16 +2,18 @@
 # One lent-GPU session: the CUDA tests of the row-invariant forward, the CUDA graphs and the prefix
 # cache, then the prefix-cache and decode (graphs vs eager) benchmarks at GLM-5.3 layer dimensions. Logs and JSON go to $OUT (the device tool's
 # folder) or ./gpu_out. The copy on the GPU machine has no .git: pass the commit as the first argument.
-#   bash bench/run_h200.sh <commit> [tests|bench|all|depth|disk|moe-prefill|moe]
+#   bash bench/run_h200.sh <commit> [tests|bench|all|depth|disk|moe-prefill|moe|exl3]
 # depth: the prefix cache (turns, one-word) and decode at GLM-5.3's 78 layers (4 distinct layers
 # repeated, bench_prefix_cache.deepen); disk: the disk resume at 78 layers and at 4, each also
 # from the page cache (both ~5 minutes); moe-prefill: the routed experts' sorted form against the
 # loop (bench_moe_prefill, ~30 s); moe: the turns, the one-word extension and the disk resume with
 # GLM-5.3's layer mix (a checkpoint of one dense and two MoE layers of 256 experts, 40 GB, run as
-# 3 dense + 75 MoE layers; ~8 minutes).
+# 3 dense + 75 MoE layers; ~8 minutes); exl3: the packed-EXL3 kernels' GPU tests and bench_exl3_moe with
+# exllamav3 1.6.5 side by side (carry .whl: tests/gpu/prepare_wheels.sh; exllamav3 compiles in the
+# background, in its own session, while the kit's tests run; ~9 minutes).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-commit="${1:?usage: bash bench/run_h200.sh <commit> [tests|bench|all|depth|disk|moe-prefill|moe]}"
+commit="${1:?usage: bash bench/run_h200.sh <commit> [tests|bench|all|depth|disk|moe-prefill|moe|exl3]}"
 what="${2:-all}"
 out="${OUT:-gpu_out}"
 mkdir -p "$out"
@@ -68,6 +70,15 @@ from bench.bench_prefix_cache import real_dims_checkpoint; real_dims_checkpoint(
     status=$(( status | ${PIPESTATUS[0]} ))
     python3 bench/bench_prefix_cache.py "${mix[@]}" --scenarios disk --repeats 1 --page-cache-samples 2 \
         --out "$out/prefix_cache_h200_glm53mix_disk.json" 2>&1 | tee "$out/prefix_cache_h200_glm53mix_disk.log"
+    status=$(( status | ${PIPESTATUS[0]} ))
+fi
+if [ "$what" = exl3 ]; then
+    python3 -c "import sys; sys.path[:0] = ['tests/gpu']; import exllamav3_ref as r; \
+r.build_in_background('$out/exllamav3_build.log')"
+    python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_exl3_cuda.py 2>&1 | tee "$out/exl3_tests.log"
+    status=$(( status | ${PIPESTATUS[0]} ))
+    python3 bench/bench_exl3_moe.py --exllamav3 ${EXL3_BENCH_ARGS:-} --out "$out/exl3_moe_h200.json" 2>&1 \
+        | tee "$out/exl3_moe_h200.log"
     status=$(( status | ${PIPESTATUS[0]} ))
 fi
 [ -n "${ckpt:-}" ] && rm -rf "$ckpt"

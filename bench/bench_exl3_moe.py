@@ -1,0 +1,336 @@
+"""One GLM-5.3 MoE layer from its packed EXL3 weights on CUDA: decode (1, 4, 16 tokens) and prefill,
+against the bytes floor, and exllamav3 1.6.5's own kernels on the same tensors, side by side.
+
+    python bench/bench_exl3_moe.py --out bench/results/exl3_moe_h200.json [--exllamav3] [--forms ...]
+
+The layer: 256 routed experts (6144 -> 2048 -> 6144, top 8), their widths a deterministic 2/3/4-bit
+mix per projection (10/50/40 %, glm53.weights.synthetic.default_expert_bits: ~3.3 bits, like the
+3.38 bpw pack), one codebook (mcg), a shared expert (4/4/3 bits); random trellis bits, packed as the
+loader packs them (glm53.exl3.packing, block-major) into one bank. Measured:
+- decode: the kit's MLP (rotation, gate/up, down with each token's sum: three launches) over T tokens
+  with random routing (distinct experts) and with every token on the same 8 experts (a drafting
+  window's best case), captured in a CUDA graph; input sets rotated (--sets, each on other experts, so
+  weights come from HBM, not L2). Bytes: the trellis of every expert the call touches (+ shared); the
+  floor: bytes / the device-to-device copy bandwidth measured in the same run.
+- prefill: --prefill tokens through the expert-sorted form (CUDA events, eager; the sort included).
+- --forms: other tilings of the decode form side by side (BM,warps,stages,lanes,subk), each checked
+  bitwise against the default.
+- one linear (6144 -> 2048, K 3) at 1 and 2048 rows.
+- --exllamav3: the same layer (and linear) through exllamav3's MoE kernels (tests/gpu/exllamav3_ref.py:
+  its mixed-width layer runs one launch per width group, which exllamav3 itself cannot load: labelled),
+  and a uniform 3-bit layer both ways (exllamav3's own path); outputs compared (fp16 activations).
+Memory: the bank's bytes against torch's allocation for it, and the workspace (kernels' scratch).
+Prints a table last; the JSON holds every sample.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests" / "gpu"))
+
+from bench.benchmeta import result_header, write_json  # noqa: E402
+from glm53.exl3.bank import BankBuilder  # noqa: E402
+from glm53.exl3.format import read_group  # noqa: E402
+from glm53.exl3.packing import pack_layer_experts  # noqa: E402
+from glm53.weights.synthetic import default_expert_bits  # noqa: E402
+
+MARKERS = {"mcg": 0xCBAC1FED - (1 << 32), "mul1": 0x83DCD12D - (1 << 32)}
+PROJ = ("gate_proj", "up_proj", "down_proj")
+
+
+def random_parts(rng: np.random.Generator, in_f: int, out_f: int, bits: float, codebook: str) -> dict[str, torch.Tensor]:
+    words = int(16 * bits)
+    trellis = torch.from_numpy(rng.integers(-(1 << 15), 1 << 15, size=(in_f // 16, out_f // 16, words), dtype=np.int16))
+    signs = lambda n, s: torch.from_numpy(((rng.random(n) + 0.5) * s * (rng.integers(0, 2, n) * 2 - 1)).astype(np.float16))  # noqa: E731
+    parts = {"trellis": trellis, "suh": signs(in_f, 1.0), "svh": signs(out_f, in_f ** -0.5)}
+    if codebook in MARKERS:
+        parts[codebook] = torch.tensor(MARKERS[codebook], dtype=torch.int32)
+    return parts
+
+
+def build_layer(experts: int, hidden: int, width: int, codebook: str, uniform: float | None, seed: int):
+    """(bank, mats, parts) of one layer: parts[proj][e] the per-expert tensors (for exllamav3)."""
+    from glm53.ops.triton_exl3 import MlpMatrices
+
+    rng = np.random.default_rng(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    parts: dict[str, list[dict[str, torch.Tensor]]] = {p: [] for p in PROJ}
+    for e in range(experts):
+        for p in PROJ:
+            bits = uniform or default_expert_bits(3, e, p)
+            i, o = (hidden, width) if p != "down_proj" else (width, hidden)
+            one = random_parts(rng, i, o, bits, codebook)
+            parts[p].append(one)
+            for k, v in one.items():
+                tensors[f"model.layers.3.mlp.experts.{e}.{p}.{k}"] = v
+    packed = pack_layer_experts(tensors, 3, experts)
+    shared = {p: random_parts(rng, *((hidden, width) if p != "down_proj" else (width, hidden)), b, codebook)
+              for p, b in zip(PROJ, (4.0, 4.0, 3.0))}
+    builder = BankBuilder()
+    index = builder.add_experts(packed)
+    shared_idx = tuple(builder.add_group(read_group({f"s.{k}": v for k, v in shared[p].items()}, "s")) for p in PROJ)
+    before = torch.cuda.memory_allocated()
+    bank = builder.build("cuda")
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated() - before
+    mats = MlpMatrices(index["gate_proj"][0], index["up_proj"][0], index["down_proj"][0], experts, shared_idx, width,
+                       hidden)
+    return bank, mats, parts, shared, allocated
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written a second (2 GB, median of 5)."""
+    a = torch.empty(1 << 30, dtype=torch.int16, device="cuda")
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(6):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    del a, b
+    return 2 * (1 << 31) / statistics.median(times[1:])
+
+
+def routing_sets(t: int, experts: int, sets: int, same: bool, seed: int, hidden: int, dtype: torch.dtype):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    out = []
+    for _ in range(sets):
+        if same:
+            ids = torch.randperm(experts, generator=g, device="cuda")[:8].repeat(t, 1)
+        else:
+            ids = torch.stack([torch.randperm(experts, generator=g, device="cuda")[:8] for _ in range(t)])
+        w = torch.rand(t, 8, generator=g, device="cuda") * 0.3
+        x = torch.randn(t, hidden, generator=g, device="cuda").to(dtype)
+        out.append((x, ids, w))
+    return out
+
+
+def touched_bytes(bank, mats, ids: torch.Tensor) -> int:
+    lay = bank.layouts
+    total = sum(lay[m].trellis_bytes for m in mats.shared)
+    for e in torch.unique(ids).tolist():
+        total += sum(lay[m0 + e].trellis_bytes for m0 in (mats.gate0, mats.up0, mats.down0))
+    return total
+
+
+def event_time_ms(fn, reps: int) -> list[float]:
+    fn()
+    out = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        out.append(s.elapsed_time(e))
+    return out
+
+
+def stats(samples: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(samples), "min": min(samples), "max": max(samples)}
+
+
+def error_stats(ours: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
+    err = (ours.float() - ref.float()).abs()
+    return {"max_rel": float(err.max() / ref.float().abs().max()),
+            "rms_rel": float(err.pow(2).mean().sqrt() / ref.float().pow(2).mean().sqrt())}
+
+
+def decode_rows(tx, bank, mats, tokens: list[int], sets: int, reps: int, bw: float, dtype, forms) -> list[dict]:
+    from exllamav3_ref import graph_time_us
+
+    rows = []
+    for t in tokens:
+        for same in ((False, True) if t > 1 else (False,)):
+            inputs = routing_sets(t, mats.n_experts, sets, same, 100 + t, mats.hidden, dtype)
+            want = [tx.mlp(x, bank, mats, ids, w) for x, ids, w in inputs]
+            nbytes = statistics.mean(touched_bytes(bank, mats, ids) for _, ids, _ in inputs)
+            for form in forms:
+                same_bits = all(torch.equal(tx.mlp(x, bank, mats, ids, w, form=form), ref)
+                                for (x, ids, w), ref in zip(inputs, want))
+                timing = graph_time_us(lambda x, ids, w, f=form: tx.mlp(x, bank, mats, ids, w, form=f), reps,
+                                       inputs)
+                floor = nbytes / bw * 1e6
+                rows.append({"kind": "decode", "tokens": t, "routing": "same 8 experts" if same else "random",
+                             "form": form.__dict__, "bits_equal_default": same_bits, "bytes": nbytes,
+                             "floor_us": floor, "us": timing["median_us"], "min_us": timing["min_us"],
+                             "max_us": timing["max_us"], "x_floor": timing["median_us"] / floor, "mode": timing["mode"],
+                             "samples_us": timing["samples_us"]})
+                print(f"decode T={t} {'same' if same else 'random'} {form}: {timing['median_us']:.1f} us "
+                      f"({rows[-1]['x_floor']:.2f}x floor {floor:.1f} us), bits equal {same_bits}", flush=True)
+    return rows
+
+
+def prefill_rows(tx, bank, mats, tokens: list[int], reps: int, dtype, forms) -> list[dict]:
+    rows = []
+    for t in tokens:
+        (x, ids, w), = routing_sets(t, mats.n_experts, 1, False, 7, mats.hidden, dtype)
+        want = None
+        for form in forms:
+            got = tx.mlp(x, bank, mats, ids, w, form=form)
+            want = got if want is None else want
+            samples = event_time_ms(lambda f=form: tx.mlp(x, bank, mats, ids, w, form=f), reps)
+            rows.append({"kind": "prefill", "tokens": t, "form": form.__dict__, "ms": stats(samples),
+                         "bits_equal_first": bool(torch.equal(got, want)), "samples_ms": samples})
+            print(f"prefill T={t} {form}: {statistics.median(samples):.2f} ms (min {min(samples):.2f})", flush=True)
+    return rows
+
+
+def linear_rows(tx, reps: int, bw: float, exl) -> list[dict]:
+    from exllamav3_ref import ExlLinear, graph_time_us
+
+    rng = np.random.default_rng(5)
+    sets = []
+    for _ in range(8):  # 8 matrices: 42 MB of trellis, rotated
+        parts = random_parts(rng, 6144, 2048, 3.0, "mcg")
+        group = read_group({f"g.{k}": v for k, v in parts.items()}, "g")
+        b = BankBuilder()
+        m = b.add_group(group)
+        sets.append((b.build("cuda"), m, {k: v.cuda() for k, v in parts.items()}))
+    rows = []
+    for rows_m in (1, 2048):
+        g = torch.Generator(device="cuda").manual_seed(rows_m)
+        xs = [torch.randn(rows_m, 6144, generator=g, device="cuda") for _ in sets]
+        ours = graph_time_us(lambda x, bank, m: tx.linear(x, bank, m), reps,
+                             [(x.to(torch.bfloat16), bank, m) for x, (bank, m, _) in zip(xs, sets)])
+        row = {"kind": "linear", "rows": rows_m, "shape": [6144, 2048], "bits": 3, "us": ours["median_us"],
+               "floor_us": sets[0][0].layouts[0].trellis_bytes / bw * 1e6, "mode": ours["mode"]}
+        if exl is not None:
+            lins = [ExlLinear(p) for _, _, p in sets]
+            theirs = graph_time_us(lambda x, lin: lin(x), reps, [(x.half(), lin) for x, lin in zip(xs, lins)])
+            ref = lins[0](xs[0].half())
+            row.update(exllamav3_us=theirs["median_us"], exllamav3_mode=theirs["mode"],
+                       error_vs_exllamav3=error_stats(tx.linear(xs[0].half(), sets[0][0], sets[0][1]), ref))
+        rows.append(row)
+        print(f"linear 6144x2048 K3 M={rows_m}: {row['us']:.1f} us (floor {row['floor_us']:.1f})"
+              + (f", exllamav3 {row['exllamav3_us']:.1f} us" if "exllamav3_us" in row else ""), flush=True)
+    return rows
+
+
+def exllamav3_rows(tx, bank, mats, parts, shared, tokens: list[int], sets: int, reps: int, label: str) -> list[dict]:
+    from exllamav3_ref import MoeReference, graph_time_us
+
+    moe = MoeReference(parts["gate_proj"], parts["up_proj"], parts["down_proj"],
+                       {"gate": shared["gate_proj"], "up": shared["up_proj"], "down": shared["down_proj"]})
+    rows = []
+    for t in tokens:
+        inputs = routing_sets(t, mats.n_experts, sets, False, 200 + t, mats.hidden, torch.float16)
+        try:
+            plan = moe.plan(t)
+            theirs = graph_time_us(moe, reps, [(x, *moe.routing(ids, w)) for x, ids, w in inputs])
+            ours = graph_time_us(lambda x, ids, w: tx.mlp(x, bank, mats, ids, w), reps, inputs)
+            x, ids, w = inputs[0]
+            err = error_stats(tx.mlp(x, bank, mats, ids, w), moe(x, ids, w))
+        except NotImplementedError as exc:
+            rows.append({"kind": "exllamav3", "layer": label, "tokens": t, "skipped": str(exc)})
+            print(f"exllamav3 {label} T={t}: {exc}", flush=True)
+            continue
+        rows.append({"kind": "exllamav3", "layer": label, "tokens": t, "exllamav3_us": theirs["median_us"],
+                     "exllamav3_mode": theirs["mode"], "ours_us": ours["median_us"], "error_vs_exllamav3": err,
+                     "plan": plan})
+        print(f"exllamav3 {label} T={t}: exllamav3 {theirs['median_us']:.1f} us ({theirs['mode']}, exact path "
+              f"{plan['as_exllamav3_runs_it']}), ours {ours['median_us']:.1f} us; ours vs theirs {err}", flush=True)
+    del moe
+    return rows
+
+
+def parse_form(text: str):
+    from glm53.ops.triton_exl3 import Form
+
+    bm, warps, stages, lanes, subk = (int(v) for v in text.split(","))
+    return Form(bm, warps, stages, bool(lanes), subk)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--hidden", type=int, default=6144)
+    ap.add_argument("--width", type=int, default=2048)
+    ap.add_argument("--codebook", default="mcg", choices=("3inst", "mcg", "mul1"))
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--prefill", type=int, nargs="*", default=[2048])
+    ap.add_argument("--sets", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--forms", nargs="*", default=[], help="extra decode tilings BM,warps,stages,lanes,subk")
+    ap.add_argument("--prefill-forms", nargs="*", default=[], help="extra prefill tilings BM,warps,stages,lanes,subk")
+    ap.add_argument("--exllamav3", action="store_true", help="compare with exllamav3 1.6.5 (carried in .whl)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_exl3_moe: needs a CUDA device", file=sys.stderr)
+        sys.exit(2)
+    from glm53.ops import triton_exl3 as tx
+
+    dtype = torch.bfloat16
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    t0 = time.perf_counter()
+    bank, mats, parts, shared, allocated = build_layer(args.experts, args.hidden, args.width, args.codebook, None,
+                                                       args.seed)
+    print(f"layer built in {time.perf_counter() - t0:.0f} s: bank {bank.nbytes / 2**30:.3f} GiB, allocated "
+          f"{allocated / 2**30:.3f} GiB", flush=True)
+    decode_forms = [tx.DECODE] + [parse_form(f) for f in args.forms]
+    prefill_forms = [tx.prefill_form(bank, dtype)] + [parse_form(f) for f in args.prefill_forms]
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    rows = decode_rows(tx, bank, mats, args.tokens, args.sets, args.reps, bw, dtype, decode_forms)
+    decode_peak = torch.cuda.max_memory_allocated() - base
+    rows += prefill_rows(tx, bank, mats, args.prefill, max(3, args.reps // 4), dtype, prefill_forms)
+    exl = None
+    if args.exllamav3:
+        try:
+            import exllamav3_ref as ref
+
+            exl = ref.import_exllamav3()  # waits on the build lock when a background build is running
+        except Exception as exc:  # noqa: BLE001 - the kit's own numbers still stand; the JSON says why
+            print(f"exllamav3 unavailable: {type(exc).__name__}: {exc}", flush=True)
+            rows.append({"kind": "exllamav3", "skipped": f"{type(exc).__name__}: {exc}"})
+    rows += linear_rows(tx, args.reps, bw, exl)
+    if exl is not None:
+        rows += exllamav3_rows(tx, bank, mats, parts, shared, [t for t in args.tokens if t <= 16], args.sets, args.reps,
+                               "mixed 2/3/4-bit (exllamav3: one launch per width group)")
+        del bank, parts
+        torch.cuda.empty_cache()
+        bank3, mats3, parts3, shared3, _ = build_layer(args.experts, args.hidden, args.width, args.codebook, 3.0,
+                                                       args.seed + 1)
+        rows += exllamav3_rows(tx, bank3, mats3, parts3, shared3, [t for t in args.tokens if t <= 8], args.sets,
+                               args.reps, "uniform 3-bit (exllamav3's own path)")
+    result = {**result_header("bench_exl3_moe", {"experts": args.experts, "hidden": args.hidden, "width": args.width,
+                                                   "top_k": 8, "codebook": args.codebook, "dtype": "bf16",
+                                                   "mix": "default_expert_bits (2/3/4: 10/50/40 %)"}, device="cuda"),
+              "copy_bandwidth_Bps": bw, "bank_bytes": bank.nbytes if exl is None else None,
+              "allocated_bytes": allocated, "decode_peak_extra_bytes": decode_peak,
+              "scratch_bytes": tx.SCRATCH.nbytes, "results": rows}
+    write_json(args.out, result)
+    print("\n| kind | tokens | routing / form | us or ms | floor | x floor |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        if r.get("kind") == "decode":
+            print(f"| decode | {r['tokens']} | {r['routing']} bm{r['form']['bm']} w{r['form']['warps']} | "
+                  f"{r['us']:.1f} us | {r['floor_us']:.1f} us | {r['x_floor']:.2f} |")
+        elif r.get("kind") == "prefill":
+            print(f"| prefill | {r['tokens']} | bm{r['form']['bm']} w{r['form']['warps']} | {r['ms']['median']:.2f} ms | | |")
+        elif r.get("kind") == "linear":
+            print(f"| linear | {r['rows']} | 6144x2048 K3 | {r['us']:.1f} us | {r['floor_us']:.1f} us | "
+                  f"{r['us'] / r['floor_us']:.2f} |")
+        elif r.get("kind") == "exllamav3" and "ours_us" in r:
+            print(f"| vs exllamav3 | {r['tokens']} | {r['layer']} | ours {r['ours_us']:.1f} / theirs "
+                  f"{r['exllamav3_us']:.1f} us | | |")
+
+
+if __name__ == "__main__":
+    main()
