@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from glm53.checkpoint_rules import pad_features
 from glm53.exl3.encode import codebook_marker
 
 Tensors = dict[str, torch.Tensor]
@@ -98,7 +99,7 @@ def _packed_signs(t: Tensors, p: str) -> None:
 
 def _exl3_router(t: Tensors, p: str) -> None:
     out_f, in_f = t.pop(f"{p}.weight").shape
-    pin, pout = -(-in_f // 128) * 128, -(-out_f // 128) * 128
+    pin, pout = pad_features(in_f), pad_features(out_f)
     t.update({f"{p}.trellis": torch.zeros((pin // 16, pout // 16, 64), dtype=torch.int16),
               f"{p}.suh": torch.ones(pin, dtype=torch.float16), f"{p}.svh": torch.ones(pout, dtype=torch.float16)})
 
