@@ -1,6 +1,6 @@
 """A tiny GLM-5.3-architecture checkpoint (`model_type` glm_moe_dsa) for tests, written deterministically.
 
-    python -m glm53.tiny OUT_DIR [--seed N] [--reference REF_DIR]
+    python -m glm53.tiny OUT_DIR [--seed N] [--reference REF_DIR] [--exl3-all]
 
 Every feature of the real model at toy size: MLA with interleaved RoPE, sparse-attention indexer
 layers both `full` and `shared` (index_topk 32, below test contexts), one dense and three MoE
@@ -11,14 +11,20 @@ bf16. Several shards with model.safetensors.index.json; quantization_config (con
 quantization_config.json with per-module `tensor_storage`; a byte-level BPE tokenizer with GLM's
 chat special tokens and template; generation_config.json. Same seed, same bytes.
 
+`--exl3-all` also stores as EXL3 every linear that glm53/checkpoint_rules.py lets be EXL3 (the
+attention projections, the indexer's wq_b, the dense MLP, the shared expert, MTP's eh_proj: the
+layout of an exllamav3 pack), each zero-padded to multiples of 128 as exllamav3 pads it before
+encoding (kv_a's 80 outputs and kv_b's 64 inputs become 128).
+
 Dimensions let the TP layout split everything over 2, 3 or 4 ranks: hidden 256 (a multiple of the
 EXL3 Hadamard block), 8 heads, experts 512 wide (4 blocks of 128), dense MLP 1024 (8 blocks).
 
 `--reference REF_DIR` writes the same model with every EXL3 tensor decoded (decode_weight on the
-CPU) into plain fp32 weights: fp32 holds each decoded fp16 value exactly. It is laid out for
-transformers' GlmMoeDsaForCausalLM.from_pretrained (per-expert keys, which transformers fuses on
-load), without quantization_config. The MTP layer is left out of its index (transformers has no MTP
-module and would warn about it); its decoded tensors go to `mtp.safetensors` beside it.
+CPU) into plain fp32 weights, padding trimmed to the config's features: fp32 holds each decoded
+fp16 value exactly. It is laid out for transformers' GlmMoeDsaForCausalLM.from_pretrained
+(per-expert keys, which transformers fuses on load), without quantization_config. The MTP layer is
+left out of its index (transformers has no MTP module and would warn about it); its decoded
+tensors go to `mtp.safetensors` beside it.
 
 Exit codes: 0 written; 2 bad arguments or output folder not empty (click's usage error, on stderr).
 """
@@ -30,13 +36,18 @@ import shutil
 import sys
 import time
 import zlib
+from collections.abc import Iterable, Mapping
+from functools import lru_cache
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import click
 import torch
 from safetensors.torch import save_file
 
+from .checkpoint_rules import LinearRule, linear_dims
+from .config import Glm53Config
 from .exl3.decode import decode_weight
 from .exl3.encode import encode_weights, single_threaded
 from .exl3.format import read_group
@@ -88,6 +99,10 @@ TINY_CONFIG: dict[str, Any] = {
     "use_cache": True,
     "torch_dtype": "bfloat16",
 }
+
+# With exl3_all, every other linear that may be EXL3: one width and codebook (exllamav3 gives
+# attention and the shared expert extra bits; 4 keeps the tiny model's error small)
+ALL_LINEARS_QUANT = (4.0, "mcg")
 
 # Routed experts' widths and codebooks: a fixed schedule that covers every K and codebook, varies
 # across experts and across one expert's projections, and differs between layers.
@@ -185,8 +200,11 @@ def _moe_layers(cfg: dict[str, Any]) -> list[int]:
     return layers + list(range(cfg["num_hidden_layers"], cfg["num_hidden_layers"] + cfg["num_nextn_predict_layers"]))
 
 
-def _experts_exl3(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
-    """All routed experts of every MoE layer (MTP included) as EXL3 groups, encoded per (K, codebook)."""
+@lru_cache(maxsize=2)
+def _experts_exl3(seed: int) -> Mapping[str, torch.Tensor]:
+    """All routed experts of every MoE layer (MTP included) as EXL3 groups, encoded per (K, codebook).
+    Most of the writer's time; kept (read-only) so a process writing both variants encodes them once."""
+    cfg = TINY_CONFIG
     h, width = cfg["hidden_size"], cfg["moe_intermediate_size"]
     jobs: dict[tuple[float, str], list[tuple[str, torch.Tensor]]] = {}
     for layer in _moe_layers(cfg):
@@ -202,11 +220,33 @@ def _experts_exl3(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
         encoded = encode_weights([w for _, w in items], bits, codebook, seed=group_seed)
         for (prefix, _), parts in zip(items, encoded):
             tensors.update({f"{prefix}.{k}": v for k, v in parts.items()})
-    return tensors
+    return MappingProxyType(tensors)
 
 
-def build_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
-    """All checkpoint tensors by name: EXL3 experts as stored; the rest bf16 (router bias fp32)."""
+def _linears_exl3(plain: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """Every plain linear the rule lets be EXL3 (glm53/checkpoint_rules.py), encoded at ALL_LINEARS_QUANT
+    from its fp32 weight zero-padded to multiples of 128 as exllamav3 pads it: trellis
+    [pad(in)/16, pad(out)/16, 16K], the padded inputs' rows and outputs' columns zero."""
+    items = []
+    for prefix, rule in sorted(linear_features(plain).items()):
+        if rule.exl3 and f"{prefix}.weight" in plain:
+            pin, pout = rule.padded()
+            w_in_out = torch.zeros(pin, pout)
+            w_in_out[: rule.in_f, : rule.out_f] = plain[f"{prefix}.weight"].t()
+            items.append((prefix, w_in_out))
+    bits, codebook = ALL_LINEARS_QUANT
+    encoded = encode_weights([w for _, w in items], bits, codebook, seed=seed * 7919 + 1)
+    return {f"{prefix}.{k}": v for (prefix, _), parts in zip(items, encoded) for k, v in parts.items()}
+
+
+def linear_features(names: Iterable[str]) -> dict[str, LinearRule]:
+    """prefix -> the rule's LinearRule (config features, may it be EXL3) for the tiny model's linears."""
+    return linear_dims(Glm53Config.from_dict(TINY_CONFIG), names)
+
+
+def build_tensors(seed: int = 0, *, exl3_all: bool = False) -> dict[str, torch.Tensor]:
+    """All checkpoint tensors by name: EXL3 experts as stored; the rest bf16 (router bias fp32).
+    `exl3_all`: every linear that may be EXL3 is (attention, indexer wq_b, MLPs, MTP's eh_proj)."""
     cfg = TINY_CONFIG
     h, vocab = cfg["hidden_size"], cfg["vocab_size"]
     plain: dict[str, torch.Tensor] = {
@@ -216,8 +256,12 @@ def build_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
     }
     for layer in range(cfg["num_hidden_layers"] + cfg["num_nextn_predict_layers"]):
         plain.update(_layer_plain(layer, cfg, seed))
-    out = {k: (v if k.endswith("e_score_correction_bias") else v.to(torch.bfloat16)) for k, v in plain.items()}
-    out.update(_experts_exl3(cfg, seed))
+    quantized = _linears_exl3(plain, seed) if exl3_all else {}
+    replaced = {f"{n.rsplit('.', 1)[0]}.weight" for n in quantized}
+    out = {k: (v if k.endswith("e_score_correction_bias") else v.to(torch.bfloat16))
+           for k, v in plain.items() if k not in replaced}
+    out.update(quantized)
+    out.update(_experts_exl3(seed))
     return out
 
 
@@ -298,16 +342,19 @@ def _publish(stage: Path, out_dir: Path) -> None:
     os.replace(stage, out_dir)
 
 
-def write_tiny_checkpoint(out_dir: str | Path, *, seed: int = 0, reference_dir: str | Path | None = None) -> Path:
+def write_tiny_checkpoint(out_dir: str | Path, *, seed: int = 0, reference_dir: str | Path | None = None,
+                          exl3_all: bool = False) -> Path:
     """Write the tiny checkpoint to `out_dir` (and its decoded twin to `reference_dir`); returns out_dir.
+    `exl3_all`: every linear that may be EXL3 is (build_tensors); the default stores only routed experts so.
 
     Each folder is assembled under a hidden sibling and renamed into place when complete.
     """
     with single_threaded():
-        return _write_tiny_checkpoint(Path(out_dir), seed, Path(reference_dir) if reference_dir is not None else None)
+        return _write_tiny_checkpoint(Path(out_dir), seed, Path(reference_dir) if reference_dir is not None else None,
+                                      exl3_all)
 
 
-def _write_tiny_checkpoint(out: Path, seed: int, ref: Path | None) -> Path:
+def _write_tiny_checkpoint(out: Path, seed: int, ref: Path | None, exl3_all: bool) -> Path:
     for target in (out, ref):
         if target is not None:
             _check_target(target)
@@ -316,7 +363,7 @@ def _write_tiny_checkpoint(out: Path, seed: int, ref: Path | None) -> Path:
     stage = _staging(out)
     ref_stage = _staging(ref) if ref is not None else None
     try:
-        tensors = build_tensors(seed)
+        tensors = build_tensors(seed, exl3_all=exl3_all)
         _write_shards(stage, tensors, _shard_of, 4)
         ids = write_tokenizer(stage)
         storage, avg_bits = _module_storage(tensors)
@@ -339,12 +386,16 @@ def _write_tiny_checkpoint(out: Path, seed: int, ref: Path | None) -> Path:
 
 
 def decoded_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Plain weights: every EXL3 group decoded (fp16 -> fp32, exact) to nn.Linear's [out, in]; others as is."""
+    """Plain weights: every EXL3 group decoded (fp16 -> fp32, exact) to nn.Linear's [out, in], its
+    padding trimmed to the config's features (padded inputs meet zeros; padded outputs are dropped);
+    others as is."""
     plain: dict[str, torch.Tensor] = {}
     prefixes = sorted({n.rsplit(".", 1)[0] for n in tensors if n.endswith(".trellis")})
+    features = linear_features(tensors)
     for prefix in prefixes:
         w = decode_weight(read_group(tensors, prefix))  # [in, out], y = x @ w
-        plain[f"{prefix}.weight"] = w.float().t().contiguous()
+        rule = features[prefix]
+        plain[f"{prefix}.weight"] = w[: rule.in_f, : rule.out_f].float().t().contiguous()
     exl3_parts = {f"{p}.{s}" for p in prefixes for s in ("trellis", "suh", "svh", "su", "sv", "mcg", "mul1", "bias")}
     plain.update({k: v for k, v in tensors.items() if k not in exl3_parts})
     return plain
@@ -369,11 +420,13 @@ def _write_reference(
 @click.option("--seed", type=int, default=0, show_default=True, help="Weights seed; same seed, same bytes.")
 @click.option("--reference", "reference_dir", type=click.Path(path_type=Path), default=None,
               help="Also write the decoded fp32 twin for transformers here.")
-def main(out_dir: Path, seed: int, reference_dir: Path | None) -> None:
+@click.option("--exl3-all", "exl3_all", is_flag=True,
+              help="Store every linear that may be EXL3 as EXL3 (attention, indexer wq_b, MLPs, MTP), not only routed experts.")
+def main(out_dir: Path, seed: int, reference_dir: Path | None, exl3_all: bool) -> None:
     """Write the tiny GLM-5.3 (glm_moe_dsa) checkpoint to OUT_DIR."""
     start = time.monotonic()
     click.echo(f"writing tiny GLM-5.3 checkpoint (seed {seed}) to {out_dir} ...", err=True)
-    write_tiny_checkpoint(out_dir, seed=seed, reference_dir=reference_dir)
+    write_tiny_checkpoint(out_dir, seed=seed, reference_dir=reference_dir, exl3_all=exl3_all)
     extra = f" and reference {reference_dir}" if reference_dir else ""
     click.echo(f"wrote {out_dir}{extra} in {time.monotonic() - start:.1f} s", err=True)
 

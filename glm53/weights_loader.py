@@ -310,99 +310,14 @@ def _load(cfg: Glm53Config, files: TensorFiles, plan: RankPlan, dtype: torch.dty
 
 
 # ---- check: refuse what cannot be served, from headers only (no tensor data is read) -----------
-def _expected_shapes(cfg: Glm53Config, i: int, sparse: bool, indexed: bool) -> dict[str, tuple[int, ...]]:
-    c, p = cfg, f"model.layers.{i}"
-    a = f"{p}.self_attn"
-    shapes: dict[str, tuple[int, ...]] = {
-        f"{p}.input_layernorm.weight": (c.hidden_size,),
-        f"{p}.post_attention_layernorm.weight": (c.hidden_size,),
-        f"{a}.q_a_proj.weight": (c.q_lora_rank, c.hidden_size),
-        f"{a}.q_a_layernorm.weight": (c.q_lora_rank,),
-        f"{a}.q_b_proj.weight": (c.num_attention_heads * c.qk_head_dim, c.q_lora_rank),
-        f"{a}.kv_a_proj_with_mqa.weight": (c.kv_lora_rank + c.qk_rope_head_dim, c.hidden_size),
-        f"{a}.kv_a_layernorm.weight": (c.kv_lora_rank,),
-        f"{a}.kv_b_proj.weight": (c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank),
-        f"{a}.o_proj.weight": (c.hidden_size, c.num_attention_heads * c.v_head_dim),
-    }
-    if indexed:
-        shapes.update({
-            f"{a}.indexer.wq_b.weight": (c.index_n_heads * c.index_head_dim, c.q_lora_rank),
-            f"{a}.indexer.wk.weight": (c.index_head_dim, c.hidden_size),
-            f"{a}.indexer.k_norm.weight": (c.index_head_dim,),
-            f"{a}.indexer.k_norm.bias": (c.index_head_dim,),
-            f"{a}.indexer.weights_proj.weight": (c.index_n_heads, c.hidden_size),
-        })
-    if sparse:
-        w = c.moe_intermediate_size * c.n_shared_experts
-        shapes.update({
-            f"{p}.mlp.gate.weight": (c.n_routed_experts, c.hidden_size),
-            f"{p}.mlp.gate.e_score_correction_bias": (c.n_routed_experts,),
-        })
-        if c.n_shared_experts:
-            shapes.update({f"{p}.mlp.shared_experts.gate_proj.weight": (w, c.hidden_size),
-                           f"{p}.mlp.shared_experts.up_proj.weight": (w, c.hidden_size),
-                           f"{p}.mlp.shared_experts.down_proj.weight": (c.hidden_size, w)})
-    else:
-        shapes.update({f"{p}.mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
-                       f"{p}.mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
-                       f"{p}.mlp.down_proj.weight": (c.hidden_size, c.intermediate_size)})
-    return shapes
-
-
-def _check_expert(files: TensorFiles, names: set[str], p: str, out_f: int, in_f: int) -> None:
-    if f"{p}.weight" in names:
-        shape = tuple(files.shape(f"{p}.weight"))
-        if shape != (out_f, in_f):
-            raise CheckpointError(f"{files.where[p + '.weight']}: {p}.weight has shape {list(shape)}, expected {[out_f, in_f]}")
-        return
-    if f"{p}.trellis" not in names:
-        raise CheckpointError(f"{files.dir}: expert projection {p} has neither .weight nor .trellis (missing tensors)")
-    from glm53.exl3.format import SERVED_BITS
-
-    shape = files.shape(f"{p}.trellis")
-    where = files.where[f"{p}.trellis"]
-    if len(shape) != 3 or shape[0] * 16 != in_f or shape[1] * 16 != out_f:
-        raise CheckpointError(f"{where}: {p}.trellis has shape {shape}; expected [{in_f // 16}, {out_f // 16}, 16*K]")
-    bits = shape[2] / 16
-    if bits not in SERVED_BITS:
-        raise CheckpointError(f"{where}: {p}.trellis has K = {bits:g} bits (from its shape {shape}); "
-                              f"the kit serves K in {list(SERVED_BITS)}")
-    for part, n in (("suh", in_f), ("svh", out_f)):
-        packed = {"suh": "su", "svh": "sv"}[part]
-        if f"{p}.{part}" in names:
-            if files.shape(f"{p}.{part}") != [n]:
-                raise CheckpointError(f"{where}: {p}.{part} has shape {files.shape(f'{p}.{part}')}, expected [{n}]")
-        elif f"{p}.{packed}" not in names:
-            raise CheckpointError(f"{where}: EXL3 group {p} lacks {part} (or packed {packed})")
-
-
 def check_checkpoint(model_dir: str | Path) -> None:
     """Raise ConfigError / CheckpointError naming the file and field or tensor for anything this
-    family cannot serve; return None when the checkpoint looks servable. Reads headers only."""
+    family cannot serve; return None when the checkpoint looks servable. Reads headers only; the
+    rule is glm53/checkpoint_rules.py, the one fetch_weights.sh applies too."""
+    from glm53.checkpoint_rules import first_refusal
+
     cfg = Glm53Config.from_dir(model_dir)
-    files = TensorFiles(model_dir)
-    names = files.names()
-    layers = [(i, cfg.is_moe_layer(i), cfg.indexer_is_full(i)) for i in range(cfg.num_hidden_layers)]
-    if mtp_present(cfg, names):
-        n = cfg.num_hidden_layers
-        layers.append((n, f"model.layers.{n}.mlp.gate.weight" in names,
-                       f"model.layers.{n}.self_attn.indexer.wk.weight" in names))
-    top = {"model.embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size), "model.norm.weight": (cfg.hidden_size,)}
-    if not cfg.tie_word_embeddings:
-        top["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
-    for i, sparse, indexed in [(None, False, False)] + layers:
-        shapes = top if i is None else _expected_shapes(cfg, i, sparse, indexed)
-        for name, shape in shapes.items():
-            if name not in names:
-                raise CheckpointError(f"{files.dir}: tensor {name} is missing (config.json says layer "
-                                      f"{i} is {'MoE' if sparse else 'dense'}, indexer {'full' if indexed else 'shared'})"
-                                      if i is not None else f"{files.dir}: tensor {name} is missing")
-            got = tuple(files.shape(name))
-            if got != shape:
-                raise CheckpointError(f"{files.where[name]}: {name} has shape {list(got)}; config.json implies {list(shape)}")
-        if sparse:
-            for e in range(cfg.n_routed_experts):
-                ep = f"model.layers.{i}.mlp.experts.{e}"
-                _check_expert(files, names, f"{ep}.gate_proj", cfg.moe_intermediate_size, cfg.hidden_size)
-                _check_expert(files, names, f"{ep}.up_proj", cfg.moe_intermediate_size, cfg.hidden_size)
-                _check_expert(files, names, f"{ep}.down_proj", cfg.hidden_size, cfg.moe_intermediate_size)
+    files = TensorFiles(model_dir)  # the loader's own reading of the index: the same refusals
+    refusal = first_refusal(cfg, files.where, files.dir)
+    if refusal is not None:
+        raise CheckpointError(refusal)

@@ -6,8 +6,10 @@ Import the fixtures you use into your test module:
 
 `tiny_dirs` -> TinyDirs(model=<EXL3 tiny checkpoint>, reference=<decoded transformers twin>), written by
 glm53.tiny.write_tiny_checkpoint (seed 0) into pytest's cache folder under a name that hashes the writer's
-sources (glm53/tiny*.py, glm53/exl3/*.py, glm53/config.py) and the torch version, so it is regenerated
-whenever they change (and once per fresh checkout, as in CI); GLM53_TINY_FRESH=1 forces a rewrite. `tiny_engine` -> a Glm53Engine on it, CPU, fp32
+sources (glm53/tiny*.py, glm53/exl3/*.py, glm53/exl3_storage.py, glm53/checkpoint_rules.py, glm53/config.py)
+and the torch version, so it is regenerated whenever they change (and once per fresh checkout, as in CI);
+GLM53_TINY_FRESH=1 forces a rewrite. `tiny_exl3_all_dirs`: the same for the variant with every linear that
+may be EXL3 stored so (write_tiny_checkpoint(exl3_all=True)). `tiny_engine` -> a Glm53Engine on it, CPU, fp32
 compute, fp32 latent cache, prefill grid 32 (so prompts span several chunks); shared: tests that change
 its settings must restore them (use `fresh_engine_state`).
 """
@@ -39,27 +41,38 @@ def _writer_key() -> str:
     import glm53
 
     pkg = Path(glm53.__file__).parent
-    sources = sorted([*pkg.glob("tiny*.py"), *pkg.glob("exl3/*.py"), pkg / "config.py"])
+    sources = sorted([*pkg.glob("tiny*.py"), *pkg.glob("exl3/*.py"), pkg / "exl3_storage.py",
+                      pkg / "checkpoint_rules.py", pkg / "config.py"])
     digest = hashlib.sha256(torch.__version__.encode())
     for path in sources:
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:16]
 
 
-@pytest.fixture(scope="session")
-def tiny_dirs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> TinyDirs:
+def _written(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, stem: str,
+             exl3_all: bool) -> TinyDirs:
     from glm53.tiny import write_tiny_checkpoint
 
     cache = getattr(request.config, "cache", None)  # absent under -p no:cacheprovider: write per session
-    name = f"glm53_tiny_{_writer_key()}"
+    name = f"{stem}_{_writer_key()}"
     root = Path(cache.mkdir(name)) if cache is not None else tmp_path_factory.mktemp(name)
     model, reference = root / "model", root / "reference"
     complete = (model / "config.json").exists() and (reference / "config.json").exists()
     if not complete or os.environ.get("GLM53_TINY_FRESH") == "1":
         shutil.rmtree(model, ignore_errors=True)
         shutil.rmtree(reference, ignore_errors=True)
-        write_tiny_checkpoint(model, seed=0, reference_dir=reference)  # each folder appears by rename
+        write_tiny_checkpoint(model, seed=0, reference_dir=reference, exl3_all=exl3_all)  # each folder appears by rename
     return TinyDirs(model, reference)
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> TinyDirs:
+    return _written(request, tmp_path_factory, "glm53_tiny", exl3_all=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_exl3_all_dirs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> TinyDirs:
+    return _written(request, tmp_path_factory, "glm53_tiny_exl3_all", exl3_all=True)
 
 
 @pytest.fixture(scope="session")

@@ -19,12 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..exl3_storage import HADAMARD_BLOCK, KNOWN_PARTS, SERVED_BITS
+
 CODEBOOKS = ("3inst", "mcg", "mul1")
-SERVED_BITS = (2.0, 2.5, 3.0, 3.5, 4.0)
 FORMAT_BITS_TEXT = "the format allows integer K 1..8 and half-integer 1.5/2.5/3.5 (mul1 only)"
-HADAMARD_BLOCK = 128
 CODEBOOK_MULTIPLIERS = {"mcg": 0xCBAC1FED, "mul1": 0x83DCD12D}
-KNOWN_PARTS = ("trellis", "suh", "svh", "su", "sv", "mcg", "mul1", "bias")
 
 TensorSource = Mapping[str, torch.Tensor] | Callable[[str], "torch.Tensor | None"]
 

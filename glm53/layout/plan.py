@@ -31,6 +31,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
+from ..checkpoint_rules import LINEAR_PARTS
 from ..config import Glm53Config
 from ..safetensors_header import TensorInfo, read_header
 
@@ -78,7 +79,7 @@ class TensorLocation:
 
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-_LINEAR_SUFFIXES = ("weight", "bias", "trellis", "suh", "svh", "su", "sv", "mcg", "mul1")
+_LINEAR_SUFFIXES = LINEAR_PARTS
 _REPLICATED = re.compile(
     r"^(model\.norm\.weight"
     r"|model\.layers\.\d+\.(input_layernorm|post_attention_layernorm|enorm|hnorm|shared_head\.norm)\.weight"

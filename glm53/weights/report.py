@@ -16,6 +16,7 @@ import re
 from collections import Counter
 from typing import Any
 
+from ..checkpoint_rules import mtp_layers
 from ..layout.plan import PlanError, plan_layouts
 from .verify import VerifyResult
 
@@ -56,7 +57,7 @@ def summarize(result: VerifyResult) -> dict[str, Any]:
         full = sum(cfg.indexer_is_full(i) for i in range(cfg.num_hidden_layers))
         summary["model"] = {
             "model_type": "glm_moe_dsa", "layers": cfg.num_hidden_layers, "dense_layers": cfg.num_hidden_layers - moe,
-            "moe_layers": moe, "mtp_layers": cfg.num_mtp_layers, "indexer_full_layers": full,
+            "moe_layers": moe, "mtp_layers": len(mtp_layers(cfg, names)), "indexer_full_layers": full,
             "indexer_shared_layers": cfg.num_hidden_layers - full, "routed_experts": cfg.n_routed_experts,
             "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
             "quantization_config_bits": cfg.quantization_config.get("bits"),

@@ -6,9 +6,11 @@ config.json; the data is random bytes, or holes (`sparse=True`, for real-size be
 checkpoint that takes no disk). This is not the kit's tiny *model* checkpoint (glm53.tiny makes that,
 with weights that run); this one exists to exercise file handling at any size.
 
-Which linears the real 3.38 bpw pack quantizes is not known here; by default every linear inside the
-decoder layers is EXL3 (routed experts at mixed widths), while embeddings, norms, the router and the
-indexer stay in 16/32-bit, as exllamav3 does for GLM-style MoE packs.
+Which linears the real 3.38 bpw pack quantizes is not known here; by default every attention
+projection and MLP linear of the decoder layers is EXL3 (routed experts at mixed widths), stored as
+exllamav3 stores it (features padded to multiples of 128), while embeddings, norms, the router and the
+indexer stay in 16/32-bit. glm53/checkpoint_rules.py says which linears may be EXL3 and why (exllamav3
+keeps kv_b_proj in fp16 and quantizes the indexer's wq_b; the rule accepts either form of both).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from ..checkpoint_rules import pad_features
 from ..config import Glm53Config
 from ..safetensors_header import DTYPE_BITS
 
@@ -51,7 +54,9 @@ def default_expert_bits(layer: int, expert: int, proj: str) -> float:
 
 
 def exl3_linear(prefix: str, in_f: int, out_f: int, bits: float, codebook: str = "mcg") -> list[TensorSpec]:
+    """An EXL3 group as exllamav3 stores it: features padded to multiples of 128 (checkpoint_rules)."""
     words = int(round(bits * 16))
+    in_f, out_f = pad_features(in_f), pad_features(out_f)
     specs = [
         TensorSpec(f"{prefix}.trellis", "I16", (in_f // 16, out_f // 16, words)),
         TensorSpec(f"{prefix}.suh", "F16", (in_f,)),

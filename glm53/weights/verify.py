@@ -2,8 +2,9 @@
 
 File-level problems (errors): index unreadable, a shard missing / truncated / an LFS pointer /
 an invalid header, a size differing from the manifest, a tensor the index maps absent from its
-shard, a tensor in two shards, a hash mismatch. Model-level problems: the tensors the config needs
-are not all there. Warnings: shards or tensors the index does not know, index total_size off.
+shard, a tensor in two shards, a hash mismatch. Model-level problems: the tensors are not what the
+config implies, by the rule of glm53/checkpoint_rules.py (the one glm53.check() applies).
+Warnings: shards or tensors the index does not know, index total_size off.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..checkpoint_rules import MISMATCH, check_tensors, tensor_table
 from ..config import ConfigError, Glm53Config
 from ..safetensors_header import ShardError, ShardHeader, TensorInfo, read_header
 from .manifest import MANIFEST_NAME, Manifest
@@ -95,8 +97,7 @@ def verify_checkpoint(
     _check_manifest_files(root, manifest, shard_names, result)
     _check_index_against_shards(root, result)
     if result.config is not None:
-        names = set(result.weight_map) or set(result.tensors)
-        _check_model_tensors(result.config, names, result)
+        _check_model_tensors(result.config, root, result)
     if deep:
         result.deep = _deep_check(root, manifest, shard_names, result, workers, progress)
     return result
@@ -195,51 +196,32 @@ def _check_index_against_shards(root: Path, result: VerifyResult) -> None:
 
 # ---- model level ----------------------------------------------------------------------------
 
-def expected_modules(cfg: Glm53Config) -> list[tuple[int | None, str]]:
-    """(layer or None, name) the config requires: names ending in a linear's prefix accept either
-    `.weight` or EXL3 `.trellis`; others are exact tensor names."""
-    out: list[tuple[int | None, str]] = [(None, "model.embed_tokens.weight"), (None, "model.norm.weight")]
-    if not cfg.tie_word_embeddings:
-        out.append((None, "lm_head"))
-    for i in range(cfg.num_hidden_layers + cfg.num_mtp_layers):
-        p = f"model.layers.{i}"
-        mtp = i >= cfg.num_hidden_layers
-        names = [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight",
-                 f"{p}.self_attn.q_a_layernorm.weight", f"{p}.self_attn.kv_a_layernorm.weight"]
-        names += [f"{p}.self_attn.{m}" for m in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")]
-        if mtp or cfg.indexer_is_full(i):
-            names += [f"{p}.self_attn.indexer.{m}" for m in ("wq_b", "wk", "weights_proj")] + [f"{p}.self_attn.indexer.k_norm.weight"]
-        if mtp:
-            # MTP's own embed_tokens / shared_head.head are optional: packs may rely on the main model's
-            names += [f"{p}.enorm.weight", f"{p}.hnorm.weight", f"{p}.eh_proj", f"{p}.shared_head.norm.weight"]
-        if not mtp and not cfg.is_moe_layer(i):
-            names += [f"{p}.mlp.{m}" for m in ("gate_proj", "up_proj", "down_proj")]
-        else:
-            names += [f"{p}.mlp.gate.weight", f"{p}.mlp.gate.e_score_correction_bias"]
-            names += [f"{p}.mlp.shared_experts.{m}" for m in ("gate_proj", "up_proj", "down_proj")]
-            names += [f"{p}.mlp.experts.{e}.{m}" for e in range(cfg.n_routed_experts) for m in ("gate_proj", "up_proj", "down_proj")]
-        out += [(i, n) for n in names]
-    return out
+_LISTED_PER_KIND = 20  # findings of one kind listed one by one; the rest counted in one more
 
 
-def _check_model_tensors(cfg: Glm53Config, names: set[str], result: VerifyResult) -> None:
+def _check_model_tensors(cfg: Glm53Config, root: Path, result: VerifyResult) -> None:
+    """The shared rule (glm53/checkpoint_rules.py) over the index's tensors: absent tensors grouped
+    per layer, every other problem (shape, width, placement, parts) named with its shard."""
+    where = result.weight_map or {n: shard for shard, h in result.headers.items() for n in h.tensors}
+    headers = {str(root / shard): h for shard, h in result.headers.items()}
+    table = tensor_table({n: root / shard for n, shard in where.items()}, headers)
     missing_by_layer: dict[int | None, list[str]] = {}
-    for layer, want in expected_modules(cfg):
-        if want in names:
+    listed: dict[str, int] = {}
+    for problem in check_tensors(cfg, table, root):
+        if problem.kind == "missing" and problem.file == str(root):
+            missing_by_layer.setdefault(problem.layer, []).append(problem.tensor)
             continue
-        if not want.endswith((".weight", ".e_score_correction_bias")):
-            if f"{want}.weight" in names:
-                continue
-            if f"{want}.trellis" in names:
-                if not ({f"{want}.suh", f"{want}.su"} & names and {f"{want}.svh", f"{want}.sv"} & names):
-                    missing_by_layer.setdefault(layer, []).append(f"{want}.suh/.svh (EXL3 sign vectors)")
-                continue
-        missing_by_layer.setdefault(layer, []).append(want)
+        listed[problem.kind] = listed.get(problem.kind, 0) + 1
+        if listed[problem.kind] <= _LISTED_PER_KIND:
+            result.add("model", problem.kind, problem.file, problem.detail, problem.remedy)
+    for kind, n in listed.items():
+        if n > _LISTED_PER_KIND:
+            result.add("model", kind, None, f"{n - _LISTED_PER_KIND} more problem(s) of kind '{kind}' (not listed)")
     for layer, missing in sorted(missing_by_layer.items(), key=lambda kv: -1 if kv[0] is None else kv[0]):
         what = "top level" if layer is None else f"layer {layer}"
         result.add("model", "tensors_missing", None, f"{what}: {len(missing)} tensor(s) the config needs are not in the checkpoint: {', '.join(missing[:4])}",
-                   "the checkpoint does not match its config.json (wrong or partial pack?)")
-    present_layers = {int(m.group(1)) for n in names if (m := re.match(r"model\.layers\.(\d+)\.", n))}
+                   MISMATCH)
+    present_layers = {int(m.group(1)) for n in table if (m := re.match(r"model\.layers\.(\d+)\.", n))}
     beyond = sorted(i for i in present_layers if i >= cfg.num_hidden_layers + cfg.num_mtp_layers)
     if beyond:
         result.add("warning", "extra_layers", None, f"tensors for layers {beyond[:5]} beyond the config's {cfg.num_hidden_layers} (+{cfg.num_mtp_layers} MTP)")
