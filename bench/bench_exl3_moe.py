@@ -285,11 +285,27 @@ def main() -> None:
           f"{allocated / 2**30:.3f} GiB", flush=True)
     decode_forms = [tx.DECODE] + [parse_form(f) for f in args.forms]
     prefill_forms = [tx.prefill_form(bank, dtype)] + [parse_form(f) for f in args.prefill_forms]
+    header = result_header("bench_exl3_moe", {"experts": args.experts, "hidden": args.hidden, "width": args.width,
+                                             "top_k": 8, "codebook": args.codebook, "dtype": "bf16",
+                                             "mix": "default_expert_bits (2/3/4: 10/50/40 %)"}, device="cuda")
+    result: dict[str, Any] = {**header, "copy_bandwidth_Bps": bw, "bank_bytes": bank.nbytes, "allocated_bytes": allocated,
+                              "results": []}
+    rows = result["results"]
+
+    def section(name: str, fn) -> None:  # noqa: ANN001 - a failed part is recorded; what was measured is kept
+        try:
+            rows.extend(fn())
+        except Exception as exc:  # noqa: BLE001
+            print(f"{name} failed: {type(exc).__name__}: {exc}", flush=True)
+            rows.append({"kind": name, "failed": f"{type(exc).__name__}: {exc}"})
+        result["scratch_bytes"] = tx.SCRATCH.nbytes
+        write_json(args.out, result)
+
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    rows = decode_rows(tx, bank, mats, args.tokens, args.sets, args.reps, bw, dtype, decode_forms)
-    decode_peak = torch.cuda.max_memory_allocated() - base
-    rows += prefill_rows(tx, bank, mats, args.prefill, max(3, args.reps // 4), dtype, prefill_forms)
+    section("decode", lambda: decode_rows(tx, bank, mats, args.tokens, args.sets, args.reps, bw, dtype, decode_forms))
+    result["decode_peak_extra_bytes"] = torch.cuda.max_memory_allocated() - base
+    section("prefill", lambda: prefill_rows(tx, bank, mats, args.prefill, max(3, args.reps // 4), dtype, prefill_forms))
     exl = None
     if args.exllamav3:
         try:
@@ -299,27 +315,24 @@ def main() -> None:
         except Exception as exc:  # noqa: BLE001 - the kit's own numbers still stand; the JSON says why
             print(f"exllamav3 unavailable: {type(exc).__name__}: {exc}", flush=True)
             rows.append({"kind": "exllamav3", "skipped": f"{type(exc).__name__}: {exc}"})
-    rows += linear_rows(tx, args.reps, bw, exl)
+    section("linear", lambda: linear_rows(tx, args.reps, bw, exl))
     if exl is not None:
-        rows += exllamav3_rows(tx, bank, mats, parts, shared, [t for t in args.tokens if t <= 16], args.sets, args.reps,
-                               "mixed 2/3/4-bit (exllamav3: one launch per width group)")
+        section("exllamav3", lambda: exllamav3_rows(
+            tx, bank, mats, parts, shared, [t for t in args.tokens if t <= 16], args.sets, args.reps,
+            "mixed 2/3/4-bit (exllamav3: one launch per width group)"))
         del bank, parts
         torch.cuda.empty_cache()
         bank3, mats3, parts3, shared3, _ = build_layer(args.experts, args.hidden, args.width, args.codebook, 3.0,
                                                        args.seed + 1)
-        rows += exllamav3_rows(tx, bank3, mats3, parts3, shared3, [t for t in args.tokens if t <= 8], args.sets,
-                               args.reps, "uniform 3-bit (exllamav3's own path)")
-    result = {**result_header("bench_exl3_moe", {"experts": args.experts, "hidden": args.hidden, "width": args.width,
-                                                   "top_k": 8, "codebook": args.codebook, "dtype": "bf16",
-                                                   "mix": "default_expert_bits (2/3/4: 10/50/40 %)"}, device="cuda"),
-              "copy_bandwidth_Bps": bw, "bank_bytes": bank.nbytes if exl is None else None,
-              "allocated_bytes": allocated, "decode_peak_extra_bytes": decode_peak,
-              "scratch_bytes": tx.SCRATCH.nbytes, "results": rows}
-    write_json(args.out, result)
+        section("exllamav3", lambda: exllamav3_rows(
+            tx, bank3, mats3, parts3, shared3, [t for t in args.tokens if t <= 8], args.sets, args.reps,
+            "uniform 3-bit (exllamav3's own path)"))
     print("\n| kind | tokens | routing / form | us or ms | floor | x floor |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        if r.get("kind") == "decode":
+        if "failed" in r or "skipped" in r:
+            print(f"| {r['kind']} | | {r.get('failed') or r.get('skipped')} | | | |")
+        elif r.get("kind") == "decode":
             print(f"| decode | {r['tokens']} | {r['routing']} bm{r['form']['bm']} w{r['form']['warps']} | "
                   f"{r['us']:.1f} us | {r['floor_us']:.1f} us | {r['x_floor']:.2f} |")
         elif r.get("kind") == "prefill":
