@@ -19,9 +19,10 @@ encoding (kv_a's 80 outputs and kv_b's 64 inputs become 128).
 Dimensions let the TP layout split everything over 2, 3 or 4 ranks: hidden 256 (a multiple of the
 EXL3 Hadamard block), 8 heads, experts 512 wide (4 blocks of 128), dense MLP 1024 (8 blocks).
 
-`--reference REF_DIR` writes the same model with every EXL3 tensor decoded (decode_weight on the
-CPU) into plain fp32 weights, padding trimmed to the config's features: fp32 holds each decoded
-fp16 value exactly. It is laid out for transformers' GlmMoeDsaForCausalLM.from_pretrained
+`--reference REF_DIR` writes the same model with every EXL3 tensor dequantized into plain fp32
+weights: the matrix the format defines (diag(suh) H W_hat H diag(svh), computed in fp64 and rounded
+once; the kit's EXL3 products compute exactly that), padding trimmed to the config's features. It
+is laid out for transformers' GlmMoeDsaForCausalLM.from_pretrained
 (per-expert keys, which transformers fuses on load), without quantization_config. The MTP layer is
 left out of its index (transformers has no MTP module and would warn about it); its decoded
 tensors go to `mtp.safetensors` beside it.
@@ -48,7 +49,7 @@ from safetensors.torch import save_file
 
 from .checkpoint_rules import LinearRule, linear_dims
 from .config import Glm53Config
-from .exl3.decode import decode_weight
+from .exl3.decode import dequantize_exact
 from .exl3.encode import encode_weights, single_threaded
 from .exl3.format import read_group
 from .tiny_tokenizer import VOCAB_SIZE, write_tokenizer
@@ -386,14 +387,15 @@ def _write_tiny_checkpoint(out: Path, seed: int, ref: Path | None, exl3_all: boo
 
 
 def decoded_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Plain weights: every EXL3 group decoded (fp16 -> fp32, exact) to nn.Linear's [out, in], its
+    """Plain weights: every EXL3 group as the weight the format defines (decode.dequantize_exact, fp64
+    rounded once to fp32) in nn.Linear's [out, in], its
     padding trimmed to the config's features (padded inputs meet zeros; padded outputs are dropped);
     others as is."""
     plain: dict[str, torch.Tensor] = {}
     prefixes = sorted({n.rsplit(".", 1)[0] for n in tensors if n.endswith(".trellis")})
     features = linear_features(tensors)
     for prefix in prefixes:
-        w = decode_weight(read_group(tensors, prefix))  # [in, out], y = x @ w
+        w = dequantize_exact(read_group(tensors, prefix))  # [in, out], y = x @ w
         rule = features[prefix]
         plain[f"{prefix}.weight"] = w[: rule.in_f, : rule.out_f].float().t().contiguous()
     exl3_parts = {f"{p}.{s}" for p in prefixes for s in ("trellis", "suh", "svh", "su", "sv", "mcg", "mul1", "bias")}

@@ -59,13 +59,6 @@ CASES: dict[str, tuple[str | None, str, str]] = {
     "wrong_marker_value": ("wrong_marker_value", "linear", LOADER_ONLY),
 }
 
-PACKED_LOADER = "the packed loader (issue 33) loads every EXL3 linear"
-LOADER_GAPS = {  # the loader serves a plain .weight without looking further, and ignores parts it does not read
-    "unknown_part": "the loader ignores parts it does not read; the packed loader (issue 33) refuses them by the shared rule",
-    "weight_and_trellis": "the loader takes .weight and never sees .trellis; the packed loader (issue 33) refuses both",
-}
-
-
 def _prefix(variant: str, target: str) -> str:
     linear, mtp = TARGETS[variant]
     return {"linear": linear, "mtp": mtp, "router": ROUTER, "mtp_layer": MTP_LAYER}[target]
@@ -99,12 +92,7 @@ def _params(engine: bool) -> list:
     out = []
     for variant in TARGETS:
         for case in CASES:
-            marks = []
-            if engine and variant == "exl3_all":
-                marks = [pytest.mark.xfail(strict=True, reason=PACKED_LOADER)]
-            elif engine and case in LOADER_GAPS:
-                marks = [pytest.mark.xfail(strict=True, reason=LOADER_GAPS[case])]
-            out.append(pytest.param(variant, case, id=f"{variant}-{case}", marks=marks))
+            out.append(pytest.param(variant, case, id=f"{variant}-{case}"))
     return out
 
 

@@ -1,5 +1,8 @@
 """Reference fidelity: the kit's forward on the tiny EXL3 checkpoint (one rank, fp32, CPU) against
-transformers 5.23's GlmMoeDsaForCausalLM on the decoded twin (same weights).
+transformers 5.23's GlmMoeDsaForCausalLM on the dequantized twin (same weights: every EXL3 linear as
+the matrix the format defines, glm53.exl3.decode.dequantize_exact, which the kit computes from the
+packed trellis without forming it). Both checkpoints: the default (routed experts EXL3) and the one
+with every decoder linear EXL3 (tiny's exl3_all, padded as exllamav3 pads; kv_b decoded at load).
 
 Tolerance: max |logit difference| <= 1e-4 at every position, greedy tokens equal over 64 steps.
 Both sides compute in fp32 from identical weights; what differs is only summation order (chunked
@@ -22,7 +25,8 @@ from typing import Iterator
 import pytest
 import torch
 
-from tests.fixtures_tiny import TINY_CHUNK, fresh_engine_state, tiny_dirs, tiny_engine  # noqa: F401
+from tests.fixtures_tiny import (TINY_CHUNK, fresh_engine_state, tiny_dirs, tiny_engine,  # noqa: F401
+                                 tiny_exl3_all_dirs)
 
 TOLERANCE = 1e-4
 STEPS = 64
@@ -43,12 +47,29 @@ def ties_toward_lower_position() -> Iterator[None]:
         torch.Tensor.topk = _TOPK
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_dirs):  # noqa: F811
+def _reference_model(folder):  # noqa: ANN001, ANN202
     from transformers import GlmMoeDsaForCausalLM
 
-    return GlmMoeDsaForCausalLM.from_pretrained(tiny_dirs.reference, dtype=torch.float32,
-                                                attn_implementation="eager").eval()
+    return GlmMoeDsaForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dirs):  # noqa: F811
+    return _reference_model(tiny_dirs.reference)
+
+
+@pytest.fixture(scope="module")
+def exl3_all_pair(tiny_exl3_all_dirs):  # noqa: F811
+    from glm53.engine import Glm53Engine
+
+    engine = Glm53Engine(tiny_exl3_all_dirs.model, device="cpu", dtype="fp32", kv_dtype="fp32",
+                         prefill_chunk=TINY_CHUNK, cache_block=TINY_CHUNK)
+    return engine, _reference_model(tiny_exl3_all_dirs.reference)
+
+
+@pytest.fixture(params=["experts-exl3", "all-exl3"])
+def pair(request, tiny_engine, reference, exl3_all_pair):  # noqa: F811
+    return (tiny_engine, reference) if request.param == "experts-exl3" else exl3_all_pair
 
 
 def _prompt(length: int, seed: int) -> list[int]:
@@ -70,7 +91,8 @@ def _ours(engine, prompt: list[int]) -> tuple[list[int], torch.Tensor, torch.Ten
 
 
 @pytest.mark.parametrize("length", [20, 100], ids=["shorter-than-topk", "longer-than-topk"])
-def test_logits_and_greedy_tokens_match_reference(tiny_engine, reference, length: int) -> None:  # noqa: F811
+def test_logits_and_greedy_tokens_match_reference(pair, length: int) -> None:
+    tiny_engine, reference = pair
     cfg = tiny_engine.cfg
     assert length < cfg.index_topk < length + STEPS or length > cfg.index_topk
     prompt = _prompt(length, seed=length)

@@ -130,6 +130,27 @@ class Exl3Bank:
         self._rotated_bytes = 0
 
 
+@dataclass(frozen=True)
+class MlpMatrices:
+    """Where an MLP's matrices sit in its bank: routed expert e's gate is gate0 + e (up, down alike);
+    the shared expert (or a dense MLP, as the only expert) has its own three, or None."""
+
+    gate0: int
+    up0: int
+    down0: int
+    n_experts: int
+    shared: tuple[int, int, int] | None
+    width: int  # the expert's intermediate held here
+    hidden: int
+
+    @property
+    def matrices(self) -> tuple[list[int], list[int], list[int]]:
+        """Per projection, the matrix of expert e at [e]; the shared expert's (if any) last."""
+        extra = [self.shared] if self.shared is not None else []
+        return tuple([m0 + e for e in range(self.n_experts)] + [s[i] for s in extra]
+                     for i, m0 in enumerate((self.gate0, self.up0, self.down0)))  # type: ignore[return-value]
+
+
 class BankBuilder:
     """Collects EXL3 matrices on the host, then moves them to the device as one bank."""
 

@@ -230,3 +230,14 @@ def decode_weight(group: Exl3Group, device: torch.device | str | None = None) ->
         trellis = group.trellis.to(dev)
         w_hat = decode_rotated(trellis, group.bits, group.codebook)
         return apply_hadamards(w_hat, group.suh.to(dev), group.svh.to(dev))
+
+
+def dequantize_exact(group: Exl3Group) -> torch.Tensor:
+    """The weight the format defines, W = diag(suh) . H . W_hat . H . diag(svh) with H the orthonormal
+    128-block Hadamard, in fp64 [in_features, out_features]: what the kit's EXL3 products compute
+    (glm53/ops/exl3_torch.py), without the fp16 roundings of exllamav3's reconstruction (decode_weight)."""
+    w_hat = decode_rotated(group.trellis, group.bits, group.codebook).to(torch.float64)
+    k, n = w_hat.shape
+    had = hadamard("cpu").to(torch.float64).sign() / math.sqrt(HAD_DIM)
+    w = (had @ w_hat.view(-1, HAD_DIM, n)).view(k, n) * group.suh.to(torch.float64)[:, None]
+    return (w.view(k, -1, HAD_DIM) @ had).view(k, n) * group.svh.to(torch.float64)[None, :]

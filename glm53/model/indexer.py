@@ -73,7 +73,7 @@ def indexer_keys(w: IndexerWeights, x_norm: torch.Tensor, cos: torch.Tensor, sin
 
 
 def indexer_queries(w: IndexerWeights, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    q = ops.linear(q_resid, w.wq_b).view(q_resid.shape[0], w.n_heads, w.head_dim)
+    q = ops.project(q_resid, w.wq_b).view(q_resid.shape[0], w.n_heads, w.head_dim)
     return torch.cat([apply_rope(q[..., : w.rope_dim], cos, sin), q[..., w.rope_dim:]], dim=-1)
 
 

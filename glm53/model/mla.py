@@ -27,6 +27,9 @@ HEAD_GROUP = 16  # heads per block in the expanded reference (bounds the [heads,
 
 @dataclass
 class AttentionWeights:
+    """q_a, q_b, kv_a and o are dense [out, in] tensors or EXL3 linears (ops.project takes either);
+    kv_b is dense (the absorbed form reads it per head)."""
+
     q_a: torch.Tensor  # [q_lora_rank, hidden]
     q_a_norm: torch.Tensor
     q_b: torch.Tensor  # [heads * (nope + rope), q_lora_rank]   (this rank's heads)
@@ -51,14 +54,14 @@ class AttentionWeights:
 def project_queries(w: AttentionWeights, x_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q_resid [T, q_lora] (the indexer reuses it), q_nope [T, H, nope], q_rot [T, H, rope] (roped)."""
-    q_resid = rms_norm(ops.linear(x_norm, w.q_a), w.q_a_norm, LORA_NORM_EPS)
-    q = ops.linear(q_resid, w.q_b).view(x_norm.shape[0], w.n_heads, w.nope + w.rope)
+    q_resid = rms_norm(ops.project(x_norm, w.q_a), w.q_a_norm, LORA_NORM_EPS)
+    q = ops.project(q_resid, w.q_b).view(x_norm.shape[0], w.n_heads, w.nope + w.rope)
     return q_resid, q[..., : w.nope], apply_rope(q[..., w.nope:], cos, sin)
 
 
 def latent_rows(w: AttentionWeights, x_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """[T, r + rope]: the rows to cache for these positions."""
-    kv = ops.linear(x_norm, w.kv_a)
+    kv = ops.project(x_norm, w.kv_a)
     c = rms_norm(kv[:, : w.kv_rank], w.kv_a_norm, LORA_NORM_EPS)
     return torch.cat([c, apply_rope(kv[:, w.kv_rank:], cos, sin)], dim=-1)
 
@@ -79,7 +82,7 @@ def attend(w: AttentionWeights, q_nope: torch.Tensor, q_rot: torch.Tensor, rows:
 
 def output_projection(w: AttentionWeights, attn: torch.Tensor) -> torch.Tensor:
     """[T, H, v] -> [T, hidden] partial sum over this rank's heads (row-parallel o_proj)."""
-    return ops.linear(attn.reshape(attn.shape[0], -1), w.o)
+    return ops.project(attn.reshape(attn.shape[0], -1), w.o)
 
 
 def attend_expanded(w: AttentionWeights, q_nope: torch.Tensor, q_rot: torch.Tensor, cached: torch.Tensor,

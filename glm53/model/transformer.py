@@ -37,7 +37,7 @@ class LayerWeights:
 class MtpWeights:
     enorm: torch.Tensor
     hnorm: torch.Tensor
-    eh_proj: torch.Tensor  # [hidden, 2 * hidden]: input is [enorm(embed(next token)) | hnorm(hidden)]
+    eh_proj: torch.Tensor  # [hidden, 2 * hidden] (or an EXL3 linear): input is [enorm(embed(next token)) | hnorm(hidden)]
     layer: LayerWeights
     head_norm: torch.Tensor
     head: torch.Tensor | None  # None: the main head (shared)
@@ -52,6 +52,8 @@ class ModelWeights:
     head: torch.Tensor  # [vocab (this rank's rows), hidden]
     mtp: MtpWeights | None = None
     bytes_read: int | None = None  # checkpoint bytes this rank read (R > 1: exactly its planned slices)
+    exl3_bytes: int = 0  # the packed EXL3 banks on the device (trellis, sign vectors, tables)
+    dense_from_exl3: dict[str, int] = field(default_factory=dict)  # linears decoded at load -> bytes
 
 
 @dataclass(frozen=True)
@@ -153,7 +155,7 @@ class Glm53Model:
             raise RuntimeError("this checkpoint has no MTP layer")
         ids = self._ids(next_tokens)
         e = self.plan.embed(m.embed if m.embed is not None else self.w.embed, ids).to(self.dtype)
-        x = ops.linear(torch.cat([rms_norm(e, m.enorm, self.cfg.rms_norm_eps),
+        x = ops.project(torch.cat([rms_norm(e, m.enorm, self.cfg.rms_norm_eps),
                                   rms_norm(prev_hidden.to(self.dtype), m.hnorm, self.cfg.rms_norm_eps)], dim=-1),
                        m.eh_proj)
         [(out, _)] = self._run_pieces(state, [m.layer], x, [(start, start + ids.shape[0])], ())

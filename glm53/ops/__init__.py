@@ -11,6 +11,7 @@ a CUDA reduction spreads a few rows over more threads than many rows.
 So every op of the forward with a reduction goes through here:
 
     linear(x, w)              x [..., K] @ w[N, K]^T, fp32 accumulation, out in x's dtype
+    exl3_linear, exl3_mlp     EXL3 linears and MLPs from the packed trellis (exl3_torch / triton_exl3)
     expert_linear(x, w, ids)  row r times its own matrix w[ids[r]] (routed experts, short windows)
     grouped_expert_linear     rows grouped by expert times their experts' matrices (CUDA prefill)
     head_linear(x, w)         per-head projection: x [T, H, K], w [H, N, K] -> [T, H, N]
@@ -135,6 +136,43 @@ def grouped_expert_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor
     from glm53.ops import triton_linear
 
     return triton_linear.grouped_expert_linear(x, w, counts)
+
+
+def exl3_linear(x: torch.Tensor, bank, m: int, in_start: int = 0, out_start: int = 0,  # noqa: ANN001
+                out_features: int | None = None) -> torch.Tensor:
+    """x [..., n] @ W of EXL3 matrix m of `bank` (glm53.exl3.bank.Exl3Bank), from its packed trellis: x is
+    input columns [in_start, in_start + n) of the matrix (zeros elsewhere), the result its output columns
+    [out_start, out_start + out_features), in x's dtype; row-invariant (glm53/ops/exl3_torch.py: the
+    arithmetic; on CUDA the Triton kernels of glm53/ops/triton_exl3.py, whose forms give a row one set of bits)."""
+    lead, n = x.shape[:-1], x.shape[-1]
+    flat = x.reshape(-1, n)
+    if _triton_for(x):
+        from glm53.ops import triton_exl3
+
+        y = triton_exl3.linear(flat, bank, m, in_start, out_start, out_features)
+    else:
+        from glm53.ops import exl3_torch
+
+        y = exl3_torch.linear(flat, bank, m, in_start, out_start, out_features)
+    return y.reshape(*lead, y.shape[-1])
+
+
+def exl3_mlp(x: torch.Tensor, bank, mats, ids: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:  # noqa: ANN001
+    """An EXL3 MLP from its packed trellis (glm53.exl3.bank.MlpMatrices): routed experts (ids/weights
+    [T, K]) plus the shared expert, or the dense MLP (K = 0); x [T, hidden] -> [T, hidden]."""
+    if _triton_for(x):
+        from glm53.ops import triton_exl3
+
+        return triton_exl3.mlp(x, bank, mats, ids, weights)
+    from glm53.ops import exl3_torch
+
+    return exl3_torch.mlp(x, bank, mats, ids, weights)
+
+
+def project(x: torch.Tensor, w) -> torch.Tensor:  # noqa: ANN001
+    """A linear layer's weight, whatever its storage: a dense [N, K] tensor (linear) or an EXL3
+    linear (glm53.model.exl3_layers.Exl3Linear, called with x)."""
+    return linear(x, w) if isinstance(w, torch.Tensor) else w(x)
 
 
 def head_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from glm53.exl3.bank import Exl3Bank
+from glm53.exl3.bank import Exl3Bank, MlpMatrices
 from glm53.ops import torch_ops
 
 HAD = 128
@@ -103,25 +103,25 @@ def mlp_rows(x: torch.Tensor, bank: Exl3Bank, gate: int, up: int, down: int) -> 
     return linear(act, bank, down)
 
 
-def experts(x: torch.Tensor, bank: Exl3Bank, gate: list[int], up: list[int], down: list[int],
-            ids: torch.Tensor, weights: torch.Tensor | None, shared: int | None) -> torch.Tensor:
-    """x [T, hidden]; ids [T, k] into the expert lists (each token's experts distinct), weights fp32
-    [T, k] (None: weight 1); `shared`: an expert index every token also takes, weight 1, summed last
-    (the shared expert, or the dense MLP as the only expert). -> [T, hidden] in x's dtype."""
-    t = x.shape[0]
-    cols = [ids] if ids.numel() else []
-    wts = [weights if weights is not None else torch.ones(ids.shape, dtype=torch.float32, device=x.device)]
-    if shared is not None:
-        cols.append(torch.full((t, 1), shared, dtype=ids.dtype, device=x.device))
+def mlp(x: torch.Tensor, bank: Exl3Bank, mats: MlpMatrices, ids: torch.Tensor,
+        weights: torch.Tensor | None) -> torch.Tensor:
+    """Routed experts (ids [T, K] into 0..n_experts-1, each token's distinct; weights fp32 [T, K], None:
+    weight 1) plus the shared expert, or the dense MLP (K = 0, mats.shared its matrices), as
+    glm53.ops.triton_exl3.mlp computes them: [T, hidden] in x's dtype."""
+    gate, up, down = mats.matrices
+    t, k = ids.shape
+    cols, wts = [ids], [weights.to(torch.float32) if weights is not None
+                        else torch.ones(t, k, dtype=torch.float32, device=x.device)]
+    if mats.shared is not None:  # the shared expert: the largest id, so summed last; weight 1
+        cols.append(torch.full((t, 1), mats.n_experts, dtype=ids.dtype, device=x.device))
         wts.append(torch.ones(t, 1, dtype=torch.float32, device=x.device))
-    all_ids = torch.cat(cols, dim=1)
-    all_w = torch.cat(wts, dim=1) if weights is not None or shared is not None else wts[0]
-    order = all_ids.argsort(dim=1, stable=True)  # a token's experts ascending (the shared one is the largest id)
+    all_ids, all_w = torch.cat(cols, dim=1), torch.cat(wts, dim=1)
     parts = torch.zeros(t, all_ids.shape[1], x.shape[1], dtype=x.dtype, device=x.device)
     for e in torch.unique(all_ids).tolist():
         token, slot = (all_ids == e).nonzero(as_tuple=True)
         y = mlp_rows(x[token], bank, gate[e], up[e], down[e])
         parts[token, slot] = (y.to(torch.float32) * all_w[token, slot, None]).to(x.dtype)
+    order = all_ids.argsort(dim=1, stable=True)  # a token's experts ascending
     out = torch.zeros_like(x)
     for j in range(all_ids.shape[1]):
         out = out + parts.gather(1, order[:, j, None, None].expand(t, 1, x.shape[1]))[:, 0]

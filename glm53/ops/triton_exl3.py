@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from glm53.exl3.bank import Exl3Bank
+from glm53.exl3.bank import Exl3Bank, MlpMatrices
 from glm53.ops.triton_launch import OPTIONS
 
 HAD = 128
@@ -779,20 +779,6 @@ def linear(x: torch.Tensor, bank: Exl3Bank, m: int, in_start: int = 0, out_start
         xr, out, bank.table, m, bank.words.view(torch.int32), bank.scales, ws, cnt, rows, out.stride(0), out_start,
         n_out, PARALLEL=parallel, ACT=_act(x.dtype), CB=_codebook_arg(bank), **_launch_options(form))
     return out
-
-
-@dataclass(frozen=True)
-class MlpMatrices:
-    """Where an MLP's matrices sit in its bank: routed expert e's gate is gate0 + e (up, down alike);
-    the shared expert (or a dense MLP, as the only expert) has its own three, or None."""
-
-    gate0: int
-    up0: int
-    down0: int
-    n_experts: int
-    shared: tuple[int, int, int] | None
-    width: int  # the expert's intermediate held here
-    hidden: int
 
 
 def mlp(x: torch.Tensor, bank: Exl3Bank, mats: MlpMatrices, ids: torch.Tensor, weights: torch.Tensor | None,

@@ -1,0 +1,61 @@
+"""EXL3 weights as the model holds them: references into a layer's Exl3Bank (glm53/exl3/bank.py),
+the packed trellis resident on the device, computed by glm53.ops.exl3_linear / exl3_mlp.
+
+- Exl3Linear: one linear (attention projections, the indexer's wq_b, MTP's eh_proj), used wherever the
+  model takes a dense weight through ops.project. It knows which input columns the rank's x fills
+  (in_start: a TP-widened or padded input is zero elsewhere) and which outputs it keeps (out_start,
+  out_features: padded outputs and a TP-widened head range are trimmed).
+- Exl3Mlp: the dense MLP, or the shared expert on its own.
+- PackedExperts: a MoE layer's routed experts (an ExpertBank), the shared expert folded in when it is
+  EXL3 too: each token's experts summed in ascending order, the shared one last.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from glm53 import ops
+from glm53.exl3.bank import Exl3Bank, MlpMatrices
+
+
+@dataclass
+class Exl3Linear:
+    m: int  # matrix index in the bank
+    in_start: int
+    out_start: int
+    out_features: int
+    bank: Exl3Bank | None = field(default=None, repr=False)  # set once the layer's bank is built
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.exl3_linear(x, self.bank, self.m, self.in_start, self.out_start, self.out_features)
+
+
+@dataclass
+class Exl3Mlp:
+    mats: MlpMatrices  # n_experts 0, shared: the MLP's three matrices
+    bank: Exl3Bank | None = field(default=None, repr=False)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        none = torch.zeros(x.shape[0], 0, dtype=torch.int64, device=x.device)
+        return ops.exl3_mlp(x, self.bank, self.mats, none, None)
+
+
+@dataclass
+class PackedExperts:
+    """Routed EXL3 experts (glm53.model.moe.ExpertBank), with the shared expert when mats.shared is set."""
+
+    mats: MlpMatrices
+    bank: Exl3Bank | None = field(default=None, repr=False)
+    window_safe = True  # a short window's launches read nothing back to the host (graph-capturable)
+
+    @property
+    def n_experts(self) -> int:
+        return self.mats.n_experts
+
+    @property
+    def has_shared(self) -> bool:
+        return self.mats.shared is not None
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return ops.exl3_mlp(x, self.bank, self.mats, ids, weights)
