@@ -250,8 +250,8 @@ def exllamav3_rows(tx, bank, mats, parts, shared, tokens: list[int], sets: int, 
 def parse_form(text: str):
     from glm53.ops.triton_exl3 import Form
 
-    bm, warps, stages, lanes, subk = (int(v) for v in text.split(","))
-    return Form(bm, warps, stages, bool(lanes), subk)
+    bm, warps, stages, lanes, subk, parallel = (int(v) for v in text.split(","))
+    return Form(bm, warps, stages, bool(lanes), subk, bool(parallel))
 
 
 def main() -> None:
@@ -265,8 +265,8 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, nargs="*", default=[2048])
     ap.add_argument("--sets", type=int, default=8)
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--forms", nargs="*", default=[], help="extra decode tilings BM,warps,stages,lanes,subk")
-    ap.add_argument("--prefill-forms", nargs="*", default=[], help="extra prefill tilings BM,warps,stages,lanes,subk")
+    ap.add_argument("--forms", nargs="*", default=[], help="extra decode tilings BM,warps,stages,lanes,subk,parallel")
+    ap.add_argument("--prefill-forms", nargs="*", default=[], help="extra prefill tilings BM,warps,stages,lanes,subk,parallel")
     ap.add_argument("--exllamav3", action="store_true", help="compare with exllamav3 1.6.5 (carried in .whl)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()

@@ -46,11 +46,19 @@ def test_each_rank_reads_only_its_planned_slices(tiny_dirs, world_one_weights, R
         v0, v1 = tp.vocab_ranges(cfg.vocab_size, R)[rank]
         assert torch.equal(w.embed, full.embed[v0:v1])
         c0, c1 = tp.column_ranges(cfg.moe_intermediate_size, R, moe_layer)[rank]
-        width = cfg.moe_intermediate_size
         got, ref = w.layers[moe_layer].ffn.experts, full.layers[moe_layer].ffn.experts
-        ref_gate_up = torch.cat([ref.gate_up[:, c0:c1], ref.gate_up[:, width + c0:width + c1]], 1)
-        # EXL3 decoded from the rank's tiles only (the Hadamard works per 128 block): the same bits
-        assert torch.equal(got.gate_up, ref_gate_up) and torch.equal(got.down, ref.down[:, :, c0:c1])
+        # the rank's packed experts are the whole experts' tiles and sign vectors of its 128-column blocks
+        for e in range(cfg.n_routed_experts):
+            for m0, down in ((got.mats.gate0, False), (got.mats.up0, False), (got.mats.down0, True)):
+                r0 = {got.mats.gate0: ref.mats.gate0, got.mats.up0: ref.mats.up0, got.mats.down0: ref.mats.down0}[m0]
+                mine, whole = got.bank.trellis(m0 + e), ref.bank.trellis(r0 + e)
+                (suh, svh), (ref_suh, ref_svh) = got.bank.sign_vectors(m0 + e), ref.bank.sign_vectors(r0 + e)
+                if down:
+                    assert torch.equal(mine, whole[c0 // 16:c1 // 16]) and torch.equal(suh, ref_suh[c0:c1])
+                    assert torch.equal(svh, ref_svh)
+                else:
+                    assert torch.equal(mine, whole[:, c0 // 16:c1 // 16]) and torch.equal(svh, ref_svh[c0:c1])
+                    assert torch.equal(suh, ref_suh)
 
 
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8", "fp32"])

@@ -678,18 +678,20 @@ def dequant(bank: Exl3Bank, m: int, form: Form | None = None) -> torch.Tensor:
 # ---- launches ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Form:
-    """How a product is tiled: BM rows a program, warps, pipeline stages, lane or element decode, and
-    SUBK trellis rows decoded for one dot (32, 64 or 128: the same k16 steps in the same order)."""
+    """How a product is tiled: BM rows a program, warps, pipeline stages, lane or element decode, SUBK
+    trellis rows decoded for one dot (32, 64 or 128: the same k16 steps in the same order), and whether
+    the splits run as programs of their own (the parallel form; rows <= BM) or in one program (full)."""
 
     bm: int
     warps: int
     stages: int
     lanes: bool
     subk: int = 32
+    parallel: bool = False
 
 
 DECODE_ROWS = 16  # up to this many rows (tokens): the parallel form (decode steps, verification windows)
-DECODE = Form(16, 4, 1, True, 32)
+DECODE = Form(16, 4, 1, True, 32, parallel=True)
 PREFILL = Form(64, 8, 1, True, 32)
 ROTATE_ROWS = 16  # rows a program of the input rotation (one tile for every form: the same bits)
 _AGREE: dict[tuple, bool] = {}
@@ -744,7 +746,11 @@ def _check_rows(x: torch.Tensor, what: str) -> torch.Tensor:
 
 
 def _parallel(rows: int, form: Form | None) -> bool:
-    return rows <= DECODE_ROWS if form is None else form.bm == DECODE.bm and rows <= DECODE.bm
+    if form is None:
+        return rows <= DECODE_ROWS
+    if form.parallel and rows > form.bm:
+        raise ValueError(f"the parallel form takes at most BM = {form.bm} rows, got {rows}")
+    return form.parallel
 
 
 def _launch_options(form: Form) -> dict:
