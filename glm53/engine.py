@@ -183,6 +183,7 @@ class Glm53Engine:
         weights = load_weights(model_dir, self.cfg, plan=self.plan, dtype=DTYPES[self.dtype_name],
                                device=self.device, progress=progress or (lambda s: None))
         self.model = Glm53Model(self.cfg, weights, self.plan, DTYPES[self.dtype_name], self.device)
+        self.memory = self._memory_report(weights, progress or (lambda s: None))
         self.graphs = self._window_graphs(_env_choice("TF_GLM53_CUDA_GRAPHS", cuda_graphs, GRAPH_CHOICES, "auto"))
         self.eos: list[int] = list(self.cfg.eos_token_ids)
         self.vocab_size = self.cfg.vocab_size
@@ -192,6 +193,24 @@ class Glm53Engine:
         # over several ranks (glm53.dist.parallel_engine.WindowChannel): rank 0 announces its draft
         # windows, the other ranks replay them; None at one rank
         self.window_channel: Any = None
+
+    def _memory_report(self, weights: Any, say: Callable[[str], None]) -> dict[str, Any]:
+        """Reserve the EXL3 kernels' workspace for decode windows (before any graph is captured) and
+        report what the rank holds against the layout plan's bytes for it (logged; /health shows it)."""
+        from glm53.layout.plan import plan_layout
+        from glm53.model.exl3_layers import decode_scratch_needs
+        from glm53.model.memory import report_line, weights_report
+
+        workspace = 0
+        if self.device.type == "cuda" and ops.kernel_choice() != "torch":
+            from glm53.ops import triton_exl3
+
+            needs = decode_scratch_needs(weights, triton_exl3.DECODE_ROWS, self.cfg.num_experts_per_tok)
+            workspace = triton_exl3.reserve(needs, self.device) if needs else 0
+        planned = plan_layout(self.model_dir, self.plan.world, self.cfg).bytes_per_rank()[self.plan.rank]
+        report = weights_report(weights, planned, workspace)
+        say(report_line(report))
+        return report
 
     def _window_graphs(self, choice: str) -> WindowGraphs | None:
         if choice == "0":

@@ -245,3 +245,62 @@ def test_index_scores_and_selection_fit_gb10() -> None:
     compiled = _compile(triton_topk._select_kernel, signature, {"BLOCK": triton_topk.ROW_BLOCK,
                                                                 "BITS": triton_topk.DIGIT_BITS, "SAMPLE": 1024}, 4, 121)
     assert compiled.metadata.shared <= GB10_SHARED
+
+
+def _exl3_signature(kernel: str) -> dict[str, str]:
+    """The EXL3 kernels' arguments as a bf16 model launches them (glm53/ops/triton_exl3.py)."""
+    i32 = lambda *names: {n: "i32" for n in names}  # noqa: E731
+    bank = {"table_ptr": "*i64", "words_ptr": "*i32", "scales_ptr": "*fp16"}
+    routing = {"ids_ptr": "*i64", **i32("stride_ids", "T", "K", "shared"), "tile_mat_ptr": "*i32",
+               "tile_first_ptr": "*i64", "tile_rows_ptr": "*i32"}
+    return {
+        "rotate": {"x_ptr": "*bf16", "stride_xm": "i32", "xr_ptr": "*fp16", "table_ptr": "*i64", "scales_ptr": "*fp16",
+                   **i32("R", "width", "in_start", "in_width"), "ids_ptr": "*i64", **i32("stride_ids", "T", "K", "shared"),
+                   "token_ptr": "*i32", "expert_ptr": "*i32", **i32("m_gate", "m_up", "shared_gate", "shared_up")},
+        "linear": {"xr_ptr": "*fp16", "out_ptr": "*bf16", "table_ptr": "*i64", "m": "i32", "words_ptr": "*i32",
+                   "scales_ptr": "*fp16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", **i32("M", "stride_om", "out_start", "out_width")},
+        "gate_up": {"xr_ptr": "*fp16", "xd_ptr": "*fp16", **bank, "ws_ptr": "*fp32", "cnt_ptr": "*i32", **routing,
+                    **i32("gate0", "up0", "down0", "shared_gate", "shared_up", "shared_down", "S", "hidden", "width")},
+        "down": {"xd_ptr": "*fp16", "parts_ptr": "*bf16", "out_ptr": "*bf16", **bank, "ws_ptr": "*fp32", "cnt_ptr": "*i32",
+                 "tok_cnt_ptr": "*i32", "ids_ptr": "*i64", "stride_ids": "i32", "weights_ptr": "*fp32",
+                 **i32("stride_w", "T", "K", "shared"), "tile_mat_ptr": "*i32", "tile_first_ptr": "*i64",
+                 "tile_rows_ptr": "*i32", "slot_weight_ptr": "*fp32", **i32("down0", "shared_down", "width", "hidden")},
+    }[kernel]
+
+
+@pytest.mark.parametrize("capability,limit", [(90, H200_SHARED), (121, GB10_SHARED)], ids=["h200-sm90", "gb10-sm121"])
+@pytest.mark.parametrize("form", ["decode", "prefill"])
+@pytest.mark.parametrize("kernel", ["linear", "gate_up", "down"])
+def test_exl3_kernels_compile_and_fit(capability: int, limit: int, form: str, kernel: str) -> None:
+    """The EXL3 products (glm53/ops/triton_exl3.py) in both forms, as a bf16 model launches them with one
+    codebook: they compile, fit the device's shared memory, and decode in PTX (the funnel shifts and the
+    f16x2 codebook of _decode_asm), not the interpreter's fallback."""
+    import triton.language as tl
+
+    from glm53.ops import triton_exl3 as tx
+
+    f = tx.DECODE if form == "decode" else tx.PREFILL
+    constexprs = {"ACT": tl.float16, "CB": 1, "LANES": f.lanes, "BM": f.bm, "BN": 128, "SUBK": f.subk,
+                  "PARALLEL": f.parallel}
+    if kernel != "linear":
+        constexprs.update(TOKENS=f.parallel, HAS_SHARED=True, KPB=16)
+    if kernel == "gate_up":
+        constexprs["C_TY"] = tl.bfloat16
+    if kernel == "down":
+        constexprs["WEIGHTED"] = True
+    fn = {"linear": tx._linear_kernel, "gate_up": tx._gate_up_kernel, "down": tx._down_kernel}[kernel]
+    compiled = _compile(fn, _exl3_signature(kernel), constexprs, f.warps, capability, f.stages)
+    assert compiled.metadata.shared <= limit, (kernel, form, compiled.metadata.shared)
+    ptx = compiled.asm["ptx"]
+    assert "shf.r.clamp.b32" in ptx and "add.rn.f16x2" in ptx
+
+
+@pytest.mark.parametrize("capability", [90, 121])
+def test_exl3_rotation_compiles(capability: int) -> None:
+    import triton.language as tl
+
+    from glm53.ops import triton_exl3 as tx
+
+    compiled = _compile(tx._rotate_kernel, _exl3_signature("rotate"),
+                        {"ROWS": 1, "HAS_SHARED": True, "ACT": tl.float16, "BM": tx.ROTATE_ROWS}, 4, capability)
+    assert compiled.metadata.shared <= GB10_SHARED

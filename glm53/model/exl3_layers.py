@@ -59,3 +59,37 @@ class PackedExperts:
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         return ops.exl3_mlp(x, self.bank, self.mats, ids, weights)
+
+
+def _linears_of(layer) -> list:  # noqa: ANN001 - a LayerWeights
+    attn = layer.attn
+    found = [attn.q_a, attn.q_b, attn.kv_a, attn.o]
+    if layer.indexer is not None:
+        found.append(layer.indexer.wq_b)
+    return [w for w in found if isinstance(w, Exl3Linear)]
+
+
+def decode_scratch_needs(weights, window: int, top_k: int) -> list[dict[str, int]]:  # noqa: ANN001
+    """What the CUDA kernels' parallel form needs for windows of up to `window` tokens, for every EXL3
+    linear and MLP of `weights` (glm53.model.transformer.ModelWeights): reserved at load, before any
+    CUDA graph is captured (glm53.ops.triton_exl3.reserve)."""
+    from glm53.ops.triton_exl3 import linear_scratch, mlp_scratch
+
+    layers = list(weights.layers) + ([weights.mtp.layer] if weights.mtp is not None else [])
+    needs = []
+    for layer in layers:
+        for lin in _linears_of(layer):
+            lay = lin.bank.layouts[lin.m]
+            needs.append(linear_scratch(lay.in_read, lay.out_read, window))
+        ffn = layer.ffn
+        mlps = [(ffn, 1)] if isinstance(ffn, Exl3Mlp) else []
+        experts = getattr(ffn, "experts", None)
+        if isinstance(experts, PackedExperts):
+            mlps.append((experts, top_k + int(experts.has_shared)))
+        if isinstance(getattr(ffn, "shared", None), Exl3Mlp):
+            mlps.append((ffn.shared, 1))
+        needs += [mlp_scratch(m.mats, window, slots) for m, slots in mlps]
+    if weights.mtp is not None and isinstance(weights.mtp.eh_proj, Exl3Linear):
+        lay = weights.mtp.eh_proj.bank.layouts[weights.mtp.eh_proj.m]
+        needs.append(linear_scratch(lay.in_read, lay.out_read, window))
+    return needs

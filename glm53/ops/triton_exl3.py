@@ -725,6 +725,9 @@ class _Scratch:
         key = (name, device)
         buf = self.buffers.get(key)
         if buf is None or buf.numel() < numel:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"EXL3 scratch '{name}' needs {numel} elements inside a CUDA graph capture; "
+                                   "reserve it before capturing (triton_exl3.reserve)")
             buf = torch.zeros(max(numel, 1), dtype=dtype, device=device)
             self.buffers[key] = buf
         return buf
@@ -735,6 +738,31 @@ class _Scratch:
 
 
 SCRATCH = _Scratch()
+SCRATCH_DTYPES = {"parts": torch.float32, "parts_down": torch.float32, "count": torch.int32,
+                  "count_tokens": torch.int32}
+
+
+def linear_scratch(in_read: int, out_read: int, rows: int) -> dict[str, int]:
+    """Elements of each scratch buffer the parallel form of one linear needs for `rows` rows (0: none)."""
+    tiles = triton.cdiv(rows, DECODE.bm)
+    n_blocks = out_read // HAD
+    return {"parts": n_splits(in_read) * tiles * n_blocks * DECODE.bm * HAD, "count": tiles * n_blocks}
+
+
+def mlp_scratch(mats: MlpMatrices, tokens: int, slots_per_token: int) -> dict[str, int]:
+    """Elements of each scratch buffer the parallel form of an MLP needs for `tokens` tokens."""
+    s = tokens * slots_per_token
+    nb_w, nb_h = mats.width // HAD, mats.hidden // HAD
+    return {"parts": n_splits(mats.hidden) * s * 2 * mats.width, "parts_down": n_splits(mats.width) * s * mats.hidden,
+            "count": s * max(nb_w, nb_h), "count_tokens": tokens * nb_h}
+
+
+def reserve(needs: list[dict[str, int]], device: torch.device) -> int:
+    """Allocate the scratch every listed need fits, before any CUDA graph is captured (a graph keeps the
+    buffers it was captured with: they must never be replaced after); returns the scratch bytes."""
+    for name, dtype in SCRATCH_DTYPES.items():
+        SCRATCH.get(name, max((n.get(name, 0) for n in needs), default=0), dtype, device)
+    return SCRATCH.nbytes
 
 
 def _check_rows(x: torch.Tensor, what: str) -> torch.Tensor:
@@ -779,8 +807,9 @@ def linear(x: torch.Tensor, bank: Exl3Bank, m: int, in_start: int = 0, out_start
     tiles = triton.cdiv(rows, form.bm)
     n_blocks = lay.out_read // HAD
     splits = n_splits(lay.in_read) if parallel else 1
-    ws = SCRATCH.get("parts", splits * tiles * n_blocks * form.bm * HAD if parallel else 1, torch.float32, x.device)
-    cnt = SCRATCH.get("count", tiles * n_blocks, torch.int32, x.device)
+    need = linear_scratch(lay.in_read, lay.out_read, rows if parallel else 0)
+    ws = SCRATCH.get("parts", need["parts"], torch.float32, x.device)
+    cnt = SCRATCH.get("count", need["count"], torch.int32, x.device)
     _linear_kernel[(tiles, n_blocks, splits)](
         xr, out, bank.table, m, bank.words.view(torch.int32), bank.scales, ws, cnt, rows, out.stride(0), out_start,
         n_out, PARALLEL=parallel, ACT=_act(x.dtype), CB=_codebook_arg(bank), **_launch_options(form))
@@ -819,10 +848,11 @@ def mlp(x: torch.Tensor, bank: Exl3Bank, mats: MlpMatrices, ids: torch.Tensor, w
     if parallel:
         dummy = torch.zeros(1, dtype=torch.int32, device=x.device)
         sp_gu, sp_d = n_splits(mats.hidden), n_splits(mats.width)
-        ws_gu = SCRATCH.get("parts", sp_gu * s * 2 * mats.width, torch.float32, x.device)
-        ws_d = SCRATCH.get("parts_down", sp_d * s * mats.hidden, torch.float32, x.device)
-        cnt = SCRATCH.get("count", s * max(nb_w, nb_h), torch.int32, x.device)
-        tok_cnt = SCRATCH.get("count_tokens", t * nb_h, torch.int32, x.device)
+        need = mlp_scratch(mats, t, kp)
+        ws_gu = SCRATCH.get("parts", need["parts"], torch.float32, x.device)
+        ws_d = SCRATCH.get("parts_down", need["parts_down"], torch.float32, x.device)
+        cnt = SCRATCH.get("count", need["count"], torch.int32, x.device)
+        tok_cnt = SCRATCH.get("count_tokens", need["count_tokens"], torch.int32, x.device)
         _rotate_kernel[(triton.cdiv(s, ROTATE_ROWS), nb_h, 2)](
             x, x.stride(0), xr, bank.table, bank.scales, s, mats.hidden, 0, mats.hidden, ids, ids.stride(0), t, k,
             mats.n_experts, dummy, dummy, mats.gate0, mats.up0, shared[0], shared[1], ROWS=1, HAS_SHARED=has_shared,
