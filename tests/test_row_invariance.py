@@ -204,3 +204,38 @@ def test_a_fresh_processs_first_parallel_exp_is_accurate_once_the_kit_is_importe
         assert out.returncode == 0, out.stderr[-2000:]
         errors.append(float(out.stdout.split()[-1]))
     assert max(errors) < 1e-6, errors  # torch's exp is within 1 ulp (~6e-8) once settled
+
+
+def test_exl3_products_from_the_packed_trellis_are_row_invariant(threads) -> None:
+    """glm53/ops/exl3_torch.py (the CPU's EXL3 path: one-row products of rotated rows): an EXL3 linear's
+    rows and an MLP's tokens get the same bits alone, in any count, at any offset, with 1 or 2 threads."""
+    from glm53.exl3.bank import BankBuilder, MlpMatrices
+    from glm53.exl3.encode import encode_weight
+    from glm53.exl3.format import read_group
+    from glm53.ops import exl3_torch
+
+    g = torch.Generator().manual_seed(3)
+
+    def group(i: int, o: int, bits: float, seed: int):
+        parts = encode_weight(torch.randn(i, o, generator=g) * 0.05, bits, "mcg", seed=seed)
+        return read_group({f"p.{k}": v for k, v in parts.items()}, "p")
+
+    b = BankBuilder()
+    lin = b.add_group(group(256, 384, 3.0, 1))
+    gate = [b.add_group(group(256, 128, 2.0 + e % 3, 10 + e)) for e in range(4)]
+    up = [b.add_group(group(256, 128, 4.0, 20 + e)) for e in range(4)]
+    down = [b.add_group(group(128, 256, 3.0, 30 + e)) for e in range(4)]
+    bank = b.build("cpu")
+    mats = MlpMatrices(gate[0], up[0], down[0], 3, (gate[3], up[3], down[3]), 128, 256)
+    for dtype in DTYPES:
+        x = torch.randn(23, 256, generator=g).to(dtype)
+        ids = torch.stack([torch.randperm(3, generator=g)[:2] for _ in range(23)])
+        w = torch.rand(23, 2, generator=g)
+        threads(2)
+        whole_lin, whole_mlp = exl3_torch.linear(x, bank, lin), exl3_torch.mlp(x, bank, mats, ids, w)
+        for n_threads in (1, 2):
+            threads(n_threads)
+            for a, n in ((0, 1), (5, 1), (3, 7), (22, 1), (8, 15)):
+                assert torch.equal(exl3_torch.linear(x[a:a + n], bank, lin), whole_lin[a:a + n]), (dtype, a, n)
+                assert torch.equal(exl3_torch.mlp(x[a:a + n], bank, mats, ids[a:a + n], w[a:a + n]),
+                                   whole_mlp[a:a + n]), (dtype, a, n, "mlp")

@@ -13,7 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from glm53.config import Glm53Config
-from glm53.exl3.decode import decode_weight
+from glm53.exl3.decode import dequantize_exact
 from glm53.exl3.format import read_group
 from glm53.tiny import MTP_LAYER, N_EXPERTS, PROJECTIONS, TINY_CONFIG, expert_quant, write_tiny_checkpoint
 from glm53.tiny_tokenizer import SPECIAL_TOKENS, special_id
@@ -155,13 +155,13 @@ def test_reference_twin_loads_in_transformers_and_runs(dirs, tensors) -> None:
     ref = dirs[1]
     model, info = GlmMoeDsaForCausalLM.from_pretrained(str(ref), output_loading_info=True, dtype=torch.float32)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
-    # decoded experts are the EXL3 decode exactly (fp16 -> fp32), fused by transformers as gate|up
+    # the experts are the format's exact matrices (dequantize_exact, rounded once to fp32), fused as gate|up
     experts = model.model.layers[2].mlp.experts
     for e in (0, N_EXPERTS - 1):
         p = f"model.layers.2.mlp.experts.{e}"
-        gate = decode_weight(read_group(tensors, f"{p}.gate_proj")).float().t()
-        up = decode_weight(read_group(tensors, f"{p}.up_proj")).float().t()
-        down = decode_weight(read_group(tensors, f"{p}.down_proj")).float().t()
+        gate = dequantize_exact(read_group(tensors, f"{p}.gate_proj")).float().t()
+        up = dequantize_exact(read_group(tensors, f"{p}.up_proj")).float().t()
+        down = dequantize_exact(read_group(tensors, f"{p}.down_proj")).float().t()
         assert torch.equal(experts.gate_up_proj[e], torch.cat([gate, up], 0))
         assert torch.equal(experts.down_proj[e], down)
     assert torch.equal(model.model.layers[0].self_attn.q_a_proj.weight, tensors["model.layers.0.self_attn.q_a_proj.weight"].float())

@@ -269,12 +269,13 @@ def _exl3_signature(kernel: str) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("capability,limit", [(90, H200_SHARED), (121, GB10_SHARED)], ids=["h200-sm90", "gb10-sm121"])
-@pytest.mark.parametrize("form", ["decode", "prefill"])
-@pytest.mark.parametrize("kernel", ["linear", "gate_up", "down"])
+@pytest.mark.parametrize("kernel,form", [("linear", "decode"), ("linear", "prefill"), ("gate_up", "decode"),
+                                         ("down", "prefill")])
 def test_exl3_kernels_compile_and_fit(capability: int, limit: int, form: str, kernel: str) -> None:
-    """The EXL3 products (glm53/ops/triton_exl3.py) in both forms, as a bf16 model launches them with one
-    codebook: they compile, fit the device's shared memory, and decode in PTX (the funnel shifts and the
-    f16x2 codebook of _decode_asm), not the interpreter's fallback."""
+    """The EXL3 products (glm53/ops/triton_exl3.py) as a bf16 model launches them with one codebook: they
+    compile, fit the device's shared memory, and decode in PTX (the funnel shifts and the f16x2 codebook
+    of _decode_asm), not the interpreter's fallback. Every kernel once, each form's branches in two
+    (their shared helpers are the main loop; ~3 s a compile here, so not every kernel x form)."""
     import triton.language as tl
 
     from glm53.ops import triton_exl3 as tx

@@ -34,7 +34,7 @@ INTERP_TOL = dict(atol=1e-4, rtol=1e-4)
 CHECKS = ["linear", "linear_row_tiles_check", "grouped_expert_linear", "linear_leading_dims", "head_linear_strided",
           "rms_norm", "layer_norm", "index_scores", "index_scores_causal",
           "latent_attention", "latent_attention_edge_cases", "latent_attention_split", "latent_attention_prefix",
-          "select_topk", "select_bracket"]
+          "select_topk", "select_bracket", "exl3_decoder", "exl3_linear", "exl3_mlp"]
 WORKER_TIMEOUT_S = 300
 SKIP_KEY = "__skip__"
 
@@ -53,7 +53,8 @@ def _worker(names: list[str]) -> dict[str, list]:
     import torch
 
     from glm53.model.indexer import select_topk
-    from glm53.ops import torch_ops, triton_attention, triton_indexer, triton_linear, triton_norm, triton_topk
+    from glm53.ops import (exl3_torch, torch_ops, triton_attention, triton_exl3, triton_indexer, triton_linear,
+                           triton_norm, triton_topk)
 
     g = torch.Generator().manual_seed(0)
 
@@ -406,6 +407,82 @@ def _worker(names: list[str]) -> dict[str, list]:
             assert triton_topk.select(s, 32, form=form)[2].tolist() == [0, 0, 0, 1] + [0] * 8, (
                 f"NaN counted in its row only ({form})")
 
+    # ---- EXL3 from the packed trellis (glm53/ops/triton_exl3.py; the GPU's PTX decoder: tests/gpu/test_exl3_cuda.py)
+    def exl3_group(in_f: int, out_f: int, bits: float, codebook: str, prefix: str = "g"):
+        from glm53.exl3.format import read_group
+
+        parts = {"trellis": torch.randint(-(1 << 15), 1 << 15, (in_f // 16, out_f // 16, int(16 * bits)), generator=g,
+                                          dtype=torch.int32).to(torch.int16),
+                 "suh": ((torch.rand(in_f, generator=g) + 0.5) * (torch.randint(0, 2, (in_f,), generator=g) * 2 - 1)).half(),
+                 "svh": ((torch.rand(out_f, generator=g) + 0.5) * in_f ** -0.5
+                         * (torch.randint(0, 2, (out_f,), generator=g) * 2 - 1)).half()}
+        if codebook != "3inst":
+            parts[codebook] = torch.tensor({"mcg": 0xCBAC1FED, "mul1": 0x83DCD12D}[codebook] - (1 << 32),
+                                           dtype=torch.int32)
+        return read_group({f"{prefix}.{k}": v for k, v in parts.items()}, prefix)
+
+    def check_exl3_decoder() -> None:
+        """The kernels' decoder gives decode_rotated's values bit for bit: every codebook, every served K,
+        the lane form (the model's) and the element form."""
+        from glm53.exl3.bank import BankBuilder
+        from glm53.exl3.decode import decode_rotated
+
+        cases = [("3inst", 2.0, True), ("3inst", 4.0, False), ("mcg", 3.0, True), ("mcg", 2.0, False),
+                 ("mul1", 2.5, True), ("mul1", 3.5, True), ("mul1", 4.0, True)]
+        for codebook, bits, lanes in cases:
+            group = exl3_group(128, 256, bits, codebook)
+            b = BankBuilder()
+            m = b.add_group(group)
+            got = triton_exl3.dequant(b.build("cpu"), m, triton_exl3.Form(16, 4, 1, lanes, 32))
+            same(got.view(torch.int16), decode_rotated(group.trellis, bits, codebook).view(torch.int16),
+                 f"decoder {codebook} K{bits} {'lanes' if lanes else 'elements'}")
+
+    def check_exl3_linear() -> None:
+        """One linear: the parallel split form (partial sums in a workspace, the last program adds them)
+        and the full form give a row the same bits at one tile; both agree with exl3_torch; padded outputs
+        trimmed and a widened input placed; the arrival counters end at zero."""
+        from glm53.exl3.bank import BankBuilder
+
+        group = exl3_group(1280, 256, 3.0, "mcg")  # 10 steps: two splits, the second partial
+        b = BankBuilder()
+        m = b.add_group(group)
+        bank = b.build("cpu")
+        x = randn(5, 1280)
+        parallel = triton_exl3.linear(x, bank, m)
+        same(triton_exl3.linear(x, bank, m, form=triton_exl3.Form(16, 4, 1, True, 32)), parallel,
+             "full form vs parallel form")
+        close(parallel, exl3_torch.linear(x, bank, m), "exl3 linear vs torch")
+        close(triton_exl3.linear(x[:, :1000], bank, m, in_start=128, out_start=16, out_features=200),
+              exl3_torch.linear(x[:, :1000], bank, m, 128, 16, 200), "widened input, trimmed output")
+        assert int(triton_exl3.SCRATCH.buffers[("count", x.device)].abs().sum()) == 0, "counters left non-zero"
+
+    def check_exl3_mlp() -> None:
+        """Routed experts of mixed K with the shared expert folded in: the token-grouped decode form (each
+        token's sum by the last expert to finish) and the expert-sorted prefill form against exl3_torch;
+        the dense MLP; the counters end at zero."""
+        from glm53.exl3.bank import BankBuilder, MlpMatrices
+
+        hidden, width, experts = 256, 256, 4
+        b = BankBuilder()
+        first = {}
+        for p, shape in (("gate", (hidden, width)), ("up", (hidden, width)), ("down", (width, hidden))):
+            first[p] = [b.add_group(exl3_group(*shape, (2.0, 3.0, 4.0)[(e + len(p)) % 3], "mul1")) for e in range(experts)][0]
+        shared = tuple(b.add_group(exl3_group(*s, 3.0, "mul1")) for s in ((hidden, width), (hidden, width), (width, hidden)))
+        bank = b.build("cpu")
+        mats = MlpMatrices(first["gate"], first["up"], first["down"], experts, shared, width, hidden)
+        x = randn(3, hidden)
+        ids = torch.stack([torch.randperm(experts, generator=g)[:2] for _ in range(3)])
+        w = torch.rand(3, 2, generator=g)
+        want = exl3_torch.mlp(x, bank, mats, ids, w)
+        close(triton_exl3.mlp(x, bank, mats, ids, w), want, "mlp decode form vs torch")
+        close(triton_exl3.mlp(x, bank, mats, ids, w, form=triton_exl3.Form(16, 4, 1, True, 32)), want,
+              "mlp prefill form vs torch")
+        dense = MlpMatrices(0, 0, 0, 0, shared, width, hidden)
+        none = torch.zeros(3, 0, dtype=torch.int64)
+        close(triton_exl3.mlp(x, bank, dense, none, None), exl3_torch.mlp(x, bank, dense, none, None), "dense mlp")
+        for name in ("count", "count_tokens"):
+            assert int(triton_exl3.SCRATCH.buffers[(name, x.device)].abs().sum()) == 0, f"{name} left non-zero"
+
     checks = {"linear": check_linear, "linear_row_tiles_check": check_linear_row_tiles_check,
               "grouped_expert_linear": check_grouped_expert_linear,
               "linear_leading_dims": check_linear_leading_dims,
@@ -416,7 +493,8 @@ def _worker(names: list[str]) -> dict[str, list]:
               "latent_attention_edge_cases": check_latent_attention_edge_cases,
               "latent_attention_split": check_latent_attention_split,
               "latent_attention_prefix": check_latent_attention_prefix, "select_topk": check_select_topk,
-              "select_bracket": check_select_bracket}
+              "select_bracket": check_select_bracket, "exl3_decoder": check_exl3_decoder,
+              "exl3_linear": check_exl3_linear, "exl3_mlp": check_exl3_mlp}
     results: dict[str, list] = {}
     for name in names:
         try:

@@ -69,8 +69,9 @@ class Exl3Bank:
     scales: torch.Tensor
     layouts: tuple[MatrixLayout, ...]
     table: torch.Tensor
-    _rotated: "OrderedDict[int, torch.Tensor]" = field(default_factory=OrderedDict, repr=False)
+    _rotated: "OrderedDict[tuple[int, torch.dtype], torch.Tensor]" = field(default_factory=OrderedDict, repr=False)
     _rotated_bytes: int = 0
+    _signs: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
 
     @property
     def device(self) -> torch.device:
@@ -97,31 +98,36 @@ class Exl3Bank:
         return self.words[idx]
 
     def sign_vectors(self, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(suh [in_read], svh [out_read]) fp16 of matrix m."""
+        """(suh [in_read], svh [out_read]) fp16 of matrix m (gathered once, kept: a few KB a matrix)."""
+        found = self._signs.get(m)
+        if found is not None:
+            return found
         lay = self.layouts[m]
 
         def gather(start: int, step: int, n: int) -> torch.Tensor:
             c = torch.arange(n, device=self.device)
             return self.scales[start + (c // BLOCK) * step + c % BLOCK]
 
-        return gather(lay.suh, lay.suh_step, lay.in_read), gather(lay.svh, lay.svh_step, lay.out_read)
+        found = self._signs[m] = (gather(lay.suh, lay.suh_step, lay.in_read), gather(lay.svh, lay.svh_step, lay.out_read))
+        return found
 
-    def rotated(self, m: int, cache_bytes: int) -> torch.Tensor:
-        """W_hat of matrix m, fp16 [in_read, out_read] in the rotated basis, from a cache of at most
-        `cache_bytes` (least recently used first out; 0: no cache). The CPU path's weights: decoded as
-        used, never the whole model at load."""
-        w = self._rotated.get(m)
+    def rotated(self, m: int, cache_bytes: int, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+        """W_hat of matrix m, [in_read, out_read] in the rotated basis as `dtype` (its fp16 values, exact in
+        fp32), from a cache of at most `cache_bytes` (least recently used first out; 0: no cache). The CPU
+        path's weights: decoded as used, never the whole model at load."""
+        key = (m, dtype)
+        w = self._rotated.get(key)
         if w is not None:
-            self._rotated.move_to_end(m)
+            self._rotated.move_to_end(key)
             return w
         lay = self.layouts[m]
-        w = decode_rotated(self.trellis(m), lay.bits, CODEBOOKS[lay.codebook])
+        w = decode_rotated(self.trellis(m), lay.bits, CODEBOOKS[lay.codebook]).to(dtype)
         size = w.numel() * w.element_size()
         if size <= cache_bytes:
             while self._rotated and self._rotated_bytes + size > cache_bytes:
                 _, old = self._rotated.popitem(last=False)
                 self._rotated_bytes -= old.numel() * old.element_size()
-            self._rotated[m] = w
+            self._rotated[key] = w
             self._rotated_bytes += size
         return w
 

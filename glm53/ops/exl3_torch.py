@@ -27,7 +27,7 @@ from glm53.ops import torch_ops
 
 HAD = 128
 SCALE = float(torch.tensor(1 / math.sqrt(HAD), dtype=torch.float32))  # 2^-3.5 as fp32
-CPU_CACHE_BYTES = 1 << 30  # decoded W_hat the CPU path keeps (fp16), least recently used first out
+CPU_CACHE_BYTES = 1 << 30  # decoded W_hat the CPU path keeps (fp32), least recently used first out
 
 _HADAMARDS: dict[str, torch.Tensor] = {}
 
@@ -70,8 +70,8 @@ def unrotate(acc: torch.Tensor, svh: torch.Tensor) -> torch.Tensor:
 
 def trellis_product(bank: Exl3Bank, m: int, xr: torch.Tensor) -> torch.Tensor:
     """fp32 xr @ W_hat of matrix m (xr [M, in_read]), one-row products."""
-    w_hat = bank.rotated(m, CPU_CACHE_BYTES)
-    return torch_ops.linear(xr.to(torch.float32), w_hat.to(torch.float32).T)
+    w_hat = bank.rotated(m, CPU_CACHE_BYTES, torch.float32)
+    return torch_ops.linear(xr.to(torch.float32), w_hat.T)
 
 
 def widen(x: torch.Tensor, width: int, start: int) -> torch.Tensor:

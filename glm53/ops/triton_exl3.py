@@ -781,9 +781,8 @@ def _parallel(rows: int, form: Form | None) -> bool:
     return form.parallel
 
 
-def _launch_options(form: Form) -> dict:
-    return dict(LANES=form.lanes, BM=form.bm, BN=HAD, SUBK=form.subk, num_warps=form.warps, num_stages=form.stages,
-                **OPTIONS)
+def _tiling(form: Form) -> dict:
+    return dict(LANES=form.lanes, BM=form.bm, BN=HAD, SUBK=form.subk, num_warps=form.warps, num_stages=form.stages)
 
 
 def linear(x: torch.Tensor, bank: Exl3Bank, m: int, in_start: int = 0, out_start: int = 0,
@@ -812,7 +811,7 @@ def linear(x: torch.Tensor, bank: Exl3Bank, m: int, in_start: int = 0, out_start
     cnt = SCRATCH.get("count", need["count"], torch.int32, x.device)
     _linear_kernel[(tiles, n_blocks, splits)](
         xr, out, bank.table, m, bank.words.view(torch.int32), bank.scales, ws, cnt, rows, out.stride(0), out_start,
-        n_out, PARALLEL=parallel, ACT=_act(x.dtype), CB=_codebook_arg(bank), **_launch_options(form))
+        n_out, PARALLEL=parallel, ACT=_act(x.dtype), CB=_codebook_arg(bank), **_tiling(form), **OPTIONS)
     return out
 
 
@@ -835,7 +834,7 @@ def mlp(x: torch.Tensor, bank: Exl3Bank, mats: MlpMatrices, ids: torch.Tensor, w
     s = t * kp
     act = _torch_act(x.dtype)
     common = dict(ACT=_act(x.dtype), CB=_codebook_arg(bank), KPB=triton.next_power_of_2(kp), HAS_SHARED=has_shared,
-                  **_launch_options(form))
+                  **_tiling(form), **OPTIONS)
     xr = torch.empty(2, s, mats.hidden, dtype=act, device=x.device)
     xd = torch.empty(s, mats.width, dtype=act, device=x.device)
     parts = torch.empty(s, mats.hidden, dtype=x.dtype, device=x.device)
@@ -861,11 +860,11 @@ def mlp(x: torch.Tensor, bank: Exl3Bank, mats: MlpMatrices, ids: torch.Tensor, w
         _gate_up_kernel[(s, nb_w, sp_gu)](
             xr, xd, bank.table, words, bank.scales, ws_gu, cnt, ids, ids.stride(0), t, k, mats.n_experts, **tiles,
             **mat_args, S=s, hidden=mats.hidden, width=mats.width, TOKENS=True, PARALLEL=True,
-            C_TY=_TL_DTYPES[x.dtype], **common)
+            C_TY=_TL_DTYPES[x.dtype], **common, **OPTIONS)
         _down_kernel[(s, nb_h, sp_d)](
             xd, parts, out, bank.table, words, bank.scales, ws_d, cnt, tok_cnt, ids, ids.stride(0), wts, wts.stride(0),
             t, k, mats.n_experts, **tiles, slot_weight_ptr=dummy, down0=mats.down0, shared_down=shared[2],
-            width=mats.width, hidden=mats.hidden, TOKENS=True, WEIGHTED=weights is not None, PARALLEL=True, **common)
+            width=mats.width, hidden=mats.hidden, TOKENS=True, WEIGHTED=weights is not None, PARALLEL=True, **common, **OPTIONS)
         return out
     # many tokens: the slots sorted by expert (the shared expert as id n_experts, last), tiles of bm rows
     cols = [ids[:, :k]] if k else []
@@ -891,11 +890,11 @@ def mlp(x: torch.Tensor, bank: Exl3Bank, mats: MlpMatrices, ids: torch.Tensor, w
     tiles = dict(tile_mat_ptr=tile_mat, tile_first_ptr=tile_first, tile_rows_ptr=tile_rows)
     _gate_up_kernel[(n_tiles, nb_w, 1)](
         xr, xd, bank.table, words, bank.scales, x, x, ids, ids.stride(0), t, k, mats.n_experts, **tiles, **mat_args,
-        S=s, hidden=mats.hidden, width=mats.width, TOKENS=False, PARALLEL=False, C_TY=_TL_DTYPES[x.dtype], **common)
+        S=s, hidden=mats.hidden, width=mats.width, TOKENS=False, PARALLEL=False, C_TY=_TL_DTYPES[x.dtype], **common, **OPTIONS)
     _down_kernel[(n_tiles, nb_h, 1)](
         xd, parts, out, bank.table, words, bank.scales, x, x, x, ids, ids.stride(0), wts, wts.stride(0), t, k,
         mats.n_experts, **tiles, slot_weight_ptr=slot_w, down0=mats.down0, shared_down=shared[2], width=mats.width,
-        hidden=mats.hidden, TOKENS=False, WEIGHTED=weights is not None, PARALLEL=False, **common)
+        hidden=mats.hidden, TOKENS=False, WEIGHTED=weights is not None, PARALLEL=False, **common, **OPTIONS)
     # each token's parts in ascending expert order (a stable sort keeps a token's slots in that order)
     rank = all_ids.argsort(dim=1, stable=True).argsort(dim=1)
     place = order // kp * kp + rank.reshape(-1)[order]
