@@ -145,6 +145,9 @@ class App:
                 "ranks": self.settings.ranks, "context": self.settings.context,
                 "prefix_cache": self.settings.prefix_cache, "drafting": self.settings.drafting,
                 "prefill_chunk": self.settings.prefill_chunk, "queue_depth": self.worker.depth()}
+        memory = getattr(self.engine, "memory", None)  # rank 0's weights on the device (glm53.model.memory)
+        if memory is not None:
+            body["memory"] = memory
         return (200 if self.fatal is None else 503), body
 
 

@@ -327,3 +327,22 @@ def test_health_reads_the_cache_switch_as_the_cache_does(tiny_engine, monkeypatc
         cache = PrefixCache(cache_key_for(engine, revision="health"), enabled=enabled)
         with fresh_engine_state(engine, prefix_cache=cache, drafter=None):
             assert prefix_cache_state(engine) == ("on" if enabled else "off")
+
+
+def test_health_reports_what_the_rank_holds_beside_the_plan(tiny_dirs, tiny_engine) -> None:  # noqa: F811
+    """/health's memory figures are the engine's load report: resident weight bytes (the packed EXL3 banks
+    among them), linears decoded at load, the kernels' workspace, and the layout plan's bytes for the rank."""
+    from glm53.layout.plan import plan_layout
+    from glm53.model.memory import resident_bytes
+
+    app = App(tiny_engine, ChatText(tiny_dirs.model), FrontSettings(context=512), glm53_sampling)
+    try:
+        status, body = app.health()
+    finally:
+        app.worker.stop()
+    memory = body["memory"]
+    assert status == 200 and memory == tiny_engine.memory
+    assert memory["weights_bytes"] == resident_bytes(tiny_engine.model.w)
+    assert 0 < memory["exl3_packed_bytes"] < memory["weights_bytes"]
+    assert memory["planned_bytes"] == plan_layout(tiny_dirs.model, 1, tiny_engine.cfg).bytes_per_rank()[0]
+    assert memory["workspace_bytes"] == 0  # the CPU path needs none (the CUDA kernels reserve theirs at load)
