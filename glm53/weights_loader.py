@@ -25,7 +25,7 @@ from glm53.exl3.bank import BankBuilder, MlpMatrices
 from glm53.exl3.decode import dequantize_exact
 from glm53.exl3.format import Exl3Error, Exl3Group, read_group
 from glm53.exl3.packing import PROJECTIONS, pack_layer_experts
-from glm53.model.exl3_layers import Exl3Linear, Exl3Mlp, PackedExperts
+from glm53.model.exl3_layers import Exl3Linear, Exl3Mlp, Exl3Experts
 from glm53.model.indexer import IndexerWeights
 from glm53.model.mla import AttentionWeights
 from glm53.model.moe import DecodedExperts, ExpertBank, MLPWeights, MoEWeights, RouterWeights
@@ -168,7 +168,7 @@ def _head_rows(heads: range, per_head: int) -> range:
 class _Loader:
     """Reads one rank's weights. EXL3 linears stay packed: each layer's groups go into one Exl3Bank
     (glm53/exl3/bank.py) on the device, referenced by the layer's Exl3Linear / Exl3Mlp /
-    PackedExperts; only kv_b_proj, which the absorbed attention reads per head, is decoded (small:
+    Exl3Experts; only kv_b_proj, which the absorbed attention reads per head, is decoded (small:
     `dense_from_exl3` names each such tensor and its bytes)."""
 
     def __init__(self, cfg: Glm53Config, files: TensorFiles, plan: RankPlan, dtype: torch.dtype,
@@ -176,7 +176,7 @@ class _Loader:
         self.cfg, self.f, self.plan, self.dtype, self.device = cfg, files, plan, dtype, device
         self.progress = progress
         self.builder: BankBuilder | None = None
-        self.users: list = []  # this bank's Exl3Linear / Exl3Mlp / PackedExperts, given the bank when built
+        self.users: list = []  # this bank's Exl3Linear / Exl3Mlp / Exl3Experts, given the bank when built
         self.exl3_bytes = 0
         self.dense_from_exl3: dict[str, int] = {}
 
@@ -324,7 +324,7 @@ class _Loader:
             index = self.builder.add_experts(packed)
             mats = MlpMatrices(index["gate_proj"][0], index["up_proj"][0], index["down_proj"][0],
                                c.n_routed_experts, shared, packed.intermediate, c.hidden_size)
-            experts = PackedExperts(mats)
+            experts = Exl3Experts(mats)
             self.users.append(experts)
             return experts
         cols = self.plan.ffn_columns(layer, c.moe_intermediate_size)

@@ -1,5 +1,6 @@
-"""Mixed-width packing of one MoE layer's routed experts into one device buffer, and the reference
-expert matmul the model uses until faster kernels land.
+"""Mixed-width packing of one MoE layer's routed experts into one buffer (the layout the loader keeps on
+the device: glm53/exl3/bank.py references it as it is), and a reference expert matmul from decoded
+weights (tests: each rank's blocks add up to the whole expert).
 
 An expert's intermediate (moe_intermediate_size) is cut into 128-column blocks: for gate_proj and
 up_proj these are output columns (trellis tile columns 8b..8b+8, svh[128b:128b+128]); for

@@ -6,7 +6,7 @@ the packed trellis resident on the device, computed by glm53.ops.exl3_linear / e
   (in_start: a TP-widened or padded input is zero elsewhere) and which outputs it keeps (out_start,
   out_features: padded outputs and a TP-widened head range are trimmed).
 - Exl3Mlp: the dense MLP, or the shared expert on its own.
-- PackedExperts: a MoE layer's routed experts (an ExpertBank), the shared expert folded in when it is
+- Exl3Experts: a MoE layer's routed experts (an ExpertBank), the shared expert folded in when it is
   EXL3 too: each token's experts summed in ascending order, the shared one last.
 """
 from __future__ import annotations
@@ -42,7 +42,7 @@ class Exl3Mlp:
 
 
 @dataclass
-class PackedExperts:
+class Exl3Experts:
     """Routed EXL3 experts (glm53.model.moe.ExpertBank), with the shared expert when mats.shared is set."""
 
     mats: MlpMatrices
@@ -84,7 +84,7 @@ def decode_scratch_needs(weights, window: int, top_k: int) -> list[dict[str, int
         ffn = layer.ffn
         mlps = [(ffn, 1)] if isinstance(ffn, Exl3Mlp) else []
         experts = getattr(ffn, "experts", None)
-        if isinstance(experts, PackedExperts):
+        if isinstance(experts, Exl3Experts):
             mlps.append((experts, top_k + int(experts.has_shared)))
         if isinstance(getattr(ffn, "shared", None), Exl3Mlp):
             mlps.append((ffn.shared, 1))
