@@ -16,6 +16,7 @@ Run as a script (`python tests/gpu/test_exl3_vs_exllamav3.py --golden FILE`) it 
 """
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -44,6 +45,7 @@ def exl():
     if not torch.cuda.is_available():
         pytest.skip("gpu: exllamav3's decoder runs on CUDA only")
     torch.backends.cuda.matmul.allow_tf32 = False  # exllamav3's default too; stated so it cannot drift
+    os.environ.setdefault("EXL3_INT8_GEMV", "0")  # read at its first call: fp16 activations, as the kit's
     return import_exllamav3()
 
 
@@ -184,15 +186,12 @@ def test_kit_kernels_match_exllamavs_forward(exl, case, rows):
     LinearEXL3.forward (its GEMV / GEMM kernels) on the same tensors, fp16 activations: within the kit's
     tolerance against the reference (tests/gpu/test_exl3_cuda.py TOL); exllamav3's int8-activation GEMV
     (mul1 at 1-2 rows) is off so both compute from fp16 activations."""
-    import os
-
     from exllamav3_ref import linear_forward
     from test_exl3_cuda import TOL, assert_close
 
     from glm53.exl3.bank import BankBuilder
     from glm53.ops import triton_exl3
 
-    os.environ["EXL3_INT8_GEMV"] = "0"
     codebook, bits = case
     parts = random_group(codebook, bits, 2048, 1024, seed=rows)
     parts["svh"] = (parts["svh"].float() * 2048 ** -0.5).half()
