@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Check a real completion from a running lane (not just /health):
-#   bash verify.sh [--url http://127.0.0.1:8300] [--timeout S] [--max-tokens N]
+#   bash verify.sh [--url http://127.0.0.1:8300[/v1]] [--timeout S] [--max-tokens N] [--api-key KEY]
 # Checks: models, completion (content, finish reason, usage), repeat (temperature 0 twice, same text),
 # draft ("draft": false gives the same text), cached (an extended resend reports cached tokens),
 # stream (SSE gives the same text). Each failure names the check and why.

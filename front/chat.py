@@ -84,8 +84,9 @@ class ChatText:
             raise TemplateError(f"chat template failed: {exc}") from exc
 
     def encode(self, text: str) -> list[int]:
-        # The template (or the raw prompt) carries its own special tokens.
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        # The template (or the raw prompt) carries its own special tokens. encode_batch, unlike
+        # encode, releases the GIL while it tokenizes: a long prompt does not stop the other threads.
+        return self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

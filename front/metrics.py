@@ -1,40 +1,58 @@
-"""Prometheus text counters for the front (requests, tokens, cached tokens, errors)."""
+"""The front's Prometheus families, through prometheus_client: requests by route and status, token
+counters, the queue depth, and histograms of queue wait, time to first token, decode speed and
+request duration. One registry per front (several fronts share a test process)."""
 from __future__ import annotations
 
-import threading
-from collections import Counter
+import math
+from typing import Any, Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+
+disable_created_metrics()  # no *_created series: one family per name, as the existing scrapers read them
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+RATE_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 50.0, 75.0, 100.0, 150.0, 200.0, 300.0, 500.0, 1000.0)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class Metrics:
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.requests: Counter[tuple[str, int]] = Counter()  # (route, status) -> count
-        self.totals: Counter[str] = Counter()
+    def __init__(self, queue_depth: Callable[[], int]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("glm53_requests", "HTTP requests by route and status.", ["route", "status"], registry=r)
+        self.prompt_tokens = Counter("glm53_prompt_tokens", "Prompt tokens of finished generations.", registry=r)
+        self.completion_tokens = Counter("glm53_completion_tokens", "Tokens generated.", registry=r)
+        self.cached_tokens = Counter("glm53_cached_tokens", "Prompt tokens served from the prefix cache.", registry=r)
+        self.errors = Counter("glm53_errors", "Requests answered with an error status.", registry=r)
+        self.cancelled = Counter("glm53_cancelled", "Generations stopped because the client disconnected.",
+                                 registry=r)
+        Gauge("glm53_queue_depth", "Requests waiting or running on the engine.", registry=r).set_function(queue_depth)
+        self.queue_wait = Histogram("glm53_queue_wait_seconds", "Seconds a request waited in the engine's queue.",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("glm53_time_to_first_token_seconds", "Seconds from arrival to the first generated "
+                              "token (queueing and prefill).", buckets=LATENCY_BUCKETS, registry=r)
+        self.decode_rate = Histogram("glm53_decode_tokens_per_second", "Tokens a second after the first, per "
+                                     "request of two tokens or more.", buckets=RATE_BUCKETS, registry=r)
+        self.duration = Histogram("glm53_request_duration_seconds", "Seconds from arrival to the end of the "
+                                  "response, generation routes.", buckets=DURATION_BUCKETS, registry=r)
 
     def request(self, route: str, status: int) -> None:
-        with self._lock:
-            self.requests[(route, status)] += 1
-            if status >= 400:
-                self.totals["errors"] += 1
+        self.requests.labels(route=route, status=str(status)).inc()
+        if status >= 400:
+            self.errors.inc()
 
-    def add(self, **amounts: int) -> None:
-        with self._lock:
-            for name, amount in amounts.items():
-                self.totals[name] += amount
+    def generation(self, n_prompt: int, n_completion: int, stats: dict[str, Any], cancelled: bool,
+                   queue_wait: float, ttft: float, decode_rate: float) -> None:
+        """One finished engine job (NaN for a time the job never reached)."""
+        self.prompt_tokens.inc(n_prompt)
+        self.completion_tokens.inc(n_completion)
+        self.cached_tokens.inc(int(stats.get("cached_tokens", 0) or 0))
+        if cancelled:
+            self.cancelled.inc()
+        for histogram, value in ((self.queue_wait, queue_wait), (self.ttft, ttft), (self.decode_rate, decode_rate)):
+            if not math.isnan(value):
+                histogram.observe(value)
 
-    def render(self, queue_depth: int) -> str:
-        with self._lock:
-            lines = ["# HELP glm53_requests_total HTTP requests by route and status.",
-                     "# TYPE glm53_requests_total counter"]
-            for (route, status), n in sorted(self.requests.items()):
-                lines.append(f'glm53_requests_total{{route="{route}",status="{status}"}} {n}')
-            for name, help_text in (("prompt_tokens", "Prompt tokens of finished generations."),
-                                    ("completion_tokens", "Tokens generated."),
-                                    ("cached_tokens", "Prompt tokens served from the prefix cache."),
-                                    ("errors", "Requests answered with an error status."),
-                                    ("cancelled", "Generations stopped because the client disconnected.")):
-                lines += [f"# HELP glm53_{name}_total {help_text}", f"# TYPE glm53_{name}_total counter",
-                          f"glm53_{name}_total {self.totals[name]}"]
-            lines += ["# HELP glm53_queue_depth Requests waiting or running on the engine.",
-                      "# TYPE glm53_queue_depth gauge", f"glm53_queue_depth {queue_depth}"]
-            return "\n".join(lines) + "\n"
+    def render(self) -> str:
+        return generate_latest(self.registry).decode()

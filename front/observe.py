@@ -98,12 +98,31 @@ def request_drafts(engine: Any, before: Snapshot, after: Snapshot, stats: dict[s
 
 @dataclass
 class Timing:
-    """Wall-clock marks of one job (time.perf_counter seconds)."""
+    """Wall-clock marks of one job (time.perf_counter seconds); NaN where the job never got."""
 
-    submitted: float
+    submitted: float  # queued for the engine
+    arrived: float = math.nan  # the HTTP request arrived (validation, template and tokenizer since); else submitted
     started: float = math.nan  # the worker called engine.generate
     first_token: float = math.nan
     last_token: float = math.nan
+
+    def __post_init__(self) -> None:
+        if math.isnan(self.arrived):
+            self.arrived = self.submitted
+
+    @property
+    def queue_wait(self) -> float:
+        return self.started - self.submitted
+
+    @property
+    def ttft(self) -> float:
+        """From arrival, so that queueing and preparing count."""
+        return self.first_token - self.arrived
+
+    def decode_rate(self, n_completion: int) -> float:
+        """Tokens a second after the first: completion - 1 tokens over first-to-last token time."""
+        span = self.last_token - self.first_token
+        return (n_completion - 1) / span if n_completion > 1 and span > 0 else math.nan
 
 
 def request_line(rid: str, n_prompt: int, n_completion: int, stats: dict[str, Any], timing: Timing,
@@ -114,11 +133,9 @@ def request_line(rid: str, n_prompt: int, n_completion: int, stats: dict[str, An
     prefill = int(stats.get("prefill_tokens", n_prompt - cached) or 0)
     parts = [f"request {rid} {outcome}: prompt={n_prompt} cached={cached} prefill={prefill} completion={n_completion}"]
     if not math.isnan(timing.first_token):
-        parts.append(f"queue_ms={1e3 * (timing.started - timing.submitted):.1f} "
-                     f"ttft_ms={1e3 * (timing.first_token - timing.submitted):.1f}")
-    span = timing.last_token - timing.first_token
-    if n_completion > 1 and span > 0:
-        parts.append(f"decode_tok_s={(n_completion - 1) / span:.1f}")
+        parts.append(f"queue_ms={1e3 * timing.queue_wait:.1f} ttft_ms={1e3 * timing.ttft:.1f}")
+    if not math.isnan(rate := timing.decode_rate(n_completion)):
+        parts.append(f"decode_tok_s={rate:.1f}")
     if drafts is not None:
         accepted, proposed = drafts
         parts.append(f"draft_accepted={accepted}/{proposed}")

@@ -1,8 +1,9 @@
 """One rank of the lane: load the glm53 engine; rank 0 serves HTTP, every other rank follows.
 
 `python -m front.rank --model DIR --rank R --ranks N [...]`. Progress goes to stdout as
-`@state {json}` lines (the launcher shows them); errors go to stderr. Exit codes:
-0 stopped by SIGTERM/SIGINT; 2 bad arguments; 70 the engine failed; 75 the memory guard stopped the
+`@state {json}` lines (the launcher shows them); errors go to stderr. On SIGTERM/SIGINT rank 0
+drains: new requests get 503 with Retry-After, those in flight finish (up to --drain-timeout s).
+Exit codes: 0 stopped by SIGTERM/SIGINT; 2 bad arguments; 70 the engine failed; 75 the memory guard stopped the
 lane (launcher.guard.EXIT_MEMORY_GUARD); 98 the HTTP port is taken. glm53.dist's guard may end a
 rank with 3 (a peer died), 4 (a collective timed out) or 5 (rank 0's store unreachable).
 """
@@ -19,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from front.auth import ENV as API_KEYS_ENV
+from launcher.commands import DRAIN_TIMEOUT_S
 from launcher.guard import MemoryGuard, floor_bytes_from_env
 from launcher.meminfo import MIB, available_bytes
 
@@ -68,6 +71,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-drafts", action="store_true")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="extra engine option passed to glm53.cuda_engine (JSON value or string)")
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help=f"a key clients must send to /v1 (Authorization: Bearer KEY or x-api-key: KEY); repeatable, "
+                        f"added to {API_KEYS_ENV} (comma-separated). None: no key needed")
+    p.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S,
+                   help="seconds a stopping rank 0 waits for the requests in flight")
     p.add_argument("--progress-interval", type=float, default=2.0)
     args = p.parse_args(argv)
     if not 0 <= args.rank < args.ranks:
@@ -158,14 +166,15 @@ def main(argv: list[str] | None = None, engine_factory: Callable[[argparse.Names
 
     server = None
     if args.rank == 0:  # bind first: a taken port fails in a second, not after the load
+        from front.auth import configured_keys
         from front.server import FrontServer
         try:
-            server = FrontServer(args.host, args.port)
+            server = FrontServer(args.host, args.port, configured_keys(args.api_key))
         except OSError as exc:
             print(f"rank 0: cannot listen on {args.host}:{args.port} ({exc.strerror}); stop what holds the port "
                   f"(bash serve.sh stop --port {args.port}) or choose another --port", file=sys.stderr, flush=True)
             return EXIT_PORT_IN_USE
-        threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
+        server.start()
 
     progress.set("loading")
     try:
@@ -195,7 +204,8 @@ def main(argv: list[str] | None = None, engine_factory: Callable[[argparse.Names
         return 0
 
     from front.chat import ChatText
-    from front.server import App, FrontSettings, drafting_state, prefix_cache_state
+    from front.service import Service
+    from front.settings import FrontSettings, drafting_state, prefix_cache_state
     context = args.context or model_context(Path(args.model))
     if not context:
         print(f"rank 0: cannot read max_position_embeddings from {args.model}/config.json; pass --context",
@@ -205,17 +215,24 @@ def main(argv: list[str] | None = None, engine_factory: Callable[[argparse.Names
                              default_max_tokens=args.default_max_tokens, ranks=args.ranks,
                              prefix_cache=prefix_cache_state(engine), drafting=drafting_state(engine),
                              prefill_chunk=getattr(engine, "chunk", None))
-    app = App(engine, ChatText(args.model), settings, sampling_factory)
+    service = Service(engine, ChatText(args.model), settings, sampling_factory)
     assert server is not None
-    server.attach(app)
+    server.attach(service)
     progress.set("serving")
     print(f"rank 0: serving {settings.served_model} on http://{args.host}:{args.port} "
-          f"(context {context}, ranks {args.ranks})", flush=True)
+          f"(context {context}, ranks {args.ranks}{', API keys required' if server.state.api_keys else ''})",
+          flush=True)
     while not stop.wait(0.5):
-        if app.fatal is not None:
-            print(f"rank 0: the engine failed: {type(app.fatal).__name__}: {app.fatal}", file=sys.stderr, flush=True)
+        if service.fatal is not None:
+            print(f"rank 0: the engine failed: {type(service.fatal).__name__}: {service.fatal}", file=sys.stderr,
+                  flush=True)
             return EXIT_ENGINE_FAILED
+    progress.set("draining")
+    if not server.drain(args.drain_timeout):
+        print(f"rank 0: {server.state.inflight} request(s) still running after {args.drain_timeout:g} s of drain; "
+              f"cancelling them", file=sys.stderr, flush=True)
     server.shutdown()
+    service.close()
     close = getattr(engine, "close", None)
     if callable(close):  # the orderly leave: followers see "bye" and return from follow()
         close()

@@ -1,8 +1,8 @@
 """One engine, one stream: requests run one at a time on a worker thread, in arrival order.
 
 The engine is single-stream (and on several ranks every rank must execute the same request), so
-the HTTP threads never call it; they queue a Job and read its events. A job whose client went away
-is cancelled: `on_tokens` returns False and the engine stops generating.
+the HTTP side never calls it; it queues a Job and reads its events. A job whose client went away
+is cancelled: `on_tokens` returns False and the engine stops at its next decode step.
 """
 from __future__ import annotations
 
@@ -10,9 +10,15 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from front.observe import Snapshot, Timing, holder, log, request_drafts, request_line
+
+
+class EventSink(Protocol):
+    """Where a job's events go; `put` is called on the worker's thread."""
+
+    def put(self, item: tuple[str, Any]) -> None: ...
 
 
 @dataclass
@@ -20,7 +26,7 @@ class Job:
     prompt: list[int]
     max_tokens: int
     sampling: Any
-    events: "queue.Queue[tuple[str, Any]]" = field(default_factory=queue.Queue)
+    events: EventSink = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     generated: int = 0  # tokens the engine handed over, read by the metrics
     rid: str = "-"  # the response id, named in the log line
@@ -37,10 +43,22 @@ class EngineWorker:
         self._on_fatal = on_fatal
         self._thread = threading.Thread(target=self._run, name="engine-worker", daemon=True)
         self.busy = False
+        self.failed: BaseException | None = None
         self._thread.start()
 
     def submit(self, job: Job) -> None:
         self._jobs.put(job)
+        if self.failed is not None:  # no thread runs jobs any more: answer every one left
+            self._fail_queued(self.failed)
+
+    def _fail_queued(self, exc: BaseException) -> None:
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None:
+                job.events.put(("error", exc))
 
     def depth(self) -> int:
         return self._jobs.qsize() + (1 if self.busy else 0)
@@ -60,8 +78,10 @@ class EngineWorker:
             try:
                 self._generate(job)
             except BaseException as exc:  # the engine's state is unknown: the lane must stop
+                self.failed = exc
                 job.events.put(("error", exc))
                 self._on_fatal(exc)
+                self._fail_queued(exc)
                 return
             finally:
                 self.busy = False

@@ -11,6 +11,9 @@ from pathlib import Path
 from launcher.config import KIT_DIR, LaneConfig, Node
 
 RUNTIME_STAMP = ".glm53-runtime-key"
+# What a stopping rank 0 gives the requests in flight (front.rank --drain-timeout's default); the
+# supervisor waits that long and a margin before it kills rank 0.
+DRAIN_TIMEOUT_S = 20.0
 
 
 def q(value: str) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ DEFAULT_PORT = 8300
 DEFAULT_MODEL_ID = "glm-5.3-exl3"
 DEFAULT_MASTER_PORT = 29551
 FORWARDED_PREFIXES = ("TF_GLM53_", "TENSORFOLD_")
+API_KEYS_ENV = "TF_GLM53_API_KEYS"  # keys rank 0's front asks of clients (comma-separated; front.auth)
 KV_DTYPES = ("bf16", "fp8")
 
 # Environment variables that override the cluster file (flags override both).
@@ -246,6 +248,11 @@ def _coerce(name: str, value: str, current: Any) -> Any:
         except ValueError:
             raise ConfigError(f"environment: {name}={value!r} must be an integer") from None
     return value
+
+
+def api_keys(environ: Mapping[str, str]) -> list[str]:
+    """The keys in TF_GLM53_API_KEYS (comma-separated; blanks dropped)."""
+    return [k.strip() for k in environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
 
 
 def with_environment(config: LaneConfig, environ: dict[str, str] | None = None) -> LaneConfig:

@@ -10,11 +10,12 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
 
 from launcher import commands
-from launcher.config import KIT_DIR, LaneConfig, from_dict, to_dict
+from launcher.config import API_KEYS_ENV, KIT_DIR, LaneConfig, from_dict, to_dict
 from launcher.memplan import MemoryPlan, config_dict, kv_function, kv_per_token, plan_memory, weights_per_rank
 from launcher.nodes import display, node_argv, run
 from launcher.preflight import Preflight, preflight
@@ -145,8 +146,6 @@ def check(config: LaneConfig, model: str, out: TextIO, freed: dict[str, int] | N
                 if plan.refusal():
                     problems.append(plan.refusal())
                 else:
-                    from dataclasses import replace
-
                     config = replace(config, context=plan.context)
     return config, plan, problems
 
@@ -154,6 +153,8 @@ def check(config: LaneConfig, model: str, out: TextIO, freed: dict[str, int] | N
 # ---- start -------------------------------------------------------------------------------------
 def print_commands(config: LaneConfig, model: str, out: TextIO) -> None:
     print("DRY_RUN: nothing is started or changed. Commands, per node:", file=out)
+    if API_KEYS_ENV in config.env:  # printed plans get pasted into tickets: no keys in them
+        config = replace(config, env={**config.env, API_KEYS_ENV: "<hidden>"})
     for node in config.nodes:
         print(f"  {node.label}:", file=out)
         print(f"    preflight: {display(node_argv(node, config, commands.probe_command(config, model)))}", file=out)

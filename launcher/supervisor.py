@@ -19,8 +19,8 @@ from typing import IO, Any
 
 import httpx
 
-from launcher.commands import alive_command, rank_command, stop_command
-from launcher.config import LaneConfig, Node
+from launcher.commands import DRAIN_TIMEOUT_S, alive_command, rank_command, stop_command
+from launcher.config import LaneConfig, Node, api_keys
 from launcher.nodes import node_argv, run, ssh_argv
 from launcher.state import write_json
 
@@ -43,6 +43,12 @@ def http_base(config: LaneConfig) -> str:
     """The lane's URL as clients on rank 0's node see it."""
     host = "127.0.0.1" if config.listen in WILDCARDS else config.listen
     return f"http://{host}:{config.port}"
+
+
+def api_key_header(env: dict[str, str]) -> dict[str, str]:
+    """The header that authorizes a request to the lane: its first API key, when it has any."""
+    keys = api_keys(env)
+    return {"Authorization": f"Bearer {keys[0]}"} if keys else {}
 
 
 def lane_url(config: LaneConfig) -> str:
@@ -171,23 +177,14 @@ class Supervisor:
         return (f"rank {r.node.rank} on {r.node.host} exited with code {code}{' (' + why + ')' if why else ''}; "
                 f"the lane is stopped. Its log: {r.log_path}")
 
-    def stop_all(self) -> None:
-        """Rank 0 first (no new requests), then the rest; SIGKILL whatever outlives 10 s."""
+    def stop_all(self, drain: bool = False) -> None:
+        """With `drain` (an orderly stop of a healthy lane) rank 0 goes first and alone: it finishes the
+        requests in flight (up to DRAIN_TIMEOUT_S) while the followers still serve them, and its
+        engine's close lets them return. Then every rank left gets SIGTERM; SIGKILL whatever outlives 10 s."""
+        if drain and 0 in self.ranks:
+            self.signal([self.ranks[0]], "TERM", DRAIN_TIMEOUT_S + 10.0)
         for signame, grace in (("TERM", 10.0), ("KILL", 5.0)):
-            live = [r for _, r in sorted(self.ranks.items()) if r.exit_code() is None]
-            if not live:
-                break
-            for r in live:
-                if r.node.is_local:
-                    try:
-                        r.proc.send_signal(signal.SIGTERM if signame == "TERM" else signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                else:
-                    run(r.node, self.config, stop_command(self.config, r.node, signame), timeout=15)
-            deadline = time.monotonic() + grace
-            while time.monotonic() < deadline and any(r.exit_code() is None for r in live):
-                time.sleep(0.1)
+            self.signal(list(self.ranks.values()), signame, grace)
         if self.tunnel is not None:
             self.tunnel.close()
         for r in self.ranks.values():
@@ -195,6 +192,21 @@ class Supervisor:
                 r.proc.kill()
                 r.proc.wait()
             r.close()
+
+    def signal(self, ranks: list[RankProcess], signame: str, grace: float) -> None:
+        """Send SIGTERM or SIGKILL to those of `ranks` still running; wait up to `grace` s for them to end."""
+        live = [r for r in sorted(ranks, key=lambda r: r.node.rank) if r.exit_code() is None]
+        for r in live:
+            if r.node.is_local:
+                try:
+                    r.proc.send_signal(signal.SIGTERM if signame == "TERM" else signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            else:
+                run(r.node, self.config, stop_command(self.config, r.node, signame), timeout=15)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and any(r.exit_code() is None for r in live):
+            time.sleep(0.1)
 
     def wait_ready(self) -> int:
         deadline = time.monotonic() + self.ready_timeout
@@ -224,7 +236,7 @@ class Supervisor:
         self.write_state()
         try:
             r = httpx.post(base + "/v1/chat/completions", json={**SMOKE, "model": self.config.served_model},
-                           timeout=max(60.0, self.ready_timeout / 4))
+                           headers=api_key_header(self.config.env), timeout=max(60.0, self.ready_timeout / 4))
             body = r.json()
             ok = r.status_code == 200 and body["usage"]["completion_tokens"] > 0
             detail = f"HTTP {r.status_code}: {r.text[:300]}"
@@ -264,7 +276,7 @@ class Supervisor:
         if code == 0:
             self.phase, self.message = "stopping", "stopping on request"
         self.write_state()
-        self.stop_all()
+        self.stop_all(drain=code == 0)
         if code == 0:
             self.phase, self.message = "stopped", "stopped on request; logs kept in " + str(self.run_dir)
         self.write_state()

@@ -9,12 +9,15 @@ Exit codes: 0 every check passed or was skipped with a reason; 1 a check failed;
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass
 from typing import Any
 
 import click
 import httpx
+
+from launcher.config import API_KEYS_ENV, api_keys
 
 PROMPT = "Write one sentence about the sea."
 SENTENCE = "The lighthouse keeper counted ships in the harbour every evening and wrote their names down. "
@@ -27,10 +30,17 @@ class Outcome:
     detail: str
 
 
+def base_url(url: str) -> str:
+    """The server's root from what a user passes: the root itself, or the OpenAI base URL ending in /v1."""
+    url = url.rstrip("/")
+    return url[:-3] if url.endswith("/v1") else url
+
+
 class Verifier:
-    def __init__(self, url: str, timeout: float, max_tokens: int) -> None:
-        self.url = url.rstrip("/")
-        self.client = httpx.Client(timeout=timeout)
+    def __init__(self, url: str, timeout: float, max_tokens: int, api_key: str | None = None) -> None:
+        self.url = base_url(url)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.Client(timeout=timeout, headers=headers)
         self.max_tokens = max_tokens
         self.model: str | None = None
         self.health: dict[str, Any] = {}
@@ -73,11 +83,17 @@ class Verifier:
     # ---- the checks ----------------------------------------------------------------------------
     def run(self) -> int:
         try:
-            models = self.client.get(self.url + "/v1/models").json()
-            self.model = models["data"][0]["id"]
-        except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
+            r = self.client.get(self.url + "/v1/models")
+        except httpx.HTTPError as exc:
             print(f"FAIL     models: no OpenAI server at {self.url} ({type(exc).__name__}: {exc}); "
                   f"start one with bash serve.sh", flush=True)
+            return 2
+        try:
+            self.model = r.json()["data"][0]["id"]
+        except (ValueError, KeyError, IndexError, TypeError):
+            hint = " (set --api-key or TF_GLM53_API_KEYS)" if r.status_code == 401 else ""
+            print(f"FAIL     models: GET {self.url}/v1/models gave HTTP {r.status_code}, not a model list{hint}: "
+                  f"{r.text[:300]}", flush=True)
             return 2
         self.record("models", "PASS", f"serves {self.model!r}")
         try:
@@ -184,11 +200,15 @@ class Verifier:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]}, help=__doc__)
-@click.option("--url", default="http://127.0.0.1:8300", show_default=True, help="the lane's base URL")
+@click.option("--url", default="http://127.0.0.1:8300", show_default=True,
+              help="the lane's URL, with or without /v1 (the base URL OpenAI clients take)")
 @click.option("--timeout", type=float, default=600.0, show_default=True, help="seconds per request")
 @click.option("--max-tokens", type=int, default=24, show_default=True)
-def main(url: str, timeout: float, max_tokens: int) -> None:
-    sys.exit(Verifier(url, timeout, max_tokens).run())
+@click.option("--api-key", default=None, help=f"the key the lane asks for (default: the first of ${API_KEYS_ENV})")
+def main(url: str, timeout: float, max_tokens: int, api_key: str | None) -> None:
+    if api_key is None:
+        api_key = next(iter(api_keys(os.environ)), None)
+    sys.exit(Verifier(url, timeout, max_tokens, api_key).run())
 
 
 if __name__ == "__main__":

@@ -134,12 +134,14 @@ def kill_mid_stream(port: int, pid: int, max_tokens: int) -> list[str]:
 
 class StandInEngine:
     """Only for the front's HTTP behaviour (queueing, SSE, disconnects, errors): deterministic tokens
-    from the prompt, the seed and the position; hands them over in bursts like a drafting engine."""
+    from the prompt, the seed and the position; hands them over in bursts like a drafting engine.
+    `progress` counts the tokens the running call has handed over (a burst is one decode step)."""
 
     def __init__(self, vocab: int, eos: int, delay: float = 0.0, stop_after: int | None = None,
                  fail: bool = False) -> None:
         self.vocab, self.eos, self.delay, self.stop_after, self.fail = vocab, [eos], delay, stop_after, fail
         self.calls: list[dict[str, Any]] = []
+        self.progress = 0
         self.active = 0
         self.max_active = 0
         self.last_stats: dict[str, int] = {}
@@ -151,6 +153,7 @@ class StandInEngine:
         with self._lock:
             self.active += 1
             self.max_active = max(self.max_active, self.active)
+        self.progress = 0
         try:
             if self.fail:
                 raise RuntimeError("collective timed out waiting for rank 1")
@@ -170,6 +173,7 @@ class StandInEngine:
                 out += burst
                 if self.delay:
                     time.sleep(self.delay)
+                self.progress = len(out)
                 if not on_tokens(burst):
                     break
             cached = max((_common(prompt, p) for p in self._seen), default=0)
@@ -180,6 +184,34 @@ class StandInEngine:
         finally:
             with self._lock:
                 self.active -= 1
+
+
+def standin_for(model_dir: Path, **options: Any) -> StandInEngine:
+    """A stand-in engine over the tokenizer in model_dir (its vocabulary; <|endoftext|> ends a reply)."""
+    from front.chat import ChatText
+
+    tokenizer = ChatText(model_dir).tokenizer
+    return StandInEngine(vocab=tokenizer.get_vocab_size(), eos=tokenizer.token_to_id("<|endoftext|>"), **options)
+
+
+@contextlib.contextmanager
+def front_server(model_dir: Path, engine: Any, api_keys: tuple[str, ...] = (),
+                 sampling_factory: Callable[[dict[str, Any]], Any] = dict, **settings: Any) -> Iterator[Any]:
+    """The real front (uvicorn on a free loopback port, in this process) over `engine`; yields the
+    FrontServer (its .url, .state.service) and stops it after."""
+    from front.chat import ChatText
+    from front.server import serve
+    from front.service import Service
+    from front.settings import FrontSettings
+
+    settings = {"context": 256, "default_max_tokens": 16, **settings}
+    service = Service(engine, ChatText(model_dir), FrontSettings(**settings), sampling_factory)
+    server = serve(service, "127.0.0.1", 0, api_keys)
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        service.close()
 
 
 def _common(a: list[int], b: list[int]) -> int:

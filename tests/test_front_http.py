@@ -1,8 +1,9 @@
-"""The front's own HTTP behaviour, on a real server on loopback.
+"""The front's own HTTP behaviour, on a real server (uvicorn) on loopback, with the official `openai`
+client where a client is natural.
 
 The engine here is a stand-in (tests/lane_fixtures.StandInEngine): these tests exercise the
 front (validation, queueing, SSE, disconnects, errors, metrics), not the model. The same front over
-the real glm53 engine on the tiny checkpoint is tested in tests/test_lane_local.py.
+the real glm53 engine on the tiny checkpoint is tested in tests/test_serve_local.py.
 """
 from __future__ import annotations
 
@@ -11,13 +12,14 @@ import socket
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import httpx
+import openai
 import pytest
 
-from front.chat import ChatText
-from front.server import App, FrontServer, FrontSettings, make_server
-from lane_fixtures import StandInEngine, write_tokenizer
+from lane_fixtures import front_server, standin_for, wait_for, write_tokenizer
+from tests.prometheus_text import parse_prometheus, value
 
 
 @pytest.fixture(scope="module")
@@ -27,99 +29,99 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
-def start(model_dir: Path, engine: StandInEngine, context: int = 256):
-    text = ChatText(model_dir)
-    app = App(engine, text, FrontSettings(context=context, default_max_tokens=16), dict)
-    server = make_server(app, "127.0.0.1", 0)
-    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
-    return server, f"http://127.0.0.1:{server.server_address[1]}", app
+@pytest.fixture(scope="module")
+def shared(model_dir: Path):
+    """One front for the tests that only read what the engine was asked (engine.calls)."""
+    engine = standin_for(model_dir)
+    with front_server(model_dir, engine) as server:
+        yield server, engine
 
 
 @pytest.fixture
-def lane(model_dir: Path):
-    text = ChatText(model_dir)
-    engine = StandInEngine(vocab=text.tokenizer.get_vocab_size(), eos=text.tokenizer.token_to_id("<|endoftext|>"))
-    server, url, app = start(model_dir, engine)
-    yield url, engine, app
-    server.shutdown()
-    server.server_close()
+def lane(shared):
+    """(url, engine, the openai client) on the shared front; engine.calls starts empty."""
+    server, engine = shared
+    engine.calls.clear()
+    yield server.url, engine, client(server.url)
+
+
+def client(url: str, key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=30)
 
 
 CHAT = {"messages": [{"role": "user", "content": "hello world"}], "max_tokens": 10, "temperature": 0}
-
-
-def sse_text(response: httpx.Response) -> tuple[str, list[dict]]:
-    events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
-    assert events[-1] == "[DONE]"
-    chunks = [json.loads(e) for e in events[:-1]]
-    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
-    return text, chunks
+MODEL = "glm-5.3-exl3"
 
 
 def test_chat_completion_has_content_finish_reason_and_usage(lane) -> None:
-    url, engine, _ = lane
-    r = httpx.post(url + "/v1/chat/completions", json=CHAT)
-    assert r.status_code == 200, r.text
-    body = r.json()
-    choice = body["choices"][0]
-    assert body["object"] == "chat.completion" and body["model"] == "glm-5.3-exl3"
-    assert choice["message"]["role"] == "assistant" and choice["message"]["content"]
-    assert choice["finish_reason"] == "length"
-    usage = body["usage"]
-    assert usage["completion_tokens"] == 10
-    assert usage["prompt_tokens"] == len(engine.calls[0]["prompt"])
-    assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+    url, engine, sdk = lane
+    reply = sdk.chat.completions.create(model=MODEL, **CHAT)
+    choice = reply.choices[0]
+    assert reply.object == "chat.completion" and reply.model == MODEL and reply.id.startswith("chatcmpl-")
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason == "length"
+    assert reply.usage.completion_tokens == 10
+    assert reply.usage.prompt_tokens == len(engine.calls[0]["prompt"])
+    assert reply.usage.prompt_tokens_details.cached_tokens == 0
     # the prompt is the chat template rendered and encoded (GLM specials as single tokens)
     assert engine.calls[0]["prompt"][:2] == [1, 2]  # [gMASK] <sop>
+    # "developer" (OpenAI's newer name for the system role) reaches GLM's template as "system"
+    as_system = sdk.chat.completions.create(model=MODEL, **{**CHAT, "messages": [
+        {"role": "system", "content": "be brief"}, *CHAT["messages"]]})
+    as_developer = sdk.chat.completions.create(model=MODEL, **{**CHAT, "messages": [
+        {"role": "developer", "content": "be brief"}, *CHAT["messages"]]})
+    assert engine.calls[1]["prompt"] == engine.calls[2]["prompt"]
+    assert as_system.choices[0].message.content == as_developer.choices[0].message.content
 
 
 def test_resend_reports_cached_tokens_and_stop_at_eos(model_dir: Path) -> None:
-    text = ChatText(model_dir)
-    eos = text.tokenizer.token_to_id("<|endoftext|>")
-    engine = StandInEngine(vocab=text.tokenizer.get_vocab_size(), eos=eos, stop_after=4)
-    server, url, _ = start(model_dir, engine)
-    try:
-        first = httpx.post(url + "/v1/chat/completions", json=CHAT).json()
-        assert first["choices"][0]["finish_reason"] == "stop"
-        assert first["usage"]["completion_tokens"] == 5  # 4 tokens + eos
+    with front_server(model_dir, standin_for(model_dir, stop_after=4)) as server:
+        sdk = client(server.url)
+        first = sdk.chat.completions.create(model=MODEL, **CHAT)
+        assert first.choices[0].finish_reason == "stop"
+        assert first.usage.completion_tokens == 5  # 4 tokens + eos
         longer = {**CHAT, "messages": CHAT["messages"] + [{"role": "assistant", "content": "fine"},
                                                          {"role": "user", "content": "and you?"}]}
-        second = httpx.post(url + "/v1/chat/completions", json=longer).json()
-        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-        ignore = httpx.post(url + "/v1/chat/completions", json={**CHAT, "ignore_eos": True}).json()
-        assert ignore["choices"][0]["finish_reason"] == "length"
-        assert ignore["usage"]["completion_tokens"] == 10
-    finally:
-        server.shutdown()
-        server.server_close()
+        second = sdk.chat.completions.create(model=MODEL, **longer)
+        assert second.usage.prompt_tokens_details.cached_tokens > 0
+        ignore = sdk.chat.completions.create(model=MODEL, **CHAT, extra_body={"ignore_eos": True})
+        assert ignore.choices[0].finish_reason == "length"
+        assert ignore.usage.completion_tokens == 10
 
 
 def test_stream_delivers_the_same_text_and_usage(lane) -> None:
-    url, _, _ = lane
-    plain = httpx.post(url + "/v1/chat/completions", json=CHAT).json()
-    r = httpx.post(url + "/v1/chat/completions",
-                   json={**CHAT, "stream": True, "stream_options": {"include_usage": True}})
-    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-    text, chunks = sse_text(r)
-    assert text == plain["choices"][0]["message"]["content"]
-    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
-    finals = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
-    assert [c["choices"][0]["finish_reason"] for c in finals] == ["length"]
-    usage = chunks[-1]["usage"]
-    assert chunks[-1]["choices"] == [] and usage["prompt_tokens"] == plain["usage"]["prompt_tokens"]
-    assert usage["completion_tokens"] == plain["usage"]["completion_tokens"] == 10
-    assert usage["prompt_tokens_details"]["cached_tokens"] == plain["usage"]["prompt_tokens"]  # resend
+    url, _, sdk = lane
+    plain = sdk.chat.completions.create(model=MODEL, **CHAT)
+    chunks = list(sdk.chat.completions.create(model=MODEL, **CHAT, stream=True,
+                                              stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == plain.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].object == "chat.completion.chunk"
+    assert len({c.id for c in chunks}) == 1
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == ["length"]
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage.prompt_tokens == plain.usage.prompt_tokens
+    assert usage.completion_tokens == plain.usage.completion_tokens == 10
+    assert usage.prompt_tokens_details.cached_tokens == plain.usage.prompt_tokens  # resend
+    raw = httpx.post(url + "/v1/chat/completions", json={**CHAT, "stream": True})
+    assert raw.headers["content-type"].startswith("text/event-stream") and raw.text.endswith("data: [DONE]\n\n")
 
 
 def test_completions_route_with_text_and_token_prompts(lane) -> None:
-    url, engine, _ = lane
-    a = httpx.post(url + "/v1/completions", json={"prompt": "the quick brown fox", "max_tokens": 5}).json()
-    assert a["object"] == "text_completion" and a["usage"]["completion_tokens"] == 5 and a["choices"][0]["text"]
+    _, engine, sdk = lane
+    a = sdk.completions.create(model=MODEL, prompt="the quick brown fox", max_tokens=5)
+    assert a.object == "text_completion" and a.usage.completion_tokens == 5 and a.choices[0].text
     ids = engine.calls[-1]["prompt"]
-    b = httpx.post(url + "/v1/completions", json={"prompt": ids, "max_tokens": 5}).json()
-    assert b["choices"][0]["text"] == a["choices"][0]["text"]
-    bad = httpx.post(url + "/v1/completions", json={"prompt": [10**7], "max_tokens": 5})
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"
+    b = sdk.completions.create(model=MODEL, prompt=ids, max_tokens=5)
+    assert b.choices[0].text == a.choices[0].text
+    with pytest.raises(openai.BadRequestError) as bad:
+        sdk.completions.create(model=MODEL, prompt=[10**7], max_tokens=5)
+    assert bad.value.param == "prompt"
+    streamed = list(sdk.completions.create(model=MODEL, prompt="the quick brown fox", max_tokens=5, stream=True))
+    assert all(c.object == "text_completion" for c in streamed)
+    assert "".join(c.choices[0].text for c in streamed) == a.choices[0].text
+    assert streamed[-1].choices[0].finish_reason == "length"
 
 
 def test_sampling_fields_reach_the_engine(lane) -> None:
@@ -139,6 +141,7 @@ def test_sampling_fields_reach_the_engine(lane) -> None:
 @pytest.mark.parametrize("body, param", [
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
     ({**CHAT, "temperature": "hot"}, "temperature"),
     ({**CHAT, "top_p": 1.5}, "top_p"),
     ({**CHAT, "max_tokens": 0}, "max_tokens"),
@@ -146,6 +149,7 @@ def test_sampling_fields_reach_the_engine(lane) -> None:
     ({**CHAT, "draft": "no"}, "draft"),
     ({**CHAT, "n": 2}, "n"),
     ({**CHAT, "stop": ["\n"]}, "stop"),
+    ({**CHAT, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
 ])
 def test_bad_requests_get_400_naming_the_field(lane, body, param) -> None:
     url, engine, _ = lane
@@ -153,12 +157,13 @@ def test_bad_requests_get_400_naming_the_field(lane, body, param) -> None:
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and param.split("[")[0].split(".")[0] in err["message"]
+    assert err["type"] == "invalid_request_error"
     assert engine.calls == []
 
 
 def test_untokenizable_text_and_clashing_template_arguments_are_400(lane) -> None:
     """A lone surrogate (valid JSON escape, not valid Unicode) and chat_template_kwargs naming an
-    argument the front passes itself made the handler raise: the client got no response."""
+    argument the front passes itself are the request's errors, answered as such."""
     url, engine, _ = lane
     for path, body, param in (
             ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\udcff"}]}', "messages"),
@@ -173,11 +178,19 @@ def test_untokenizable_text_and_clashing_template_arguments_are_400(lane) -> Non
 
 
 def test_invalid_json_and_unknown_model(lane) -> None:
-    url, _, _ = lane
+    url, _, sdk = lane
     r = httpx.post(url + "/v1/chat/completions", content=b"{not json", headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
-    r = httpx.post(url + "/v1/chat/completions", json={**CHAT, "model": "gpt-4"})
-    assert r.status_code == 404 and "glm-5.3-exl3" in r.json()["error"]["message"]
+    r = httpx.post(url + "/v1/chat/completions", content=b"[1]", headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and "JSON object" in r.json()["error"]["message"]
+    with pytest.raises(openai.NotFoundError) as unknown:
+        sdk.chat.completions.create(model="gpt-4", **CHAT)
+    assert MODEL in unknown.value.message and unknown.value.code == "model_not_found"
+    with pytest.raises(openai.NotFoundError) as unknown:
+        sdk.models.retrieve("gpt-4")
+    assert unknown.value.body["type"] == "not_found_error"
+    r = httpx.post(url + "/v1/chat/completions", content=b"<a/>", headers={"Content-Type": "application/xml"})
+    assert r.status_code == 415 and r.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_prompt_longer_than_context_is_400_with_the_limits(lane) -> None:
@@ -188,98 +201,124 @@ def test_prompt_longer_than_context_is_400_with_the_limits(lane) -> None:
     msg = r.json()["error"]["message"]
     n_prompt = int(msg.split("prompt has ")[1].split()[0])
     assert n_prompt > 256 and "max_tokens is 10" in msg and "context of 256 tokens" in msg
+    assert r.json()["error"]["code"] == "context_length_exceeded"
     # fits alone, but not with the requested completion
     r = httpx.post(url + "/v1/chat/completions", json={**CHAT, "max_tokens": 250})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
     assert "at most" in r.json()["error"]["message"]
+    # more text than the context could hold at any tokenization: refused before the tokenizer runs
+    r = httpx.post(url + "/v1/completions", json={"prompt": "x" * (256 * 16 + 1)})
+    assert r.status_code == 400 and "4097 bytes of text" in r.json()["error"]["message"]
     assert engine.calls == []
 
 
-def test_models_health_metrics(lane) -> None:
-    url, _, _ = lane
-    models = httpx.get(url + "/v1/models").json()
-    assert [m["id"] for m in models["data"]] == ["glm-5.3-exl3"]
-    for path in ("/health", "/v1/health"):
-        h = httpx.get(url + path)
-        assert h.status_code == 200 and h.json()["status"] == "ok" and h.json()["prefix_cache"] == "absent"
-    httpx.post(url + "/v1/chat/completions", json=CHAT)
-    httpx.post(url + "/v1/chat/completions", json={"messages": []})
-    m = httpx.get(url + "/metrics").text
-    assert 'glm53_requests_total{route="/v1/chat/completions",status="200"} 1' in m
-    assert 'glm53_requests_total{route="/v1/chat/completions",status="400"} 1' in m
-    assert "glm53_completion_tokens_total 10" in m and "glm53_errors_total 1" in m
+def test_models_health_metrics(model_dir: Path) -> None:
+    with front_server(model_dir, standin_for(model_dir)) as server:
+        url, sdk = server.url, client(server.url)
+        assert [m.id for m in sdk.models.list()] == [MODEL]
+        assert sdk.models.retrieve(MODEL).id == MODEL
+        for path in ("/health", "/v1/health"):
+            h = httpx.get(url + path)
+            assert h.status_code == 200 and h.json()["status"] == "ok" and h.json()["prefix_cache"] == "absent"
+        sdk.chat.completions.create(model=MODEL, **CHAT)
+        list(sdk.chat.completions.create(model=MODEL, **CHAT, stream=True))
+        httpx.post(url + "/v1/chat/completions", json={"messages": []})
+        r = httpx.get(url + "/metrics")
+        assert r.headers["content-type"].startswith("text/plain")
+        m = parse_prometheus(r.text)
+        assert value(m, "glm53_requests_total", route="/v1/chat/completions", status="200") == 2
+        assert value(m, "glm53_requests_total", route="/v1/chat/completions", status="400") == 1
+        assert value(m, "glm53_completion_tokens_total") == 20 and value(m, "glm53_errors_total") == 1
+        assert value(m, "glm53_queue_depth") == 0
+        for family, n in (("glm53_queue_wait_seconds", 2), ("glm53_time_to_first_token_seconds", 2),
+                          ("glm53_decode_tokens_per_second", 2), ("glm53_request_duration_seconds", 3)):
+            assert value(m, family + "_count") == n and value(m, family + "_sum") > 0, family  # the 400 has a duration
 
 
 def test_requests_are_serialized_on_the_engine(model_dir: Path) -> None:
-    text = ChatText(model_dir)
-    engine = StandInEngine(vocab=text.tokenizer.get_vocab_size(), eos=0, delay=0.01)
-    server, url, _ = start(model_dir, engine)
-    try:
+    engine = standin_for(model_dir, delay=0.01)
+    with front_server(model_dir, engine) as server:
         results: list[int] = []
         threads = [threading.Thread(target=lambda: results.append(
-            httpx.post(url + "/v1/chat/completions", json=CHAT, timeout=30).status_code)) for _ in range(4)]
+            httpx.post(server.url + "/v1/chat/completions", json=CHAT, timeout=30).status_code)) for _ in range(4)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
         assert results == [200] * 4 and len(engine.calls) == 4 and engine.max_active == 1
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
-def test_client_disconnect_mid_stream_stops_generation(model_dir: Path) -> None:
-    text = ChatText(model_dir)
-    engine = StandInEngine(vocab=text.tokenizer.get_vocab_size(), eos=0, delay=0.02)
-    server, url, app = start(model_dir, engine, context=4096)
-    try:
-        port = server.server_address[1]
-        body = json.dumps({**CHAT, "max_tokens": 3000, "stream": True}).encode()
-        sock = socket.create_connection(("127.0.0.1", port))
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-        got = b""
-        while got.count(b"data: ") < 3:
+def post_and_leave(port: int, body: dict, leave: Callable[[bytes], bool]) -> None:
+    """POST on a raw socket, and close it once `leave(what came so far)` says so."""
+    data = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
+    sock.settimeout(0.005)
+    got = b""
+    deadline = time.monotonic() + 10
+    while not leave(got) and time.monotonic() < deadline:
+        try:
             got += sock.recv(65536)
-        sock.close()
-        deadline = time.monotonic() + 10
-        while not engine.calls and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert engine.calls, "generation did not stop after the client disconnected"
-        assert engine.calls[0]["generated"] < 300  # 3000 asked; stops within a few bursts
-        assert "glm53_cancelled_total 1" in httpx.get(url + "/metrics").text
-        # the lane still serves
-        assert httpx.post(url + "/v1/chat/completions", json=CHAT).status_code == 200
+        except TimeoutError:
+            pass
+    sock.close()
+
+
+def wait_for_call(engine, n: int) -> dict:
+    deadline = time.monotonic() + 10
+    while len(engine.calls) < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(engine.calls) >= n, "generation did not stop after the client disconnected"
+    return engine.calls[n - 1]
+
+
+def test_a_client_that_disconnects_stops_its_generation(model_dir: Path) -> None:
+    """Streaming or not, the engine stops within a decode step of the disconnect (a non-streaming
+    request used to run on: 3000 tokens, and the next request waited 50 s), and the lane serves the
+    next request at once."""
+    engine = standin_for(model_dir, delay=0.02)  # a burst of 3 tokens every 20 ms
+    with front_server(model_dir, engine, context=4096) as server:
+        post_and_leave(server.port, {**CHAT, "max_tokens": 3000, "stream": True}, lambda got: got.count(b"data: ") >= 3)
+        assert wait_for_call(engine, 1)["generated"] < 300
+        wait_for(lambda: "glm53_cancelled_total 1.0" in httpx.get(server.url + "/metrics").text, 5, "the count")
+
+        gone_at = []
+        post_and_leave(server.port, {**CHAT, "max_tokens": 3000},  # leave once the engine is decoding it
+                       lambda _: engine.active and engine.progress >= 15 and not gone_at.append(engine.progress))
+        gone_at = gone_at[0]
+        generated = wait_for_call(engine, 2)["generated"]
+        assert generated <= gone_at + 6, (gone_at, generated)  # within a step (3 tokens) and the one racing it
+        t0 = time.monotonic()
+        assert httpx.post(server.url + "/v1/chat/completions", json=CHAT).status_code == 200
+        assert time.monotonic() - t0 < 2
+        wait_for(lambda: "glm53_cancelled_total 2.0" in httpx.get(server.url + "/metrics").text, 5, "the count")
+        m = parse_prometheus(httpx.get(server.url + "/metrics").text)
+        assert value(m, "glm53_requests_total", route="/v1/chat/completions", status="499") == 2
+
+
+def test_loading_then_engine_failure(model_dir: Path) -> None:
+    """503 "loading" (with Retry-After) before the engine is attached; an engine failure is a 500 for
+    its request, then 503 for new ones and on /health."""
+    from front.chat import ChatText
+    from front.server import FrontServer
+    from front.service import Service
+    from front.settings import FrontSettings
+
+    server = FrontServer("127.0.0.1", 0).start()
+    service = Service(standin_for(model_dir, fail=True), ChatText(model_dir), FrontSettings(context=256), dict)
+    try:
+        h = httpx.get(server.url + "/health")
+        assert h.status_code == 503 and h.json()["status"] == "loading"
+        r = httpx.post(server.url + "/v1/chat/completions", json=CHAT)
+        assert r.status_code == 503 and r.headers["retry-after"] and r.json()["error"]["code"] == "loading"
+        server.attach(service)
+        r = httpx.post(server.url + "/v1/chat/completions", json=CHAT)
+        assert r.status_code == 500 and "rank 1" in r.json()["error"]["message"]
+        assert service.fatal is not None
+        assert httpx.get(server.url + "/health").status_code == 503
+        r = httpx.post(server.url + "/v1/chat/completions", json=CHAT)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_failed"
     finally:
         server.shutdown()
-        server.server_close()
-
-
-def test_engine_failure_is_500_then_health_503(model_dir: Path) -> None:
-    text = ChatText(model_dir)
-    engine = StandInEngine(vocab=text.tokenizer.get_vocab_size(), eos=0, fail=True)
-    app = App(engine, text, FrontSettings(context=256), dict)
-    server = FrontServer("127.0.0.1", 0)
-    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
-    try:
-        assert httpx.get(url + "/health").json()["status"] == "loading"
-        server.attach(app)
-        r = httpx.post(url + "/v1/chat/completions", json=CHAT)
-        assert r.status_code == 500 and "rank 1" in r.json()["error"]["message"]
-        assert app.fatal is not None
-    finally:
-        server.server_close()
-
-
-def test_completions_stream_matches_plain(lane) -> None:
-    url, _, _ = lane
-    body = {"prompt": "hello world", "max_tokens": 8}
-    plain = httpx.post(url + "/v1/completions", json=body).json()
-    r = httpx.post(url + "/v1/completions", json={**body, "stream": True})
-    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
-    assert events[-1] == "[DONE]"
-    chunks = [json.loads(e) for e in events[:-1]]
-    assert all(c["object"] == "text_completion" for c in chunks)
-    assert "".join(c["choices"][0]["text"] for c in chunks) == plain["choices"][0]["text"]
-    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        service.close()

@@ -8,11 +8,9 @@ DraftPlan attached for this module, restored afterwards.
 from __future__ import annotations
 
 import logging
-import math
 import re
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import httpx
@@ -22,82 +20,16 @@ from drafter.glm53_target import DraftPlan
 from front import observe
 from front.chat import ChatText
 from front.rank import glm53_sampling
-from front.server import App, FrontSettings, drafting_state, make_server, prefix_cache_state
+from front.server import serve
+from front.service import Service
+from front.settings import FrontSettings, drafting_state, prefix_cache_state
 from kv_cache.cache import PrefixCache
 from kv_cache.engine_adapter import cache_key_for
 from tests.fixtures_tiny import TINY_CHUNK, fresh_engine_state, tiny_dirs, tiny_engine  # noqa: F401
+from tests.prometheus_text import parse_prometheus, value
 
 ROOT = Path(__file__).resolve().parents[1]
 HOST_CHUNKS = 5  # host budget in chunks: one 3-chunk prompt fits, two distinct ones evict
-
-
-# ---- a strict Prometheus text-format (0.0.4) parser --------------------------------------------
-NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
-LABEL = r'[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\["\\n])*"'
-SAMPLE = re.compile(rf"^({NAME})(\{{(?:{LABEL})(?:,{LABEL})*\}})? (\S+)$")
-HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
-
-
-def parse_prometheus(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """{(sample name, sorted labels): value}. Fails on anything the format does not allow: a sample
-    before its family's HELP and TYPE, a family declared twice or interleaved, an unknown type, a
-    sample name that is not its family's, a duplicate series, a malformed line or value, histogram
-    buckets that are not cumulative or whose +Inf bucket differs from _count."""
-    assert text.endswith("\n"), "the exposition must end with a newline"
-    samples: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
-    helps: dict[str, str] = {}
-    types: dict[str, str] = {}
-    closed: set[str] = set()
-    current: str | None = None
-    for number, line in enumerate(text.splitlines(), 1):
-        where = f"line {number}: {line!r}"
-        assert line.strip() == line and line, f"{where}: blank or padded line"
-        if line.startswith("# HELP "):
-            name, _, help_text = line[7:].partition(" ")
-            assert re.fullmatch(NAME, name) and help_text, where
-            assert name not in helps and name not in closed, f"{where}: family declared twice"
-            if current is not None:
-                closed.add(current)
-            helps[name], current = help_text, name
-            continue
-        if line.startswith("# TYPE "):
-            name, _, kind = line[7:].partition(" ")
-            assert name == current and name not in types, f"{where}: TYPE must follow its HELP"
-            assert kind in ("counter", "gauge", "histogram", "summary", "untyped"), where
-            types[name] = kind
-            continue
-        assert not line.startswith("#"), f"{where}: unknown comment"
-        m = SAMPLE.match(line)
-        assert m, f"{where}: malformed sample"
-        name, labels_text, value_text = m.groups()
-        assert current is not None and current in types, f"{where}: sample before HELP/TYPE"
-        if types[current] == "histogram":
-            assert name in tuple(current + s for s in HISTOGRAM_SUFFIXES), f"{where}: not of {current}"
-        else:
-            assert name == current, f"{where}: sample of family {current}"
-        labels = tuple(sorted(re.findall(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"', labels_text or "")))
-        assert len({k for k, _ in labels}) == len(labels), f"{where}: repeated label"
-        value = float(value_text)  # raises on a malformed value
-        assert not math.isnan(value), where
-        if types[current] == "counter":
-            assert value >= 0, f"{where}: negative counter"
-        key = (name, labels)
-        assert key not in samples, f"{where}: duplicate series"
-        samples[key] = value
-    for family, kind in types.items():
-        if kind != "histogram":
-            continue
-        buckets = sorted(((math.inf if dict(lab)["le"] == "+Inf" else float(dict(lab)["le"])), v)
-                         for (n, lab), v in samples.items() if n == family + "_bucket")
-        assert buckets and buckets[-1][0] == math.inf, f"{family}: no +Inf bucket"
-        assert all(a[1] <= b[1] for a, b in zip(buckets, buckets[1:])), f"{family}: buckets not cumulative"
-        assert buckets[-1][1] == samples[(family + "_count", ())], f"{family}: +Inf bucket != _count"
-        assert (family + "_sum", ()) in samples, f"{family}: no _sum"
-    return samples
-
-
-def value(samples: dict, name: str, **labels: str) -> float:
-    return samples[(name, tuple(sorted(labels.items())))]
 
 
 # ---- the lane --------------------------------------------------------------------------------
@@ -118,15 +50,13 @@ def lane(tiny_dirs, tiny_engine):  # noqa: F811
     with fresh_engine_state(engine, prefix_cache=cache, drafter=DraftPlan("copy")):
         settings = FrontSettings(context=512, default_max_tokens=8, prefix_cache=prefix_cache_state(engine),
                                  drafting=drafting_state(engine), prefill_chunk=engine.chunk)
-        app = App(engine, ChatText(tiny_dirs.model), settings, glm53_sampling)
-        server = make_server(app, "127.0.0.1", 0)
-        threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+        service = Service(engine, ChatText(tiny_dirs.model), settings, glm53_sampling)
+        server = serve(service, "127.0.0.1", 0)
         try:
-            yield f"http://127.0.0.1:{server.server_address[1]}", engine, cache
+            yield server.url, engine, cache
         finally:
             server.shutdown()
-            server.server_close()
-            app.worker.stop()
+            service.close()
 
 
 @pytest.fixture
@@ -295,10 +225,9 @@ def test_a_reply_does_not_wait_for_the_store_behind_it(tiny_dirs, tiny_engine, m
     with fresh_engine_state(engine, prefix_cache=cache, drafter=None):
         settings = FrontSettings(context=512, default_max_tokens=8, prefix_cache=prefix_cache_state(engine),
                                  drafting=drafting_state(engine), prefill_chunk=engine.chunk)
-        app = App(engine, ChatText(tiny_dirs.model), settings, glm53_sampling)
-        server = make_server(app, "127.0.0.1", 0)
-        threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
-        url = f"http://127.0.0.1:{server.server_address[1]}"
+        service = Service(engine, ChatText(tiny_dirs.model), settings, glm53_sampling)
+        server = serve(service, "127.0.0.1", 0)
+        url = server.url
         try:
             prompt = [9 + (i * 7) % 400 for i in range(3 * TINY_CHUNK + 2)]
             r = httpx.post(url + "/v1/completions", timeout=10,
@@ -311,8 +240,7 @@ def test_a_reply_does_not_wait_for_the_store_behind_it(tiny_dirs, tiny_engine, m
         finally:
             go.set()
             server.shutdown()
-            server.server_close()
-            app.worker.stop()
+            service.close()
             cache.close()
 
 
@@ -335,13 +263,13 @@ def test_health_reports_what_the_rank_holds_beside_the_plan(tiny_dirs, tiny_engi
     from glm53.layout.plan import plan_layout
     from glm53.model.memory import resident_bytes
 
-    app = App(tiny_engine, ChatText(tiny_dirs.model), FrontSettings(context=512), glm53_sampling)
+    service = Service(tiny_engine, ChatText(tiny_dirs.model), FrontSettings(context=512), glm53_sampling)
     try:
-        status, body = app.health()
+        body = service.health()
     finally:
-        app.worker.stop()
+        service.close()
     memory = body["memory"]
-    assert status == 200 and memory == tiny_engine.memory
+    assert body["status"] == "ok" and memory == tiny_engine.memory
     assert memory["weights_bytes"] == resident_bytes(tiny_engine.model.w)
     assert 0 < memory["exl3_packed_bytes"] < memory["weights_bytes"]
     assert memory["planned_bytes"] == plan_layout(tiny_dirs.model, 1, tiny_engine.cfg).bytes_per_rank()[0]

@@ -1,0 +1,89 @@
+"""Errors in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, for every status the
+front answers: its own refusals (ApiError), Starlette's routing errors (404, 405), anything unexpected
+(500), and malformed HTTP that never reaches the app (uvicorn's h11 protocol, see JsonErrorH11Protocol)."""
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import h11
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+log = logging.getLogger("front.errors")
+
+# OpenAI's error type for a status; "invalid_request_error" for any other 4xx
+TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 429: "rate_limit_error",
+         500: "server_error", 503: "server_error"}
+
+
+def error_type(status: int) -> str:
+    return TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None,
+               kind: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind or error_type(status), "param": param, "code": code}}
+
+
+class ApiError(Exception):
+    """A refusal the client should see: its HTTP status, message, the offending field (`param`), an
+    OpenAI-style `code` where one exists, and extra response headers (Retry-After, WWW-Authenticate)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None, kind: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers, self.kind = headers or {}, kind
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(self.status, self.message, self.param, self.code, self.kind),
+                            status_code=self.status, headers=self.headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param, code)
+
+
+async def on_api_error(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, ApiError)
+    return exc.response()
+
+
+async def on_http_exception(request: Request, exc: Exception) -> JSONResponse:
+    """Starlette's own refusals (no route, wrong method) in OpenAI's shape, its headers (Allow) kept."""
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        message = f"no route {request.method} {request.url.path}; the routes are /v1/chat/completions, " \
+                  "/v1/completions, /v1/models, /health and /metrics"
+    elif exc.status_code == 405:
+        message = f"{request.method} is not allowed on {request.url.path}; allowed: {exc.headers.get('Allow', '')}" \
+            if exc.headers else f"{request.method} is not allowed on {request.url.path}"
+    else:
+        message = str(exc.detail)
+    return ApiError(exc.status_code, message, headers=dict(exc.headers or {})).response()
+
+
+async def on_unexpected(_request: Request, exc: Exception) -> JSONResponse:
+    """A bug in the front: the client gets a 500 in OpenAI's shape; the traceback goes to the log."""
+    log.error("unexpected error: %s: %s", type(exc).__name__, exc, exc_info=exc)
+    return ApiError(500, f"internal error in the front: {type(exc).__name__}").response()
+
+
+class JsonErrorH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol, answering malformed HTTP (a bad Content-Length, a broken request line)
+    with a JSON 400 in OpenAI's shape. The message framing is unknown then, so the connection closes
+    (RFC 9112 section 6.3); a new connection is served as usual."""
+
+    def send_400_response(self, msg: str) -> None:
+        body = json.dumps(error_body(400, f"malformed HTTP request ({msg.rstrip('.')}); the connection is closed",
+                                     code="malformed_http")).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
+        for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
+                      h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
