@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None, engine_factory: Callable[[argparse.Names
     print(f"rank 0: serving {settings.served_model} on http://{args.host}:{args.port} "
           f"(context {context}, ranks {args.ranks}{', API keys required' if server.state.api_keys else ''})",
           flush=True)
-    while not stop.wait(0.5):
+    while not stop.wait(0.1):
         if service.fatal is not None:
             print(f"rank 0: the engine failed: {type(service.fatal).__name__}: {service.fatal}", file=sys.stderr,
                   flush=True)

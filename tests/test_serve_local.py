@@ -28,7 +28,7 @@ def test_local_lane_is_ready_and_passes_verify(lane) -> None:
     assert "memory plan: context 1024 tokens" in started.stderr
     assert f"READY: glm-5.3-exl3 on http://127.0.0.1:{port} (1 rank); smoke completion: 8 tokens" in started.stderr
     assert "loading" in started.stderr and "GiB free" in started.stderr  # progress with free memory
-    checked = sh("verify.sh", "--url", f"http://127.0.0.1:{port}")
+    checked = sh("verify.sh", "--url", f"http://127.0.0.1:{port}/v1")  # the base URL OpenAI clients take
     assert checked.returncode == 0, checked.stdout + checked.stderr
     out = checked.stdout
     for name in ("models", "completion", "repeat", "cached", "stream"):
@@ -55,7 +55,8 @@ def test_client_disconnect_mid_stream_stops_the_real_engine(lane) -> None:
 
     def completed() -> int:
         m = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-        return int(next(line for line in m.splitlines() if line.startswith("glm53_completion_tokens_total ")).split()[1])
+        return int(float(next(line for line in m.splitlines()
+                              if line.startswith("glm53_completion_tokens_total ")).split()[1]))
 
     before = completed()
     body = json.dumps({"messages": [{"role": "user", "content": "count"}], "max_tokens": 900, "ignore_eos": True,
@@ -67,7 +68,7 @@ def test_client_disconnect_mid_stream_stops_the_real_engine(lane) -> None:
     while got.count(b"data: ") < 4:
         got += sock.recv(65536)
     sock.close()
-    wait_for(lambda: "glm53_cancelled_total 1" in httpx.get(f"http://127.0.0.1:{port}/metrics").text, 60,
+    wait_for(lambda: "glm53_cancelled_total 1.0" in httpx.get(f"http://127.0.0.1:{port}/metrics").text, 60,
              "the engine to stop after the disconnect")
     assert completed() - before < 200  # 900 asked
     assert httpx.get(f"http://127.0.0.1:{port}/health").json()["status"] == "ok"

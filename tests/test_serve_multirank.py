@@ -65,9 +65,10 @@ def test_memory_plan_refuses_a_start_and_names_the_largest_context(tiny_model: P
 def test_dry_run_prints_plan_and_commands_and_changes_nothing(tiny_model: Path) -> None:
     port = free_port()
     r = sh("serve.sh", "--local", "--ranks", "2", "--model", str(tiny_model), "--port", str(port), "--context", "2048",
-           env={"DRY_RUN": "1"})
+           env={"DRY_RUN": "1", "TF_GLM53_API_KEYS": "secret-key"})
     assert r.returncode == 0, r.stderr
     out = r.stderr
+    assert "secret-key" not in out and "TF_GLM53_API_KEYS=<hidden>" in out  # forwarded, never printed
     assert "memory plan: context 2048 tokens" in out and "DRY_RUN: nothing is started or changed" in out
     assert "start order: rank 1, rank 0 (rank 0 last)" in out
     assert out.index("start rank 1 (local)") < out.index("start rank 0 (local)")
@@ -76,19 +77,27 @@ def test_dry_run_prints_plan_and_commands_and_changes_nothing(tiny_model: Path) 
 
 
 def test_restart_checks_new_settings_before_stopping_the_old_lane(tiny_model: Path, tmp_path: Path) -> None:
-    with standin_lane("--local", "--ranks", "2", "--model", str(tiny_model)) as (port, _):
+    """Also: TF_GLM53_API_KEYS reaches rank 0 (the supervisor's smoke completion sends the key), and
+    the old lane's orderly stop (rank 0 drains first) lets the restart proceed."""
+    key = {"TF_GLM53_API_KEYS": "lane-key"}
+    with standin_lane("--local", "--ranks", "2", "--model", str(tiny_model), env=key) as (port, _):
         old = pids(port, 2)
         refused = sh("serve.sh", "restart", "--local", "--ranks", "2", "--model", str(tmp_path / "missing"),
-                     "--port", str(port))
+                     "--port", str(port), env=key)
         assert refused.returncode == 3 and "restart refused; the running lane (if any) was left as it was" in refused.stderr
         assert "missing/config.json is missing" in refused.stderr
         assert all(pid_alive(p) for p in old)
         assert httpx.get(f"http://127.0.0.1:{port}/health").json()["ranks"] == 2
-        again = sh("serve.sh", "restart", "--local", "--ranks", "3", "--model", str(tiny_model), "--port", str(port))
+        again = sh("serve.sh", "restart", "--local", "--ranks", "3", "--model", str(tiny_model), "--port", str(port),
+                   env=key)
         assert again.returncode == 0, again.stderr
         assert "stopped on request" in again.stderr and "READY" in again.stderr
         assert not any(pid_alive(p) for p in old)
         assert httpx.get(f"http://127.0.0.1:{port}/health").json()["ranks"] == 3
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        assert httpx.post(url, json=chat).status_code == 401
+        assert httpx.post(url, json=chat, headers={"x-api-key": "lane-key"}).status_code == 200
 
 
 def test_stop_after_the_supervisor_was_killed_still_stops_every_rank(tiny_model: Path) -> None:
