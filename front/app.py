@@ -173,13 +173,13 @@ async def generate(front: FrontState, request: Request,
         raise unknown_model(body.model, service, "model")
     prepared: Prepared = await loop.run_in_executor(service.pool, service.prepare, body)
     record = record_of(request.scope)
-    head = replies.ReplyHead(("chatcmpl-" if body.__class__ is ChatCompletionRequest else "cmpl-") + record.rid,
-                             service.settings.served_model, chat=isinstance(body, ChatCompletionRequest))
-    job = Job(prompt=prepared.prompt, max_tokens=prepared.max_tokens, sampling=prepared.sampling,
-              events=JobEvents(lambda result: record_job(front.metrics, job, result)), rid=head.id,
-              timing=Timing(time.perf_counter(), arrived=record.start))
+    chat = isinstance(body, ChatCompletionRequest)
+    head = replies.ReplyHead(("chatcmpl-" if chat else "cmpl-") + record.rid, service.settings.served_model, chat)
+    events = JobEvents(lambda result: record_job(front.metrics, job, result))
+    job = Job(prompt=prepared.prompt, max_tokens=prepared.max_tokens, sampling=prepared.sampling, events=events,
+              rid=head.id, timing=Timing(time.perf_counter(), arrived=record.start))
     service.worker.submit(job)
-    run = Generation(service, body, job, record, head)
+    run = Generation(service, body, job, events, record, head)
     if body.stream:
         return StreamingResponse(run.stream(request), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
@@ -195,10 +195,9 @@ def record_job(metrics: Metrics, job: Job, result: dict[str, Any]) -> None:
 class Generation:
     """One submitted job and its reply: awaited whole, or streamed as SSE chunks."""
 
-    def __init__(self, service: Service, body: GenerationRequest, job: Job, record: AccessRecord,
+    def __init__(self, service: Service, body: GenerationRequest, job: Job, events: JobEvents, record: AccessRecord,
                  head: replies.ReplyHead) -> None:
-        self.service, self.body, self.job, self.record, self.head = service, body, job, record, head
-        self.events: JobEvents = job.events  # type: ignore[assignment]
+        self.service, self.body, self.job, self.events, self.record, self.head = service, body, job, events, record, head
         self.finished = False
 
     def watch(self, request: Request) -> asyncio.Task[None]:
@@ -258,8 +257,7 @@ class Generation:
                 if kind == "error":
                     error = self.failure(value)
                     self.record.outcome = 500
-                    yield replies.sse({"error": {"message": error.message, "type": "server_error", "param": None,
-                                                 "code": error.code}})
+                    yield replies.sse(error.body())
                     return
                 self.finished = True
                 if value.get("cancelled"):

@@ -93,25 +93,29 @@ class ChatText:
 
 
 class IncrementalDecoder:
-    """Turns a growing list of token ids into text deltas, never splitting a UTF-8 character."""
+    """Turns a growing list of token ids into text deltas, never splitting a UTF-8 character.
+
+    Each push decodes a short window (the ids since the last delta, and those before it as context),
+    not the whole reply: a long stream costs the same per token as a short one."""
 
     def __init__(self, text: ChatText) -> None:
         self._text = text
         self._ids: list[int] = []
-        self._emitted = ""
+        self._prefix = 0  # the window's context starts here ...
+        self._read = 0  # ... and what is already emitted ends here
 
     def push(self, ids: list[int]) -> str:
         self._ids.extend(ids)
-        full = self._text.decode(self._ids)
-        if full.endswith("\ufffd"):  # an incomplete multi-byte character: wait for more tokens
-            return ""
-        delta = full[len(self._emitted):] if full.startswith(self._emitted) else ""
-        self._emitted = full if full.startswith(self._emitted) else self._emitted
-        return delta
+        before = self._text.decode(self._ids[self._prefix:self._read])
+        after = self._text.decode(self._ids[self._prefix:])
+        if after.endswith("\ufffd") or len(after) <= len(before) or not after.startswith(before):
+            return ""  # an incomplete multi-byte character (or nothing visible yet): wait for more tokens
+        self._prefix, self._read = self._read, len(self._ids)
+        return after[len(before):]
 
     def finish(self) -> str:
         """The rest of the text once generation ends (a dangling partial character included)."""
-        full = self._text.decode(self._ids)
-        delta = full[len(self._emitted):] if full.startswith(self._emitted) else ""
-        self._emitted = full
-        return delta
+        before = self._text.decode(self._ids[self._prefix:self._read])
+        after = self._text.decode(self._ids[self._prefix:])
+        self._prefix = self._read = len(self._ids)
+        return after[len(before):] if after.startswith(before) else ""

@@ -39,9 +39,11 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
         self.headers, self.kind = headers or {}, kind
 
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, self.param, self.code, self.kind)
+
     def response(self) -> JSONResponse:
-        return JSONResponse(error_body(self.status, self.message, self.param, self.code, self.kind),
-                            status_code=self.status, headers=self.headers)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:

@@ -319,3 +319,20 @@ def test_loading_then_engine_failure(model_dir: Path) -> None:
     finally:
         server.shutdown()
         service.close()
+
+
+def test_stream_deltas_decode_a_window_not_the_whole_reply(model_dir: Path) -> None:
+    """Deltas joined equal the whole decode, multi-byte characters whole, and each push decodes a
+    few ids: the deltas run on the event loop, where decoding the reply so far each time would cost
+    quadratic time in a long stream."""
+    from front.chat import ChatText, IncrementalDecoder
+
+    text = ChatText(model_dir)
+    ids = text.encode("naïve café — üñïçødé ☃ text, " * 40)
+    lengths: list[int] = []
+    decode = text.decode
+    text.decode = lambda window: lengths.append(len(window)) or decode(window)  # type: ignore[method-assign]
+    decoder = IncrementalDecoder(text)
+    deltas = [decoder.push([i]) for i in ids] + [decoder.finish()]
+    assert "".join(deltas) == decode(ids) and all("\ufffd" not in d for d in deltas)
+    assert max(lengths) <= 8
