@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from starlette.requests import ClientDisconnect
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -21,7 +22,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from front import observe, replies
 from front.access import AccessLog, AccessRecord, record_of
 from front.auth import check_key
-from front.errors import ApiError, on_api_error, on_http_exception, on_unexpected
+from front.errors import ApiError, on_api_error, on_http_exception, on_request_validation, on_unexpected
 from front.metrics import CONTENT_TYPE, Metrics
 from front.observe import Timing
 from front.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest, parse
@@ -81,6 +82,7 @@ def create_app(front: FrontState) -> FastAPI:
     app = FastAPI(title="glm53-front", openapi_url=None, docs_url=None, redoc_url=None)
     app.add_exception_handler(ApiError, on_api_error)
     app.add_exception_handler(HTTPException, on_http_exception)
+    app.add_exception_handler(RequestValidationError, on_request_validation)
     app.add_exception_handler(Exception, on_unexpected)
     app.add_middleware(AccessLog, front=front)
 

@@ -10,7 +10,7 @@ import os
 from collections.abc import Iterable, Mapping
 
 from front.errors import ApiError
-from launcher.config import API_KEYS_ENV as ENV, api_keys
+from launcher.config import api_keys
 
 
 def configured_keys(flags: Iterable[str] = (), environ: Mapping[str, str] | None = None) -> tuple[str, ...]:

@@ -8,6 +8,7 @@ import logging
 from typing import Any
 
 import h11
+from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -67,6 +68,20 @@ async def on_http_exception(request: Request, exc: Exception) -> JSONResponse:
     else:
         message = str(exc.detail)
     return ApiError(exc.status_code, message, headers=dict(exc.headers or {})).response()
+
+
+def param_of(loc: tuple[int | str, ...], at: str = "") -> str | None:
+    """A field's path as OpenAI's `param`: ('messages', 0, 'role') -> 'messages[0].role'."""
+    text = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc) + at
+    return text.lstrip(".") or None
+
+
+async def on_request_validation(_request: Request, exc: Exception) -> JSONResponse:
+    """FastAPI's own validation (path and query parameters) as a 400 naming the parameter, not its 422."""
+    assert isinstance(exc, RequestValidationError)
+    error = exc.errors()[0]
+    param = param_of(tuple(error["loc"][1:]))  # the first part says where: path, query, body
+    return ApiError(400, f"'{param}': {error['msg']}", param).response()
 
 
 async def on_unexpected(_request: Request, exc: Exception) -> JSONResponse:

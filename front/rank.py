@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from front.auth import ENV as API_KEYS_ENV
 from launcher.commands import DRAIN_TIMEOUT_S
+from launcher.config import API_KEYS_ENV
 from launcher.guard import MemoryGuard, floor_bytes_from_env
 from launcher.meminfo import MIB, available_bytes
 

@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from front.errors import ApiError, bad_request
+from front.errors import ApiError, bad_request, param_of
 
 MODEL_CONFIG = ConfigDict(strict=True, extra="allow")
 TEMPLATE_ROLE = {"developer": "system"}  # GLM's chat template knows system, user, assistant, tool (observation)
@@ -181,12 +181,6 @@ GenerationRequest = ChatCompletionRequest | CompletionRequest
 
 def _utf8_len(text: str) -> int:
     return len(text.encode("utf-8", "surrogatepass"))  # a lone surrogate is refused later, by the tokenizer
-
-
-def param_of(loc: tuple[int | str, ...], at: str = "") -> str | None:
-    """('messages', 0, 'role') -> 'messages[0].role'."""
-    text = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc) + at
-    return text.lstrip(".") or None
 
 
 def parse(raw: bytes, model: type[ChatCompletionRequest] | type[CompletionRequest]) -> GenerationRequest:

@@ -18,12 +18,10 @@ class FrontSettings:
     prefix_cache: str = "absent"  # "on", "off" or "absent" (the engine has none): shown by /health
     drafting: bool = False  # the engine drafts (speculative decoding) unless a request says "draft": false
     prefill_chunk: int | None = None  # the engine's prefill grid: reuse happens in whole chunks
-    max_body_bytes: int = 32 << 20  # a larger body is refused (413) before it is read
+    max_body_bytes: int = 32 << 20  # a larger body is refused (413), unread past the limit
     # Prompt text above context x this many UTF-8 bytes cannot fit the context (a token of real text
     # is 3-5 bytes): refused before the template and the tokenizer run on it.
     prompt_bytes_per_token: int = 16
-    api_keys: tuple[str, ...] = ()  # empty: no key needed
-    retry_after_s: int = 5  # told to clients refused while the lane drains or loads
 
     @property
     def max_prompt_bytes(self) -> int:

@@ -182,3 +182,23 @@ def test_api_keys_guard_v1_and_leave_health_open(model_dir: Path, monkeypatch: p
 
         assert Verifier(url + "/v1/", timeout=30, max_tokens=6, api_key="k2").run() == 0
         assert Verifier(url, timeout=30, max_tokens=6).run() == 2  # no key: said so, not a KeyError
+
+
+def test_routing_and_parameter_errors_are_openai_shaped() -> None:
+    """FastAPI's own refusals (a path or query parameter it validates: 422 by default) and a bug in
+    a route (500) in OpenAI's shape too, through the app itself (Starlette's TestClient)."""
+    from starlette.testclient import TestClient
+
+    from front.app import FrontState, create_app
+
+    app = create_app(FrontState())
+
+    @app.get("/probe/{n}")
+    async def probe(n: int, flag: bool = False) -> dict:
+        return {"n": 1 // (n - 1), "flag": flag}
+
+    with TestClient(app, raise_server_exceptions=False) as client:
+        for path, status, param in (("/probe/x", 400, "n"), ("/probe/3?flag=maybe", 400, "flag"),
+                                    ("/probe/1", 500, None)):
+            r = client.get(path)
+            assert r.status_code == status and openai_error(status, r.content)["param"] == param, r.text
