@@ -79,8 +79,8 @@ class EngineWorker:
                 self._generate(job)
             except BaseException as exc:  # the engine's state is unknown: the lane must stop
                 self.failed = exc
+                self._on_fatal(exc)  # before the error reaches the client: /health says failed by then
                 job.events.put(("error", exc))
-                self._on_fatal(exc)
                 self._fail_queued(exc)
                 return
             finally:
