@@ -76,7 +76,7 @@ class EngineWorker:
                 continue
             self.busy = True
             try:
-                self._generate(job)
+                result = self._generate(job)
             except BaseException as exc:  # the engine's state is unknown: the lane must stop
                 self.failed = exc
                 self._on_fatal(exc)  # before the error reaches the client: /health says failed by then
@@ -85,8 +85,9 @@ class EngineWorker:
                 return
             finally:
                 self.busy = False
+            job.events.put(("done", result))  # off the engine by then: the queue depth no longer counts it
 
-    def _generate(self, job: Job) -> None:
+    def _generate(self, job: Job) -> dict[str, Any]:
         timing = job.timing
 
         def on_tokens(tokens: list[int]) -> bool:
@@ -107,4 +108,4 @@ class EngineWorker:
         log.info(request_line(job.rid, len(job.prompt), len(tokens), stats, timing,
                               request_drafts(self.engine, before, after, stats), before, after,
                               "cancelled" if cancelled else "done"))
-        job.events.put(("done", {"tokens": tokens, "stats": stats, "cancelled": cancelled}))
+        return {"tokens": tokens, "stats": stats, "cancelled": cancelled}
