@@ -101,13 +101,14 @@ def rank_command(config: LaneConfig, node: Node, model: str) -> str:
     return prologue + f"exec env {assigns} " + " ".join(q(a) for a in argv)
 
 
-def stop_command(config: LaneConfig, node: Node, signal: str = "TERM") -> str:
+def stop_command(config: LaneConfig, node: Node, signal: str = "TERM", grace_s: float = 10.0) -> str:
+    """Signals the rank; a container is given `grace_s` to stop before docker kills it."""
     pf = q(pid_file(config, node))
     # only a process that is still this rank (a pid can be reused after the rank is gone)
     cmd = (f"if [ -f {pf} ]; then p=$(cat {pf}); if tr '\\0' ' ' < /proc/$p/cmdline 2>/dev/null "
            f"| grep -q -- '--rank {node.rank} '; then kill -{signal} $p 2>/dev/null; fi; fi; true")
     if config.runtime.image:
-        cmd = f"docker stop -t 10 glm53-rank{node.rank}-{config.port} >/dev/null 2>&1; " + cmd
+        cmd = f"docker stop -t {int(grace_s)} glm53-rank{node.rank}-{config.port} >/dev/null 2>&1; " + cmd
     return cmd
 
 

@@ -254,7 +254,8 @@ def follow(run_dir: Path, proc: subprocess.Popen, out: TextIO) -> int:
 
 
 # ---- stop / restart / status ---------------------------------------------------------------------
-def stop(run_dir: Path, out: TextIO = sys.stderr, timeout: float = 60) -> int:
+def stop(run_dir: Path, out: TextIO = sys.stderr, timeout: float = commands.DRAIN_TIMEOUT_S + 60) -> int:
+    """SIGTERM to the supervisor, which stops the ranks (rank 0 drains first); SIGKILL after `timeout`."""
     state = read_json(run_dir / "lane.json")
     saved = read_json(run_dir / "config.json")
     if state and pid_alive(state.get("pid")):

@@ -203,7 +203,7 @@ class Supervisor:
                 except ProcessLookupError:
                     pass
             else:
-                run(r.node, self.config, stop_command(self.config, r.node, signame), timeout=15)
+                run(r.node, self.config, stop_command(self.config, r.node, signame, grace), timeout=grace + 5)
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline and any(r.exit_code() is None for r in live):
             time.sleep(0.1)

@@ -103,4 +103,6 @@ def test_image_runtime_commands_run_in_the_container(tmp_path: Path) -> None:
     assert " glm53:1 python -m front.rank --model /models/glm --rank 1 --ranks 2" in start
     assert commands.probe_command(config, "/models/glm").startswith("docker run --rm --gpus all")
     assert "docker stop -t 10 glm53-rank1-9000" in commands.stop_command(config, node)
+    # rank 0 drains before it stops: the supervisor gives its container the drain's time
+    assert "docker stop -t 30 glm53-rank0-9000" in commands.stop_command(config, config.nodes[0], "TERM", 30)
     assert "glm53.runtime-key" in commands.prepare_command(config, "k")
