@@ -15,14 +15,14 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from starlette.requests import ClientDisconnect
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from front import observe, replies
 from front.access import AccessLog, AccessRecord, record_of
 from front.auth import check_key
-from front.errors import ApiError, on_api_error, on_http_exception, on_request_validation, on_unexpected
+from front.errors import ApiError, error_body, on_api_error, on_http_exception, on_request_validation, on_unexpected
 from front.metrics import CONTENT_TYPE, Metrics
 from front.observe import Timing
 from front.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest, parse
@@ -86,15 +86,15 @@ def create_app(front: FrontState) -> FastAPI:
     app.add_exception_handler(Exception, on_unexpected)
     app.add_middleware(AccessLog, front=front)
 
-    def authorized(request: Request) -> None:
+    async def authorized(request: Request) -> None:  # async: FastAPI would run a plain def on a thread
         check_key(request.headers, front.api_keys)
 
     @app.get("/health")
     @app.get("/v1/health")
     async def health() -> JSONResponse:
         if front.service is None:
-            return JSONResponse({"status": "loading", "error": {"message": "the engine is still loading",
-                                 "type": "server_error", "param": None, "code": "loading"}}, 503)
+            return JSONResponse({"status": "loading", **error_body(503, "the engine is still loading", code="loading")},
+                                503)
         body = front.service.health()
         if front.draining and body["status"] == "ok":
             body["status"] = "draining"
@@ -103,9 +103,8 @@ def create_app(front: FrontState) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
         text = front.metrics.render()
-        if front.service is not None:  # the cache's and drafter's counters: read off the loop
-            text += await asyncio.get_running_loop().run_in_executor(front.service.pool, observe.render,
-                                                                     front.service.engine)
+        if front.service is not None:  # the cache's and drafter's counters: read off the loop, not behind prompts
+            text += await asyncio.get_running_loop().run_in_executor(None, observe.render, front.service.engine)
         return PlainTextResponse(text, media_type=CONTENT_TYPE)
 
     @app.get("/v1/models", dependencies=[Depends(authorized)])
