@@ -63,8 +63,8 @@ async def on_http_exception(request: Request, exc: Exception) -> JSONResponse:
         message = f"no route {request.method} {request.url.path}; the routes are /v1/chat/completions, " \
                   "/v1/completions, /v1/models, /health and /metrics"
     elif exc.status_code == 405:
-        message = f"{request.method} is not allowed on {request.url.path}; allowed: {exc.headers.get('Allow', '')}" \
-            if exc.headers else f"{request.method} is not allowed on {request.url.path}"
+        allowed = (exc.headers or {}).get("Allow")
+        message = f"{request.method} is not allowed on {request.url.path}" + (f"; allowed: {allowed}" if allowed else "")
     else:
         message = str(exc.detail)
     return ApiError(exc.status_code, message, headers=dict(exc.headers or {})).response()
@@ -96,8 +96,8 @@ class JsonErrorH11Protocol(H11Protocol):
     (RFC 9112 section 6.3); a new connection is served as usual."""
 
     def send_400_response(self, msg: str) -> None:
-        body = json.dumps(error_body(400, f"malformed HTTP request ({msg.rstrip('.')}); the connection is closed",
-                                     code="malformed_http")).encode()
+        body = json.dumps(error_body(400, "malformed HTTP request (a request line, header or Content-Length h11 "
+                                          "cannot read); the connection is closed", code="malformed_http")).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                    (b"connection", b"close")]
         for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),

@@ -33,6 +33,8 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 class FrontServer:
+    """The bound socket, the uvicorn server over front.app, and the state its routes read."""
+
     def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT, api_keys: tuple[str, ...] = ()) -> None:
         self.socket = bind(host, port)
         self.host, self.port = host, self.socket.getsockname()[1]
@@ -45,7 +47,9 @@ class FrontServer:
 
     @property
     def url(self) -> str:
-        return f"http://{'127.0.0.1' if self.host in ('0.0.0.0', '') else self.host}:{self.port}"
+        """Where this machine reaches the server (loopback for a wildcard address)."""
+        host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.port}"
 
     def start(self) -> "FrontServer":
         """Serve in a daemon thread; returns once the server accepts connections."""
