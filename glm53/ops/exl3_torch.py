@@ -2,7 +2,8 @@
 kernels (glm53/ops/triton_exl3.py) implement. One linear, for rows x [M, in] in the compute dtype:
 
     xs  = A(x * suh)                       A: the activation dtype, fp16 (fp32 where the model computes in fp32)
-    xr  = A(H(xs) * 2^-3.5)                H: the 128-block Hadamard (+-1 entries), sums in fp32
+    xr  = A(H(xs) * 2^-3.5)                H: the 128-block Hadamard (+-1 entries), sums in fp32 (here as
+                                           butterflies; the CUDA kernels as tensor-core products)
     acc = xr @ W_hat                       W_hat: the codebook values of the trellis (fp16), sums in fp32
     y   = C(H(acc) * 2^-3.5 * svh)         C: the compute dtype
 
@@ -29,22 +30,6 @@ HAD = 128
 SCALE = float(torch.tensor(1 / math.sqrt(HAD), dtype=torch.float32))  # 2^-3.5 as fp32
 CPU_CACHE_BYTES = 1 << 30  # decoded W_hat the CPU path keeps (fp32), least recently used first out
 
-_HADAMARDS: dict[str, torch.Tensor] = {}
-
-
-def hadamard_signs(device: torch.device | str) -> torch.Tensor:
-    """fp32 [128, 128] Sylvester Hadamard, +-1 entries: H[i, j] = (-1)^popcount(i & j)."""
-    key = str(torch.device(device))
-    if key not in _HADAMARDS:
-        i = torch.arange(HAD)
-        bits = (i[:, None] & i[None, :])
-        parity = torch.zeros_like(bits)
-        for b in range(7):
-            parity ^= (bits >> b) & 1
-        _HADAMARDS[key] = (1 - 2 * parity).to(device=device, dtype=torch.float32)
-    return _HADAMARDS[key]
-
-
 def activation_dtype(compute: torch.dtype) -> torch.dtype:
     """The dtype of the rotated activations the trellis product takes: fp16 (the codebook's dtype,
     the tensor cores' operand) for a bf16 or fp16 model, fp32 for an fp32 one."""
@@ -52,9 +37,17 @@ def activation_dtype(compute: torch.dtype) -> torch.dtype:
 
 
 def _blocks_times_h(v32: torch.Tensor) -> torch.Tensor:
-    """H applied to each 128-block of each row of fp32 [M, n]: every block its own one-row product."""
+    """H applied to each 128-block of each row of fp32 [M, n]: seven butterfly stages (sums and differences
+    of element pairs, strides 1 to 64), elementwise, so a row's bits never depend on the other rows."""
     m, n = v32.shape
-    return torch_ops.linear(v32.reshape(m * n // HAD, HAD), hadamard_signs(v32.device)).reshape(m, n)
+    x = v32.reshape(-1, HAD)
+    h = 1
+    while h < HAD:
+        x = x.view(-1, HAD // (2 * h), 2, h)
+        a, b = x[:, :, 0, :], x[:, :, 1, :]
+        x = torch.stack((a + b, a - b), dim=2)
+        h *= 2
+    return x.reshape(m, n)
 
 
 def rotate(x: torch.Tensor, suh: torch.Tensor, act: torch.dtype) -> torch.Tensor:

@@ -834,7 +834,7 @@ def mlp(x: torch.Tensor, bank: Exl3Bank, mats: MlpMatrices, ids: torch.Tensor, w
     s = t * kp
     act = _torch_act(x.dtype)
     common = dict(ACT=_act(x.dtype), CB=_codebook_arg(bank), KPB=triton.next_power_of_2(kp), HAS_SHARED=has_shared,
-                  **_tiling(form), **OPTIONS)
+                  **_tiling(form))
     xr = torch.empty(2, s, mats.hidden, dtype=act, device=x.device)
     xd = torch.empty(s, mats.width, dtype=act, device=x.device)
     parts = torch.empty(s, mats.hidden, dtype=x.dtype, device=x.device)
@@ -864,7 +864,8 @@ def mlp(x: torch.Tensor, bank: Exl3Bank, mats: MlpMatrices, ids: torch.Tensor, w
         _down_kernel[(s, nb_h, sp_d)](
             xd, parts, out, bank.table, words, bank.scales, ws_d, cnt, tok_cnt, ids, ids.stride(0), wts, wts.stride(0),
             t, k, mats.n_experts, **tiles, slot_weight_ptr=dummy, down0=mats.down0, shared_down=shared[2],
-            width=mats.width, hidden=mats.hidden, TOKENS=True, WEIGHTED=weights is not None, PARALLEL=True, **common, **OPTIONS)
+            width=mats.width, hidden=mats.hidden, TOKENS=True, WEIGHTED=weights is not None, PARALLEL=True,
+            **common, **OPTIONS)
         return out
     # many tokens: the slots sorted by expert (the shared expert as id n_experts, last), tiles of bm rows
     cols = [ids[:, :k]] if k else []
@@ -890,7 +891,8 @@ def mlp(x: torch.Tensor, bank: Exl3Bank, mats: MlpMatrices, ids: torch.Tensor, w
     tiles = dict(tile_mat_ptr=tile_mat, tile_first_ptr=tile_first, tile_rows_ptr=tile_rows)
     _gate_up_kernel[(n_tiles, nb_w, 1)](
         xr, xd, bank.table, words, bank.scales, x, x, ids, ids.stride(0), t, k, mats.n_experts, **tiles, **mat_args,
-        S=s, hidden=mats.hidden, width=mats.width, TOKENS=False, PARALLEL=False, C_TY=_TL_DTYPES[x.dtype], **common, **OPTIONS)
+        S=s, hidden=mats.hidden, width=mats.width, TOKENS=False, PARALLEL=False, C_TY=_TL_DTYPES[x.dtype],
+        **common, **OPTIONS)
     _down_kernel[(n_tiles, nb_h, 1)](
         xd, parts, out, bank.table, words, bank.scales, x, x, x, ids, ids.stride(0), wts, wts.stride(0), t, k,
         mats.n_experts, **tiles, slot_weight_ptr=slot_w, down0=mats.down0, shared_down=shared[2], width=mats.width,
