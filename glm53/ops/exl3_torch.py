@@ -24,6 +24,7 @@ import math
 import torch
 
 from glm53.exl3.bank import Exl3Bank, MlpMatrices
+from glm53.exl3.decode import fwht
 from glm53.ops import torch_ops
 
 HAD = 128
@@ -37,17 +38,9 @@ def activation_dtype(compute: torch.dtype) -> torch.dtype:
 
 
 def _blocks_times_h(v32: torch.Tensor) -> torch.Tensor:
-    """H applied to each 128-block of each row of fp32 [M, n]: seven butterfly stages (sums and differences
-    of element pairs, strides 1 to 64), elementwise, so a row's bits never depend on the other rows."""
-    m, n = v32.shape
-    x = v32.reshape(-1, HAD)
-    h = 1
-    while h < HAD:
-        x = x.view(-1, HAD // (2 * h), 2, h)
-        a, b = x[:, :, 0, :], x[:, :, 1, :]
-        x = torch.stack((a + b, a - b), dim=2)
-        h *= 2
-    return x.reshape(m, n)
+    """H applied to each 128-block of each row of fp32 [M, n]: butterflies (decode.fwht), elementwise, so a
+    row's bits never depend on the other rows."""
+    return fwht(v32)
 
 
 def rotate(x: torch.Tensor, suh: torch.Tensor, act: torch.dtype) -> torch.Tensor:
