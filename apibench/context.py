@@ -23,21 +23,26 @@ class RunContext:
     display: Display
     no_cache: Endpoint | None = None
     _chars_per_token: float | None = field(default=None, repr=False)
+    _warm: bool = field(default=False, repr=False)
 
     def body(self, **extra: Any) -> dict[str, Any]:
         """Extra body fields of a request: ignore_eos where asked, then `extra`."""
         return {**({"ignore_eos": True} if self.settings.ignore_eos else {}), **extra}
 
     def warm_up(self) -> int:
-        """One short request whose timing is discarded (BENCH.md: warm-up runs are not results)."""
+        """One short request whose timing is discarded (BENCH.md: warm-up runs are not results), before
+        the run's first suite; returns how many were sent now (1, then 0)."""
+        if self._warm:
+            return 0
         chat(self.endpoint, [{"role": "user", "content": WARMUP_PROMPT}], 2, "the warm-up request")
+        self._warm = True
         return 1
 
     def chars_per_token(self) -> float:
         """Characters of the shipped tool text per token of the server's tokenizer: the difference of
         two prompts' usage.prompt_tokens (so the chat template's tokens cancel). Measured once."""
         if self._chars_per_token is None:
-            short, long = tool_output("calibrate", 400), tool_output("calibrate", 2000)
+            short, long = tool_output("calibrate", 200), tool_output("calibrate", 800)
             counts = [self._prompt_tokens(text) for text in (short, long)]
             if counts[1] <= counts[0]:
                 raise BenchError(f"{self.endpoint.base} counted {counts[0]} and {counts[1]} prompt tokens for "

@@ -23,7 +23,7 @@ class SuiteProgress:
             if self.task is not None:
                 self.display.bars.update(self.task, advance=1, description=f"{self.name}: {note}")
             else:
-                self.display.console.print(f"{self.name} [{self.done}/{self.total}] {note}", highlight=False)
+                self.display.say(f"{self.name} [{self.done}/{self.total}] {note}")
 
 
 class Display:
@@ -38,7 +38,8 @@ class Display:
         return SuiteProgress(self, name, total)
 
     def say(self, line: str) -> None:
-        self.console.print(line, highlight=False)
+        """A line as it is, never wrapped (logs and error messages stay greppable)."""
+        self.console.print(line, highlight=False, markup=False, soft_wrap=True)
 
     def __enter__(self) -> "Display":
         if self.bars is not None:

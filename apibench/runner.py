@@ -15,7 +15,6 @@ from rich.console import Console
 
 from apibench.context import RunContext
 from apibench.endpoint import BenchError, Endpoint
-from apibench.plots import plot_agent, plot_concurrency
 from apibench.progress import Display
 from apibench.schema import Failure, Report, ServerInfo, Settings, Suites
 from apibench.suites import agent, concurrency, decode, extend
@@ -24,7 +23,7 @@ from bench.benchmeta import device_description, git_commit, versions, write_json
 
 SUITES: dict[str, Callable[[RunContext], Any]] = {"decode": decode.run, "agent": agent.run, "extend": extend.run,
                                                    "concurrency": concurrency.run}
-PLOTS = {"agent": plot_agent, "concurrency": plot_concurrency}
+PLOTTED = ("agent", "concurrency")
 EXIT_OK, EXIT_SUITE_FAILED, EXIT_NO_SERVER, EXIT_INTERRUPTED = 0, 1, 3, 130
 CLIENT_PACKAGES = ("openai", "httpx", "pydantic", "rich", "matplotlib")
 
@@ -49,6 +48,14 @@ def new_report(settings: Settings, label: str | None, server: ServerInfo, no_cac
 
 def save(report: Report, out: Path) -> None:
     write_json(out, report.model_dump(mode="json"))
+
+
+def plot(name: str, report: Report, out: Path) -> Path:
+    from apibench import plots  # matplotlib takes about a second to import: only when a plot is made
+
+    make = {"agent": plots.plot_agent, "concurrency": plots.plot_concurrency}[name]
+    title = f"{name}: {report.server.model}" + (f" ({report.label})" if report.label else "")
+    return make(getattr(report.suites, name), side_file(out, f"_{name}.png"), title)
 
 
 def run(settings: Settings, url: str, api_key: str | None, model: str | None, out: Path,
@@ -79,10 +86,8 @@ def run(settings: Settings, url: str, api_key: str | None, model: str | None, ou
                 report.failure, code = Failure(suite=name, error="interrupted"), EXIT_INTERRUPTED
             if code != EXIT_OK:
                 break
-            if name in PLOTS:
-                path = PLOTS[name](getattr(report.suites, name), side_file(out, f"_{name}.png"),
-                                   f"{name}: {server.model}" + (f" ({label})" if label else ""))
-                report.plots[name] = path.name
+            if name in PLOTTED:
+                report.plots[name] = plot(name, report, out).name
             save(report, out)
     report.complete = code == EXIT_OK
     save(report, out)

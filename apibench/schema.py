@@ -97,7 +97,7 @@ class DecodeCase(Strict):
 
 class DecodeSuite(Strict):
     draft_field: DraftField
-    warmup_requests: int
+    warmup_requests: int  # discarded requests: the run's warm-up when this suite came first, the draft probe
     cases: list[DecodeCase]
     default_over_draft_false: dict[str, float | None]  # per kind: ratio of the decode tok/s medians
     samples: list[DecodeSample]
@@ -136,7 +136,7 @@ class AgentTurnRow(Strict):
 class AgentSuite(Strict):
     cache_off: CacheOff
     chars_per_token: float  # measured on the server's tokenizer, to size each turn's tool output
-    warmup_requests: int
+    warmup_requests: int  # 1 when this suite came first in the run (its warm-up request), else 0
     turns: list[AgentTurnRow]
     last_over_first_on: float | None  # the last turn's wall over the first's, cache on
     requests: list[AgentRequest]

@@ -30,6 +30,13 @@ def _generated(delta: Any) -> str:
     return "".join(p for p in parts if isinstance(p, str))
 
 
+def _still_there(endpoint: Endpoint, what: str) -> None:
+    """After a stream that ended without usage: a server that went away mid-stream (the SDK ends such
+    a stream quietly) is named as gone rather than as one that sends no usage."""
+    with named_failures(endpoint.base, f"GET /v1/models after the stream of {what} ended early"):
+        endpoint.client.models.list()
+
+
 def chat(endpoint: Endpoint, messages: list[dict[str, Any]], max_tokens: int, what: str,
          extra_body: dict[str, Any] | None = None) -> Reply:
     """Send one temperature-0 streamed request; raise BenchError naming the URL when the server
@@ -56,6 +63,7 @@ def chat(endpoint: Endpoint, messages: list[dict[str, Any]], max_tokens: int, wh
                 finish = choice.finish_reason or finish
         ended = time.perf_counter()
     if usage is None:
+        _still_there(endpoint, what)
         raise BenchError(f"{endpoint.base} sent no usage for {what}: the stream must end with a usage chunk "
                          f"(stream_options include_usage); tokens are counted from usage, never from chunks")
     details = usage.prompt_tokens_details
