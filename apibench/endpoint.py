@@ -17,6 +17,10 @@ class BenchError(Exception):
     """A failure the run reports and stops on: the message names the server's URL and what failed."""
 
 
+class NoAnswer(BenchError):
+    """Nothing answered at the URL (refused, reset, timed out): the server is not there or went away."""
+
+
 def api_base(url: str) -> str:
     """The base URL the client needs, ending in /v1, from a URL given with or without it."""
     base = url.strip().rstrip("/")
@@ -33,10 +37,10 @@ def named_failures(url: str, what: str) -> Iterator[None]:
     except BenchError:
         raise
     except openai.APITimeoutError as exc:
-        raise BenchError(f"{url} did not answer {what} in time ({exc})") from exc
+        raise NoAnswer(f"{url} did not answer {what} in time ({exc})") from exc
     except openai.APIConnectionError as exc:
         cause = exc.__cause__ or exc
-        raise BenchError(f"no answer from {url} to {what}: {type(cause).__name__}: {cause}") from exc
+        raise NoAnswer(f"no answer from {url} to {what}: {type(cause).__name__}: {cause}") from exc
     except openai.APIStatusError as exc:
         body = exc.response.text[:300] if exc.response is not None else ""
         raise BenchError(f"{url} answered {what} with HTTP {exc.status_code}: {body}") from exc
@@ -70,8 +74,10 @@ class Endpoint:
                 for m in models:
                     if not isinstance(m.get("id"), str):
                         raise ValueError(f"a model without an id: {m!r}")
+        except NoAnswer:
+            raise
         except BenchError as exc:
-            if self.model is None or str(exc).startswith("no answer"):
+            if self.model is None:
                 raise
             error = str(exc)  # the server may lack the route: the given model is used
         if self.model is None:

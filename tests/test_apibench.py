@@ -20,16 +20,19 @@ import httpx
 import pytest
 from click.testing import CliRunner, Result
 
-from apibench.cli import main
-from apibench.endpoint import api_base
-from apibench.schema import Report
-from apibench.texts import DECODE_KINDS, agent_system, agent_turns, decode_prompt, tool_output
-from lane_fixtures import ROOT, free_port, tiny_dirs, tiny_model, wait_for, write_tokenizer  # noqa: F401
+pytest.importorskip("openai", reason="the bench extra is not installed (pip install -e '.[bench]')")
 
-TINY = ["--samples", "2", "--decode-kinds", "prose", "--decode-tokens", "3", "--ignore-eos", "--agent-turns", "2", "--agent-turn-tokens", "120",
-        "--agent-reply-tokens", "2", "--agent-samples", "1", "--extend-tokens", "200", "--extend-reply-tokens", "1",
-        "--extend-samples", "1", "--concurrency", "1,2", "--concurrency-tokens", "2", "--concurrency-rounds", "1",
-        "--timeout", "60"]
+from apibench.cli import main  # noqa: E402
+from apibench.endpoint import api_base  # noqa: E402
+from apibench.schema import Report  # noqa: E402
+from apibench.texts import DECODE_KINDS, agent_system, agent_turns, decode_prompt, tool_output  # noqa: E402
+from lane_fixtures import ROOT, free_port, tiny_dirs, tiny_model, wait_for, write_tokenizer  # noqa: E402,F401
+
+# every size as small as still shows the suite's point (reuse in turn 2, two clients at once)
+TINY = ["--samples", "2", "--decode-kinds", "prose", "--decode-tokens", "3", "--ignore-eos", "--agent-turns", "2",
+        "--agent-turn-tokens", "120", "--agent-reply-tokens", "2", "--agent-samples", "1", "--extend-tokens", "200",
+        "--extend-reply-tokens", "1", "--extend-samples", "1", "--concurrency", "1,2", "--concurrency-tokens", "2",
+        "--concurrency-rounds", "1", "--timeout", "60"]
 
 
 def _front(model: Path, cache: bool) -> ThreadingHTTPServer:
