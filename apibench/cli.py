@@ -14,7 +14,7 @@ from pathlib import Path
 
 import click
 
-from apibench.runner import SUITES, run
+from apibench.runner import SUITES, run, show
 from apibench.schema import Report, Settings
 from apibench.texts import DECODE_KINDS
 
@@ -93,14 +93,19 @@ POSITIVE = click.IntRange(min=1)
                    "switch (without either option every cache-off request opens with its own first line)")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
               help="seconds per request")
+@click.option("--show", "saved", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="print the tables of a saved run's JSON and redraw its plots; contacts no server")
 @click.option("--print-schema", is_flag=True, expose_value=False, is_eager=True, callback=_print_schema,
               help="print the JSON schema of the output and exit")
 def main(url: str, api_key: str | None, model: str | None, suites: list[str], out: Path, label: str | None,
          samples: int, decode_tokens: int, decode_kinds: list[str], ignore_eos: bool, agent_turns: int,
          agent_turn_tokens: int, agent_reply_tokens: int, agent_samples: int, extend_tokens: int,
          extend_reply_tokens: int, extend_samples: int, concurrency: list[int], concurrency_tokens: int,
-         concurrency_rounds: int, no_cache_url: str | None, no_cache_body: dict | None, timeout: float) -> None:
-    if no_cache_url and no_cache_body:
+         concurrency_rounds: int, no_cache_url: str | None, no_cache_body: dict | None, timeout: float,
+         saved: Path | None) -> None:
+    if saved is not None:
+        sys.exit(show(saved))
+    if no_cache_url and no_cache_body is not None:
         raise click.UsageError("--no-cache-url and --no-cache-body are two ways to the same thing: give one")
     for given in (url, no_cache_url):
         if given and not given.strip().startswith(("http://", "https://")):

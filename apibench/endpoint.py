@@ -41,6 +41,9 @@ def named_failures(url: str, what: str) -> Iterator[None]:
     except openai.APIConnectionError as exc:
         cause = exc.__cause__ or exc
         raise NoAnswer(f"no answer from {url} to {what}: {type(cause).__name__}: {cause}") from exc
+    except httpx.TransportError as exc:  # raised as it is from inside a stream the SDK is reading
+        raise NoAnswer(f"no answer from {url} to the rest of {what}: the connection broke "
+                       f"({type(exc).__name__}: {exc})") from exc
     except openai.APIStatusError as exc:
         body = exc.response.text[:300] if exc.response is not None else ""
         raise BenchError(f"{url} answered {what} with HTTP {exc.status_code}: {body}") from exc

@@ -2,6 +2,7 @@
 the concurrency suite's aggregate tok/s against the number of clients (medians, min-max bars)."""
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 import matplotlib
@@ -25,7 +26,8 @@ def plot_agent(suite: AgentSuite, path: Path, title: str) -> Path:
                              ("cache on", [t.wall_on_s for t in suite.turns])):
         medians, err = _bars(summaries)
         ax.errorbar(turns, medians, yerr=err, marker="o", capsize=3, label=label)
-    ax.set(xlabel="turn", ylabel="wall time per request (s)", title=title, xticks=turns)
+    ax.set(xlabel="turn", ylabel="wall time per request (s)", xticks=turns)
+    _title(ax, title)
     ax.set_ylim(bottom=0)
     ax.legend()
     return _save(fig, path)
@@ -37,10 +39,15 @@ def plot_concurrency(suite: ConcurrencySuite, path: Path, title: str) -> Path:
     medians, err = _bars([level.aggregate_tok_s for level in suite.levels])
     ax.errorbar(clients, medians, yerr=err, marker="o", capsize=3, label="aggregate")
     ax.set_xscale("log", base=2)
-    ax.set(xlabel="clients at once", ylabel="tokens per second, all streams", title=title, xticks=clients)
+    ax.set(xlabel="clients at once", ylabel="tokens per second, all streams", xticks=clients)
+    _title(ax, title)
     ax.set_xticklabels([str(n) for n in clients])
     ax.set_ylim(bottom=0)
     return _save(fig, path)
+
+
+def _title(ax: plt.Axes, title: str) -> None:
+    ax.set_title(textwrap.fill(title, 90), fontsize=9)  # a long --label wraps instead of leaving the figure
 
 
 def _save(fig: plt.Figure, path: Path) -> Path:

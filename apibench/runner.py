@@ -58,6 +58,19 @@ def plot(name: str, report: Report, out: Path) -> Path:
     return make(getattr(report.suites, name), side_file(out, f"_{name}.png"), title)
 
 
+def show(saved: Path) -> int:
+    """Print the tables of a saved run and redraw its plots beside it; no server is contacted."""
+    report = Report.model_validate_json(saved.read_text())
+    for name in PLOTTED:
+        if getattr(report.suites, name) is not None:
+            report.plots[name] = plot(name, report, saved).name
+    save(report, saved)
+    console = Console(record=True, width=None if sys.stdout.isatty() else 120)
+    print_tables(report, console)
+    console.save_text(str(side_file(saved, ".txt")))
+    return EXIT_OK
+
+
 def run(settings: Settings, url: str, api_key: str | None, model: str | None, out: Path,
         label: str | None, display: Display | None = None, console: Console | None = None) -> int:
     display = display or Display()

@@ -113,6 +113,9 @@ def test_every_suite_against_the_embedded_engine(lanes, tmp_path: Path) -> None:
         assert png.stat().st_size > 5000
     text = (tmp_path / "api.txt").read_text()
     assert all(title in text for title in ("decode", "agent", "extend", "concurrency")) and "speedup" in text
+    (tmp_path / "api_agent.png").unlink()
+    shown = bench("--show", str(out))  # a saved run's tables and plots, no server
+    assert shown.exit_code == 0 and "speedup" in shown.output and (tmp_path / "api_agent.png").stat().st_size > 5000
 
 
 @pytest.fixture(scope="module")
@@ -141,16 +144,19 @@ def standin_lane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str
         proc.wait()
 
 
-def test_agent_without_a_cache_off_server_salts_each_request(standin_lane, tmp_path: Path) -> None:
+def test_agent_cache_off_by_salt_or_by_a_body_switch(standin_lane, tmp_path: Path) -> None:
     url, _ = standin_lane
-    out = tmp_path / "salt.json"
-    run = bench("--url", url, "--suites", "agent", "--out", str(out), *TINY)
-    assert run.exit_code == 0, run.output
-    r = report(out)
+    salted, switched = tmp_path / "salt.json", tmp_path / "body.json"
+    for out, extra in ((salted, []), (switched, ["--no-cache-body", '{"prefix_cache": false}'])):
+        run = bench("--url", url, "--suites", "agent", "--out", str(out), *TINY, *extra)
+        assert run.exit_code == 0, run.output
+    r = report(salted)
     agent = r.suites.agent
     assert agent.cache_off.mode == "salt" and r.no_cache_server is None and r.plots["agent"] == "salt_agent.png"
     turn2 = agent.turns[1]
     assert turn2.cached_off.median < 16 < turn2.cached_on.median  # only the template's opening matches
+    body = report(switched).suites.agent.cache_off  # the stand-in ignores the field: only the record is checked
+    assert body.mode == "body" and body.body == {"prefix_cache": False}
 
 
 def test_a_server_that_dies_mid_run_keeps_the_suites_measured(standin_lane, tmp_path: Path) -> None:
@@ -187,6 +193,7 @@ def test_nothing_at_the_url_exits_3_naming_it(tmp_path: Path) -> None:
     assert f"no answer from {url}/v1 to GET /v1/models" in done.stderr and time.monotonic() - started < 30
     assert not (tmp_path / "x.json").exists()
     assert bench("--url", "localhost:8300").exit_code == 2  # not a URL: a usage error
+    assert bench("--no-cache-url", url, "--no-cache-body", "{}").exit_code == 2
 
 
 class _Bad(BaseHTTPRequestHandler):

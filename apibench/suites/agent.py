@@ -20,7 +20,7 @@ def cache_off(ctx: RunContext) -> CacheOff:
     s = ctx.settings
     if ctx.no_cache is not None:
         return CacheOff(mode="url", url=ctx.no_cache.base, body=None)
-    if s.no_cache_body:
+    if s.no_cache_body is not None:
         return CacheOff(mode="body", url=None, body=s.no_cache_body)
     return CacheOff(mode="salt", url=None, body=None)
 
