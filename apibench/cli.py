@@ -14,6 +14,7 @@ from pathlib import Path
 
 import click
 
+from apibench.endpoint import api_base
 from apibench.runner import SUITES, run, show
 from apibench.schema import Report, Settings
 from apibench.texts import DECODE_KINDS
@@ -107,9 +108,11 @@ def main(url: str, api_key: str | None, model: str | None, suites: list[str], ou
         sys.exit(show(saved))
     if no_cache_url and no_cache_body is not None:
         raise click.UsageError("--no-cache-url and --no-cache-body are two ways to the same thing: give one")
-    for given in (url, no_cache_url):
-        if given and not given.strip().startswith(("http://", "https://")):
-            raise click.BadParameter(f"{given!r} is not an http(s) URL (e.g. http://127.0.0.1:8300)")
+    for given in [u for u in (url, no_cache_url) if u is not None]:
+        try:
+            api_base(given)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc)) from exc
     settings = Settings(suites=suites, samples=samples, decode_tokens=decode_tokens, decode_kinds=decode_kinds,
                         ignore_eos=ignore_eos, agent_turns=agent_turns, agent_turn_tokens=agent_turn_tokens,
                         agent_reply_tokens=agent_reply_tokens, agent_samples=agent_samples,

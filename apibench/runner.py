@@ -39,11 +39,19 @@ def probe(url: str, api_key: str | None, model: str | None, timeout: float) -> t
 
 
 def new_report(settings: Settings, label: str | None, server: ServerInfo, no_cache: ServerInfo | None) -> Report:
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return Report(label=label, git_commit=git_commit(), client_device=device_description("cpu"),
-                  cpu_cores=os.cpu_count(), versions=versions(CLIENT_PACKAGES),
-                  run_id=secrets.token_hex(4), started_at=datetime.datetime.now(datetime.timezone.utc).isoformat(
-                      timespec="seconds"), settings=settings, server=server, no_cache_server=no_cache,
-                  suites=Suites(), plots={}, failure=None, complete=False)
+                  cpu_cores=os.cpu_count(), versions=versions(CLIENT_PACKAGES), run_id=secrets.token_hex(4),
+                  started_at=now, settings=settings, server=server, no_cache_server=no_cache, suites=Suites(),
+                  plots={}, failure=None, complete=False)
+
+
+def emit_tables(report: Report, out: Path) -> None:
+    """The tables on stdout and, as text, in the .txt beside the JSON (off a terminal 120 columns
+    wide, so logs keep whole rows)."""
+    console = Console(record=True, width=None if sys.stdout.isatty() else 120)
+    print_tables(report, console)
+    console.save_text(str(side_file(out, ".txt")))
 
 
 def save(report: Report, out: Path) -> None:
@@ -65,16 +73,12 @@ def show(saved: Path) -> int:
         if getattr(report.suites, name) is not None:
             report.plots[name] = plot(name, report, saved).name
     save(report, saved)
-    console = Console(record=True, width=None if sys.stdout.isatty() else 120)
-    print_tables(report, console)
-    console.save_text(str(side_file(saved, ".txt")))
+    emit_tables(report, saved)
     return EXIT_OK
 
 
-def run(settings: Settings, url: str, api_key: str | None, model: str | None, out: Path,
-        label: str | None, display: Display | None = None, console: Console | None = None) -> int:
-    display = display or Display()
-    console = console or Console(record=True, width=None if sys.stdout.isatty() else 120)
+def run(settings: Settings, url: str, api_key: str | None, model: str | None, out: Path, label: str | None) -> int:
+    display = Display()
     try:
         endpoint, server = probe(url, api_key, model, settings.timeout_s)
         no_cache_endpoint, no_cache = (probe(settings.no_cache_url, api_key, None, settings.timeout_s)
@@ -104,9 +108,7 @@ def run(settings: Settings, url: str, api_key: str | None, model: str | None, ou
             save(report, out)
     report.complete = code == EXIT_OK
     save(report, out)
-    print_tables(report, console)
-    if console.record:
-        console.save_text(str(side_file(out, ".txt")))
+    emit_tables(report, out)
     if report.failure is not None:
         display.say(f"glm53-bench: suite {report.failure.suite} failed: {report.failure.error}\n"
                     f"glm53-bench: {out} keeps the suites measured before it "

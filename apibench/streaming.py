@@ -47,20 +47,20 @@ def chat(endpoint: Endpoint, messages: list[dict[str, Any]], max_tokens: int, wh
     usage = None
     with named_failures(endpoint.base, what):
         started = time.perf_counter()
-        stream = endpoint.client.chat.completions.create(
-            model=endpoint.model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
-            stream_options={"include_usage": True}, extra_body=extra_body or None)
-        for chunk in stream:
-            now = time.perf_counter()
-            if chunk.usage is not None:
-                usage = chunk.usage
-            for choice in chunk.choices:
-                piece = _generated(choice.delta)
-                if piece:
-                    first = now if first is None else first
-                    last = now
-                    text.append(piece)
-                finish = choice.finish_reason or finish
+        with endpoint.client.chat.completions.create(
+                model=endpoint.model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
+                stream_options={"include_usage": True}, extra_body=extra_body or None) as stream:
+            for chunk in stream:
+                now = time.perf_counter()
+                if chunk.usage is not None:
+                    usage = chunk.usage
+                for choice in chunk.choices:
+                    piece = _generated(choice.delta)
+                    if piece:
+                        first = now if first is None else first
+                        last = now
+                        text.append(piece)
+                    finish = choice.finish_reason or finish
         ended = time.perf_counter()
     if usage is None:
         _still_there(endpoint, what)
