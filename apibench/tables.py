@@ -63,8 +63,9 @@ def extend_table(suite: ExtendSuite) -> Table:
 def concurrency_table(suite: ConcurrencySuite) -> Table:
     table = _table("concurrency", "clients", "aggregate tok/s", "per-stream tok/s", "TTFT p50 s", "TTFT p99 s")
     for level in suite.levels:
+        ttft = level.ttft_s
         table.add_row(str(level.clients), _med(level.aggregate_tok_s), _med(level.per_stream_tok_s),
-                      _num(level.ttft_s.p50 if level.ttft_s else None), _num(level.ttft_s.p99 if level.ttft_s else None))
+                      _num(ttft.p50 if ttft else None), _num(ttft.p99 if ttft else None))
     return table
 
 

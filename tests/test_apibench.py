@@ -174,8 +174,10 @@ def test_a_server_that_dies_mid_run_keeps_the_suites_measured(standin_lane, tmp_
 
     killer = threading.Thread(target=kill_after_decode, daemon=True)
     killer.start()
-    run = bench("--url", url, "--out", str(out), "--suites", "decode,agent", "--samples", "1", "--decode-kinds", "prose",
-                "--decode-tokens", "4", "--agent-turn-tokens", "100", "--agent-reply-tokens", "90", "--timeout", "30")
+    # the agent suite takes seconds on the stand-in (90-token replies): the kill lands inside it
+    run = bench("--url", url, "--out", str(out), "--suites", "decode,agent", "--samples", "1", "--decode-kinds",
+                "prose", "--decode-tokens", "4", "--agent-turn-tokens", "100", "--agent-reply-tokens", "90",
+                "--timeout", "30")
     killer.join(5)
     assert run.exit_code == 1, run.output
     assert f"suite agent failed: no answer from {url}/v1" in run.output and str(out) in run.output
