@@ -30,6 +30,12 @@ def _raise_exception(message: str) -> None:
     raise TemplateError(message)
 
 
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # transformers' filter signature: GLM's own template calls tojson(ensure_ascii=False)
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
 def _token_text(value: Any) -> str | None:
     if isinstance(value, dict):  # tokenizer_config.json may store AddedToken dicts
         return value.get("content")
@@ -52,7 +58,7 @@ class ChatText:
         self.template_source = self._find_template(model_dir, cfg)
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                             extensions=["jinja2.ext.loopcontrols"])
-        env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False, indent=indent)
+        env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         self.template = env.from_string(self.template_source) if self.template_source else None
 

@@ -1,23 +1,29 @@
 """The tiny checkpoint's tokenizer: a byte-level BPE built offline with `tokenizers`, plus GLM's chat
-special tokens and a GLM-style chat template. Deterministic: the merges are trained on a fixed
-built-in corpus, and the special tokens sit at fixed ids at the top of the vocabulary (as in GLM).
+special tokens and a chat template with GLM-5.3's conventions (front/glm_markup.py lists them and their
+sources). Deterministic: the merges are trained on a fixed built-in corpus, and the added tokens sit at
+fixed ids at the top of the vocabulary (as in GLM).
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 VOCAB_SIZE = 2048  # the model's vocab_size; the BPE fills the ids below the special tokens
 
-# GLM's special tokens, in GLM's order; ids are VOCAB_SIZE - len(SPECIAL_TOKENS) + index
+# GLM's added tokens (a subsequence of GLM's list, in GLM's order); ids are
+# VOCAB_SIZE - len(SPECIAL_TOKENS) + index
 SPECIAL_TOKENS = (
     "<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>",
     "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>",
     "<|begin_of_image|>", "<|end_of_image|>", "<think>", "</think>", "<tool_call>", "</tool_call>",
+    "<tool_response>", "</tool_response>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>",
 )
 FIRST_SPECIAL_ID = VOCAB_SIZE - len(SPECIAL_TOKENS)
+# GLM's tokenizer.json marks the thinking and tool markup "special": false, so a decode that skips
+# special tokens keeps them as text; the tiny tokenizer does the same (they are still single tokens).
+MARKUP_TOKENS = frozenset(SPECIAL_TOKENS[SPECIAL_TOKENS.index("<think>"):])
 
 
 def special_id(token: str) -> int:
@@ -27,18 +33,55 @@ def special_id(token: str) -> int:
 EOS_TOKENS = ("<|endoftext|>", "<|user|>", "<|observation|>")  # GLM stops at these
 PAD_TOKEN = "<|endoftext|>"
 
-# GLM-4.5/5 style: [gMASK]<sop> once, then <|role|>\ncontent turns, and <|assistant|> to prompt a reply.
+# GLM-5.3's conventions (front/glm_markup.py has the facts and sources): [gMASK]<sop>, the reasoning
+# effort line, the tools block, then <|role|>content turns with no separator; an assistant turn replays
+# its reasoning as <think>...</think> (empty when it has none), its content stripped, then its tool calls
+# as <tool_call>name<arg_key>k</arg_key><arg_value>v</arg_value>...</tool_call> (strings raw, other
+# values as JSON); a run of tool results is one <|observation|> with a <tool_response> each. The reply
+# opens with <|assistant|><think>. One addition of the kit's: enable_thinking=false opens it closed,
+# <think></think>, the same ids glm_markup appends to the stock template's prompt for thinking off.
+# Messages come in as front/glm_markup.render_messages gives them (tool results already in call order).
 CHAT_TEMPLATE = (
     "[gMASK]<sop>"
-    "{%- for message in messages -%}"
-    "{%- if message['role'] == 'system' -%}<|system|>\n{{ message['content'] }}"
-    "{%- elif message['role'] == 'user' -%}<|user|>\n{{ message['content'] }}"
-    "{%- elif message['role'] == 'assistant' -%}<|assistant|>\n{{ message['content'] }}"
-    "{%- elif message['role'] in ('tool', 'observation') -%}<|observation|>\n{{ message['content'] }}"
-    "{%- else -%}{{ raise_exception('unknown role ' ~ message['role']) }}"
+    "{%- set effort = reasoning_effort if reasoning_effort is defined and reasoning_effort in ['low', 'high']"
+    " else 'max' -%}"
+    "<|system|>Reasoning Effort: {{ effort | capitalize }}"
+    "{%- if tools -%}"
+    "<|system|>\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+    "{% for tool in tools %}"
+    "{{ (tool.function if tool.function is defined else tool) | tojson(ensure_ascii=False) }}{{ '\\n' }}"
+    "{% endfor %}"
+    "</tools>\n\nFor each function call, output the function name and arguments within the following"
+    " XML format:\n<tool_call>{function-name}<arg_key>{arg-key-1}</arg_key><arg_value>{arg-value-1}</arg_value>"
+    "<arg_key>{arg-key-2}</arg_key><arg_value>{arg-value-2}</arg_value>...</tool_call>"
+    "{%- endif -%}"
+    "{%- set ns = namespace(last_user=-1) -%}"
+    "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'system' -%}<|system|>{{ m.content }}"
+    "{%- elif m.role == 'user' -%}<|user|>{{ m.content }}"
+    "{%- elif m.role == 'assistant' -%}<|assistant|>"
+    "{%- if m.reasoning_content is string"
+    " and (not (clear_thinking is defined and clear_thinking) or loop.index0 > ns.last_user) -%}"
+    "<think>{{ m.reasoning_content }}</think>"
+    "{%- else -%}<think></think>{%- endif -%}"
+    "{{ (m.content or '').strip() }}"
+    "{%- for tc in m.tool_calls or [] -%}<tool_call>{{ tc.function.name }}"
+    "{%- for k, v in tc.function.arguments.items() -%}"
+    "<arg_key>{{ k }}</arg_key><arg_value>{{ v if v is string else v | tojson(ensure_ascii=False) }}</arg_value>"
+    "{%- endfor -%}</tool_call>"
+    "{%- endfor -%}"
+    "{%- elif m.role == 'tool' -%}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}<|observation|>{%- endif -%}"
+    "<tool_response>{{ m.content }}</tool_response>"
+    "{%- else -%}{{ raise_exception('unknown role ' ~ m.role) }}"
     "{%- endif -%}"
     "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}<|assistant|>\n{%- endif -%}"
+    "{%- if add_generation_prompt -%}"
+    "<|assistant|>{{ '<think></think>' if enable_thinking is defined and not enable_thinking else '<think>' }}"
+    "{%- endif -%}"
 )
 
 _CORPUS_LINES = (
@@ -87,7 +130,11 @@ def build_tokenizer() -> Tokenizer:
     filler = [f"<|reserved_{i}|>" for i in range(n, FIRST_SPECIAL_ID)]
     if filler:
         tok.add_tokens(filler)
-    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    for t in SPECIAL_TOKENS:  # one at a time: the ids follow SPECIAL_TOKENS' order
+        if t in MARKUP_TOKENS:
+            tok.add_tokens([AddedToken(t, normalized=False, special=False)])
+        else:
+            tok.add_special_tokens([AddedToken(t, normalized=False, special=True)])
     for t in SPECIAL_TOKENS:
         if tok.token_to_id(t) != special_id(t):
             raise AssertionError(f"special token {t} got id {tok.token_to_id(t)}, expected {special_id(t)}")
@@ -100,7 +147,8 @@ def write_tokenizer(out_dir: Path) -> dict[str, object]:
     (out_dir / "tokenizer.json").write_text(tok.to_str(pretty=True), encoding="utf-8")
     added = {
         str(special_id(t)): {
-            "content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True,
+            "content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
+            "special": t not in MARKUP_TOKENS,
         }
         for t in SPECIAL_TOKENS
     }
@@ -115,7 +163,7 @@ def write_tokenizer(out_dir: Path) -> dict[str, object]:
         "padding_side": "left",
         "remove_space": False,
         "chat_template": CHAT_TEMPLATE,
-        "extra_special_tokens": [t for t in SPECIAL_TOKENS if t != "<|endoftext|>"],
+        "extra_special_tokens": [t for t in SPECIAL_TOKENS if t != "<|endoftext|>" and t not in MARKUP_TOKENS],
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n", encoding="utf-8")
     return {

@@ -144,9 +144,15 @@ def test_tokenizer_and_chat_template(dirs) -> None:
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
         add_generation_prompt=True, tokenize=False,
     )
-    assert prompt == "[gMASK]<sop><|system|>\nBe brief.<|user|>\nhi<|assistant|>"
+    # GLM-5.3's form: the reasoning effort line, no separator after a role, the reply opens in <think>
+    assert prompt == "[gMASK]<sop><|system|>Reasoning Effort: Max<|system|>Be brief.<|user|>hi<|assistant|><think>"
     ids = tok.encode(prompt, add_special_tokens=False)
-    assert ids[:2] == [special_id("[gMASK]"), special_id("<sop>")] and ids[-1] == special_id("<|assistant|>")
+    assert ids[:2] == [special_id("[gMASK]"), special_id("<sop>")]
+    assert ids[-2:] == [special_id("<|assistant|>"), special_id("<think>")]
+    # the thinking and tool markup are single tokens that a decode skipping special tokens keeps, as in GLM
+    markup = "<think>x</think><tool_call>f<arg_key>k</arg_key><arg_value>v</arg_value></tool_call>"
+    markup_ids = tok.encode(markup, add_special_tokens=False)
+    assert special_id("<arg_value>") in markup_ids and tok.decode(markup_ids, skip_special_tokens=True) == markup
 
 
 def test_reference_twin_loads_in_transformers_and_runs(dirs, tensors) -> None:

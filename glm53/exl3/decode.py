@@ -159,6 +159,21 @@ def decode_rotated(trellis: torch.Tensor, bits: float, codebook: str) -> torch.T
     return out.view(tiles_in * 16, tiles_out * 16)
 
 
+def fwht(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Unnormalized Walsh-Hadamard (Sylvester order) over 128-blocks of `dim`: seven butterfly stages
+    (strides 1 to 64) of sums and differences, elementwise in x's dtype, in that fixed order."""
+    x = x.movedim(dim, -1)
+    shape = x.shape
+    x = x.reshape(-1, HAD_DIM)
+    h = 1
+    while h < HAD_DIM:
+        x = x.view(-1, HAD_DIM // (2 * h), 2, h)
+        a, b = x[:, :, 0, :], x[:, :, 1, :]
+        x = torch.stack((a + b, a - b), dim=2)
+        h *= 2
+    return x.reshape(shape).movedim(-1, dim)
+
+
 # ---- Hadamard and sign vectors (exllamav3's get_weight_tensor, step for step) -------------------
 
 _HADS: dict[str, torch.Tensor] = {}

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .decode import HAD_DIM, TENSOR_CORE_PERM, codebook_table, position_bits, single_threaded
+from .decode import HAD_DIM, TENSOR_CORE_PERM, codebook_table, fwht, position_bits, single_threaded
 from .format import CODEBOOK_MULTIPLIERS, CODEBOOKS, SERVED_BITS, Exl3Error
 
 _MARKER_DTYPE = torch.int32  # safetensors has no uint32; exllamav3 stores the multiplier viewed as int32
@@ -28,20 +28,6 @@ def codebook_marker(codebook: str) -> dict[str, torch.Tensor]:
     value = CODEBOOK_MULTIPLIERS[codebook]
     signed = value - (1 << 32) if value >= 1 << 31 else value
     return {codebook: torch.tensor(signed, dtype=_MARKER_DTYPE)}
-
-
-def _fwht(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """Unnormalized Walsh-Hadamard (Sylvester order) over 128-blocks of `dim`, fixed butterfly order."""
-    x = x.movedim(dim, -1)
-    shape = x.shape
-    x = x.reshape(-1, HAD_DIM)
-    h = 1
-    while h < HAD_DIM:
-        x = x.view(-1, HAD_DIM // (2 * h), 2, h)
-        a, b = x[:, :, 0, :], x[:, :, 1, :]
-        x = torch.stack((a + b, a - b), dim=2)
-        h *= 2
-    return x.reshape(shape).movedim(-1, dim)
 
 
 def _check(weight: torch.Tensor, bits: float, codebook: str) -> None:
@@ -127,7 +113,7 @@ def _encode_weights(weights: Sequence[torch.Tensor], bits: float, codebook: str,
         gen = torch.Generator().manual_seed(seed + i)
         su = torch.randint(0, 2, (n_in,), generator=gen).double() * 2 - 1
         sv = torch.randint(0, 2, (n_out,), generator=gen).double() * 2 - 1
-        rot = _fwht(_fwht(w.double() * su[:, None] * sv[None, :], 0), 1) / HAD_DIM
+        rot = fwht(fwht(w.double() * su[:, None] * sv[None, :], 0), 1) / HAD_DIM
         rms = float(rot.square().mean().sqrt())
         g = torch.tensor(max(rms, 1e-8) / cb_rms, dtype=torch.float16)
         w_hat = rot / float(g)

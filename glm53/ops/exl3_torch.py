@@ -2,7 +2,8 @@
 kernels (glm53/ops/triton_exl3.py) implement. One linear, for rows x [M, in] in the compute dtype:
 
     xs  = A(x * suh)                       A: the activation dtype, fp16 (fp32 where the model computes in fp32)
-    xr  = A(H(xs) * 2^-3.5)                H: the 128-block Hadamard (+-1 entries), sums in fp32
+    xr  = A(H(xs) * 2^-3.5)                H: the 128-block Hadamard (+-1 entries), sums in fp32 (here as
+                                           butterflies; the CUDA kernels as tensor-core products)
     acc = xr @ W_hat                       W_hat: the codebook values of the trellis (fp16), sums in fp32
     y   = C(H(acc) * 2^-3.5 * svh)         C: the compute dtype
 
@@ -23,27 +24,12 @@ import math
 import torch
 
 from glm53.exl3.bank import Exl3Bank, MlpMatrices
+from glm53.exl3.decode import fwht
 from glm53.ops import torch_ops
 
 HAD = 128
 SCALE = float(torch.tensor(1 / math.sqrt(HAD), dtype=torch.float32))  # 2^-3.5 as fp32
 CPU_CACHE_BYTES = 1 << 30  # decoded W_hat the CPU path keeps (fp32), least recently used first out
-
-_HADAMARDS: dict[str, torch.Tensor] = {}
-
-
-def hadamard_signs(device: torch.device | str) -> torch.Tensor:
-    """fp32 [128, 128] Sylvester Hadamard, +-1 entries: H[i, j] = (-1)^popcount(i & j)."""
-    key = str(torch.device(device))
-    if key not in _HADAMARDS:
-        i = torch.arange(HAD)
-        bits = (i[:, None] & i[None, :])
-        parity = torch.zeros_like(bits)
-        for b in range(7):
-            parity ^= (bits >> b) & 1
-        _HADAMARDS[key] = (1 - 2 * parity).to(device=device, dtype=torch.float32)
-    return _HADAMARDS[key]
-
 
 def activation_dtype(compute: torch.dtype) -> torch.dtype:
     """The dtype of the rotated activations the trellis product takes: fp16 (the codebook's dtype,
@@ -52,9 +38,9 @@ def activation_dtype(compute: torch.dtype) -> torch.dtype:
 
 
 def _blocks_times_h(v32: torch.Tensor) -> torch.Tensor:
-    """H applied to each 128-block of each row of fp32 [M, n]: every block its own one-row product."""
-    m, n = v32.shape
-    return torch_ops.linear(v32.reshape(m * n // HAD, HAD), hadamard_signs(v32.device)).reshape(m, n)
+    """H applied to each 128-block of each row of fp32 [M, n]: butterflies (decode.fwht), elementwise, so a
+    row's bits never depend on the other rows."""
+    return fwht(v32)
 
 
 def rotate(x: torch.Tensor, suh: torch.Tensor, act: torch.dtype) -> torch.Tensor:

@@ -370,6 +370,29 @@ def _parts(ws_rows, split_stride, row_ok, n_sp, BN: tl.constexpr):
 
 
 @triton.jit
+def _block_sum(table_ptr, m, nb, n_steps, n_sp, xrow, row_ok, words_ptr, ws_rows, split_stride, cnt,
+               PARALLEL: tl.constexpr, CB: tl.constexpr, LANES: tl.constexpr, ACT: tl.constexpr, BM: tl.constexpr,
+               BN: tl.constexpr, SUBK: tl.constexpr):
+    """(done, sum) of matrix m's output block nb. Full form: every split here, done. Parallel form: this
+    program's split (program_id 2) stored at ws_rows + split * split_stride; done in the last of the
+    block's programs to arrive at `cnt`, which then holds the splits' ordered sum and resets the counter."""
+    if PARALLEL:
+        split = tl.program_id(2)
+        _store_part(_one_split(table_ptr, m, nb, split, n_steps, xrow, row_ok, words_ptr, CB, LANES, ACT, BM, BN,
+                               SUBK), ws_rows + split * split_stride, row_ok, BN)
+        done = _arrive(cnt, n_sp)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        if done:
+            tl.debug_barrier()
+            acc = _parts(ws_rows, split_stride, row_ok, n_sp, BN)
+            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
+    else:
+        done = True
+        acc = _full_sum(table_ptr, m, nb, n_steps, n_sp, xrow, row_ok, words_ptr, CB, LANES, ACT, BM, BN, SUBK)
+    return done, acc
+
+
+@triton.jit
 def _out_block(acc, table_ptr, m, nb, scales_ptr, ACT: tl.constexpr, BN: tl.constexpr):
     """fp32 output block nb of matrix m from its sum: H(acc) * 2^-3.5 * svh."""
     row = table_ptr + m * _NF
@@ -437,23 +460,11 @@ def _linear_kernel(xr_ptr, out_ptr, table_ptr, m, words_ptr, scales_ptr, ws_ptr,
     row_ok = rows < M
     n_steps, n_sp = _steps(table_ptr, m)
     xrow = xr_ptr + rows.to(tl.int64) * (n_steps * _HAD)
-    if PARALLEL:
-        split = tl.program_id(2)
-        n_blocks = tl.num_programs(1)
-        ws_rows = ws_ptr + ((tile * n_blocks + nb) * BM + tl.arange(0, BM)).to(tl.int64) * BN
-        split_stride = tl.num_programs(0) * n_blocks * BM * BN
-        _store_part(_one_split(table_ptr, m, nb, split, n_steps, xrow, row_ok, words_ptr, CB, LANES, ACT, BM, BN,
-                               SUBK), ws_rows + split * split_stride, row_ok, BN)
-        cnt = cnt_ptr + tile * n_blocks + nb
-        done = _arrive(cnt, n_sp)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        if done:
-            tl.debug_barrier()
-            acc = _parts(ws_rows, split_stride, row_ok, n_sp, BN)
-            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
-    else:
-        done = True
-        acc = _full_sum(table_ptr, m, nb, n_steps, n_sp, xrow, row_ok, words_ptr, CB, LANES, ACT, BM, BN, SUBK)
+    n_blocks = tl.num_programs(1)
+    ws_rows = ws_ptr + ((tile * n_blocks + nb) * BM + tl.arange(0, BM)).to(tl.int64) * BN
+    done, acc = _block_sum(table_ptr, m, nb, n_steps, n_sp, xrow, row_ok, words_ptr, ws_rows,
+                           tl.num_programs(0) * n_blocks * BM * BN, cnt_ptr + tile * n_blocks + nb, PARALLEL, CB,
+                           LANES, ACT, BM, BN, SUBK)
     if done:
         y = _out_block(acc, table_ptr, m, nb, scales_ptr, ACT, BN)
         oc = nb * _HAD + tl.arange(0, BN) - out_start
@@ -578,22 +589,9 @@ def _down_kernel(xd_ptr, parts_ptr, out_ptr, table_ptr, words_ptr, scales_ptr, w
         md = tl.where(e == shared, shared_down, down0 + e)
         xrow = xd_ptr + slots.to(tl.int64) * width
         n_steps, n_sp = _steps(table_ptr, md)
-        if PARALLEL:
-            split = tl.program_id(2)
-            ws_rows = ws_ptr + slots.to(tl.int64) * hidden + nb * BN
-            split_stride = tl.num_programs(0) * hidden
-            _store_part(_one_split(table_ptr, md, nb, split, n_steps, xrow, row_ok, words_ptr, CB, LANES, ACT, BM, BN,
-                                   SUBK), ws_rows + split * split_stride, row_ok, BN)
-            cnt = cnt_ptr + g * tl.num_programs(1) + nb
-            done = _arrive(cnt, n_sp)
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
-            if done:
-                tl.debug_barrier()
-                acc = _parts(ws_rows, split_stride, row_ok, n_sp, BN)
-                tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
-        else:
-            done = True
-            acc = _full_sum(table_ptr, md, nb, n_steps, n_sp, xrow, row_ok, words_ptr, CB, LANES, ACT, BM, BN, SUBK)
+        done, acc = _block_sum(table_ptr, md, nb, n_steps, n_sp, xrow, row_ok, words_ptr,
+                               ws_ptr + slots.to(tl.int64) * hidden + nb * BN, tl.num_programs(0) * hidden,
+                               cnt_ptr + g * tl.num_programs(1) + nb, PARALLEL, CB, LANES, ACT, BM, BN, SUBK)
         if done:
             c_ty = out_ptr.dtype.element_ty
             y = _out_block(acc, table_ptr, md, nb, scales_ptr, ACT, BN).to(c_ty).to(tl.float32)
@@ -834,7 +832,7 @@ def mlp(x: torch.Tensor, bank: Exl3Bank, mats: MlpMatrices, ids: torch.Tensor, w
     s = t * kp
     act = _torch_act(x.dtype)
     common = dict(ACT=_act(x.dtype), CB=_codebook_arg(bank), KPB=triton.next_power_of_2(kp), HAS_SHARED=has_shared,
-                  **_tiling(form), **OPTIONS)
+                  **_tiling(form))
     xr = torch.empty(2, s, mats.hidden, dtype=act, device=x.device)
     xd = torch.empty(s, mats.width, dtype=act, device=x.device)
     parts = torch.empty(s, mats.hidden, dtype=x.dtype, device=x.device)
@@ -864,7 +862,8 @@ def mlp(x: torch.Tensor, bank: Exl3Bank, mats: MlpMatrices, ids: torch.Tensor, w
         _down_kernel[(s, nb_h, sp_d)](
             xd, parts, out, bank.table, words, bank.scales, ws_d, cnt, tok_cnt, ids, ids.stride(0), wts, wts.stride(0),
             t, k, mats.n_experts, **tiles, slot_weight_ptr=dummy, down0=mats.down0, shared_down=shared[2],
-            width=mats.width, hidden=mats.hidden, TOKENS=True, WEIGHTED=weights is not None, PARALLEL=True, **common, **OPTIONS)
+            width=mats.width, hidden=mats.hidden, TOKENS=True, WEIGHTED=weights is not None, PARALLEL=True,
+            **common, **OPTIONS)
         return out
     # many tokens: the slots sorted by expert (the shared expert as id n_experts, last), tiles of bm rows
     cols = [ids[:, :k]] if k else []
@@ -890,7 +889,8 @@ def mlp(x: torch.Tensor, bank: Exl3Bank, mats: MlpMatrices, ids: torch.Tensor, w
     tiles = dict(tile_mat_ptr=tile_mat, tile_first_ptr=tile_first, tile_rows_ptr=tile_rows)
     _gate_up_kernel[(n_tiles, nb_w, 1)](
         xr, xd, bank.table, words, bank.scales, x, x, ids, ids.stride(0), t, k, mats.n_experts, **tiles, **mat_args,
-        S=s, hidden=mats.hidden, width=mats.width, TOKENS=False, PARALLEL=False, C_TY=_TL_DTYPES[x.dtype], **common, **OPTIONS)
+        S=s, hidden=mats.hidden, width=mats.width, TOKENS=False, PARALLEL=False, C_TY=_TL_DTYPES[x.dtype],
+        **common, **OPTIONS)
     _down_kernel[(n_tiles, nb_h, 1)](
         xd, parts, out, bank.table, words, bank.scales, x, x, x, ids, ids.stride(0), wts, wts.stride(0), t, k,
         mats.n_experts, **tiles, slot_weight_ptr=slot_w, down0=mats.down0, shared_down=shared[2], width=mats.width,

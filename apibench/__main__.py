@@ -1,0 +1,3 @@
+from apibench.cli import main
+
+main(prog_name="python -m apibench")
