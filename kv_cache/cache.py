@@ -508,7 +508,7 @@ class PrefixCache:
         d.update(host_bytes=self.host.used_bytes, host_chunks=len(self.host),
                  host_evictions=self.host.evictions,
                  disk_bytes=disk.used_bytes if disk is not None else 0,
-                 disk_chunks=len(disk.index) if disk is not None else 0,
+                 disk_chunks=len(disk) if disk is not None else 0,
                  disk_evictions=disk.evictions if disk is not None else 0,
                  disk_quarantined=disk.quarantined if disk is not None else 0,
                  evictions=self._evictions())

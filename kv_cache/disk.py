@@ -16,8 +16,10 @@ load) is a miss and is moved to DIR/<key digest>/quarantine/, never returned.
 Reads: `read` reads one file with one readinto into a buffer the caller gives (restore.py's ring)
 or one of its size, and verifies it there (diskfile.py; a header verified at start-up is not
 parsed again, only matched); `load` returns its rows as views.
-Eviction is LRU by mtime (loads and stores set it explicitly, tip of a chain first, so parents
-stay newer than children); evicting a node deletes its descendants.
+Which files stay, which a new one replaces and which go for room is tree.py's policy, shared with
+the host tier. Its LRU order survives a restart in the files' mtimes (loads and stores set them
+explicitly, tip of a chain first, so parents stay newer than children; the index is rebuilt in mtime
+order).
 """
 from __future__ import annotations
 
@@ -39,8 +41,9 @@ import torch
 from . import diskfile
 from .diskfile import CorruptEntry
 from .keys import CacheKey, Tokens
-from .node import Node, dominates
+from .node import Node
 from .rows import Rows
+from .tree import CacheTree, Entry
 
 log = logging.getLogger("kv_cache")
 
@@ -60,11 +63,10 @@ def default_threads() -> int:
 
 
 @dataclass
-class _Entry:
+class NodeFile:
+    """A node's file, the disk tier's payload in the tree (which holds its parent, tokens and size)."""
+
     path: Path
-    parent: bytes
-    tokens: Tokens
-    size: int
     mtime_ns: int
     known: diskfile.Known | None = None  # the header as verified at start-up or at the first read
 
@@ -86,11 +88,9 @@ class DiskTier:
             raise OSError(f"TF_GLM53_DISK_CACHE={root}: cannot create {self.dir}: {e.strerror}; "
                           "point it at a writable directory or unset it") from e
         self._live = _hold_live_lock(self.dir)  # kept open: the lock lasts as long as this process
-        self.index: dict[bytes, _Entry] = {}
+        self._tree: CacheTree[NodeFile] = CacheTree()
         self._names: dict[tuple[str, ...], tuple[str, ...]] = {}  # one copy of each run's names for all entries
-        self._children: dict[bytes, set[bytes]] = {}
-        self._lock = threading.RLock()  # index, children and byte count; file I/O runs outside it
-        self.used_bytes = 0
+        self._lock = threading.RLock()  # the tree; file I/O runs outside it
         self.evictions = 0
         self.replaced = 0  # removed because a sibling dominates them
         self.quarantined = 0
@@ -105,6 +105,7 @@ class DiskTier:
 
     # ---- start-up -------------------------------------------------------------------------
     def _scan(self) -> None:
+        found: list[tuple[bytes, Entry[NodeFile]]] = []
         for p in self.dir.iterdir():
             if p.name.startswith(TMP_PREFIX):
                 self._remove_stale_tmp(p)
@@ -121,8 +122,11 @@ class DiskTier:
                 except OSError as e:
                     log.warning("kv_cache disk: cannot read %s (%s); ignored", p, e)
                     continue
-                self._add(hdr.hash, _Entry(p, hdr.parent, hdr.tokens, st.st_size, st.st_mtime_ns, known))
-        log.info("kv_cache disk: %d chunks, %d bytes in %s", len(self.index), self.used_bytes, self.dir)
+                found.append((hdr.hash, Entry(hdr.parent, hdr.tokens, st.st_size,
+                                              NodeFile(p, st.st_mtime_ns, known))))
+        for h, entry in sorted(found, key=lambda item: item[1].payload.mtime_ns):  # the LRU order of the last run
+            self._tree.add(h, entry)
+        log.info("kv_cache disk: %d chunks, %d bytes in %s", len(self._tree), self.used_bytes, self.dir)
 
     def _remove_stale_tmp(self, p: Path) -> None:
         """A temp file of a writer that is gone (killed mid-write): never an entry, delete it."""
@@ -201,43 +205,41 @@ class DiskTier:
             self._live = None
 
     # ---- index ----------------------------------------------------------------------------
+    @property
+    def used_bytes(self) -> int:
+        return self._tree.used_bytes
+
     def __contains__(self, h: bytes) -> bool:
         with self._lock:
-            return h in self.index
+            return h in self._tree
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._tree)
 
     def children(self, parent: bytes) -> list[tuple[bytes, Tokens]]:
         """(hash, tokens) of the nodes under `parent`, from memory."""
         with self._lock:
-            return [(c, self.index[c].tokens) for c in self._children.get(parent, ())]
+            return [(c, e.tokens) for c, e in self._tree.children(parent)]
 
-    def entry(self, h: bytes) -> _Entry | None:
+    def entry(self, h: bytes) -> Entry[NodeFile] | None:
         with self._lock:
-            return self.index.get(h)
+            return self._tree.get(h)
 
     def largest_file(self) -> int:
         """The size of the largest file in the index (0 when empty): what a read buffer must hold
         (a full block's node; tails are smaller)."""
         with self._lock:
-            return max((e.size for e in self.index.values()), default=0)
+            return max((e.size for _, e in self._tree.items()), default=0)
 
     def dominated(self, parent: bytes, tokens: Tokens) -> bool:
-        return any(dominates(t, tokens) for _, t in self.children(parent))
-
-    def _add(self, h: bytes, e: _Entry) -> None:
-        self.index[h] = e
-        self._children.setdefault(e.parent, set()).add(h)
-        self.used_bytes += e.size
+        with self._lock:
+            return self._tree.dominated(parent, tokens)
 
     def _drop(self, h: bytes) -> None:
-        e = self.index.pop(h, None)
-        if e is None:
-            return
-        self.used_bytes -= e.size
-        siblings = self._children.get(e.parent)
-        if siblings is not None:
-            siblings.discard(h)
-            if not siblings:
-                del self._children[e.parent]
+        """Forget one node whose file is gone or bad (its subtree stays reachable only through it:
+        a lookup stops there, and eviction or replacement removes the rest)."""
+        self._tree.discard(h)
 
     # ---- reads ----------------------------------------------------------------------------
     def load(self, h: bytes) -> Rows | None:
@@ -259,18 +261,20 @@ class DiskTier:
             return self._read(h, e, buf)
         except (FileNotFoundError, CorruptEntry) as err:
             with self._lock:
-                if self.index.get(h) is not e:
+                if self._tree.get(h) is not e:
                     pass  # rewritten meanwhile: the new file is not the one that failed
                 elif isinstance(err, FileNotFoundError):  # evicted meanwhile
                     self._drop(h)
                 else:
                     self._drop(h)
-                    self._quarantine(e.path, str(err))
+                    self._quarantine(e.payload.path, str(err))
         except OSError as err:
-            log.warning("kv_cache disk: cannot read %s (%s); a miss", e.path, err)
+            log.warning("kv_cache disk: cannot read %s (%s); a miss", e.payload.path, err)
         return None
 
-    def _read(self, h: bytes, e: _Entry, buf: torch.Tensor | None) -> tuple[int, torch.Tensor, tuple[diskfile.Run, ...]]:
+    def _read(self, h: bytes, entry: Entry[NodeFile], buf: torch.Tensor | None
+              ) -> tuple[int, torch.Tensor, tuple[diskfile.Run, ...]]:
+        e = entry.payload
         with open(e.path, "rb", buffering=0) as f:
             size = os.fstat(f.fileno()).st_size
             if size < diskfile.PREAMBLE.size:
@@ -300,20 +304,17 @@ class DiskTier:
     def touch_chain(self, hashes: Sequence[bytes]) -> None:
         """Mark a chain used, root newest: the index at once, the files' mtimes (what a restart's
         LRU order comes from) outside the lock, which lookups take."""
-        touched = []
         with self._lock:
             now = time.time_ns()
-            for i, h in enumerate(reversed(hashes)):
-                e = self.index.get(h)
-                if e is not None:
-                    e.mtime_ns = now + i
-                    touched.append((h, e))
-        for h, e in touched:
+            touched = self._tree.touch_chain(hashes)
+            for i, (_, entry) in enumerate(touched):
+                entry.payload.mtime_ns = now + i
+        for h, entry in touched:
             try:
-                os.utime(e.path, ns=(e.mtime_ns, e.mtime_ns))
+                os.utime(entry.payload.path, ns=(entry.payload.mtime_ns, entry.payload.mtime_ns))
             except FileNotFoundError:  # gone: evicted by another process, or deleted
                 with self._lock:
-                    if self.index.get(h) is e:  # not rewritten meanwhile
+                    if self._tree.get(h) is entry:  # not rewritten meanwhile
                         self._drop(h)
             except OSError as err:  # a read-only folder still serves its files: only their LRU order is lost
                 if not self._warned_touch:
@@ -328,17 +329,13 @@ class DiskTier:
         skipped; a written node replaces the siblings it dominates. A failed write (full disk,
         I/O error) is logged and ends the chain; the cache keeps working without those entries."""
         written = 0
-        protect = {n.hash for n in nodes}
-        for node in nodes:
-            if node.hash in self:
-                continue
+        with self._lock:
+            new, protect = self._tree.new_nodes(root, nodes), self._tree.protected(nodes)
+        for node in new:
             with self._lock:
-                orphan = node.parent != root and node.parent not in self.index
-                if node.rows is None or orphan:
-                    break
-                if self.dominated(node.parent, node.tokens):
-                    continue
-                victims = [c for c, t in self.children(node.parent) if dominates(node.tokens, t)]
+                if self._tree.dominated(node.parent, node.tokens):
+                    continue  # a tail a sibling already covers (a tail is last in its chain)
+                victims = self._tree.replaced_by(node.parent, node.tokens)
             pieces = diskfile.encode(self._key_json, node)
             size = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in pieces)
             if not self._room_for(size, victims, protect):
@@ -367,7 +364,7 @@ class DiskTier:
                     log.warning("kv_cache disk: a %d-byte node is larger than the budget (%d bytes) of %s: "
                                 "nothing is written; %s", size, self.budget_bytes, self.dir, remedy)
                 return False
-            freed = sum(self.index[v].size for v in victims if v in self.index)
+            freed = sum(self._tree.get(v).size for v in victims if v in self._tree)
             return self._make_room(size - freed, protect | set(victims))
 
     def _write(self, node: Node, pieces: list) -> str:
@@ -399,8 +396,7 @@ class DiskTier:
             log.warning("kv_cache disk: fsync of %s failed (%s); %s kept", self.dir, e.strerror, final.name)
         st = final.stat()
         with self._lock:
-            self._drop(node.hash)
-            self._add(node.hash, _Entry(final, node.parent, node.tokens, st.st_size, st.st_mtime_ns))
+            self._tree.add(node.hash, Entry(node.parent, node.tokens, st.st_size, NodeFile(final, st.st_mtime_ns)))
         return _WRITTEN
 
     def _on_full(self) -> bool:
@@ -419,13 +415,8 @@ class DiskTier:
     def _make_room(self, need: int, protect: set[bytes]) -> bool:
         if self.used_bytes + need <= self.budget_bytes:
             return True
-        before, nodes = self.used_bytes, 0
-        for h in sorted(self.index, key=lambda x: self.index[x].mtime_ns):
-            if self.used_bytes + need <= self.budget_bytes:
-                break
-            if h in protect or h not in self.index:
-                continue
-            nodes += self._evict(h)
+        before = self.used_bytes
+        nodes = self._tree.make_room(need, self.budget_bytes, protect, free=_unlink)
         if nodes:
             log.info("kv_cache disk evict: %d chunks, %d bytes (budget %d)", nodes, before - self.used_bytes,
                      self.budget_bytes)
@@ -440,17 +431,14 @@ class DiskTier:
             return removed
 
     def _evict(self, h: bytes) -> int:
-        removed, todo = 0, [h]
-        while todo:
-            x = todo.pop()
-            e = self.index.get(x)
-            if e is None:
-                continue
-            todo.extend(self._children.get(x, ()))
-            self._drop(x)
-            e.path.unlink(missing_ok=True)
-            removed += 1
-        return removed
+        removed = self._tree.remove_subtree(h)
+        _unlink(removed)
+        return len(removed)
+
+
+def _unlink(removed: list[tuple[bytes, Entry[NodeFile]]]) -> None:
+    for _, entry in removed:
+        entry.payload.path.unlink(missing_ok=True)
 
 
 def _name_hash(p: Path) -> bytes:

@@ -164,7 +164,7 @@ def test_restart_with_tails_partial_matches_and_no_copy_back(tmp_path):
     k = key()
     _store(tmp_path, k)
     cache = _fresh(tmp_path, k)  # a new DiskTier over the same folder
-    assert len(cache.disk.index) == 6 and len(cache.host) == 0
+    assert len(cache.disk) == 6 and len(cache.host) == 0
     e = cache.disk.entry(tail_hash(k))
     assert e.tokens.tolist() == PROMPT[5 * C:] and e.parent == chain_hashes(k, PROMPT)[-1]
     for p, want in ((PROMPT + [1], 83), (PROMPT[:82] + [1, 2], 82), (PROMPT[:37] + [0] * 9, 37)):
@@ -239,7 +239,7 @@ def test_corrupted_payload_is_a_miss_and_ends_the_chain_there(tmp_path):
     data[-5] ^= 0x40  # one bit in the payload: header and size still look fine
     victim.write_bytes(bytes(data))
     cache = _fresh(tmp_path, k)
-    assert len(cache.disk.index) == 6  # the header verifies; the payload is checked when it is read
+    assert len(cache.disk) == 6  # the header verifies; the payload is checked when it is read
     hit = cache.lookup(PROMPT + [1])
     assert hit.reused_tokens == 83  # the index's view: the payloads are read by the restore
     assert exact(hit) == 2 * C  # blocks 0 and 1 only: the rest hangs off block 2
@@ -295,7 +295,7 @@ def test_corrupted_header_and_truncated_file_are_misses(tmp_path):
     with f3.open("r+b") as f:
         f.truncate(f3.stat().st_size - 7)
     cache = _fresh(tmp_path, k)
-    assert cache.disk.quarantined == 2 and len(cache.disk.index) == 4
+    assert cache.disk.quarantined == 2 and len(cache.disk) == 4
     hit = cache.lookup(PROMPT + [1])
     assert hit.reused_tokens == C and exact(hit) == C
     # block 1 gone: a prompt diverging inside block 1 finds no child of block 0 either
@@ -352,7 +352,7 @@ def test_old_format_files_are_quarantined_never_misread(tmp_path, caplog):
         parent = h
     with caplog.at_level("WARNING", logger="kv_cache"):
         cache = _fresh(tmp_path, k)
-    assert cache.disk.quarantined == 5 and len(cache.disk.index) == 0
+    assert cache.disk.quarantined == 5 and len(cache.disk) == 0
     assert any("format version 1" in r.message for r in caplog.records)
     assert cache.lookup(PROMPT + [1]).reused_tokens == 0
     # the new kit writes its own files over the same names, and those are used
@@ -368,7 +368,7 @@ def test_old_format_files_are_quarantined_never_misread(tmp_path, caplog):
         f.write_bytes(bytes(data))
     with caplog.at_level("WARNING", logger="kv_cache"):
         cache = _fresh(d2, k)
-    assert cache.disk.quarantined == 6 and len(cache.disk.index) == 0
+    assert cache.disk.quarantined == 6 and len(cache.disk) == 0
     assert any("format version 2" in r.message for r in caplog.records)
 
 
@@ -500,7 +500,7 @@ def test_full_filesystem_is_logged_and_leaves_no_partial_entry(tmp_path):
         d = target / k.digest().hex()
         assert not any(p.name.startswith(TMP_PREFIX) for p in d.iterdir())
         tier = DiskTier(target, k, 1 << 40)  # what was written is whole and verifies
-        assert len(tier.index) == res["written"] and tier.quarantined == 0
+        assert len(tier) == res["written"] and tier.quarantined == 0
         hs = chain_hashes(k, list(range(8 * C)))
         for i in range(res["written"]):
             assert torch.equal(tier.load(hs[i])["latent.0"], torch.full((C, 4096), float(i), dtype=torch.bfloat16))
@@ -576,7 +576,7 @@ def test_signed_headers_with_a_bad_tensor_list_or_tokens_are_misses_not_a_failed
         _rewrite_header(d / (hs[i].hex() + SUFFIX), mutate)
         assert len(list(d.glob("*" + SUFFIX))) == 6
     cache = _fresh(tmp_path, k)
-    assert cache.disk.quarantined == 3 and len(cache.disk.index) == 3  # blocks 0, 1 and the tail
+    assert cache.disk.quarantined == 3 and len(cache.disk) == 3  # blocks 0, 1 and the tail
     hit = cache.lookup(PROMPT + [1])
     assert hit.reused_tokens == 2 * C and exact(hit) == 2 * C
 
@@ -594,7 +594,7 @@ def test_a_failed_directory_fsync_keeps_the_written_file_indexed(tmp_path, monke
     monkeypatch.setattr(disk_mod, "_fsync_dir", failing)
     cache = _store(tmp_path, key())
     files = list((tmp_path / key().digest().hex()).glob("*" + SUFFIX))
-    assert len(files) == 6 and len(cache.disk.index) == 6 and cache.disk.write_errors == 0
+    assert len(files) == 6 and len(cache.disk) == 6 and cache.disk.write_errors == 0
     assert cache.disk.used_bytes == sum(f.stat().st_size for f in files)
     assert "fsync" in caplog.text
 
@@ -670,7 +670,7 @@ def test_other_keys_folders_are_trimmed_at_start_but_not_other_ranks_live_or_rec
     for k in (sibling, recent, live):
         assert len(list((tmp_path / k.digest().hex()).glob("*" + SUFFIX))) == 6, k
     assert (stray / "notes.txt").read_text() == "mine"
-    assert len(tier.index) == 6 and len(running.index) == 6 and "another key's" in caplog.text
+    assert len(tier) == 6 and len(running) == 6 and "another key's" in caplog.text
 
 
 def _read_only_view(src: Path, dst: Path) -> bool:
@@ -708,7 +708,7 @@ def test_a_read_only_folder_still_serves_its_files(tmp_path, monkeypatch, caplog
         for _ in range(2):
             hit = cache.lookup(PROMPT + [1])
             assert hit.reused_tokens == len(PROMPT) and exact(hit) == len(PROMPT)
-        assert len(cache.disk.index) == 6 and caplog.text.count("cannot mark") == 1
+        assert len(cache.disk) == 6 and caplog.text.count("cannot mark") == 1
         other = [t + 7 for t in PROMPT]
         cache.store(other, len(other), rows_for_prompt(other))
         if mounted:

@@ -211,7 +211,7 @@ def test_reuse_is_bitwise_on_cuda(tiny_dirs):  # noqa: F811
     cache = gpu_engine.prefix_cache
     assert cache._staging is not None and cache.stats_dict()["stored_chunks"] > 0
     assert cache._staging._buf.is_pinned() and cache._staging._buf.numel() == 128 << 20  # pinned at start-up
-    node = next(iter(cache.host._nodes.values()))[0]
+    node = cache.host.nodes()[0]
     assert all(t.device.type == "cpu" and not t.is_pinned() for t in node.rows.values())
     # the restore ring was pinned at start-up at a node's size and the host-tier restores used it
     # as it was (a buffer too small is replaced by a larger one at the restore)

@@ -102,7 +102,7 @@ def test_reads_run_on_several_threads(tmp_path, monkeypatch):
     def spy(self, h, entry, buf):
         with lock:
             seen.add(threading.current_thread().name)
-        if entry.path.name == nodes[0].hash.hex() + SUFFIX or entry.path.name == nodes[1].hash.hex() + SUFFIX:
+        if entry.payload.path.name == nodes[0].hash.hex() + SUFFIX or entry.payload.path.name == nodes[1].hash.hex() + SUFFIX:
             gate.wait()  # blocks 0 and 1 must be read at the same time
         return real(self, h, entry, buf)
     monkeypatch.setattr(DiskTier, "_read", spy)

@@ -1,5 +1,4 @@
-"""Host tier LRU under a small budget (tails included), dominated siblings, and the PrefixCache
-facade (lookup/restore/store, off switch, env, stats, DCP minimum across real gloo processes)."""
+"""The PrefixCache facade (lookup/restore/store, off switch, env, stats, DCP minimum across real gloo processes)."""
 from __future__ import annotations
 
 import logging
@@ -12,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kv_cache import CacheKey, DiskTier, HostStore, Node, PrefixCache, block_hash, chain_hashes
+from kv_cache import CacheKey, DiskTier, Node, PrefixCache, block_hash, chain_hashes
 from kv_cache.cache import CacheConfigError, parse_bytes
 from kv_cache.disk import SUFFIX
 from kv_cache.keys import root_hash
@@ -71,99 +70,6 @@ def nodes_of(k: CacheKey, tokens: list[int], stop: int | None = None) -> list[No
 
 def block_bytes(n: int = C) -> int:
     return n * ROW_BYTES
-
-
-# ---- HostStore ------------------------------------------------------------------------------
-def test_lru_eviction_trims_chains_from_the_tip_and_never_orphans():
-    k = key()
-    root = root_hash(k)
-    store = HostStore(budget_bytes=5 * block_bytes())
-    a = list(range(100, 132))  # 4 blocks
-    b = list(range(200, 232))  # 4 blocks, unrelated
-    assert store.put_chain(root, nodes_of(k, a)) == 4
-    assert store.put_chain(root, nodes_of(k, b)) == 4
-    # b is newer; a's blocks were evicted tip first, and what remains of a is a prefix
-    ha, hb = chain_hashes(k, a), chain_hashes(k, b)
-    assert store.used_bytes <= store.budget_bytes
-    assert all(h in store for h in hb)
-    kept_a = [h in store for h in ha]
-    assert kept_a == sorted(kept_a, reverse=True), "a kept block must have all its parents kept"
-    assert sum(kept_a) == 1 and store.evictions == 3
-
-
-def test_a_chain_it_cannot_insert_evicts_nothing():
-    """With a disk tier a store may continue a prefix only the disk holds: the host's chain then
-    starts at a parent it does not hold, and none of its nodes can be inserted. Other chains
-    must not be evicted to make room for them (they were: the host tier drained)."""
-    k = key()
-    root = root_hash(k)
-    store = HostStore(budget_bytes=4 * block_bytes())
-    y = list(range(200, 232))  # 4 blocks: the budget
-    assert store.put_chain(root, nodes_of(k, y)) == 4
-    x = list(range(100, 148))  # 6 blocks, of which the host gets the last 2 (the first 4 on disk)
-    assert store.put_chain(root, nodes_of(k, x)[4:]) == 0
-    assert store.evictions == 0 and all(h in store for h in chain_hashes(k, y))
-    # a chain that can be inserted still makes its room
-    assert store.put_chain(root, nodes_of(k, x)[:2]) == 2 and store.evictions == 2
-
-
-def test_budget_eviction_with_tails_takes_the_leaf_first():
-    k = key()
-    root = root_hash(k)
-    a = list(range(100, 120))  # 2 blocks + a 4-token tail
-    b = list(range(300, 316))  # 2 blocks
-    store = HostStore(budget_bytes=2 * block_bytes() + block_bytes(4) + 2 * block_bytes())
-    assert store.put_chain(root, nodes_of(k, a)) == 3
-    assert store.used_bytes == 2 * block_bytes() + block_bytes(4)
-    store.touch_chain(chain_hashes(k, a))  # a's blocks newer than its tail: the tail is a's LRU leaf
-    one_more = nodes_of(k, b + [1, 2, 3])  # 2 blocks + a 3-token tail: one tail over budget
-    assert store.put_chain(root, one_more) == 3
-    tail_a = nodes_of(k, a)[-1].hash
-    assert tail_a not in store and all(h in store for h in chain_hashes(k, a))
-    assert store.evictions == 1 and store.used_bytes <= store.budget_bytes
-
-
-def test_evicting_a_parent_evicts_its_descendants_and_shared_prefix_is_stored_once():
-    k = key()
-    root = root_hash(k)
-    store = HostStore(budget_bytes=100 * block_bytes())
-    base = list(range(24))
-    x, y = base + [1] * 8, base + [2] * 8 + [5, 6]  # y: another block 3 and a tail
-    store.put_chain(root, nodes_of(k, x))
-    ny = nodes_of(k, y)
-    for n in ny[:3]:
-        n.rows = None  # already held: no rows needed
-    assert store.put_chain(root, ny) == 2
-    assert len(store) == 6 and store.used_bytes == 5 * block_bytes() + block_bytes(2)
-    assert store.evict(chain_hashes(k, x)[1]) == 5  # block 1, block 2, both blocks 3 and the tail
-    assert len(store) == 1 and chain_hashes(k, x)[0] in store
-
-
-def test_dominated_siblings_are_replaced_and_never_inserted():
-    k = key()
-    root = root_hash(k)
-    store = HostStore(budget_bytes=100 * block_bytes())
-    p = list(range(50, 66))  # 2 blocks
-    short, longer, other = nodes_of(k, p, 11)[-1], nodes_of(k, p, 14)[-1], nodes_of(k, p[:10] + [7, 7])[-1]
-    store.put_chain(root, nodes_of(k, p, 11))  # block 0 + tail [8, 11)
-    assert short.hash in store
-    assert store.put_chain(root, [other]) == 1  # [8, 12) differs at 10: a sibling, not dominated
-    assert store.put_chain(root, [longer]) == 1  # [8, 14) extends [8, 11): replaces it
-    assert short.hash not in store and other.hash in store and store.replaced == 1
-    assert store.put_chain(root, [nodes_of(k, p, 11)[-1]]) == 0  # dominated: not inserted again
-    assert store.put_chain(root, nodes_of(k, p)) == 1  # the full block 1 dominates [8, 14)
-    assert longer.hash not in store and other.hash in store and store.replaced == 2
-    assert store.evictions == 0  # replacement is not a budget eviction
-    assert store.used_bytes == 2 * block_bytes() + block_bytes(4)
-
-
-def test_chain_larger_than_budget_keeps_its_longest_prefix():
-    k = key()
-    store = HostStore(budget_bytes=2 * block_bytes() + 1)
-    t = list(range(43))
-    assert store.put_chain(root_hash(k), nodes_of(k, t)) == 2
-    h = chain_hashes(k, t)
-    assert h[0] in store and h[1] in store and h[2] not in store
 
 
 # ---- PrefixCache ------------------------------------------------------------------------------
