@@ -30,7 +30,6 @@ falls back to eager).
 """
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,13 +44,6 @@ from glm53.model.transformer import ForwardOutput, Glm53Model, Span
 BOUND_STEP = 4096  # key bounds are multiples of this (or the capacity)
 MAX_WINDOW = SMALL_WINDOW_ROWS  # longer windows are prefill pieces: eager, where launches are amortized
 GRAPH_CHOICES = ("auto", "1", "0")
-
-
-def graphs_choice(value: str | None = None) -> str:
-    text = str(value if value is not None else os.environ.get("TF_GLM53_CUDA_GRAPHS", "auto")).strip().lower()
-    if text not in GRAPH_CHOICES:
-        raise ValueError(f"TF_GLM53_CUDA_GRAPHS={text!r}: choose one of {', '.join(GRAPH_CHOICES)}")
-    return text
 
 
 def key_bound(stop: int, capacity: int, step: int = BOUND_STEP) -> int:

@@ -150,7 +150,3 @@ def prepare_command(config: LaneConfig, key: str) -> str:
         steps.append(f"{pip} --no-deps -e {q(config.workdir)}")
     steps += [f"echo {q(key)} > {q(stamp + '.tmp')}", f"mv {q(stamp + '.tmp')} {q(stamp)}", "echo prepared"]
     return "set -e; " + "; ".join(steps)
-
-
-def log_tail_command(config: LaneConfig, node: Node, lines: int = 30) -> str:
-    return f"tail -n {lines} {q(run_dir(config))}/rank{node.rank}.log"

@@ -107,17 +107,6 @@ def weights_per_rank(model_dir: str | Path, ranks: int) -> tuple[list[int], str]
     return plan_layout(model_dir, ranks).bytes_per_rank(), "glm53.layout plan (safetensors headers)"
 
 
-def checkpoint_bytes(model_dir: str | Path) -> int:
-    """Tensor bytes in the checkpoint's safetensors files, from their headers (no data read)."""
-    from glm53.safetensors_header import read_header
-
-    model_dir = Path(model_dir)
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{model_dir}: no *.safetensors files (fetch the weights first: bash fetch_weights.sh)")
-    return sum(read_header(f).data_bytes for f in files)
-
-
 def plan_memory(*, context: int, per_token: int, kv_for: Callable[[int], list[int]], weights: list[int],
                 weights_source: str, available: list[tuple[str, int]], settings: MemorySettings, unified: bool,
                 max_context: int) -> MemoryPlan:

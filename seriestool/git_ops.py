@@ -271,13 +271,6 @@ class Workdir:
     def format_patch(self, commit: str) -> bytes:
         return self.raw("format-patch", *EXPORT_OPTIONS, "-1", commit, config=EXPORT_CONFIG)
 
-    def patch_id(self, patch: Path) -> str:
-        """git's stable patch id: equal for the same change whatever the line numbers."""
-        with open(patch, "rb") as handle:
-            status, out, _ = self.repo.git.execute(["git", "patch-id", "--stable"], istream=handle,
-                                                   with_extended_output=True, with_exceptions=False)
-        return out.split()[0] if status == 0 and out.strip() else ""
-
     # ---- stamp: what this tool applied here ---------------------------------------------
     @property
     def stamp_path(self) -> Path:

@@ -71,12 +71,6 @@ def validate_source(spec: str, *, explicit: bool) -> Source:
     return Source(str(path), "path")
 
 
-def git_protocol_config(source: Source) -> list[str]:
-    """`-c` options that let git use only the transport this source needs."""
-    allowed = "https" if source.is_remote else "file"
-    return ["-c", "protocol.allow=never", "-c", f"protocol.{allowed}.allow=always"]
-
-
 def _proxy_for_https() -> str | None:
     for name in ("https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
         if os.environ.get(name):

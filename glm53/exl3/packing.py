@@ -21,7 +21,7 @@ which every rank holds whole.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -258,12 +258,3 @@ def experts_forward(
         y = expert_forward(packed, e, x[token]) * topk_weights[token, slot, None].to(x.dtype)
         out.index_add_(0, token, y)
     return out
-
-
-def pack_from_mapping(tensors: Mapping[str, torch.Tensor], layer: int, **kw) -> PackedExperts:
-    """Convenience: count the layer's experts from the tensor names, then pack."""
-    head = f"model.layers.{layer}.mlp.experts."
-    ids = {int(n[len(head):].split(".", 1)[0]) for n in tensors if n.startswith(head)}
-    if not ids or ids != set(range(max(ids) + 1)):
-        raise Exl3Error(f"layer {layer}: routed experts found {sorted(ids)}; expected 0..N-1 without gaps")
-    return pack_layer_experts(tensors, layer, max(ids) + 1, **kw)
