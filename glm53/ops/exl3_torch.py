@@ -3,7 +3,7 @@ kernels (glm53/ops/triton_exl3.py) implement. One linear, for rows x [M, in] in 
 
     xs  = A(x * suh)                       A: the activation dtype, fp16 (fp32 where the model computes in fp32)
     xr  = A(H(xs) * 2^-3.5)                H: the 128-block Hadamard (+-1 entries), sums in fp32 (here as
-                                           butterflies; the CUDA kernels as tensor-core products)
+                                           one product per row; the CUDA kernels as tensor-core products)
     acc = xr @ W_hat                       W_hat: the codebook values of the trellis (fp16), sums in fp32
     y   = C(H(acc) * 2^-3.5 * svh)         C: the compute dtype
 
@@ -37,10 +37,25 @@ def activation_dtype(compute: torch.dtype) -> torch.dtype:
     return torch.float32 if compute == torch.float32 else torch.float16
 
 
+_SIGNS: dict[torch.device, torch.Tensor] = {}
+
+
+def _hadamard_signs(device: torch.device) -> torch.Tensor:
+    """The 128x128 Sylvester Hadamard's +-1 entries in fp32 (symmetric: H == H.T)."""
+    if device not in _SIGNS:
+        _SIGNS[device] = fwht(torch.eye(HAD, dtype=torch.float32)).to(device)
+    return _SIGNS[device]
+
+
 def _blocks_times_h(v32: torch.Tensor) -> torch.Tensor:
-    """H applied to each 128-block of each row of fp32 [M, n]: butterflies (decode.fwht), elementwise, so a
-    row's bits never depend on the other rows."""
-    return fwht(v32)
+    """H applied to each 128-block of each row of fp32 [M, n]: one product per row with the +-1 matrix
+    (torch_ops' batched form, in which a row's bits never depend on the other rows). A product, not
+    butterflies: a handful of kernel calls where seven stages cost dozens at the tiny sizes CPU tests run."""
+    m, n = v32.shape
+    if m == 0:
+        return v32
+    signs = _hadamard_signs(v32.device)
+    return torch_ops._matmul32(v32.view(m, n // HAD, HAD), signs.expand(m, HAD, HAD)).view(m, n)
 
 
 def rotate(x: torch.Tensor, suh: torch.Tensor, act: torch.dtype) -> torch.Tensor:
