@@ -108,16 +108,6 @@ class SamplingParams:
         return SamplingParams(**{**self.__dict__, "seed": secrets.randbits(63)})
 
 
-def derive_seed(seed: int, index: int) -> int:
-    """The seed of choice `index` of a request with n choices: the request's own seed for choice 0, a
-    hash of (seed, index) for the others; so choices differ, and each is reproduced by sending its
-    seed with n = 1."""
-    if index == 0:
-        return seed
-    digest = hashlib.blake2b(f"glm53-choice:{seed}:{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
-
-
 def _token_key(key: Any) -> Any:
     if isinstance(key, str) and key.strip().isdigit():
         return int(key)
