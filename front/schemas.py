@@ -45,7 +45,7 @@ class ResponseFormat(BaseModel):
     @model_validator(mode="after")
     def _schema_when_asked(self) -> "ResponseFormat":
         if self.type == "json_schema" and self.json_schema is None:
-            raise refusal("'response_format.json_schema' is required with type 'json_schema'", "json_schema")
+            raise refusal("'response_format.json_schema' is required with type 'json_schema'", ".json_schema")
         return self
 
     def engine_form(self) -> dict[str, Any]:

@@ -142,7 +142,7 @@ EVERY_FIELD = {"presence_penalty": 0.7, "frequency_penalty": 0.4, "repetition_pe
 def requests(rng: random.Random):
     """(prompt, max_tokens, sampling) with every field set, greedy and seeded, JSON-constrained or not;
     about half extend the previous conversation (reuse composes with drafting)."""
-    for i in range(6):
+    for i in range(4):
         fields = dict(EVERY_FIELD)
         if i % 2:
             fields.update(temperature=0.9, top_p=0.95, seed=rng.randrange(1 << 30))
