@@ -1,4 +1,5 @@
 """Token choice: greedy, or temperature / top-k / top-p / min-p sampling keyed by (seed, position).
+A request's penalties, logit_bias and grammar change the row before this (glm53/logits_policy.py).
 
 The randomness for the token at absolute position p depends only on the request's seed and p
 (Gumbel noise from a generator seeded by a hash of both, drawn on the CPU so every device draws the
