@@ -20,6 +20,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from front import observe, replies
+from front.logprobs import LogprobsShaper
 from front.access import AccessLog, AccessRecord, record_of
 from front.auth import check_key
 from front.errors import ApiError, error_body, on_api_error, on_http_exception, on_request_validation, on_unexpected
@@ -27,6 +28,7 @@ from front.metrics import CONTENT_TYPE, Metrics
 from front.observe import Timing
 from front.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest, parse
 from front.service import Prepared, Service
+from front.stop import StopScanner
 from front.worker import Job
 
 # what a JSON body may be labelled; curl -d sends form-urlencoded unless told otherwise
@@ -176,15 +178,60 @@ async def generate(front: FrontState, request: Request,
     record = record_of(request.scope)
     chat = isinstance(body, ChatCompletionRequest)
     head = replies.ReplyHead(("chatcmpl-" if chat else "cmpl-") + record.rid, service.settings.served_model, chat)
-    events = JobEvents(lambda result: record_job(front.metrics, job, result))
-    job = Job(prompt=prepared.prompt, max_tokens=prepared.max_tokens, sampling=prepared.sampling, events=events,
-              rid=head.id, timing=Timing(time.perf_counter(), arrived=record.start))
-    service.worker.submit(job)
-    run = Generation(service, body, job, events, record, head)
+    # n choices are n jobs, queued together: the engine decodes them one after another
+    choices = [submit(front, service, prepared, sampling, head, record, i)
+               for i, sampling in enumerate(prepared.samplings)]
+    run = Generation(service, body, choices, record, head)
     if body.stream:
         return StreamingResponse(run.stream(request), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     return await run.complete(request)
+
+
+class Choice:
+    """One choice of a reply: its job, the job's events, and what the reply keeps of its tokens (the
+    stop strings' cut, front/stop.py)."""
+
+    def __init__(self, index: int, job: Job, events: JobEvents, scanner: StopScanner | None) -> None:
+        self.index, self.job, self.events, self.scanner = index, job, events, scanner
+        self.pushed = 0  # tokens handed to the scanner
+        self.used = 0  # once the job is done: how many of its tokens the reply keeps
+
+    def take(self, tokens: list[int]) -> int:
+        """Record a batch; how many of its tokens belong to the reply (fewer once a stop string appeared)."""
+        if self.scanner is None:
+            return len(tokens)
+        if self.scanner.stopped:
+            return 0
+        before = self.scanner.tokens_used
+        self.pushed += len(tokens)
+        if self.scanner.push(tokens):
+            self.job.stopped.set()  # the engine stops at its next step
+        return self.scanner.tokens_used - before
+
+    def end(self, tokens: list[int]) -> int:
+        """The job is done (`tokens`: all it decided, some perhaps never sent as events); the reply's length."""
+        if self.scanner is None:
+            self.used = len(tokens)
+            return self.used
+        if not self.scanner.stopped:
+            self.take(tokens[self.pushed:])
+        self.scanner.finish()
+        self.used = self.scanner.tokens_used
+        return self.used
+
+    @property
+    def stopped(self) -> bool:
+        return self.scanner is not None and self.scanner.stopped
+
+
+def submit(front: FrontState, service: Service, prepared: Prepared, sampling: Any, head: replies.ReplyHead,
+           record: AccessRecord, index: int) -> Choice:
+    events = JobEvents(lambda result: record_job(front.metrics, job, result))
+    job = Job(prompt=prepared.prompt, max_tokens=prepared.max_tokens, sampling=sampling, events=events,
+              rid=head.id if index == 0 else f"{head.id}-{index}", timing=Timing(time.perf_counter(), arrived=record.start))
+    service.worker.submit(job)
+    return Choice(index, job, events, None)
 
 
 def record_job(metrics: Metrics, job: Job, result: dict[str, Any]) -> None:
@@ -194,83 +241,153 @@ def record_job(metrics: Metrics, job: Job, result: dict[str, Any]) -> None:
 
 
 class Generation:
-    """One submitted job and its reply: awaited whole, or streamed as SSE chunks."""
+    """The submitted jobs of one reply (one per choice) and the reply: awaited whole, or streamed as SSE
+    chunks, choice after choice."""
 
-    def __init__(self, service: Service, body: GenerationRequest, job: Job, events: JobEvents, record: AccessRecord,
+    def __init__(self, service: Service, body: GenerationRequest, choices: list[Choice], record: AccessRecord,
                  head: replies.ReplyHead) -> None:
-        self.service, self.body, self.job, self.events, self.record, self.head = service, body, job, events, record, head
+        self.service, self.body, self.choices, self.record, self.head = service, body, choices, record, head
+        for choice in choices:
+            choice.scanner = StopScanner(service.text, body.stops) if body.stops else None
+        self.logprobs = body.top_logprobs_asked() is not None
         self.finished = False
 
     def watch(self, request: Request) -> asyncio.Task[None]:
-        """A task that cancels the job when the client disconnects (the ASGI disconnect message)."""
+        """A task that cancels the jobs when the client disconnects (the ASGI disconnect message)."""
 
         async def until_gone() -> None:
             while (await request.receive())["type"] != "http.disconnect":
                 pass
-            self.job.cancelled.set()
+            self.cancel()
 
         return asyncio.ensure_future(until_gone())
 
+    def cancel(self) -> None:
+        for choice in self.choices:
+            choice.job.cancelled.set()
+
     def stop(self, watcher: asyncio.Task[None]) -> None:
         watcher.cancel()
-        if not self.finished:  # the response was abandoned (client gone, server stopping): so is the job
-            self.job.cancelled.set()
+        if not self.finished:  # the response was abandoned (client gone, server stopping): so are the jobs
+            self.cancel()
             self.record.outcome = 499
 
     def failure(self, exc: BaseException) -> ApiError:
         self.finished = True
+        self.cancel()
         return ApiError(500, f"the engine failed: {type(exc).__name__}: {exc}", code="engine_failed")
 
-    def usage(self, result: dict[str, Any]) -> dict[str, Any]:
-        return self.service.usage(len(self.job.prompt), result["tokens"], result["stats"])
+    def finish_reason(self, choice: Choice, tokens: list[int]) -> str:
+        return "stop" if choice.stopped else self.service.finish_reason(tokens, self.body.sampling())
+
+    def usage(self, first: dict[str, Any], completion: int) -> dict[str, Any]:
+        return self.service.usage(len(self.choices[0].job.prompt), first["tokens"], first["stats"], completion)
 
     async def complete(self, request: Request) -> Response:
         watcher = self.watch(request)
+        results = []
         try:
-            while True:
-                kind, value = await self.events.get()
-                if kind == "error":
-                    raise self.failure(value)
-                if kind == "done":
-                    self.finished = True
+            for choice in self.choices:
+                while True:
+                    kind, value = await choice.events.get()
+                    if kind == "error":
+                        raise self.failure(value)
+                    if kind == "tokens":
+                        choice.take(value)  # a stop string stops the engine early
+                        continue
+                    results.append(value)
                     break
+            self.finished = True
         finally:
             self.stop(watcher)
-        if value.get("cancelled"):
+        if any(r.get("cancelled") for r in results):
             return Response(status_code=499)  # nginx's "client closed request": nobody reads it
-        tokens = value["tokens"]
-        return JSONResponse(replies.completion_body(
-            self.head, replies.message(self.service.text, tokens),
-            self.service.finish_reason(tokens, self.body.sampling()), self.usage(value)))
+        bodies, completion = [], 0
+        for choice, result in zip(self.choices, results):
+            tokens = result["tokens"]
+            used = choice.end(tokens)
+            completion += used
+            message = replies.message(self.service.text, tokens[:used])
+            if choice.stopped:
+                message["content"] = choice.scanner.text
+            logprobs = None
+            if self.logprobs:
+                shaper = LogprobsShaper(self.service.text, self.head.chat)
+                logprobs = shaper.shape((result["stats"].get("logprobs") or [])[:used])
+            bodies.append(replies.completion_body(self.head, message, self.finish_reason(choice, tokens), {},
+                                                  logprobs, choice.index))
+        body = bodies[0]
+        body["choices"] = [b["choices"][0] for b in bodies]
+        body["usage"] = self.usage(results[0], completion)
+        return JSONResponse(body)
 
     async def stream(self, request: Request) -> AsyncIterator[bytes]:
-        deltas = replies.MessageDeltas(self.service.text)
         watcher = self.watch(request)
+        first: dict[str, Any] | None = None
+        completion = 0
         try:
-            if self.head.chat:
-                yield replies.sse(replies.chunk(self.head, {"role": "assistant", "content": ""}))
-            while True:
-                kind, value = await self.events.get()
-                if kind == "tokens":
-                    for delta in deltas.push(value):
-                        yield replies.sse(replies.chunk(self.head, delta))
-                    continue
-                if kind == "error":
-                    error = self.failure(value)
-                    self.record.outcome = 500
-                    yield replies.sse(error.body())
+            for choice in self.choices:
+                result = None
+                async for item in self.stream_choice(choice):
+                    if isinstance(item, dict):
+                        result = item
+                    else:
+                        yield item
+                if result is None:  # an error or a disconnect ended the reply
                     return
-                self.finished = True
-                if value.get("cancelled"):
-                    self.record.outcome = 499
-                    return
-                for delta in deltas.finish():
-                    yield replies.sse(replies.chunk(self.head, delta))
-                tokens = value["tokens"]
-                yield replies.sse(replies.chunk(self.head, {}, self.service.finish_reason(tokens, self.body.sampling())))
-                if self.body.include_usage:
-                    yield replies.sse(replies.chunk(self.head, None, usage=self.usage(value)))
-                yield replies.sse("[DONE]")
-                return
+                first = first or result
+                completion += choice.used
+            self.finished = True
+            if self.body.include_usage and first is not None:
+                yield replies.sse(replies.chunk(self.head, None, usage=self.usage(first, completion)))
+            yield replies.sse("[DONE]")
         finally:
             self.stop(watcher)
+
+    async def stream_choice(self, choice: Choice) -> AsyncIterator[bytes | dict[str, Any]]:
+        """One choice's chunks, then its job's result (a dict); nothing more after an error or a disconnect."""
+        i, text = choice.index, self.service.text
+        deltas = None if choice.scanner else replies.MessageDeltas(text)
+        shaper = LogprobsShaper(text, self.head.chat) if self.logprobs else None
+        sent = 0  # tokens whose logprobs went out
+        if self.head.chat:
+            yield replies.sse(replies.chunk(self.head, {"role": "assistant", "content": ""}, index=i))
+        while True:
+            kind, value = await choice.events.get()
+            if kind == "tokens":
+                n = choice.take(value)
+                if deltas is not None:
+                    out = deltas.push(value)
+                else:
+                    piece = choice.scanner.releasable()
+                    out = [{"content": piece}] if piece else []
+                logprobs = None
+                if shaper is not None and n:
+                    logprobs = shaper.shape(choice.job.logprobs[sent:sent + n])
+                    sent += n
+                    out = out or [{"content": ""}]
+                for delta in out:
+                    yield replies.sse(replies.chunk(self.head, delta, index=i, logprobs=logprobs))
+                    logprobs = None
+                continue
+            if kind == "error":
+                error = self.failure(value)
+                self.record.outcome = 500
+                yield replies.sse(error.body())
+                return
+            if value.get("cancelled"):
+                self.finished = True
+                self.record.outcome = 499
+                return
+            tokens = value["tokens"]
+            used = choice.end(tokens)
+            out = deltas.finish() if deltas is not None else ([{"content": r}] if (r := choice.scanner.rest()) else [])
+            for delta in out:
+                yield replies.sse(replies.chunk(self.head, delta, index=i))
+            logprobs = None
+            if shaper is not None and used > sent:  # tokens never handed over as events (a serial eos)
+                logprobs = shaper.shape((value["stats"].get("logprobs") or [])[sent:used])
+            yield replies.sse(replies.chunk(self.head, {}, self.finish_reason(choice, tokens), index=i,
+                                            logprobs=logprobs))
+            yield value
+            return

@@ -30,23 +30,25 @@ class ReplyHead:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
 
-def completion_body(head: ReplyHead, message: Delta, finish: str, usage: dict[str, Any]) -> dict[str, Any]:
-    """The non-streaming reply: a chat message, or a completion's text."""
-    choice: dict[str, Any] = ({"index": 0, "message": message} if head.chat else
-                              {"index": 0, "text": message.get("content") or ""})
-    choice.update(finish_reason=finish, logprobs=None)
+def completion_body(head: ReplyHead, message: Delta, finish: str, usage: dict[str, Any],
+                    logprobs: dict[str, Any] | None = None, index: int = 0) -> dict[str, Any]:
+    """The non-streaming reply: a chat message, or a completion's text (choice `index` of n)."""
+    choice: dict[str, Any] = ({"index": index, "message": message} if head.chat else
+                              {"index": index, "text": message.get("content") or ""})
+    choice.update(finish_reason=finish, logprobs=logprobs)
     return {**head.fields(streaming=False), "choices": [choice], "usage": usage}
 
 
 def chunk(head: ReplyHead, delta: Delta | None, finish: str | None = None,
-          usage: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One SSE chunk: a delta (None: the usage chunk, with no choices), its finish reason, usage."""
+          usage: dict[str, Any] | None = None, index: int = 0, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One SSE chunk: a delta of choice `index` (None: the usage chunk, with no choices), its finish
+    reason, its tokens' logprobs, usage."""
     body = head.fields(streaming=True)
     if delta is None:
         return {**body, "choices": [], "usage": usage}
-    choice: dict[str, Any] = ({"index": 0, "delta": delta} if head.chat else
-                              {"index": 0, "text": delta.get("content") or ""})
-    choice.update(finish_reason=finish, logprobs=None)
+    choice: dict[str, Any] = ({"index": index, "delta": delta} if head.chat else
+                              {"index": index, "text": delta.get("content") or ""})
+    choice.update(finish_reason=finish, logprobs=logprobs)
     return {**body, "choices": [choice]}
 
 

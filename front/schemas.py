@@ -29,6 +29,37 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = None
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = MODEL_CONFIG
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None  # the grammar always holds the schema; strict or not
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_when_asked(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise refusal("'response_format.json_schema' is required with type 'json_schema'", ".json_schema")
+        return self
+
+    def engine_form(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"type": self.type}
+        if self.json_schema is not None:
+            body["json_schema"] = {"name": self.json_schema.name, "schema": self.json_schema.schema_}
+        return body
+
+
+MAX_CHOICES = 16  # n: choices decode one after another on the one engine
+MAX_STOPS, MAX_STOP_CHARS = 4, 256
+MAX_TOP_LOGPROBS = 20
+
+
 class ChatMessage(BaseModel):
     """One message; `content` is text: a string, or OpenAI's text parts joined."""
 
@@ -77,39 +108,51 @@ class GenerationBody(BaseModel):
     ignore_eos: bool | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    n: Any = None
-    stop: Any = None
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES)
+    stop: str | list[str] | None = None
     echo: Any = None
-    # Accepted so that clients sending them are served, but not applied by this front yet (the
-    # reply is what it would be without them).
+    # the per-request logits processing (glm53/logits_policy.py); docs/API.md
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=10)
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    # Accepted and ignored: they cannot change the reply (docs/API.md)
     user: Any = None
-    logprobs: Any = None
-    top_logprobs: Any = None
-    frequency_penalty: Any = None
-    presence_penalty: Any = None
-    repetition_penalty: Any = None
-    logit_bias: Any = None
-    response_format: Any = None
     metadata: Any = None
     store: Any = None
     service_tier: Any = None
+    prediction: Any = None
+    prompt_cache_key: Any = None
+    safety_identifier: Any = None
+    # Accepted, not applied by this front yet (tool calling and thinking: issue 37, items 3-4)
     reasoning_effort: Any = None
     parallel_tool_calls: Any = None
     tool_choice: Any = None
 
-    @field_validator("n")
+    @field_validator("stop", mode="before")
     @classmethod
-    def _one_choice(cls, value: Any) -> Any:
-        if value not in (None, 1) or isinstance(value, bool):
-            raise refusal("'n' must be 1: this front serves one choice per request")
-        return value
+    def _stop_strings(cls, value: Any) -> Any:
+        if value is None:
+            return None
+        stops = [value] if isinstance(value, str) else value
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+            raise refusal("'stop' must be a string or a list of strings")
+        stops = [s for s in stops if s]  # an empty string never matches: OpenAI's clients send "" for none
+        if len(stops) > MAX_STOPS:
+            raise refusal(f"'stop' has {len(stops)} strings; at most {MAX_STOPS}")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise refusal(f"'stop' strings must be at most {MAX_STOP_CHARS} characters")
+        return stops or None
 
-    @field_validator("stop")
+    @field_validator("logit_bias")
     @classmethod
-    def _no_stop(cls, value: Any) -> Any:
-        if value not in (None, [], ""):
-            raise refusal("'stop' is not supported by this front; generation stops at the model's end-of-sequence "
-                          "token or max_tokens")
+    def _bias_range(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.isdigit():
+                raise refusal(f"'logit_bias' keys are token ids; {key!r} is not one", f".{key}")
+            if not -100 <= bias <= 100:
+                raise refusal(f"'logit_bias' values lie in [-100, 100]; {key!r} has {bias}", f".{key}")
         return value
 
     @field_validator("echo")
@@ -133,12 +176,29 @@ class GenerationBody(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def choices(self) -> int:
+        return self.n or 1
+
+    @property
+    def stops(self) -> list[str]:
+        return list(self.stop or [])
+
+    def top_logprobs_asked(self) -> int | None:
+        """None: no logprobs; k: the chosen token's and the k most likely (the routes' own fields)."""
+        return None
+
     def sampling(self) -> dict[str, Any]:
         """The fields the engine's sampling reads, as sent (top_k -1, vLLM's "off", is 0)."""
         out = {name: getattr(self, name) for name in ("temperature", "top_p", "top_k", "min_p", "seed", "draft",
-                                                      "ignore_eos") if getattr(self, name) is not None}
+                                                      "ignore_eos", "frequency_penalty", "presence_penalty",
+                                                      "repetition_penalty", "logit_bias") if getattr(self, name) is not None}
         if out.get("top_k") == -1:
             out["top_k"] = 0
+        if self.response_format is not None and self.response_format.type != "text":
+            out["response_format"] = self.response_format.engine_form()
+        if self.top_logprobs_asked() is not None:
+            out["logprobs"] = self.top_logprobs_asked()
         return out
 
 
@@ -146,6 +206,36 @@ class ChatCompletionRequest(GenerationBody):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # refused: this server cannot do what they ask (docs/API.md)
+    audio: Any = None
+    modalities: Any = None
+    web_search_options: Any = None
+    verbosity: Any = None
+
+    @field_validator("audio", "web_search_options", "verbosity")
+    @classmethod
+    def _cannot_honour(cls, value: Any, info: Any) -> Any:
+        if value is not None:
+            raise refusal(f"'{info.field_name}' is not supported by this server")
+        return value
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_only(cls, value: Any) -> Any:
+        if value not in (None, ["text"]):
+            raise refusal("'modalities' may only be [\"text\"]: this model writes text")
+        return value
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> "ChatCompletionRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise refusal("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        return self
+
+    def top_logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.for_template() for m in self.messages]
@@ -158,6 +248,34 @@ class ChatCompletionRequest(GenerationBody):
 
 class CompletionRequest(GenerationBody):
     prompt: str | list[int]
+    logprobs: int | None = Field(None, ge=0, le=5)  # the legacy form: how many alternatives a token
+    best_of: int | None = None
+    suffix: Any = None
+    top_logprobs: Any = None
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_one(cls, value: int | None) -> int | None:
+        if value not in (None, 1):
+            raise refusal("'best_of' is not supported by this server (send n for several choices)")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: Any) -> Any:
+        if value:
+            raise refusal("'suffix' is not supported by this server")
+        return value
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _legacy_logprobs(cls, value: Any) -> Any:
+        if value is not None:
+            raise refusal("'top_logprobs' is a chat field; /v1/completions takes 'logprobs': an integer")
+        return value
+
+    def top_logprobs_asked(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt", mode="before")
     @classmethod

@@ -6,7 +6,9 @@ never hold up /health or other requests, and at most POOL_THREADS of them run at
 """
 from __future__ import annotations
 
+import hashlib
 import logging
+import secrets
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -25,7 +27,11 @@ POOL_THREADS = 2
 class Prepared:
     prompt: list[int]
     max_tokens: int
-    sampling: Any  # what sampling_factory made of the request's sampling fields
+    samplings: list[Any]  # per choice (n): what sampling_factory made of the request's sampling fields
+
+    @property
+    def sampling(self) -> Any:
+        return self.samplings[0]
 
 
 class Service:
@@ -60,11 +66,20 @@ class Service:
                               field, "context_length_exceeded")
         prompt = self.prompt_ids(request)
         max_tokens = self.budget(request, len(prompt))
+        fields = request.sampling()
+        self.check_token_ids(fields.get("logit_bias"))
         try:
-            sampling = self.sampling_factory(request.sampling())
+            samplings = [self.sampling_factory(choice) for choice in choice_fields(fields, request.choices)]
         except (ValueError, TypeError) as exc:
-            raise bad_request(f"bad sampling parameters: {exc}") from exc
-        return Prepared(prompt, max_tokens, sampling)
+            raise bad_request(f"bad sampling parameters: {exc}", getattr(exc, "param", None)) from exc
+        return Prepared(prompt, max_tokens, samplings)
+
+    def check_token_ids(self, logit_bias: dict[str, float] | None) -> None:
+        vocab = self.text.tokenizer.get_vocab_size(with_added_tokens=True)
+        for key in logit_bias or {}:
+            if int(key) >= vocab:
+                raise bad_request(f"'logit_bias' names token id {key}, outside the vocabulary (size {vocab})",
+                                  f"logit_bias.{key}")
 
     def prompt_ids(self, request: GenerationRequest) -> list[int]:
         if isinstance(request, ChatCompletionRequest):
@@ -115,10 +130,13 @@ class Service:
             return "stop"
         return "length"
 
-    def usage(self, n_prompt: int, tokens: list[int], stats: dict[str, Any]) -> dict[str, Any]:
+    def usage(self, n_prompt: int, tokens: list[int], stats: dict[str, Any], completion: int | None = None) -> dict[str, Any]:
+        """The prompt once (n choices share it; cached_tokens: the first choice's), the completion tokens
+        of every choice (`completion`, when given, instead of len(tokens))."""
         cached = int(stats.get("cached_tokens", 0) or 0)
-        return {"prompt_tokens": n_prompt, "completion_tokens": len(tokens),
-                "total_tokens": n_prompt + len(tokens), "prompt_tokens_details": {"cached_tokens": cached}}
+        done = len(tokens) if completion is None else completion
+        return {"prompt_tokens": n_prompt, "completion_tokens": done,
+                "total_tokens": n_prompt + done, "prompt_tokens_details": {"cached_tokens": cached}}
 
     def health(self) -> dict[str, Any]:
         body = {"status": "ok" if self.fatal is None else "failed", "model": self.settings.served_model,
@@ -133,3 +151,22 @@ class Service:
     def refuse_if_failed(self) -> None:
         if self.fatal is not None:
             raise ApiError(503, f"the engine failed: {type(self.fatal).__name__}: {self.fatal}", code="engine_failed")
+
+
+def choice_fields(fields: dict[str, Any], n: int) -> list[dict[str, Any]]:
+    """The sampling fields of each of n choices: choice i samples with derive_seed(seed, i) (choice 0
+    with the request's seed), so choices differ and each is reproduced by its seed with n = 1. A
+    request without a seed draws one here when n > 1."""
+    if n == 1:
+        return [fields]
+    seed = fields.get("seed")
+    base = seed if seed is not None else secrets.randbits(63)
+    return [{**fields, "seed": derive_seed(base, i)} for i in range(n)]
+
+
+def derive_seed(seed: int, index: int) -> int:
+    """Choice `index`'s seed: the request's own for choice 0, a hash of (seed, index) for the others."""
+    if index == 0:
+        return seed
+    digest = hashlib.blake2b(f"glm53-choice:{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)

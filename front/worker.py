@@ -28,6 +28,8 @@ class Job:
     sampling: Any
     events: EventSink = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    stopped: threading.Event = field(default_factory=threading.Event)  # a stop string appeared (front/stop.py)
+    logprobs: list[Any] = field(default_factory=list)  # the engine's records of the tokens handed over
     generated: int = 0  # tokens the engine handed over, read by the metrics
     rid: str = "-"  # the response id, named in the log line
     timing: Timing = field(default_factory=lambda: Timing(time.perf_counter()))
@@ -96,8 +98,11 @@ class EngineWorker:
                 timing.first_token = timing.last_token
             tokens = [int(t) for t in tokens]
             job.generated += len(tokens)
+            records = (getattr(holder(self.engine), "last_stats", None) or {}).get("logprobs")
+            if records is not None:  # the engine filled them before handing the tokens over
+                job.logprobs.extend(records[len(job.logprobs):job.generated])
             job.events.put(("tokens", tokens))
-            return not job.cancelled.is_set()
+            return not (job.cancelled.is_set() or job.stopped.is_set())
 
         before = Snapshot.take(self.engine)  # only this thread runs the engine: the deltas are this job's
         timing.started = time.perf_counter()

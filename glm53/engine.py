@@ -24,6 +24,7 @@ Knobs (options override the environment):
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -40,7 +41,8 @@ from glm53.cuda_graphs import GRAPH_CHOICES, WindowGraphs
 from glm53.kv_state import KVState, kv_dtype_from_env
 from glm53.model.parallel import RankPlan
 from glm53.model.transformer import ForwardOutput, Glm53Model
-from glm53.sampling import SamplingParams, sample
+from glm53.logits_policy import LogitsPolicy, policy_for
+from glm53.sampling import SamplingParams
 from glm53.weights_loader import load_weights
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -333,12 +335,15 @@ class Glm53Engine:
         ignore_eos). Returns the reply; `last_stats` describes the request."""
         prompt, prompt_ids = self._check_prompt(prompt, max_tokens)
         params = self._params(sampling).with_seed()
+        policy = self._policy(params, prompt)
         t0 = time.perf_counter()
         state, cached = self._state_for(prompt, prompt_ids)
         self.state = state
         stats: dict[str, Any] = {"prompt_tokens": len(prompt), "cached_tokens": cached, "completion_tokens": 0,
                                  "prefill_tokens": len(prompt) - cached, "seed": params.seed,
                                  "finish_reason": "length", "drafted": False}
+        if params.logprobs is not None:  # TokenLogprob per decided token, filled before on_tokens sees it
+            stats["logprobs"] = []
         self.last_stats = stats
         reply: list[int] = []
         eos = frozenset(self.eos)
@@ -354,9 +359,9 @@ class Glm53Engine:
         stats["drafted"] = use_drafts
         try:
             if use_drafts:
-                reply = self._drafted(state, prompt, cached, outs, logits, params, max_tokens, eos, on_tokens, stats)
+                reply = self._drafted(state, prompt, cached, outs, logits, policy, max_tokens, eos, on_tokens, stats)
             else:
-                reply = self._serial(state, prompt, logits, params, max_tokens, eos, on_tokens, stats)
+                reply = self._serial(state, prompt, logits, policy, max_tokens, eos, on_tokens, stats)
         finally:
             stats["completion_tokens"] = len(reply)
             stats["decode_s"] = time.perf_counter() - t_first
@@ -365,19 +370,41 @@ class Glm53Engine:
         self.store_prefix(prompt_ids, state)
         return reply
 
+    def _policy(self, params: SamplingParams, prompt: list[int]) -> LogitsPolicy:
+        """The request's logits processing (glm53/logits_policy.py): the one sampler of both loops."""
+        def grammar(text: str) -> Any:
+            from glm53.grammar import GrammarMatcher
+
+            return GrammarMatcher(text, self.model_dir, self.vocab_size, tuple(self.eos))
+
+        for token in params.logit_bias or ():
+            if not 0 <= token < self.vocab_size:
+                raise EngineError(f"logit_bias names token {token}, not an id in [0, {self.vocab_size})")
+        return policy_for(params, prompt, self.vocab_size, grammar)
+
+    @staticmethod
+    def _publish_logprobs(policy: LogitsPolicy, stats: dict, new: int) -> None:
+        """Append the records of the `new` tokens just decided to stats["logprobs"] (when asked for)."""
+        out = stats.get("logprobs")
+        if out is not None:
+            first = policy.start + len(out)
+            out.extend(policy.logprobs_at(range(first, first + new)))
+
     def will_draft(self, params: SamplingParams) -> bool:
         """Whether a request with these (resolved) sampling parameters decodes drafted."""
         return self.drafter is not None and params.draft and not self.no_drafts
 
-    def _serial(self, state: KVState, prompt: list[int], logits: torch.Tensor, params: SamplingParams,
+    def _serial(self, state: KVState, prompt: list[int], logits: torch.Tensor, policy: LogitsPolicy,
                 max_tokens: int, eos: frozenset[int], on_tokens: OnTokens | None, stats: dict) -> list[int]:
         reply: list[int] = []
+        params = policy.params
         pos = len(prompt)
         while True:
             if self.trace is not None:
                 self.trace.append((pos, logits.clone()))
-            token = sample(logits, params, pos)
+            token = policy.choose(logits, pos)
             reply.append(token)
+            self._publish_logprobs(policy, stats, 1)
             if token in eos and not params.ignore_eos:
                 stats["finish_reason"] = "stop"
                 return reply
@@ -391,7 +418,7 @@ class Glm53Engine:
             pos += 1
 
     def _drafted(self, state: KVState, prompt: list[int], cached: int, outs: list[ForwardOutput],
-                 logits: torch.Tensor, params: SamplingParams, max_tokens: int, eos: frozenset[int],
+                 logits: torch.Tensor, policy: LogitsPolicy, max_tokens: int, eos: frozenset[int],
                  on_tokens: OnTokens | None, stats: dict) -> list[int]:
         """Drafted decoding through drafter.decode_loop.drafted_decode, handed the prefill this engine
         already ran (`prefilled`: hidden states and taps for rows [cached, len(prompt)); of the logits
@@ -404,6 +431,7 @@ class Glm53Engine:
 
         def forward_tokens(new: list[int]) -> None:
             reply.extend(new)
+            self._publish_logprobs(policy, stats, len(new))
             if on_tokens is not None and on_tokens(new) is False:
                 raise _Cancelled
 
@@ -420,21 +448,29 @@ class Glm53Engine:
         if channel is not None:
             target = channel.lead(target)
         try:
-            return self._drafted_loop(target, state, prompt, prefilled, params, max_tokens, eos, forward_tokens,
+            return self._drafted_loop(target, state, prompt, prefilled, policy, max_tokens, eos, forward_tokens,
                                       reply, stats)
         finally:
             if channel is not None:
                 target.end()
 
-    def _drafted_loop(self, target: Any, state: KVState, prompt: list[int], prefilled: Any, params: SamplingParams,
+    def _drafted_loop(self, target: Any, state: KVState, prompt: list[int], prefilled: Any, policy: LogitsPolicy,
                       max_tokens: int, eos: frozenset[int], forward_tokens: Callable[[list[int]], None],
                       reply: list[int], stats: dict) -> list[int]:
         from drafter.decode_loop import StopRule, drafted_decode
+        from drafter.policy import AdaptiveDepth, PolicyConfig
 
+        params = policy.params
+        depth = None
+        if params.processes_logits or params.logprobs is not None:
+            # relaxed top-2 keeps drafts the processed row may forbid (a grammar) and that the policy's
+            # state and records never saw: off for such requests
+            config = PolicyConfig.from_env()
+            if config.relaxed_top2:
+                depth = AdaptiveDepth(dataclasses.replace(config, relaxed_top2=False))
         try:
-            result = drafted_decode(target, prompt, lambda row, pos: sample(row, params, pos),
-                                    StopRule(max_tokens, eos, params.ignore_eos), self.drafter,
-                                    on_tokens=forward_tokens, prefilled=prefilled)
+            result = drafted_decode(target, prompt, policy.choose, StopRule(max_tokens, eos, params.ignore_eos),
+                                    self.drafter, policy=depth, on_tokens=forward_tokens, prefilled=prefilled)
             stats["draft"] = result.stats.metrics() if hasattr(result.stats, "metrics") else {}
             if result.tokens and result.tokens[-1] in eos and not params.ignore_eos:
                 stats["finish_reason"] = "stop"

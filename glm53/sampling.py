@@ -1,4 +1,5 @@
 """Token choice: greedy, or temperature / top-k / top-p / min-p sampling keyed by (seed, position).
+A request's penalties, logit_bias and grammar change the row before this (glm53/logits_policy.py).
 
 The randomness for the token at absolute position p depends only on the request's seed and p
 (Gumbel noise from a generator seeded by a hash of both, drawn on the CPU so every device draws the
@@ -17,7 +18,14 @@ import torch
 
 
 class SamplingError(ValueError):
-    """A request field that cannot be used for sampling; the message names the field."""
+    """A request field that cannot be used for sampling; the message names the field, `param` holds it."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+MAX_TOP_LOGPROBS = 20
 
 
 @dataclass
@@ -29,6 +37,13 @@ class SamplingParams:
     seed: int | None = None
     draft: bool = True
     ignore_eos: bool = False
+    # per-request logits processing (glm53/logits_policy.py), applied before the filters above
+    presence_penalty: float = 0.0  # OpenAI's: minus this for every token the reply already holds
+    frequency_penalty: float = 0.0  # OpenAI's: minus this times the token's count in the reply
+    repetition_penalty: float = 1.0  # CTRL / transformers: tokens of the prompt or reply, logit / p if > 0 else * p
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    grammar: str | None = None  # an llguidance grammar (glm53/grammar.py), from response_format
+    logprobs: int | None = None  # None: none; k: the chosen token's log-probability and the k most likely
 
     def __post_init__(self) -> None:
         _check_number("temperature", self.temperature, 0.0, math.inf)
@@ -39,7 +54,26 @@ class SamplingParams:
             _check_int("seed", self.seed, -(2 ** 63))
         for name in ("draft", "ignore_eos"):
             if not isinstance(getattr(self, name), bool):
-                raise SamplingError(f"'{name}' must be true or false, got {getattr(self, name)!r}")
+                raise SamplingError(f"'{name}' must be true or false, got {getattr(self, name)!r}", name)
+        _check_number("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_number("repetition_penalty", self.repetition_penalty, 0.0, 10.0, low_open=True)
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise SamplingError(f"'logit_bias' must map token ids to numbers, got {self.logit_bias!r}", "logit_bias")
+            for token, bias in self.logit_bias.items():
+                _check_int(f"logit_bias key {token!r}", token, 0, "logit_bias")
+                _check_number(f"logit_bias[{token}]", bias, -100.0, 100.0, param="logit_bias")
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise SamplingError("'grammar' must be an llguidance grammar string", "response_format")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0)
+            if self.logprobs > MAX_TOP_LOGPROBS:
+                raise SamplingError(f"'logprobs' asks for {self.logprobs} alternatives; at most {MAX_TOP_LOGPROBS}",
+                                    "logprobs")
+        if self.grammar is not None and self.ignore_eos:
+            raise SamplingError("'ignore_eos' cannot be combined with 'response_format': the grammar ends the "
+                                "reply with an end-of-sequence token", "ignore_eos")
 
     @property
     def greedy(self) -> bool:
@@ -51,10 +85,22 @@ class SamplingParams:
         if not isinstance(request, dict):
             raise SamplingError(f"the request must be a JSON object, got {type(request).__name__}")
         kwargs = {name: request[name] for name in cls.__dataclass_fields__ if request.get(name) is not None}
-        for name in ("temperature", "top_p", "min_p"):
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             if name in kwargs and isinstance(kwargs[name], int) and not isinstance(kwargs[name], bool):
                 kwargs[name] = float(kwargs[name])
+        if isinstance(kwargs.get("logit_bias"), dict):  # JSON object keys are strings: "123" -> 123
+            kwargs["logit_bias"] = {_token_key(k): v for k, v in kwargs["logit_bias"].items()} or None
+        if request.get("response_format") is not None:
+            from glm53.grammar import grammar_for
+
+            kwargs["grammar"] = grammar_for(request["response_format"])
         return cls(**kwargs)
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether a logits row is changed before the filters (penalties, bias, grammar)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.grammar is not None)
 
     def with_seed(self) -> "SamplingParams":
         """These params with a seed drawn now when sampling needs one and the request gave none."""
@@ -63,19 +109,28 @@ class SamplingParams:
         return SamplingParams(**{**self.__dict__, "seed": secrets.randbits(63)})
 
 
-def _check_number(name: str, value: Any, low: float, high: float, low_open: bool = False) -> None:
+def _token_key(key: Any) -> Any:
+    if isinstance(key, str) and key.strip().isdigit():
+        return int(key)
+    return key  # refused by the check, which names it
+
+
+def _check_number(name: str, value: Any, low: float, high: float, low_open: bool = False,
+                  param: str | None = None) -> None:
+    param = param or name
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-        raise SamplingError(f"'{name}' must be a number, got {value!r}")
+        raise SamplingError(f"'{name}' must be a number, got {value!r}", param)
     if value < low or value > high or (low_open and value == low):
         bracket = "(" if low_open else "["
-        raise SamplingError(f"'{name}' is {value}; it must lie in {bracket}{low}, {high}]")
+        raise SamplingError(f"'{name}' is {value}; it must lie in {bracket}{low}, {high}]", param)
 
 
-def _check_int(name: str, value: Any, low: int) -> None:
+def _check_int(name: str, value: Any, low: int, param: str | None = None) -> None:
+    param = param or name
     if isinstance(value, bool) or not isinstance(value, int):
-        raise SamplingError(f"'{name}' must be an integer, got {value!r}")
+        raise SamplingError(f"'{name}' must be an integer, got {value!r}", param)
     if value < low:
-        raise SamplingError(f"'{name}' is {value}; it must be >= {low}")
+        raise SamplingError(f"'{name}' is {value}; it must be >= {low}", param)
 
 
 def noise_key(seed: int, position: int) -> int:

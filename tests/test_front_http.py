@@ -147,8 +147,8 @@ def test_sampling_fields_reach_the_engine(lane) -> None:
     ({**CHAT, "max_tokens": 0}, "max_tokens"),
     ({**CHAT, "max_tokens": 5, "max_completion_tokens": 6}, "max_completion_tokens"),
     ({**CHAT, "draft": "no"}, "draft"),
-    ({**CHAT, "n": 2}, "n"),
-    ({**CHAT, "stop": ["\n"]}, "stop"),
+    ({**CHAT, "n": 17}, "n"),
+    ({**CHAT, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({**CHAT, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
 ])
 def test_bad_requests_get_400_naming_the_field(lane, body, param) -> None:
