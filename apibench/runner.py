@@ -19,7 +19,7 @@ from apibench.progress import Display
 from apibench.schema import Failure, Report, ServerInfo, Settings, Suites
 from apibench.suites import agent, concurrency, decode, extend
 from apibench.tables import print_tables
-from bench.benchmeta import device_description, git_commit, versions, write_json
+from bench.lib.meta import device_description, git_commit, versions, write_json
 
 SUITES: dict[str, Callable[[RunContext], Any]] = {"decode": decode.run, "agent": agent.run, "extend": extend.run,
                                                    "concurrency": concurrency.run}

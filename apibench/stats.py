@@ -1,4 +1,4 @@
-"""Summaries of samples as the report keeps them (bench.benchmeta.summary plus the spread), and
+"""Summaries of samples as the report keeps them (bench.lib.meta.summary plus the spread), and
 nearest-rank percentiles."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 from collections.abc import Iterable
 
 from apibench.schema import Latency, Summary
-from bench.benchmeta import summary
+from bench.lib.meta import summary
 
 
 def summarize(values: Iterable[float | None]) -> Summary | None:

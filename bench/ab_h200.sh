@@ -20,9 +20,7 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 ckpt="$(mktemp -d)"
 trap 'rm -rf "$ckpt"' EXIT
-python3 -c "import sys; from pathlib import Path; sys.path.insert(0, '.'); \
-from bench.bench_prefix_cache import real_dims_checkpoint; real_dims_checkpoint(Path('$ckpt'), 4, 32768)" \
-    > "$out/ab_checkpoint.log" 2>&1 || { echo "error: checkpoint failed, see $out/ab_checkpoint.log" >&2; exit 1; }
+python3 -m bench.lib.checkpoints "$ckpt" --layers 4 --vocab 32768 > "$out/ab_checkpoint.log" 2>&1 || { echo "error: checkpoint failed, see $out/ab_checkpoint.log" >&2; exit 1; }
 status=0
 for scenario in "${scenarios[@]}"; do
     repeats="${REPEATS:-3}"
@@ -31,7 +29,7 @@ for scenario in "${scenarios[@]}"; do
         dir=.; commit="$new_commit"
         [ "$arm" = old ] && { dir="$old_dir"; commit="$old_commit"; }
         echo "== $scenario, $arm ($commit)" >&2
-        (cd "$dir" && GLM53_KIT_COMMIT="$commit" python3 bench/bench_prefix_cache.py --real-dims \
+        (cd "$dir" && GLM53_KIT_COMMIT="$commit" python3 -m bench.bench_prefix_cache --real-dims \
             --model-dir "$ckpt/real_dims" --device cuda --depth "${DEPTH:-78}" --repeats "$repeats" --scenarios "$scenario" \
             ${OFF_REPEATS:+--off-repeats "$OFF_REPEATS"} ${TURN_GAP:+--turn-gap "$TURN_GAP"} \
             --out "$out/${scenario}_$arm.json" > "$out/${scenario}_$arm.log" 2>&1)

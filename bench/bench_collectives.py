@@ -1,7 +1,7 @@
 """Collectives per forward over R ranks (TP R + DCP R): how many, of which kind, how many bytes.
 
-    python bench/bench_collectives.py                                 # tiny checkpoint, R = 2 and 4
-    python bench/bench_collectives.py --real-dims --layers 2 --ranks 4  # GLM-5.3 layer dimensions
+    python -m bench.bench_collectives                                 # tiny checkpoint, R = 2 and 4
+    python -m bench.bench_collectives --real-dims --layers 2 --ranks 4  # GLM-5.3 layer dimensions
 
 On the Sparks every collective of a decode step is a round trip over the network, so their number
 and bytes per step are the layout's network budget. Both are exact properties of the code, not of
@@ -29,11 +29,9 @@ from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from bench.bench_prefix_cache import log, real_dims_checkpoint, tiny_checkpoint  # noqa: E402
-from bench.benchmeta import result_header, write_json  # noqa: E402
+from bench.lib.checkpoints import real_dims_checkpoint, tiny_checkpoint
+from bench.lib.log import log
+from bench.lib.meta import KIT_ROOT, RESULTS, result_header, write_json
 
 WRAPPED = ("all_gather", "all_to_all", "broadcast")  # every other collective goes through these
 
@@ -107,10 +105,10 @@ def run_world(model: Path, world: int, prompt_len: int, tokens: int, dtype: str,
     procs = []
     for r in range(world):
         with open(out / f"stderr{r}.txt", "w") as err:  # the child keeps its own descriptor
-            procs.append(subprocess.Popen([sys.executable, __file__, "--worker", "--rank", str(r), "--world", str(world),
+            procs.append(subprocess.Popen([sys.executable, "-m", "bench.bench_collectives", "--worker", "--rank", str(r), "--world", str(world),
                                            "--port", str(port), "--model", str(model), "--prompt", str(prompt_len),
                                            "--tokens", str(tokens), "--dtype", dtype, "--work", str(out)],
-                                          env=env, stdout=subprocess.DEVNULL, stderr=err))
+                                          env=env, cwd=KIT_ROOT, stdout=subprocess.DEVNULL, stderr=err))
     codes = [p.wait(timeout=1800) for p in procs]
     if any(codes):
         tails = "\n".join((out / f"stderr{r}.txt").read_text()[-1500:] for r in range(world))
@@ -149,7 +147,7 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=6, help="tokens decoded (default 6)")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
                    help="compute and cache dtype (bf16: the GPUs' activations, hence their bytes)")
-    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "collectives_cpu.json")
+    p.add_argument("--out", type=Path, default=RESULTS / "collectives_cpu.json")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     p.add_argument("--world", type=int, help=argparse.SUPPRESS)

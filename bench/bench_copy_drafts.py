@@ -1,9 +1,9 @@
 """Copy drafts on text where they land (code, repeated structure; prose as a control):
 tokens per verify step and end-to-end decode tokens/s, drafted against serial.
 
-    python bench/bench_copy_drafts.py --out bench/results/copy_drafts.json            # tiny GLM-5.3 engine
-    python bench/bench_copy_drafts.py --target reference --out /tmp/copy_drafts.json   # integer test LM
-    python bench/bench_copy_drafts.py --device cuda --out bench/results/copy_drafts_cuda.json
+    python -m bench.bench_copy_drafts --out bench/results/copy_drafts.json            # tiny GLM-5.3 engine
+    python -m bench.bench_copy_drafts --target reference --out /tmp/copy_drafts.json   # integer test LM
+    python -m bench.bench_copy_drafts --device cuda --out bench/results/copy_drafts_cuda.json
 
 Texts are real: the kit's own Python sources (code), a JSON-lines log with repeated keys built
 from the kit's files (structured), and the kit's DESIGN.md (prose). They are tokenized with the
@@ -37,34 +37,31 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from bench.benchmeta import result_header, write_json  # noqa: E402
-from drafter.decode_loop import StopRule, drafted_decode, serial_decode  # noqa: E402
-from drafter.policy import AdaptiveDepth, PolicyConfig  # noqa: E402
-from drafter.sources import CopySource  # noqa: E402
-from drafter.target import WindowOutput  # noqa: E402
+from bench.lib.meta import KIT_ROOT, result_header, write_json
+from drafter.decode_loop import StopRule, drafted_decode, serial_decode
+from drafter.policy import AdaptiveDepth, PolicyConfig
+from drafter.sources import CopySource
+from drafter.target import WindowOutput
 
 
 def tracked_python_files() -> list[Path]:
     try:
-        out = subprocess.run(["git", "ls-files", "*.py"], cwd=REPO, capture_output=True, text=True, check=True).stdout
-        files = [REPO / line for line in out.splitlines() if line]
+        out = subprocess.run(["git", "ls-files", "*.py"], cwd=KIT_ROOT, capture_output=True, text=True, check=True).stdout
+        files = [KIT_ROOT / line for line in out.splitlines() if line]
     except (OSError, subprocess.CalledProcessError):
         files = []
     # a copy without its own .git (the GPU machine) may sit inside another repository: walk the tree
-    return files or sorted(p for p in REPO.rglob("*.py") if ".venv" not in p.parts)
+    return files or sorted(p for p in KIT_ROOT.rglob("*.py") if ".venv" not in p.parts)
 
 
 def texts(limit_chars: int = 200_000) -> dict[str, str]:
-    code = "\n\n".join(p.read_text() for p in sorted((REPO / "drafter").rglob("*.py")))
+    code = "\n\n".join(p.read_text() for p in sorted((KIT_ROOT / "drafter").rglob("*.py")))
     records = []
     for i, p in enumerate(tracked_python_files()[:400]):
         if p.is_file():
-            records.append(json.dumps({"id": i, "path": p.relative_to(REPO).as_posix(), "kind": "python",
+            records.append(json.dumps({"id": i, "path": p.relative_to(KIT_ROOT).as_posix(), "kind": "python",
                                        "lines": len(p.read_text(errors="replace").splitlines()), "status": "ok"}))
-    prose_text = (REPO / "DESIGN.md").read_text()
+    prose_text = (KIT_ROOT / "DESIGN.md").read_text()
     return {"code": code[:limit_chars], "structured": "\n".join(records)[:limit_chars], "prose": prose_text[:limit_chars]}
 
 

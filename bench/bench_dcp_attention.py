@@ -1,7 +1,7 @@
 """DCP decode attention at long context against DCP off, emulating R ranks' shards on one GPU.
 
-    python bench/bench_dcp_attention.py [--out results/dcp_attention.json]      # H200: 128k, 512k, 1M
-    python bench/bench_dcp_attention.py --small                                 # CPU smoke: 4k, 16k
+    python -m bench.bench_dcp_attention [--out results/dcp_attention.json]      # H200: 128k, 512k, 1M
+    python -m bench.bench_dcp_attention --small                                 # CPU smoke: 4k, 16k
 
 One decode token, one layer with its own indexer, GLM-5.3 dimensions (64 heads, latent 512 + rope
 64, indexer 32 heads x 128, top-k 2048), bf16 cache, what one rank computes:
@@ -27,11 +27,8 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from bench.benchmeta import result_header, summary, write_json  # noqa: E402
-from glm53.dist import dcp, tp  # noqa: E402
+from bench.lib.meta import KIT_ROOT, result_header, summary, write_json
+from glm53.dist import dcp, tp
 
 HEADS, KV_RANK, ROPE, IDX_HEADS, IDX_DIM, TOPK = 64, 512, 64, 32, 128, 2048
 SCALE = (192 + 64) ** -0.5
@@ -105,7 +102,7 @@ def main() -> int:
     parser.add_argument("--ranks", type=int, nargs="*", default=[3, 4])
     parser.add_argument("--reps", type=int, default=None)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", type=Path, default=REPO / "results" / "dcp_attention.json")
+    parser.add_argument("--out", type=Path, default=KIT_ROOT / "results" / "dcp_attention.json")
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

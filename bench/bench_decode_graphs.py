@@ -1,8 +1,8 @@
 """Decode steps with CUDA graphs (glm53.cuda_graphs) against eager, through the real glm53 engine.
 
-    python bench/bench_decode_graphs.py --real-dims      # H200: GLM-5.3 layer dimensions, 4 dense layers
-    python bench/bench_decode_graphs.py --real-dims --depth 78   # the same 4 layers repeated to GLM-5.3's depth
-    python bench/bench_decode_graphs.py                  # the tiny checkpoint (MoE layers), CUDA
+    python -m bench.bench_decode_graphs --real-dims      # H200: GLM-5.3 layer dimensions, 4 dense layers
+    python -m bench.bench_decode_graphs --real-dims --depth 78   # the same 4 layers repeated to GLM-5.3's depth
+    python -m bench.bench_decode_graphs                  # the tiny checkpoint (MoE layers), CUDA
 
 One engine per arm, the same weights: TF_GLM53_CUDA_GRAPHS=1, the same with short windows' attention on
 the prefill kernel (glm53/ops/triton_attention.py's split kernels off: SPLIT_ROWS = 0 during its
@@ -15,70 +15,19 @@ device to --out. GPU only (graphs are CUDA graphs). Exit codes: 0 done, 1 mismat
 """
 from __future__ import annotations
 
-import argparse
 import random
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from bench.bench_prefix_cache import deepen, log, real_dims_checkpoint, tiny_checkpoint  # noqa: E402
-from bench.benchmeta import result_header, summary, write_json  # noqa: E402
-from glm53.engine import Glm53Engine  # noqa: E402
-
-
-def decode(engine: Glm53Engine, prompt: list[int], tokens: int, split: bool = True) -> dict[str, Any]:
-    from glm53.ops import triton_attention
-
-    engine.state, engine.trace = None, []
-    split_rows = triton_attention.SPLIT_ROWS
-    triton_attention.SPLIT_ROWS = split_rows if split else 0
-    try:
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        reply = engine.generate(prompt, tokens, {"temperature": 0.0, "ignore_eos": True, "draft": False})
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
-    finally:
-        triton_attention.SPLIT_ROWS = split_rows
-    trace, engine.trace = engine.trace, None
-    s = engine.last_stats
-    return {"wall_s": wall, "ttft_s": s["ttft_s"], "decode_s": s["decode_s"],
-            "per_token_s": s["decode_s"] / max(1, len(reply) - 1), "reply": reply,
-            "_logits": torch.stack([row for _, row in trace]).cpu()}
-
-
-def graph_bench_args(doc: str, context: int, tokens: int, repeats: int, out: str) -> argparse.Namespace | None:
-    """The options of the CUDA-graph benches (this one, bench_graph_capture.py), checked; None after
-    an error on stderr when they cannot run (no CUDA device, a bad value)."""
-    p = argparse.ArgumentParser(description=doc.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--real-dims", action="store_true", help="GLM-5.3 layer dimensions (dense layers)")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=32768)
-    p.add_argument("--depth", type=int, default=None, help="run this many layers, the checkpoint's repeated "
-                   "with shared weights (GLM-5.3 has 78; bench_prefix_cache.deepen)")
-    p.add_argument("--context", type=int, default=context, help=f"prompt tokens per sample (default {context})")
-    p.add_argument("--tokens", type=int, default=tokens, help=f"tokens decoded per sample (default {tokens})")
-    p.add_argument("--repeats", type=int, default=repeats)
-    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / out)
-    args = p.parse_args()
-    if not torch.cuda.is_available():
-        print("error: CUDA graphs need a CUDA device; run on the GPU machine", file=sys.stderr)
-        return None
-    if min(args.context, args.tokens - 1, args.repeats, args.layers) <= 0:
-        print("error: --context, --repeats, --layers must be positive and --tokens at least 2", file=sys.stderr)
-        return None
-    if args.depth is not None and args.depth <= 0:
-        print("error: --depth must be positive (GLM-5.3 has 78 layers)", file=sys.stderr)
-        return None
-    return args
+from bench.lib.decode import decode, graph_bench_args
+from bench.lib.checkpoints import deepen, real_dims_checkpoint, tiny_checkpoint
+from bench.lib.log import log
+from bench.lib.meta import result_header, summary, write_json
+from glm53.engine import Glm53Engine
 
 
 def main() -> int:

@@ -1,6 +1,6 @@
 """`--deep` throughput (SHA-256 of every shard, threaded) against plain sequential reads of the same files.
 
-    python bench/bench_deep_hash.py [--files 4] [--mib 256] [--workers 1,2,4] [--rounds 3] [--out bench/results/deep_hash.json]
+    python -m bench.bench_deep_hash [--files 4] [--mib 256] [--workers 1,2,4] [--rounds 3] [--out bench/results/deep_hash.json]
 
 Writes `--files` real shards of random data (`--mib` MiB each) with a manifest of their hashes,
 then measures, interleaved in each round (order rotated so no mode always goes first):
@@ -21,13 +21,10 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from bench.bench_verify_headers import environment  # noqa: E402
-from bench.benchmeta import result_header, summary, write_json  # noqa: E402
-from glm53.weights.manifest import FileRecord, Manifest  # noqa: E402
-from glm53.weights.verify import VerifyResult, _deep_check  # noqa: E402
+from bench.lib.meta import RESULTS, cpu_environment
+from bench.lib.meta import result_header, summary, write_json
+from glm53.weights.manifest import FileRecord, Manifest
+from glm53.weights.verify import VerifyResult, _deep_check
 
 CHUNK = 8 << 20
 
@@ -79,7 +76,7 @@ def main() -> int:
     ap.add_argument("--workers", default="1,2,4")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--workdir", default=None)
-    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "deep_hash.json"))
+    ap.add_argument("--out", default=str(RESULTS / "deep_hash.json"))
     args = ap.parse_args()
     workers = [int(w) for w in args.workers.split(",")]
     folder = Path(tempfile.mkdtemp(prefix="bench_deep_", dir=args.workdir))
@@ -116,7 +113,7 @@ def main() -> int:
     settings = {"files": args.files, "mib_per_file": args.mib, "bytes": total, "workers": workers, "rounds": args.rounds,
                 "chunk_bytes": CHUNK, "cold": "posix_fadvise(DONTNEED) on these files before each sample"}
     header = result_header("deep_hash", settings, extra_versions=("huggingface_hub",))
-    doc = {**header, "environment": environment(header), "rows": rows}
+    doc = {**header, "environment": cpu_environment(header), "rows": rows}
     out = write_json(args.out, doc, indent=2)
     print(f"\n--deep vs plain reads: {args.files} x {args.mib} MiB, {args.rounds} interleaved rounds, "
           f"{os.cpu_count()} CPU cores; JSON: {out}")

@@ -1,7 +1,7 @@
 """Where a disk resume's time goes, without the model: the prefix cache's own phases.
 
-    python bench/bench_disk_resume.py                                   # CPU: 4096 positions x 78 layers
-    python bench/bench_disk_resume.py --device cuda --positions 94000   # the 94k resume at GLM-5.3's depth
+    python -m bench.bench_disk_resume                                   # CPU: 4096 positions x 78 layers
+    python -m bench.bench_disk_resume --device cuda --positions 94000   # the 94k resume at GLM-5.3's depth
 
 A KV cache of --positions x --layers at GLM-5.3's row sizes (bf16 latents of 576 on every layer,
 indexer keys of 128 on every other; ~98 KB a position at 78 layers) is stored through a
@@ -17,14 +17,13 @@ with the files' pages dropped (posix_fadvise) and again with them cached (a proc
 and, for comparison, the same rows restored from the host tier (a cache without a disk tier and
 room for every row: another conversation's rows in the same process).
 Every sample's restored rows must equal the source bit for bit (exit 1 otherwise). Prints a table;
-JSON (bench/benchmeta.py header) to --out. Exit codes: 0 done, 1 rows differ, 2 bad arguments.
+JSON (bench/lib/meta.py header) to --out. Exit codes: 0 done, 1 rows differ, 2 bad arguments.
 """
 from __future__ import annotations
 
 import argparse
 import inspect
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -32,14 +31,11 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from bench.bench_prefix_cache import drop_page_cache  # noqa: E402
-from bench.bench_restore import new_state  # noqa: E402
-from bench.benchmeta import result_header, summary, write_json  # noqa: E402
-from glm53.kv_state import KVState  # noqa: E402
-from kv_cache import CacheKey, PrefixCache  # noqa: E402
+from bench.lib.kvstate import new_kv_state
+from bench.lib.meta import RESULTS, result_header, summary, write_json
+from bench.lib.pagecache import drop_page_cache
+from glm53.kv_state import KVState
+from kv_cache import CacheKey, PrefixCache
 
 BLOCK = 256
 PHASES = ("open", "lookup", "restore", "store")
@@ -75,7 +71,7 @@ def resume(cache_or_folder, args, prompt: list[int], position_bytes: int) -> tup
     times["lookup"] = time.perf_counter() - t0
     if hit.reused_tokens != len(prompt) - 1:
         raise SystemExit(f"error: the resume reused {hit.reused_tokens} of {len(prompt) - 1} tokens")
-    state = new_state(args.layers, args.device)
+    state = new_kv_state(args.layers, args.device)
     sync()
     t0 = time.perf_counter()
     state.reserve(len(prompt))
@@ -103,7 +99,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=0, help="TF_GLM53_DISK_CACHE_THREADS (0: the default)")
     p.add_argument("--host-bytes", default="8G", help="TF_GLM53_HOST_CACHE_BYTES (the server's default: 8G)")
     p.add_argument("--dir", type=Path, default=None, help="where the cache files go (default: a temp folder)")
-    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "disk_resume.json")
+    p.add_argument("--out", type=Path, default=RESULTS / "disk_resume.json")
     args = p.parse_args()
     if min(args.positions, args.layers, args.repeats) <= 0 or args.threads < 0:
         print("error: --positions, --layers and --repeats must be positive, --threads >= 0", file=sys.stderr)
@@ -121,7 +117,7 @@ def main() -> int:
 def source_state(positions: int, layers: int, device: str) -> tuple[KVState, list[int]]:
     """A KV cache of random rows at GLM-5.3's row sizes, and the prompt that continues it by one token."""
     g = torch.Generator().manual_seed(5)
-    source = new_state(layers, device)
+    source = new_kv_state(layers, device)
     source.reserve(positions)
     for i in range(layers):
         source.write_latent(i, 0, torch.randn(positions, 576, generator=g).to(device))

@@ -1,6 +1,6 @@
 """Reference EXL3 decoder throughput: GB/s of fp16 weights produced, on the CPU and on CUDA.
 
-    python bench/bench_exl3_decode.py --out results/exl3_decode.json [--device cpu|cuda|all] [--reps N]
+    python -m bench.bench_exl3_decode --out results/exl3_decode.json [--device cpu|cuda|all] [--reps N]
 
 Shapes are GLM-5.3 expert projections (gate/up: in 6144 -> out 2048; down: 2048 -> 6144), on random
 trellis bits, for each K and codebook. Measured per tensor:
@@ -19,16 +19,13 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from bench.benchmeta import device_description, installed_version, result_header, summary, write_json  # noqa: E402
-from glm53.exl3.decode import decode_rotated, decode_weight  # noqa: E402
-from glm53.exl3.format import read_group  # noqa: E402
+from bench.lib.exllamav3 import exllamav3_reference
+from bench.lib.meta import device_description, installed_version, result_header, summary, write_json
+from glm53.exl3.decode import decode_rotated, decode_weight
+from glm53.exl3.format import read_group
 
 SHAPES = {"gate_up": (6144, 2048), "down": (2048, 6144)}
 CASES = [("3inst", 2.0), ("3inst", 3.0), ("3inst", 4.0), ("mcg", 3.0), ("mul1", 3.0), ("mul1", 3.5)]
@@ -51,10 +48,7 @@ def _random_parts(codebook: str, bits: float, in_f: int, out_f: int, seed: int) 
 
 def _try_exllamav3():
     try:
-        sys.path.insert(0, str(REPO / "tests" / "gpu"))
-        from exllamav3_ref import import_exllamav3  # type: ignore
-
-        return import_exllamav3()
+        return exllamav3_reference().import_exllamav3()
     except Exception as exc:  # noqa: BLE001 - the bench runs without exllamav3, saying why
         print(f"exllamav3 not available ({type(exc).__name__}: {exc}); its columns are left out", file=sys.stderr)
         return None

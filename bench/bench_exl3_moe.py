@@ -1,7 +1,7 @@
 """One GLM-5.3 MoE layer from its packed EXL3 weights on CUDA: decode (1, 4, 16 tokens) and prefill,
 against the bytes floor, and exllamav3 1.6.5's own kernels on the same tensors, side by side.
 
-    python bench/bench_exl3_moe.py --out bench/results/exl3_moe_h200.json [--exllamav3] [--forms ...]
+    python -m bench.bench_exl3_moe --out bench/results/exl3_moe_h200.json [--exllamav3] [--forms ...]
 
 The layer: 256 routed experts (6144 -> 2048 -> 6144, top 8), their widths a deterministic 2/3/4-bit
 mix per projection (10/50/40 %, glm53.weights.synthetic.default_expert_bits: ~3.3 bits, like the
@@ -34,15 +34,12 @@ from typing import Any
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests" / "gpu"))
-
-from bench.benchmeta import result_header, write_json  # noqa: E402
-from glm53.exl3.bank import BankBuilder  # noqa: E402
-from glm53.exl3.format import read_group  # noqa: E402
-from glm53.exl3.packing import pack_layer_experts  # noqa: E402
-from glm53.weights.synthetic import default_expert_bits  # noqa: E402
+from bench.lib.exllamav3 import exllamav3_reference
+from bench.lib.meta import result_header, write_json
+from glm53.exl3.bank import BankBuilder
+from glm53.exl3.format import read_group
+from glm53.exl3.packing import pack_layer_experts
+from glm53.weights.synthetic import default_expert_bits
 
 MARKERS = {"mcg": 0xCBAC1FED - (1 << 32), "mul1": 0x83DCD12D - (1 << 32)}
 PROJ = ("gate_proj", "up_proj", "down_proj")
@@ -150,7 +147,7 @@ def error_stats(ours: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
 
 
 def decode_rows(tx, bank, mats, tokens: list[int], sets: int, reps: int, bw: float, dtype, forms) -> list[dict]:
-    from exllamav3_ref import graph_time_us
+    graph_time_us = exllamav3_reference().graph_time_us
 
     rows = []
     for t in tokens:
@@ -190,7 +187,8 @@ def prefill_rows(tx, bank, mats, tokens: list[int], reps: int, dtype, forms) -> 
 
 
 def linear_rows(tx, reps: int, bw: float, exl) -> list[dict]:
-    from exllamav3_ref import ExlLinear, graph_time_us
+    ref = exllamav3_reference()
+    ExlLinear, graph_time_us = ref.ExlLinear, ref.graph_time_us
 
     rng = np.random.default_rng(5)
     sets = []
@@ -221,7 +219,8 @@ def linear_rows(tx, reps: int, bw: float, exl) -> list[dict]:
 
 
 def exllamav3_rows(tx, bank, mats, parts, shared, tokens: list[int], sets: int, reps: int, label: str) -> list[dict]:
-    from exllamav3_ref import MoeReference, graph_time_us
+    ref = exllamav3_reference()
+    MoeReference, graph_time_us = ref.MoeReference, ref.graph_time_us
 
     moe = MoeReference(parts["gate_proj"], parts["up_proj"], parts["down_proj"],
                        {"gate": shared["gate_proj"], "up": shared["up_proj"], "down": shared["down_proj"]})
@@ -309,7 +308,7 @@ def main() -> None:
     exl = None
     if args.exllamav3:
         try:
-            import exllamav3_ref as ref
+            ref = exllamav3_reference()
 
             exl = ref.import_exllamav3()  # waits on the build lock when a background build is running
         except Exception as exc:  # noqa: BLE001 - the kit's own numbers still stand; the JSON says why

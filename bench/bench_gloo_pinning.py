@@ -1,14 +1,14 @@
 """gloo collectives between R processes on this machine, each process pinned to one CPU or not.
 
-    python bench/bench_gloo_pinning.py                 # R = 2, 3, 4; 500 calls per sample
-    python bench/bench_gloo_pinning.py --ranks 4 --calls 2000
+    python -m bench.bench_gloo_pinning                 # R = 2, 3, 4; 500 calls per sample
+    python -m bench.bench_gloo_pinning --ranks 4 --calls 2000
 
 Why: the multi-rank tests (tests/test_dist_processes.py `Ranks`) run up to four ranks on a
 two-core CI machine, where a tiny all-reduce costs milliseconds of scheduling, not bytes; they pin
 rank r to the r-th CPU modulo the count. This measures what that buys: per R, the two arms
 alternate (unpinned, pinned, unpinned, ...), each sample is R fresh processes timing --calls
 all-reduces and all-gathers of 64 fp32 values after a warm-up; rank 0's mean time per call is the
-sample. Prints a table; JSON (bench/benchmeta.py header, every sample) to --out. Exit codes: 0 done,
+sample. Prints a table; JSON (bench/lib/meta.py header, every sample) to --out. Exit codes: 0 done,
 1 a rank failed, 2 bad arguments.
 """
 from __future__ import annotations
@@ -24,10 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from bench.benchmeta import result_header, summary, write_json  # noqa: E402
+from bench.lib.meta import RESULTS, result_header, summary, write_json
 
 ARMS = ("unpinned", "pinned")
 OPS = ("all_reduce", "all_gather")
@@ -74,7 +71,7 @@ def main() -> int:
     p.add_argument("--ranks", type=int, nargs="*", default=[2, 3, 4])
     p.add_argument("--calls", type=int, default=500)
     p.add_argument("--repeats", type=int, default=3, help="samples per arm and R")
-    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "gloo_pinning_cpu.json")
+    p.add_argument("--out", type=Path, default=RESULTS / "gloo_pinning_cpu.json")
     args = p.parse_args()
     if min(args.ranks, default=0) < 2 or args.calls < 1 or args.repeats < 1:
         print("error: --ranks must be >= 2 each, --calls and --repeats positive", file=sys.stderr)

@@ -1,6 +1,6 @@
 """What a CUDA graph capture costs inside a request: the kit's capture against torch.cuda.graph's.
 
-    python bench/bench_graph_capture.py --real-dims      # H200: GLM-5.3 layer dimensions, 4 dense layers
+    python -m bench.bench_graph_capture --real-dims      # H200: GLM-5.3 layer dimensions, 4 dense layers
 
 A window meets a new graph key (a new conversation's cache, a decode crossing a key bound) inside
 a request, and that request pays the capture. glm53.cuda_graphs captures with capture_begin/end on
@@ -24,14 +24,12 @@ from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from bench.bench_decode_graphs import decode, graph_bench_args  # noqa: E402
-from bench.bench_prefix_cache import deepen, log, real_dims_checkpoint, tiny_checkpoint  # noqa: E402
-from bench.benchmeta import result_header, summary, write_json  # noqa: E402
-from glm53.cuda_graphs import WindowGraphs  # noqa: E402
-from glm53.engine import Glm53Engine  # noqa: E402
+from bench.lib.decode import decode, graph_bench_args
+from bench.lib.checkpoints import deepen, real_dims_checkpoint, tiny_checkpoint
+from bench.lib.log import log
+from bench.lib.meta import result_header, summary, write_json
+from glm53.cuda_graphs import WindowGraphs
+from glm53.engine import Glm53Engine
 
 
 class TimedCaptures(WindowGraphs):

@@ -1,7 +1,7 @@
 """Host work of one conversation turn against the history's length: prompt check, prefix-cache
 lookup and store, at 19k, 128k and 1M tokens (CPU only; no model runs).
 
-    python bench/bench_host_path.py --out bench/results/host_path_cpu.json
+    python -m bench.bench_host_path --out bench/results/host_path_cpu.json
 
 Per history length n, a conversation of three turns (n - 200 tokens, then +100 and +100, each turn
 + a one-token reply) through a PrefixCache (block 256) with the live tokens in a TokenLog, as the
@@ -24,12 +24,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from bench.benchmeta import result_header, summary, write_json  # noqa: E402
-from glm53.token_log import TokenLog  # noqa: E402
-from kv_cache import CacheKey, PrefixCache  # noqa: E402
+from bench.lib.meta import RESULTS, result_header, summary, write_json
+from glm53.token_log import TokenLog
+from kv_cache import CacheKey, PrefixCache
 
 BLOCK = 256
 
@@ -79,7 +76,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--lengths", type=int, nargs="*", default=[19000, 128000, 1000000])
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "host_path_cpu.json")
+    p.add_argument("--out", type=Path, default=RESULTS / "host_path_cpu.json")
     args = p.parse_args()
     rows = []
     for n in args.lengths:

@@ -1,8 +1,8 @@
 """The CPU indexer scores: the row-invariant form (one [heads, d] @ [d, keys] product per query)
 against the padded all-queries GEMM it replaced, side by side.
 
-    python bench/bench_index_scores.py
-    python bench/bench_index_scores.py --repeats 9
+    python -m bench.bench_index_scores
+    python -m bench.bench_index_scores --repeats 9
 
 Why: the GEMM form (queries padded to a multiple of 8, keys to 16, one product per head) changed
 bits under MKL's AVX2 kernels; the per-query form does not (tests/test_row_invariance.py), and this
@@ -10,7 +10,7 @@ measures what it costs on the CPU path (tests, reference). Shapes: the tiny chec
 (4 heads x 32) over a 256-query prefill piece and a decode step, and GLM-5.3's (32 x 128). Arms
 alternate per sample; each sample is the mean of 3 calls after a warm-up; medians of --repeats.
 Both arms' scores are compared (same up to fp32 rounding: they sum in other orders). Prints a
-table; JSON (bench/benchmeta.py header) to --out. Exit codes: 0 done, 1 scores disagree, 2 bad
+table; JSON (bench/lib/meta.py header) to --out. Exit codes: 0 done, 1 scores disagree, 2 bad
 arguments.
 """
 from __future__ import annotations
@@ -23,11 +23,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from bench.benchmeta import result_header, summary, write_json  # noqa: E402
-from glm53.ops import torch_ops  # noqa: E402
+from bench.lib.meta import RESULTS, result_header, summary, write_json
+from glm53.ops import torch_ops
 
 # (queries, keys, heads, head dim)
 SHAPES = ((256, 2048, 4, 32), (256, 19000, 4, 32), (1, 19000, 4, 32), (2048, 2048, 32, 128), (64, 16000, 32, 128))
@@ -58,7 +55,7 @@ def sample(fn, args) -> float:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "index_scores_cpu.json")
+    p.add_argument("--out", type=Path, default=RESULTS / "index_scores_cpu.json")
     args = p.parse_args()
     if args.repeats <= 0:
         print("error: --repeats must be positive", file=sys.stderr)

@@ -1,8 +1,8 @@
 """The row-invariant Triton kernels (glm53/ops/triton_*.py) on the GPU: an invariance probe, then timings vs torch.
 
-    python bench/bench_kernels.py                                   # probe + timings -> bench/results/kernels.json
-    python bench/bench_kernels.py --only probe --out /tmp/probe.json
-    python bench/bench_kernels.py --dry-run                         # list the cases (no GPU needed)
+    python -m bench.bench_kernels                                   # probe + timings -> bench/results/kernels.json
+    python -m bench.bench_kernels --only probe --out /tmp/probe.json
+    python -m bench.bench_kernels --dry-run                         # list the cases (no GPU needed)
 
 (1) probe (bf16 linear, (N, K) in (2048, 2048), (6144, 2048), (2048, 6144), M in 1, 7, 64, 2048): the
 same rows through tile configs that differ in BLOCK_M (16: mma.sync; 64, 128: wgmma on Hopper),
@@ -16,9 +16,9 @@ also flushes L2 before each), inputs rotated over >= 64 MiB of copies so L2 cann
 cases under GRAPH_BELOW_MS also as CUDA-graph replays (do_bench_cudagraph), which leave out the host
 launch time that can dominate a few-us kernel (Triton's Python launcher; slower on some hosts).
 
-Prints a table last; writes JSON (bench/benchmeta.py header, probe results, timings). Exit 0 on
+Prints a table last; writes JSON (bench/lib/meta.py header, probe results, timings). Exit 0 on
 success, 2 on bad arguments, 3 when CUDA or Triton is missing.
-On the GPU machine (no .git there): GLM53_KIT_COMMIT=<commit> python bench/bench_kernels.py
+On the GPU machine (no .git there): GLM53_KIT_COMMIT=<commit> python -m bench.bench_kernels
 """
 from __future__ import annotations
 
@@ -26,15 +26,11 @@ import argparse
 import dataclasses
 import math
 import sys
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from bench.benchmeta import result_header, summary, write_json  # noqa: E402
+from bench.lib.meta import RESULTS, result_header, summary, write_json
 
 ROTATE_BYTES = 64 << 20  # more than the H200's 50-60 MB L2
 MAX_COPIES = 32
@@ -286,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="time only these ops")
     ap.add_argument("--rep-ms", type=int, default=100, help="do_bench's rep time per measurement (ms)")
     ap.add_argument("--dry-run", action="store_true", help="list the probe and timed cases; run nothing")
-    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "kernels.json"))
+    ap.add_argument("--out", default=str(RESULTS / "kernels.json"))
     args = ap.parse_args(argv)
     if args.rep_ms <= 0:
         ap.error("--rep-ms must be positive")

@@ -1,6 +1,6 @@
 """KV bytes per rank at 1,048,576 tokens, and bytes each rank sends per decode step, at GLM-5.3's dimensions.
 
-    python bench/bench_kv_bytes.py [--out results/kv_bytes.json] [--context 1048576] [--check-tokens 4099]
+    python -m bench.bench_kv_bytes [--out results/kv_bytes.json] [--context 1048576] [--check-tokens 4099]
 
 1. KV bytes per rank (R = 1, 3, 4; DCP on and off; bf16 and fp8) from glm53.layout.kv (the plan's
    KV function), checked against an actual allocation at small scale: per rank, a real
@@ -24,14 +24,11 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from bench.benchmeta import result_header, write_json  # noqa: E402
-from glm53.config import Glm53Config  # noqa: E402
-from glm53.dist import dcp, tp  # noqa: E402
-from glm53.kv_state import KVState  # noqa: E402
-from glm53.layout.kv import kv_bytes_per_rank  # noqa: E402
+from bench.lib.meta import KIT_ROOT, result_header, write_json
+from glm53.config import Glm53Config
+from glm53.dist import dcp, tp
+from glm53.kv_state import KVState
+from glm53.layout.kv import kv_bytes_per_rank
 
 RANKS = (1, 3, 4)
 GIB = 1 << 30
@@ -92,7 +89,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--context", type=int, default=1 << 20)
     parser.add_argument("--check-tokens", type=int, default=4099, help="context of the real allocation check")
-    parser.add_argument("--out", type=Path, default=REPO / "results" / "kv_bytes.json")
+    parser.add_argument("--out", type=Path, default=KIT_ROOT / "results" / "kv_bytes.json")
     args = parser.parse_args()
     cfg = real_config()
 

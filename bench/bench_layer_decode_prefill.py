@@ -1,7 +1,7 @@
 """Per-layer cost of the GLM-5.3 forward (glm53.model) at real dimensions, against a bytes floor.
 
-    python bench/bench_layer_decode_prefill.py --out bench/results/layer_decode_prefill.json      # GPU
-    python bench/bench_layer_decode_prefill.py --small --out /tmp/layer_small.json                 # CPU check
+    python -m bench.bench_layer_decode_prefill --out bench/results/layer_decode_prefill.json      # GPU
+    python -m bench.bench_layer_decode_prefill --small --out /tmp/layer_small.json                 # CPU check
 
 Builds one dense layer and a few MoE layers (default 3) at GLM-5.3's dimensions with random
 weights; routed experts are random EXL3 groups of mixed widths (K = 2, 3, 4 bits, per expert and
@@ -30,22 +30,18 @@ import statistics
 import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from bench.benchmeta import device_description, result_header, summary, write_json  # noqa: E402
-from glm53.config import Glm53Config  # noqa: E402
-from glm53.engine import prefill_pieces  # noqa: E402
-from glm53.kv_state import KVState  # noqa: E402
-from glm53.model.indexer import IndexerWeights  # noqa: E402
-from glm53.model.mla import AttentionWeights  # noqa: E402
-from glm53.model.moe import DecodedExperts, MLPWeights, MoEWeights, RouterWeights  # noqa: E402
-from glm53.model.rope import rope_angles  # noqa: E402
-from glm53.model.transformer import Glm53Model, LayerWeights, ModelWeights, Span  # noqa: E402
+from bench.lib.meta import RESULTS, device_description, result_header, summary, write_json
+from glm53.config import Glm53Config
+from glm53.engine import prefill_pieces
+from glm53.kv_state import KVState
+from glm53.model.indexer import IndexerWeights
+from glm53.model.mla import AttentionWeights
+from glm53.model.moe import DecodedExperts, MLPWeights, MoEWeights, RouterWeights
+from glm53.model.rope import rope_angles
+from glm53.model.transformer import Glm53Model, LayerWeights, ModelWeights, Span
 
 SMALL = dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_attention_heads=8,
              n_routed_experts=16, num_experts_per_tok=4, q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=32,
@@ -265,7 +261,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--copy-gib", type=float, default=None)
-    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "layer_decode_prefill.json"))
+    ap.add_argument("--out", default=str(RESULTS / "layer_decode_prefill.json"))
     args = ap.parse_args()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():

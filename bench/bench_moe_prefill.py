@@ -1,7 +1,7 @@
 """One MoE layer's routed experts over a prefill piece: the per-expert loop against the sorted form
 (one grouped launch per projection, no host sync), side by side, bit for bit.
 
-    python bench/bench_moe_prefill.py --out bench/results/moe_prefill_h200.json     # GPU
+    python -m bench.bench_moe_prefill --out bench/results/moe_prefill_h200.json     # GPU
 
 GLM-5.3's bank by default (256 experts of width 2048 over hidden 6144, top 8, bf16 as the engine
 holds them after decoding EXL3: 19 GB), random routing, T tokens a piece (default 2048, 2700 and
@@ -25,10 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from bench.benchmeta import result_header, write_json  # noqa: E402
+from bench.lib.meta import RESULTS, result_header, write_json
 
 
 def timed(fn: Callable[[], torch.Tensor]) -> tuple[float, torch.Tensor]:
@@ -99,7 +96,7 @@ def main() -> int:
     ap.add_argument("--row-tiles", type=int, nargs="+", default=[64, 2048],
                     help="the sorted form's arms: each with linear's tile for this many rows (64: the mid "
                          "tile 64x64; 2048: the prefill tile 128x128)")
-    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "moe_prefill.json")
+    ap.add_argument("--out", type=Path, default=RESULTS / "moe_prefill.json")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_moe_prefill: needs a CUDA device", file=sys.stderr)

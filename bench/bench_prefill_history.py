@@ -1,8 +1,8 @@
 """One prefill chunk's attention cost against the history length: the reference's dense-masked form vs
 the model's path (absorbed, each query over its own top-k rows, through glm53.ops).
 
-    python bench/bench_prefill_history.py --out bench/results/prefill_history_h200.json       # GPU, GLM-5.3 dims
-    python bench/bench_prefill_history.py --small --out /tmp/prefill_history_small.json     # CPU, small dims
+    python -m bench.bench_prefill_history --out bench/results/prefill_history_h200.json       # GPU, GLM-5.3 dims
+    python -m bench.bench_prefill_history --small --out /tmp/prefill_history_small.json     # CPU, small dims
 
 For each history length Tk: C queries at positions [Tk - C, Tk) (the last grid chunk of a Tk-token
 context) over a Tk-row latent cache, random weights at GLM-5.3 dims (H 64, r 512, rope 64, nope 192,
@@ -29,7 +29,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,11 +36,9 @@ from typing import Callable
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from glm53.model.indexer import IndexerWeights, Selection, index_scores, select_topk  # noqa: E402
-from glm53.model.mla import AttentionWeights, attend, attend_expanded  # noqa: E402
+from bench.lib.meta import RESULTS, git_commit
+from glm53.model.indexer import IndexerWeights, Selection, index_scores, select_topk
+from glm53.model.mla import AttentionWeights, attend, attend_expanded
 
 FULL = dict(hidden=6144, heads=64, rank=512, rope=64, nope=192, v=256, k=2048, chunk=2048, ix_heads=32, ix_dim=128,
             history=[2048, 4096, 8192, 16384, 32768, 65536])
@@ -49,14 +46,6 @@ SMALL = dict(hidden=512, heads=8, rank=128, rope=16, nope=32, v=32, k=128, chunk
              history=[1024, 2048, 4096, 8192])
 ROTATE_BYTES = 128 << 20
 METHODS = ("expanded", "attend", "index_scores", "select")
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def device_name(device: torch.device) -> str:
@@ -168,7 +157,7 @@ def main() -> int:
     ap.add_argument("--history", type=int, nargs="+", default=None, help="history lengths Tk (each >= chunk)")
     ap.add_argument("--reps", type=int, default=None, help="timed samples per method (default 10 GPU, 3 CPU)")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "prefill_history.json"))
+    ap.add_argument("--out", default=str(RESULTS / "prefill_history.json"))
     args = ap.parse_args()
 
     d = dict(SMALL if args.small else FULL)

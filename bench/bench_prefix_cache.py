@@ -1,8 +1,8 @@
 """Prefix cache on against off, through the real glm53 engine (cache = kv_cache.PrefixCache).
 
-    python bench/bench_prefix_cache.py                    # CPU, tiny checkpoint, issue-7 sizes
-    python bench/bench_prefix_cache.py --small            # CPU smoke: shorter turns and prompts
-    python bench/bench_prefix_cache.py --real-dims        # GPU: GLM-5.3 layer dimensions (see below)
+    python -m bench.bench_prefix_cache                    # CPU, tiny checkpoint, issue-7 sizes
+    python -m bench.bench_prefix_cache --small            # CPU smoke: shorter turns and prompts
+    python -m bench.bench_prefix_cache --real-dims        # GPU: GLM-5.3 layer dimensions (see below)
 
 Four scenarios, cache on and cache off interleaved sample by sample in one process:
   turns     a six-turn agent conversation, each turn = previous prompt + reply + ~2.7k new tokens;
@@ -44,9 +44,6 @@ as JSON (--out). Exit codes: 0 done; 1 a reply or logits row differed between ca
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
-import os
 import random
 import shutil
 import statistics
@@ -58,133 +55,13 @@ from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from bench.benchmeta import result_header, summary, write_json  # noqa: E402
-from glm53.config import Glm53Config  # noqa: E402
-from glm53.cuda_graphs import WindowGraphs  # noqa: E402
-from glm53.engine import Glm53Engine  # noqa: E402
-from glm53.model.transformer import Glm53Model  # noqa: E402
-from kv_cache.engine_adapter import attach_prefix_cache  # noqa: E402
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-# ---- checkpoints -------------------------------------------------------------------------------
-def tiny_checkpoint(root: Path) -> Path:
-    from glm53.tiny import write_tiny_checkpoint
-
-    log("writing the tiny checkpoint (EXL3 encode; a minute or two on a CPU) ...")
-    return write_tiny_checkpoint(root / "tiny")
-
-
-EXPERTS_PER_SHARD = 32  # a real-width expert's three projections are 75 MB of bf16
-
-
-def real_dims_checkpoint(root: Path, layers: int, vocab: int, moe_experts: int = 0, dense_layers: int = 0) -> Path:
-    """GLM-5.3 layer dimensions, plain bf16 weights: all-dense layers, or with `moe_experts` > 0
-    MoE layers as GLM-5.3's (top 8 of that many routed experts of width 2048, one shared expert;
-    256 is GLM-5.3's: 19 GB a layer) after the first `dense_layers` dense ones."""
-    from safetensors.torch import save_file
-
-    from glm53.tiny import TINY_CONFIG, _layer_plain, _linear, _norm, _randn
-
-    real = Glm53Config()  # the defaults are GLM-5.3's published dimensions
-    cfg = {**TINY_CONFIG, **{k: getattr(real, k) for k in (
-        "hidden_size", "intermediate_size", "moe_intermediate_size", "num_attention_heads", "q_lora_rank",
-        "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "index_topk", "index_head_dim",
-        "index_n_heads", "rms_norm_eps", "n_shared_experts", "routed_scaling_factor", "n_group", "topk_group")}}
-    moe = moe_experts > 0
-    if not 0 <= dense_layers < layers or (dense_layers and not moe):
-        raise ValueError(f"dense_layers {dense_layers}: needs MoE layers after it, below the {layers} layers")
-    n_dense = dense_layers if moe else layers
-    cfg.update(num_hidden_layers=layers, num_key_value_heads=cfg["num_attention_heads"], vocab_size=vocab,
-               first_k_dense_replace=n_dense, mlp_layer_types=["dense"] * n_dense + ["sparse"] * (layers - n_dense),
-               indexer_types=[("full" if i % 2 == 0 else "shared") for i in range(layers)],
-               num_nextn_predict_layers=0, max_position_embeddings=1 << 20, bos_token_id=0,
-               eos_token_id=[1], head_dim=cfg["qk_rope_head_dim"])
-    if moe:
-        cfg.update(n_routed_experts=moe_experts, num_experts_per_tok=min(real.num_experts_per_tok, moe_experts))
-    out = root / "real_dims"
-    out.mkdir()
-    h = cfg["hidden_size"]
-    kind = f"{n_dense} dense then MoE ({moe_experts} routed experts)" if moe else "dense"
-    log(f"writing a {layers}-layer checkpoint at GLM-5.3 layer dimensions (hidden {h}, {kind}) ...")
-    files: dict[str, str] = {}
-
-    def save(tensors: dict[str, torch.Tensor], name: str) -> None:
-        save_file({k: v.to(torch.bfloat16).contiguous() for k, v in tensors.items()}, str(out / name),
-                  metadata={"format": "pt"})
-        files.update({k: name for k in tensors})
-
-    head = {"model.embed_tokens.weight": _randn("model.embed_tokens", (vocab, h), 0, 1.0),
-            "model.norm.weight": _norm("model.norm", h, 0), "lm_head.weight": _linear("lm_head", vocab, h, 0)}
-    save(head, "model-head.safetensors")
-    for layer in range(layers):
-        save(_layer_plain(layer, cfg, 0), f"model-layer{layer:03d}.safetensors")
-        for first in range(0, moe_experts if layer >= n_dense else 0, EXPERTS_PER_SHARD):
-            save(_expert_weights(layer, range(first, min(first + EXPERTS_PER_SHARD, moe_experts)), cfg),
-                 f"model-layer{layer:03d}-experts{first:03d}.safetensors")
-        log(f"  layer {layer + 1}/{layers}")
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": files}))
-    (out / "config.json").write_text(json.dumps(cfg, indent=1))
-    return out
-
-
-def _expert_weights(layer: int, experts: range, cfg: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Routed experts of one layer, [out, in] with std 1/sqrt(in) (glm53.tiny's init), drawn on the
-    GPU where there is one: GLM-5.3's 256 experts a layer are 9.7 G values, minutes for the CPU."""
-    h, width = cfg["hidden_size"], cfg["moe_intermediate_size"]
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    gen = torch.Generator(device=device).manual_seed(1009 * layer + experts.start)
-    out = {}
-    for proj, (out_f, in_f) in (("gate_proj", (width, h)), ("up_proj", (width, h)), ("down_proj", (h, width))):
-        block = (torch.randn((len(experts), out_f, in_f), generator=gen, device=device) * in_f ** -0.5)
-        block = block.to(torch.bfloat16).cpu()
-        for i, e in enumerate(experts):  # each its own storage: safetensors refuses shared ones
-            out[f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"] = block[i].clone()
-    return out
-
-
-def deepen(engine: Glm53Engine, depth: int | None) -> None:
-    """Run the engine's model at `depth` layers (None: as loaded): the checkpoint's layers repeated
-    in order, each repeat its own KV cache layer but the same weight tensors. GLM-5.3's 78 layers at
-    its layer dimensions do not fit this machine's disk as a checkpoint (~67 GB of bf16); shared
-    tensors cost the same time per layer, since a layer's weights (~0.86 GB) are far larger than L2
-    and are read again from memory by every layer that uses them. (Layer 0 runs its own indexer,
-    the config guarantees it, so every repeat's 'shared' layers follow a 'full' one.)
-    A checkpoint with both dense and MoE layers gets GLM-5.3's mix: its dense layers repeated over
-    the first GLM-5.3's-count (3) layers, its MoE layers over the rest (75 of 78)."""
-    w, cfg = engine.model.w, engine.cfg
-    n = len(w.layers)
-    if depth is not None and depth < n:
-        raise ValueError(f"--depth {depth} is below the checkpoint's {n} layers")
-    if depth is None or depth == n:
-        return
-    pick = layer_pick(list(cfg.mlp_layer_types), depth)
-    layers = [dataclasses.replace(w.layers[j], index=i) for i, j in enumerate(pick)]
-    engine.cfg = dataclasses.replace(cfg, num_hidden_layers=depth,
-                                     indexer_types=tuple(cfg.indexer_types[j] for j in pick),
-                                     mlp_layer_types=tuple(cfg.mlp_layer_types[j] for j in pick))
-    engine.model = Glm53Model(engine.cfg, dataclasses.replace(w, layers=layers), engine.plan,
-                              engine.model.dtype, engine.device)
-    engine.graphs = engine._window_graphs("1" if engine.graphs is not None else "0")
-
-
-def layer_pick(mlp_layer_types: list[str], depth: int) -> list[int]:
-    """Which checkpoint layer runs at each of `depth` positions: all of one kind cycle in order;
-    dense layers followed by MoE ones take GLM-5.3's first 3 positions and the MoE ones the rest."""
-    dense = [i for i, t in enumerate(mlp_layer_types) if t == "dense"]
-    sparse = [i for i, t in enumerate(mlp_layer_types) if t == "sparse"]
-    if not dense or not sparse:
-        return [i % len(mlp_layer_types) for i in range(depth)]
-    if dense != list(range(len(dense))):
-        raise ValueError("the checkpoint's dense layers must come before its MoE layers (first_k_dense_replace)")
-    n_dense = min(Glm53Config().first_k_dense_replace, depth - 1)
-    return [dense[i % len(dense)] if i < n_dense else sparse[(i - n_dense) % len(sparse)] for i in range(depth)]
+from bench.lib.checkpoints import deepen, real_dims_checkpoint, tiny_checkpoint
+from bench.lib.log import log
+from bench.lib.meta import RESULTS, result_header, summary, write_json
+from bench.lib.pagecache import drop_page_cache
+from glm53.cuda_graphs import WindowGraphs
+from glm53.engine import Glm53Engine
+from kv_cache.engine_adapter import attach_prefix_cache
 
 
 # ---- measurement -------------------------------------------------------------------------------
@@ -382,20 +259,6 @@ def scenario_switch(engine, args, rng, mismatches: list[str]) -> dict[str, Any]:
     cw, ww = [x["wall_s"] for x in cold], [x["wall_s"] for x in warm]
     return {"prompt_tokens": [x["prompt_tokens"] for x in warm], "cold": cold, "restored": warm, "cold_s": summary(cw),
             "restored_s": summary(ww), "speedup": statistics.median(cw) / statistics.median(ww)}
-
-
-def drop_page_cache(folder: Path) -> int:
-    """Evict the cache files' pages from the OS page cache (clean after fsync), so the resume reads
-    the disk. Returns the bytes advised."""
-    n = 0
-    for p in folder.rglob("*.kvc"):
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            n += os.fstat(fd).st_size
-        finally:
-            os.close(fd)
-    return n
 
 
 def scenario_disk(engine, args, rng, mismatches: list[str], disk_dir: Path) -> dict[str, Any]:
@@ -666,7 +529,7 @@ def main() -> int:
                    choices=["turns", "one-word", "disk", "switch"])
     p.add_argument("--small", action="store_true", help="CPU smoke defaults: 300-token turns, 2k prompts, 2 repeats")
     p.add_argument("--profile", action="store_true", help="also profile a cold prefill and a reused one-word extension")
-    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "prefix_cache.json")
+    p.add_argument("--out", type=Path, default=RESULTS / "prefix_cache.json")
     args = p.parse_args()
     small = {"turn_tokens": 300, "long": 2048, "repeats": 2, "disk_long": 2048}
     full = {"turn_tokens": 2700, "long": 19000, "repeats": 3}

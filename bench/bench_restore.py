@@ -1,13 +1,13 @@
 """Restoring cached rows into a fresh KV cache: growing it as blocks arrive against reserving the
 prompt's room first (what Glm53Engine._state_for now does before a restore), side by side.
 
-    python bench/bench_restore.py                 # CPU: 8192 positions x 78 layers at GLM-5.3 dims
-    python bench/bench_restore.py --device cuda --positions 94000
+    python -m bench.bench_restore                 # CPU: 8192 positions x 78 layers at GLM-5.3 dims
+    python -m bench.bench_restore --device cuda --positions 94000
 
 Rows as the prefix cache holds them (blocks of 256 positions, bf16 latents on every layer, indexer
 keys on every other), each arm importing them block by block with `KVState.import_rows` into a new
 state, arms alternating, wall time (device synchronized), median of --repeats. Both arms must end
-with the same rows (exit 1 otherwise). Prints a table; JSON (bench/benchmeta.py header) to --out.
+with the same rows (exit 1 otherwise). Prints a table; JSON (bench/lib/meta.py header) to --out.
 Exit codes: 0 done, 1 rows differ, 2 bad arguments.
 """
 from __future__ import annotations
@@ -20,23 +20,16 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from bench.benchmeta import result_header, summary, write_json  # noqa: E402
-from glm53.kv_state import KVState  # noqa: E402
+from bench.lib.kvstate import new_kv_state
+from bench.lib.meta import RESULTS, result_header, summary, write_json
+from glm53.kv_state import KVState
 
 BLOCK = 256
 
 
-def new_state(layers: int, device: str) -> KVState:
-    return KVState(n_layers=layers, latent_dim=576, index_dim=128, indexed_layers=frozenset(range(0, layers, 2)),
-                   kv_dtype="bf16", device=device)
-
-
 def restore(blocks: list[tuple[int, dict]], positions: int, layers: int, device: str,
             reserve_first: bool) -> tuple[float, KVState]:
-    state = new_state(layers, device)
+    state = new_kv_state(layers, device)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()
@@ -55,7 +48,7 @@ def main() -> int:
     p.add_argument("--positions", type=int, default=8192)
     p.add_argument("--layers", type=int, default=78)
     p.add_argument("--repeats", type=int, default=6)
-    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "restore.json")
+    p.add_argument("--out", type=Path, default=RESULTS / "restore.json")
     args = p.parse_args()
     if min(args.positions, args.layers, args.repeats) <= 0:
         print("error: --positions, --layers and --repeats must be positive", file=sys.stderr)
@@ -64,7 +57,7 @@ def main() -> int:
         print("error: --device cuda but no CUDA device is visible", file=sys.stderr)
         return 2
     g = torch.Generator().manual_seed(3)
-    source = new_state(args.layers, "cpu")
+    source = new_kv_state(args.layers, "cpu")
     source.reserve(args.positions)
     for i in range(args.layers):
         source.write_latent(i, 0, torch.randn(args.positions, 576, generator=g))

@@ -1,10 +1,10 @@
 """The indexer's top-k selection on CUDA: the Triton kernel (glm53/ops/triton_topk.py) against the
 torch form it replaced for prefill pieces (glm53/model/indexer.py select_topk_torch), side by side.
 
-    python bench/bench_select_topk.py            # per call, prefill-sized cases (CUDA)
-    python bench/bench_select_topk.py --engine   # both inside the engine's turns (CUDA, 4 layers)
-    python bench/bench_select_topk.py --short    # decode windows: torch, split kernels, row kernel
-    python bench/bench_select_topk.py --dcp 4    # one DCP rank's share: the reference merge vs the kernels
+    python -m bench.bench_select_topk            # per call, prefill-sized cases (CUDA)
+    python -m bench.bench_select_topk --engine   # both inside the engine's turns (CUDA, 4 layers)
+    python -m bench.bench_select_topk --short    # decode windows: torch, split kernels, row kernel
+    python -m bench.bench_select_topk --dcp 4    # one DCP rank's share: the reference merge vs the kernels
 
 The torch form takes a top-(k + 1) per row, tests the k-th score for a tie (a host sync), takes
 packed int64 keys for tied rows and sorts the chosen columns; the kernel does a radix select per
@@ -21,7 +21,7 @@ arm whose passes all run over whole rows (no sampled bracket), --samples N arms 
 from N keys, --blocks BxW arms of the row form at block B with W warps. Each case also logs the
 share of rows whose passes ran over their bracket. The 'triton' arm goes through
 indexer.select_topk, whose NaN check is a host sync; the other kernel arms call the kernel. Prints a
-table; JSON (bench/benchmeta.py header) to --out. Exit codes: 0 done, 1 a selection or reply
+table; JSON (bench/lib/meta.py header) to --out. Exit codes: 0 done, 1 a selection or reply
 differed, 2 bad arguments or no CUDA.
 """
 from __future__ import annotations
@@ -33,11 +33,10 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from bench.benchmeta import result_header, summary, write_json  # noqa: E402
-from glm53.model.indexer import Selection, select_topk, select_topk_torch  # noqa: E402
+from bench.lib.checkpoints import real_dims_checkpoint
+from bench.lib.meta import RESULTS, result_header, summary, write_json
+from bench.lib.timing import graph_time_us
+from glm53.model.indexer import Selection, select_topk, select_topk_torch
 
 K = 2048  # GLM-5.3's index_topk
 # (T, history): turn 1's two pieces (2700 new tokens on the 2048 grid), turn 6's two (13504 cached),
@@ -127,7 +126,6 @@ def engine_turns(args: argparse.Namespace) -> int:
     import tempfile
 
     import glm53.model.indexer as indexer
-    from bench.bench_prefix_cache import real_dims_checkpoint
     from glm53.engine import Glm53Engine
 
     work = Path(tempfile.mkdtemp(prefix="bench_select_topk."))
@@ -183,7 +181,6 @@ def short_windows(args: argparse.Namespace) -> int:
     """Decode-sized windows (T <= 16 rows over the whole history): the torch form, the split kernels
     (select_topk's choice there) and the one-program-a-row kernel, each as GPU time per call from a
     CUDA graph of calls replayed (how a decode step runs them), arms alternating."""
-    from bench.probe_decode_tiles import graph_time_us
     from glm53.ops import triton_topk
 
     device = torch.device("cuda")
@@ -275,7 +272,7 @@ def main() -> int:
                    help="arms sampling each row's bracket from this many keys (powers of two)")
     p.add_argument("--blocks", nargs="*", default=[], help="arms of the row form at BLOCKxWARPS, e.g. 4096x8")
     p.add_argument("--dcp", type=int, metavar="R", help="one DCP rank's share of the selection over R ranks")
-    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "select_topk.json")
+    p.add_argument("--out", type=Path, default=RESULTS / "select_topk.json")
     args = p.parse_args()
     if args.repeats < 1:
         print("error: --repeats must be positive", file=sys.stderr)

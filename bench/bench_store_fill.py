@@ -1,6 +1,6 @@
 """A store's background half against the thread that launches the next request, side by side (CPU).
 
-    python bench/bench_store_fill.py --against ab_old --out bench/results/store_fill_cpu.json
+    python -m bench.bench_store_fill --against ab_old --out bench/results/store_fill_cpu.json
 
 After a reply the prefix cache stores the turn's new rows: the copies into the staging buffer are
 queued on the request's path, and a worker thread then gives every node (a block of 256 positions)
@@ -11,7 +11,7 @@ on the main thread a fixed piece of Python-heavy torch work (--ops small in-plac
 for kernel launches). Per arm (this checkout's kv_cache, and with --against DIR another checkout's,
 e.g. `git archive <commit> | tar -x -C DIR`), one staging buffer each, reused: the store's own time
 (copy() to its future done), and the main thread's work alone and while a fill runs. Arms alternate, medians of --repeats. Prints
-a table; JSON (bench/benchmeta.py header) to --out. Exit 0; 2 on bad arguments.
+a table; JSON (bench/lib/meta.py header) to --out. Exit 0; 2 on bad arguments.
 """
 from __future__ import annotations
 
@@ -24,10 +24,7 @@ from types import ModuleType
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from bench.benchmeta import result_header, summary, write_json  # noqa: E402
+from bench.lib.meta import RESULTS, result_header, summary, write_json
 
 BLOCK = 256
 LATENT, INDEX, LAYERS = 576, 128, 78
@@ -90,7 +87,7 @@ def main() -> int:
     p.add_argument("--ops", type=int, default=20000, help="small torch ops on the main thread")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--against", type=Path, help="another kit checkout: its kv_cache as the 'previous' arm")
-    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "store_fill_cpu.json")
+    p.add_argument("--out", type=Path, default=RESULTS / "store_fill_cpu.json")
     args = p.parse_args()
     if min(args.positions, args.ops, args.repeats) < 1:
         print("error: --positions, --ops and --repeats must be positive", file=sys.stderr)

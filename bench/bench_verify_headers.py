@@ -1,6 +1,6 @@
 """Header verification time against shard count, on real-size GLM-5.3 checkpoints of sparse files.
 
-    python bench/bench_verify_headers.py [--shards 8,16,29,58] [--repeats 5] [--out bench/results/verify_headers.json]
+    python -m bench.bench_verify_headers [--shards 8,16,29,58] [--repeats 5] [--out bench/results/verify_headers.json]
 
 For each shard count a checkpoint with GLM-5.3's real tensor list (78 layers, 256 experts, EXL3
 mixed 2/3/4-bit experts: ~292 GiB apparent) is written as sparse files: real headers, the data a
@@ -13,30 +13,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from bench.benchmeta import cpu_model, result_header, summary, write_json  # noqa: E402
-from glm53.config import Glm53Config  # noqa: E402
-from glm53.weights.report import build_report  # noqa: E402
-from glm53.weights.synthetic import apparent_and_allocated, glm53_tensor_specs, real_config, write_checkpoint  # noqa: E402
-from glm53.weights.verify import verify_checkpoint  # noqa: E402
-
-
-def environment(header: dict[str, Any]) -> dict[str, object]:
-    """The `environment` block these results carried before bench.benchmeta's header (kept so that
-    readers of the older JSON still find it); header is result_header(..., extra_versions=("huggingface_hub",))."""
-    return {"git_commit": header["git_commit"], "device": f"CPU: {cpu_model()}", "cpu_cores": header["cpu_cores"],
-            "python": header["versions"]["python"], "huggingface_hub": header["versions"]["huggingface_hub"],
-            "platform": platform.platform()}
+from bench.lib.meta import RESULTS, cpu_environment, result_header, summary, write_json
+from glm53.config import Glm53Config
+from glm53.weights.report import build_report
+from glm53.weights.synthetic import apparent_and_allocated, glm53_tensor_specs, real_config, write_checkpoint
+from glm53.weights.verify import verify_checkpoint
 
 
 def main() -> int:
@@ -44,7 +31,7 @@ def main() -> int:
     ap.add_argument("--shards", default="8,16,29,58")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--workdir", default=None, help="where the sparse checkpoints go (default: a temp dir)")
-    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "verify_headers.json"))
+    ap.add_argument("--out", default=str(RESULTS / "verify_headers.json"))
     args = ap.parse_args()
     counts = [int(x) for x in args.shards.split(",")]
     raw = real_config()
@@ -95,7 +82,7 @@ def main() -> int:
                 "checkpoint": "GLM-5.3 real tensor list, EXL3 experts 2/3/4 bits (10/50/40%), sparse data",
                 "apparent_bytes": apparent_total}
     header = result_header("verify_headers", settings, extra_versions=("huggingface_hub",))
-    doc = {**header, "environment": environment(header), "rows": rows}
+    doc = {**header, "environment": cpu_environment(header), "rows": rows}
     out = write_json(args.out, doc, indent=2)
     print(f"\nheader verification, GLM-5.3 tensor list ({len(specs):,} tensors, {apparent_total / 2**30:.1f} GiB apparent), "
           f"{args.repeats} runs each, warm page cache; JSON: {out}")

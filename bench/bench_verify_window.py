@@ -1,7 +1,7 @@
 """Cost of verifying a window of k = 1..14 tokens against decoding one, per GLM-5.3 layer.
 
-    python bench/bench_verify_window.py --out bench/results/verify_window.json          # CUDA, real dims
-    python bench/bench_verify_window.py --small --out /tmp/verify_window_small.json     # CPU, tiny dims
+    python -m bench.bench_verify_window --out bench/results/verify_window.json          # CUDA, real dims
+    python -m bench.bench_verify_window --small --out /tmp/verify_window_small.json     # CPU, tiny dims
 
 What runs: the kit's own model code (glm53.model.transformer.Glm53Model, the path
 draft verification uses) over ONE decoder layer with random bf16 weights at GLM-5.3's real
@@ -30,19 +30,15 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from bench.benchmeta import installed_version, result_header, summary, write_json  # noqa: E402
-from glm53.config import Glm53Config  # noqa: E402
-from glm53.model.indexer import IndexerWeights  # noqa: E402
-from glm53.model.mla import AttentionWeights  # noqa: E402
-from glm53.model.moe import DecodedExperts, MLPWeights, MoEWeights, RouterWeights  # noqa: E402
-from glm53.model.transformer import Glm53Model, LayerWeights, ModelWeights  # noqa: E402
+from bench.lib.meta import installed_version, result_header, summary, write_json
+from glm53.config import Glm53Config
+from glm53.model.indexer import IndexerWeights
+from glm53.model.mla import AttentionWeights
+from glm53.model.moe import DecodedExperts, MLPWeights, MoEWeights, RouterWeights
+from glm53.model.transformer import Glm53Model, LayerWeights, ModelWeights
 
 TINY = dict(vocab_size=1000, hidden_size=256, intermediate_size=768, moe_intermediate_size=512,
             num_attention_heads=4, n_routed_experts=16, num_experts_per_tok=4, kv_lora_rank=128,

@@ -4,7 +4,7 @@
 # folder) or ./gpu_out. The copy on the GPU machine has no .git: pass the commit as the first argument.
 #   bash bench/run_h200.sh <commit> [tests|bench|all|depth|disk|moe-prefill|moe|exl3]
 # depth: the prefix cache (turns, one-word) and decode at GLM-5.3's 78 layers (4 distinct layers
-# repeated, bench_prefix_cache.deepen); disk: the disk resume at 78 layers and at 4, each also
+# repeated, bench.lib.checkpoints.deepen); disk: the disk resume at 78 layers and at 4, each also
 # from the page cache (both ~5 minutes); moe-prefill: the routed experts' sorted form against the
 # loop (bench_moe_prefill, ~30 s); moe: the turns, the one-word extension and the disk resume with
 # GLM-5.3's layer mix (a checkpoint of one dense and two MoE layers of 256 experts, 40 GB, run as
@@ -27,57 +27,55 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     status=$(( status | ${PIPESTATUS[0]} ))
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-    python3 bench/bench_prefix_cache.py --real-dims --device cuda --repeats 3 --profile \
+    python3 -m bench.bench_prefix_cache --real-dims --device cuda --repeats 3 --profile \
         --out "$out/prefix_cache_h200.json" 2>&1 | tee "$out/prefix_cache_h200.log"
     status=$(( status | ${PIPESTATUS[0]} ))
-    python3 bench/bench_decode_graphs.py --real-dims --out "$out/decode_graphs_h200.json" 2>&1 \
+    python3 -m bench.bench_decode_graphs --real-dims --out "$out/decode_graphs_h200.json" 2>&1 \
         | tee "$out/decode_graphs_h200.log"
     status=$(( status | ${PIPESTATUS[0]} ))
 fi
 if [ "$what" = depth ] || [ "$what" = disk ]; then  # one 4-layer checkpoint for every run below
     ckpt="$(mktemp -d)"
-    python3 -c "import sys; from pathlib import Path; sys.path.insert(0, '.'); \
-from bench.bench_prefix_cache import real_dims_checkpoint; real_dims_checkpoint(Path('$ckpt'), 4, 32768)"
+    python3 -m bench.lib.checkpoints "$ckpt" --layers 4 --vocab 32768
     real=(--real-dims --model-dir "$ckpt/real_dims" --device cuda)
 fi
 if [ "$what" = depth ]; then
-    python3 bench/bench_prefix_cache.py "${real[@]}" --depth 78 --repeats 3 --scenarios turns one-word \
+    python3 -m bench.bench_prefix_cache "${real[@]}" --depth 78 --repeats 3 --scenarios turns one-word \
         --out "$out/prefix_cache_h200_depth78.json" 2>&1 | tee "$out/prefix_cache_h200_depth78.log"
     status=$(( status | ${PIPESTATUS[0]} ))
-    python3 bench/bench_decode_graphs.py --real-dims --depth 78 --tokens 32 --repeats 2 \
+    python3 -m bench.bench_decode_graphs --real-dims --depth 78 --tokens 32 --repeats 2 \
         --out "$out/decode_graphs_h200_depth78.json" 2>&1 | tee "$out/decode_graphs_h200_depth78.log"
     status=$(( status | ${PIPESTATUS[0]} ))
 fi
 if [ "$what" = disk ]; then
-    python3 bench/bench_prefix_cache.py "${real[@]}" --repeats 3 --scenarios disk \
+    python3 -m bench.bench_prefix_cache "${real[@]}" --repeats 3 --scenarios disk \
         --out "$out/prefix_cache_h200_disk4.json" 2>&1 | tee "$out/prefix_cache_h200_disk4.log"
     status=$(( status | ${PIPESTATUS[0]} ))
-    python3 bench/bench_prefix_cache.py "${real[@]}" --depth 78 --repeats 2 --scenarios disk \
+    python3 -m bench.bench_prefix_cache "${real[@]}" --depth 78 --repeats 2 --scenarios disk \
         --out "$out/prefix_cache_h200_disk_depth78.json" 2>&1 | tee "$out/prefix_cache_h200_disk_depth78.log"
     status=$(( status | ${PIPESTATUS[0]} ))
 fi
 if [ "$what" = moe-prefill ]; then
-    python3 bench/bench_moe_prefill.py --out "$out/moe_prefill_h200.json" 2>&1 | tee "$out/moe_prefill_h200.log"
+    python3 -m bench.bench_moe_prefill --out "$out/moe_prefill_h200.json" 2>&1 | tee "$out/moe_prefill_h200.log"
     status=$(( status | ${PIPESTATUS[0]} ))
 fi
 if [ "$what" = moe ]; then
     ckpt="$(mktemp -d)"
-    python3 -c "import sys; from pathlib import Path; sys.path.insert(0, '.'); \
-from bench.bench_prefix_cache import real_dims_checkpoint; real_dims_checkpoint(Path('$ckpt'), 3, 32768, 256, 1)"
+    python3 -m bench.lib.checkpoints "$ckpt" --layers 3 --vocab 32768 --moe-experts 256 --dense-layers 1
     mix=(--real-dims --model-dir "$ckpt/real_dims" --device cuda --depth 78)
-    python3 bench/bench_prefix_cache.py "${mix[@]}" --scenarios turns one-word --repeats 4 --off-repeats 1 \
+    python3 -m bench.bench_prefix_cache "${mix[@]}" --scenarios turns one-word --repeats 4 --off-repeats 1 \
         --out "$out/prefix_cache_h200_glm53mix.json" 2>&1 | tee "$out/prefix_cache_h200_glm53mix.log"
     status=$(( status | ${PIPESTATUS[0]} ))
-    python3 bench/bench_prefix_cache.py "${mix[@]}" --scenarios disk --repeats 1 --page-cache-samples 2 \
+    python3 -m bench.bench_prefix_cache "${mix[@]}" --scenarios disk --repeats 1 --page-cache-samples 2 \
         --out "$out/prefix_cache_h200_glm53mix_disk.json" 2>&1 | tee "$out/prefix_cache_h200_glm53mix_disk.log"
     status=$(( status | ${PIPESTATUS[0]} ))
 fi
 if [ "$what" = exl3 ]; then
-    python3 -c "import sys; sys.path[:0] = ['tests/gpu']; import exllamav3_ref as r; \
-r.build_in_background('$out/exllamav3_build.log')"
+    python3 -c "from bench.lib.exllamav3 import exllamav3_reference; \
+exllamav3_reference().build_in_background('$out/exllamav3_build.log')"
     python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_exl3_cuda.py 2>&1 | tee "$out/exl3_tests.log"
     status=$(( status | ${PIPESTATUS[0]} ))
-    python3 bench/bench_exl3_moe.py --exllamav3 ${EXL3_BENCH_ARGS:-} --out "$out/exl3_moe_h200.json" 2>&1 \
+    python3 -m bench.bench_exl3_moe --exllamav3 ${EXL3_BENCH_ARGS:-} --out "$out/exl3_moe_h200.json" 2>&1 \
         | tee "$out/exl3_moe_h200.log"
     status=$(( status | ${PIPESTATUS[0]} ))
 fi

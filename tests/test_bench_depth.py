@@ -1,4 +1,4 @@
-"""The benches' depth (bench_prefix_cache.deepen): a checkpoint's layers repeated with shared weights
+"""The benches' depth (bench.lib.checkpoints.deepen): a checkpoint's layers repeated with shared weights
 run exactly as a checkpoint that holds those layers, written here by renaming the tiny checkpoint's
 tensors; and GLM-5.3's layer mix (3 dense then MoE) from a mixed checkpoint. Every 78-layer number
 in bench/results rests on this."""
@@ -7,19 +7,14 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from bench.lib.checkpoints import deepen, layer_pick
 from tests.fixtures_tiny import TINY_CHUNK, tiny_dirs  # noqa: F401
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from bench.bench_prefix_cache import deepen, layer_pick  # noqa: E402
 
 LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 

@@ -1,4 +1,4 @@
-"""bench.benchmeta: the commit a result names (in a git checkout, dirty, and in a copy without .git),
+"""bench.lib.meta: the commit a result names (in a git checkout, dirty, and in a copy without .git),
 summaries, the atomic JSON write, and the header every bench result starts with."""
 from __future__ import annotations
 
@@ -11,11 +11,10 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from bench.lib import meta
+from bench.lib.meta import git_commit, result_header, summary, versions, write_json
 
-from bench import benchmeta  # noqa: E402
-from bench.benchmeta import git_commit, result_header, summary, versions, write_json  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _git(repo: Path, *args: str) -> str:
@@ -53,7 +52,7 @@ def test_copy_without_git_reports_env_commit_else_unknown(isolated_env):
     copy = isolated_env / "copy"
     shutil.copytree(REPO / "bench", copy / "bench", ignore=shutil.ignore_patterns("results", "__pycache__"))
     assert not (copy / ".git").exists()
-    probe = "import sys; sys.path.insert(0, '.'); from bench.benchmeta import git_commit; print(git_commit())"
+    probe = "from bench.lib.meta import git_commit; print(git_commit())"
     env = {k: v for k, v in os.environ.items() if k != "GLM53_KIT_COMMIT"}
     run = lambda e: subprocess.run([sys.executable, "-c", probe], cwd=copy, env=e, capture_output=True,  # noqa: E731
                                    text=True, check=True).stdout.strip()
@@ -108,6 +107,6 @@ def test_versions_and_header():
     h = result_header("demo", {"dtype": "bf16"}, device="cpu")
     assert h["bench"] == "demo" and h["settings"] == {"dtype": "bf16"}
     assert h["git_commit"] == git_commit()
-    assert h["device"] == f"{benchmeta.cpu_model()} ({os.cpu_count()} cores)"
+    assert h["device"] == f"{meta.cpu_model()} ({os.cpu_count()} cores)"
     assert h["cpu_cores"] == os.cpu_count() and h["torch_threads"] == torch.get_num_threads()
     assert set(h["versions"]) >= {"python", "torch", "triton"}

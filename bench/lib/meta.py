@@ -1,7 +1,7 @@
 """What every benchmark result carries (/work/shared/BENCH.md): the kit's commit, the device, the
 versions, the settings, and median/min/max over the samples; written atomically as JSON.
 
-    from bench.benchmeta import result_header, summary, write_json
+    from bench.lib.meta import result_header, summary, write_json
     result = {**result_header("my_bench", {"dtype": "bf16", "ranks": 1}, device="cuda"), "results": rows}
     write_json(out, result)
 
@@ -22,7 +22,8 @@ from typing import Any
 
 from glm53.atomic_json import write_json_atomic
 
-KIT_ROOT = Path(__file__).resolve().parents[1]
+KIT_ROOT = Path(__file__).resolve().parents[2]
+RESULTS = KIT_ROOT / "bench" / "results"
 COMMIT_ENV = "GLM53_KIT_COMMIT"
 
 
@@ -111,3 +112,11 @@ def result_header(bench_name: str, settings: dict[str, Any], device: Any = "cpu"
     return {"bench": bench_name, "git_commit": git_commit(), "device": device_description(device),
             "cpu_cores": os.cpu_count(), "torch_threads": threads, "versions": versions(extra_versions),
             "settings": settings}
+
+
+def cpu_environment(header: dict[str, Any]) -> dict[str, object]:
+    """The `environment` block the header-verification and deep-hash results carry beside the header
+    (their readers look for it there); header is result_header(..., extra_versions=("huggingface_hub",))."""
+    return {"git_commit": header["git_commit"], "device": f"CPU: {cpu_model()}", "cpu_cores": header["cpu_cores"],
+            "python": header["versions"]["python"], "huggingface_hub": header["versions"]["huggingface_hub"],
+            "platform": platform.platform()}

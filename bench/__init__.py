@@ -1,0 +1,1 @@
+"""The kit's benchmarks: bench_*.py scripts run as modules (`python -m bench.bench_x`), bench.lib shared."""
