@@ -10,7 +10,7 @@ engine runs it; timed on the third turn, median of --repeats fresh conversations
 - lookup: lookup() as the engine calls it (live tokens as the TokenLog's array, the last lookup's
   chain hashes reused for the common prefix);
 - lookup, full rework: the same lookup with the live tokens as a plain list and no remembered
-  chain, i.e. converting and hashing the whole history, what every lookup cost before;
+  chain, i.e. converting and hashing the whole history on every lookup;
 - store: store() after the reply (rows are views of a CPU tensor; copying them is not the point).
 Prints a table; JSON to --out. Exit 0.
 """

@@ -31,7 +31,7 @@ SHAPES = ((256, 2048, 4, 32), (256, 19000, 4, 32), (1, 19000, 4, 32), (2048, 204
 
 
 def padded_gemm(q: torch.Tensor, hw: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
-    """The form replaced in the tenth session: every query in one GEMM per head."""
+    """The padded-GEMM form the per-query products are compared with: every query in one GEMM per head."""
     def pad(x: torch.Tensor, multiple: int) -> torch.Tensor:
         return F.pad(x, (0, 0, 0, (-x.shape[0]) % multiple))
 

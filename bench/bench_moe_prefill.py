@@ -7,8 +7,7 @@ GLM-5.3's bank by default (256 experts of width 2048 over hidden 6144, top 8, bf
 holds them after decoding EXL3: 19 GB), random routing, T tokens a piece (default 2048, 2700 and
 8192: whether a piece reads the bank's 19 GB faster than it computes, so that longer pieces would
 cost less a token, is the time per token across them). The sorted form runs once per --row-tiles
-value, with linear's tile for that many rows (64: the 64x64 mid tile, the engine's GROUPED_ROWS
-before the twenty-first session; 2048: the 128x128 prefill tile, which reads each expert's matrix
+value, with linear's tile for that many rows (64: the 64x64 mid tile; 2048: the 128x128 prefill tile, the engine's GROUPED_ROWS, which reads each expert's matrix
 once for up to 128 rows instead of 64).
 Time: wall clock of the call with the device synchronised before and after (the loop is bound by
 its launches and its host sync, so events alone would miss its host time); arms alternate, the

@@ -1,5 +1,5 @@
 """Restoring cached rows into a fresh KV cache: growing it as blocks arrive against reserving the
-prompt's room first (what Glm53Engine._state_for now does before a restore), side by side.
+prompt's room first (what Glm53Engine._state_for does before a restore), side by side.
 
     python -m bench.bench_restore                 # CPU: 8192 positions x 78 layers at GLM-5.3 dims
     python -m bench.bench_restore --device cuda --positions 94000

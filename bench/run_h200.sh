@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One lent-GPU session: the CUDA tests of the row-invariant forward, the CUDA graphs and the prefix
+# One call on a lent GPU: the CUDA tests of the row-invariant forward, the CUDA graphs and the prefix
 # cache, then the prefix-cache and decode (graphs vs eager) benchmarks at GLM-5.3 layer dimensions. Logs and JSON go to $OUT (the device tool's
 # folder) or ./gpu_out. The copy on the GPU machine has no .git: pass the commit as the first argument.
 #   bash bench/run_h200.sh <commit> [tests|bench|all|depth|disk|moe-prefill|moe|exl3]
