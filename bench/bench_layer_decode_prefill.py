@@ -34,6 +34,7 @@ from dataclasses import replace
 import torch
 
 from bench.lib.meta import RESULTS, device_description, result_header, summary, write_json
+from bench.lib.timing import call_timer
 from glm53.config import Glm53Config
 from glm53.engine import prefill_pieces
 from glm53.kv_state import KVState
@@ -176,28 +177,11 @@ def layer_flops(cfg: Glm53Config, moe: bool, tokens: int, context_end: int) -> f
 
 
 # ---- timing --------------------------------------------------------------------------------------
-def timer(device: torch.device):  # noqa: ANN201
-    if device.type == "cuda":
-        def timed(fn) -> float:  # noqa: ANN001
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            stop.record()
-            stop.synchronize()
-            return start.elapsed_time(stop) / 1e3
-    else:
-        def timed(fn) -> float:  # noqa: ANN001
-            t = time.perf_counter()
-            fn()
-            return time.perf_counter() - t
-    return timed
-
-
 def copy_bandwidth(device: torch.device, gib: float, reps: int) -> dict:
     n = int(gib * (1 << 30)) // 2
     src = torch.empty(n, dtype=torch.bfloat16, device=device).normal_()
     dst = torch.empty_like(src)
-    timed = timer(device)
+    timed = call_timer(device)
     for _ in range(2):
         timed(lambda: dst.copy_(src))
     samples = [timed(lambda: dst.copy_(src)) for _ in range(reps)]
@@ -221,7 +205,7 @@ def bench_decode(model: Glm53Model, layer: LayerWeights, context: int, kv_dtype:
     pos = torch.tensor([context], device=model.device)
     cos, sin = rope_angles(model.inv_freq, pos, model.dtype)
     xs = [r(1, model.cfg.hidden_size, std=1.0) for _ in range(4)]  # rotated inputs
-    timed = timer(model.device)
+    timed = call_timer(model.device)
     span = Span(pos, context, context + 1)
     run = lambda i: model._layer(state, layer, xs[i % len(xs)], span, cos, sin, None)  # noqa: E731
     for i in range(warmup):
@@ -242,7 +226,7 @@ def bench_prefill(model: Glm53Model, layer: LayerWeights, tokens: int, chunk: in
             cos, sin = angles[a]
             model._layer(state, layer, x[a:b], Span(torch.arange(a, b, device=model.device), a, b), cos, sin, None)
 
-    timed = timer(model.device)
+    timed = call_timer(model.device)
     for _ in range(warmup):
         run()
     return [timed(run) for _ in range(reps)]

@@ -30,13 +30,13 @@ import os
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from bench.lib.meta import RESULTS, git_commit
+from bench.lib.timing import call_timer
 from glm53.model.indexer import IndexerWeights, Selection, index_scores, select_topk
 from glm53.model.mla import AttentionWeights, attend, attend_expanded
 
@@ -59,24 +59,6 @@ def version(module: str) -> str | None:
         return __import__(module).__version__
     except ImportError:
         return None
-
-
-def timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
-    """Seconds one call takes (CUDA events on GPU)."""
-    def cuda_time(fn: Callable[[], object]) -> float:
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(stop) / 1e3
-
-    def cpu_time(fn: Callable[[], object]) -> float:
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
-
-    return cuda_time if device.type == "cuda" else cpu_time
 
 
 def build(d: dict, device: torch.device, dtype: torch.dtype, g: torch.Generator) -> tuple[AttentionWeights, IndexerWeights]:
@@ -126,7 +108,7 @@ def run_history(d: dict, tk: int, attn: AttentionWeights, ix: IndexerWeights, de
         "index_scores": lambda: index_scores(ix, q_idx, x_norm, keys, q_pos),
         "select": lambda: select_topk(scores, k),
     }
-    time_one = timer(device)
+    time_one = call_timer(device)
     for _ in range(warmup):
         for fn in calls.values():
             time_one(fn)

@@ -29,11 +29,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 
 import torch
 
 from bench.lib.meta import installed_version, result_header, summary, write_json
+from bench.lib.timing import call_timer
 from glm53.config import Glm53Config
 from glm53.model.indexer import IndexerWeights
 from glm53.model.mla import AttentionWeights
@@ -93,23 +93,6 @@ class CountingExperts:
         return self.inner(x, ids, weights)
 
 
-def make_timer(device: str):
-    if device == "cuda":
-        def timed(fn) -> float:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            return a.elapsed_time(b) * 1e3      # us
-    else:
-        def timed(fn) -> float:
-            t = time.perf_counter()
-            fn()
-            return (time.perf_counter() - t) * 1e6
-    return timed
-
-
 def bench_case(cfg, kind, routing, context, ks, reps, warmup, device, dtype, seed) -> dict:
     layer = build_layer(cfg, kind, routing, device, dtype, seed)
     embed = _rand((1024, cfg.hidden_size), device, dtype, torch.Generator(device=device).manual_seed(seed + 1), std=1.0)
@@ -121,14 +104,14 @@ def bench_case(cfg, kind, routing, context, ks, reps, warmup, device, dtype, see
     state.write_latent(0, 0, _rand((context, cfg.latent_dim), device, dtype, g, std=1.0))
     state.write_index(0, 0, _rand((context, cfg.index_head_dim), device, dtype, g, std=1.0))
     state.tokens.extend([0] * context)
-    timed = make_timer(device)
+    seconds = call_timer(device)
     samples: dict[int, list[float]] = {k: [] for k in ks}
     distinct: dict[int, list[int]] = {k: [] for k in ks}
     tok_g = torch.Generator().manual_seed(seed + 3)
     for rep in range(warmup + reps):
         for k in ks:                                      # interleaved: every k sees the same conditions
             toks = torch.randint(0, 1024, (k,), generator=tok_g).tolist()
-            us = timed(lambda: model.forward(state, toks, context))
+            us = seconds(lambda: model.forward(state, toks, context)) * 1e6
             state.truncate(context)
             if rep >= warmup:
                 samples[k].append(us)
@@ -145,12 +128,12 @@ def bench_case(cfg, kind, routing, context, ks, reps, warmup, device, dtype, see
 def bench_head(cfg, ks, reps, warmup, device, dtype, seed) -> dict:
     g = torch.Generator(device=device).manual_seed(seed)
     head = _rand((cfg.vocab_size, cfg.hidden_size), device, dtype, g)
-    timed = make_timer(device)
+    seconds = call_timer(device)
     samples: dict[int, list[float]] = {k: [] for k in ks}
     for rep in range(warmup + reps):
         for k in ks:
             x = _rand((k, cfg.hidden_size), device, dtype, g, std=1.0)
-            us = timed(lambda: (x @ head.T).float())
+            us = seconds(lambda: (x @ head.T).float()) * 1e6
             if rep >= warmup:
                 samples[k].append(us)
     return {"kind": "lm_head", "routing": None, "context": None, "samples_us": {str(k): v for k, v in samples.items()},
