@@ -1,5 +1,5 @@
 """bench/results holds the measurements the docs publish, indexed by one summary page: every relative
-link there resolves, every file there is linked from it (or from the decision records), and no file
+link there resolves, every file there is linked from it (or from a decision record in docs/decisions/), and no file
 is named after the work that produced it rather than what it measures."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 SUMMARY = RESULTS / "README.md"
-DECISIONS = ROOT / "docs" / "decisions.md"
+DECISIONS = sorted((ROOT / "docs" / "decisions").glob("*.md"))
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
@@ -25,12 +25,13 @@ def test_every_relative_link_in_the_summary_resolves() -> None:
 
 
 def test_every_relative_link_in_the_decision_records_resolves() -> None:
-    broken = [t for t in relative_links(DECISIONS) if not (DECISIONS.parent / t.split("#")[0]).exists()]
-    assert not broken, f"docs/decisions.md links to missing files: {broken}"
+    broken = [f"{page.name}: {t}" for page in DECISIONS for t in relative_links(page)
+              if not (page.parent / t.split("#")[0]).exists()]
+    assert not broken, f"docs/decisions/ links to missing files: {broken}"
 
 
 def test_every_result_file_is_linked_from_the_summary_or_a_decision() -> None:
-    linked = {(page.parent / t).resolve() for page in (SUMMARY, DECISIONS) for t in relative_links(page)}
+    linked = {(page.parent / t).resolve() for page in (SUMMARY, *DECISIONS) for t in relative_links(page)}
     orphans = sorted(p.name for p in RESULTS.iterdir() if p != SUMMARY and p.resolve() not in linked)
     assert not orphans, f"files nothing publishes (git rm them, or link them from the summary): {orphans}"
 

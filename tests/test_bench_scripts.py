@@ -17,7 +17,7 @@ SCRIPTS = sorted(p.stem for p in BENCH.glob("bench_*.py"))
 
 def test_there_are_bench_scripts_and_no_probes() -> None:
     assert len(SCRIPTS) >= 20
-    assert not list(BENCH.glob("probe_*.py")), "a probe that answered its question goes into docs/decisions.md"
+    assert not list(BENCH.glob("probe_*.py")), "a probe that answered its question goes into a decision record (docs/decisions/)"
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
