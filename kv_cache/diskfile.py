@@ -9,7 +9,7 @@ offset, 64-byte aligned, so decoded tensors are views into the read buffer, no c
 one's size), the payload length and the payload's XXH3-128. The header's own digest
 is SHA-256 (it is small); the payload's is XXH3 because a resume verifies every byte it reads:
 SHA-256 ran at 1.26 GB/s a core on the H200 host, XXH3-128 at 7.7 (77 at 16 threads,
-bench/probe_disk_read.py), and at GLM-5.3's depth a 94k-token resume is 8.7 GiB. The checksum
+docs/decisions/host-copies-and-disk-reads.md), and at GLM-5.3's depth a 94k-token resume is 8.7 GiB. The checksum
 guards against torn, truncated or rotted files, not against someone who can write the cache
 folder (they could write a consistent file under any digest). xxhash releases the GIL, so
 reader threads verify in parallel.
@@ -111,7 +111,7 @@ def pack(rows: Rows, runs: list["Run"], buf: torch.Tensor) -> None:
     as one grouped copy.
 
     Why a memcpy: restore.py's readers pack in parallel, and a torch copy runs as an intra-op
-    parallel loop with its own thread team in each reader. On the H200 host (bench/probe_host_pack.py:
+    parallel loop with its own thread team in each reader. On the H200 host (docs/decisions/host-copies-and-disk-reads.md:
     8 readers, a 94k resume at 78 layers from the host tier, 256-position nodes): a torch copy
     per tensor 0.92-1.19 s, a memmove per tensor 0.78-0.80 s (the copying thread slowed: the
     GIL taken back ~117 times a node), a memmove per stack 0.35-0.39 s."""

@@ -70,7 +70,7 @@ def attention_candidates(heads: int, d: int, value_dim: int, dtype: torch.dtype)
     # BLOCK_N 32: 4.1 ms; BLOCK_H 32: 7.7 ms); BLOCK_N 128 runs out of shared memory.
     # The rest are for GPUs with less shared memory a block: GB10 (DGX Spark, sm_121) has 99 KB,
     # where the first needs 176 KB (Triton 3.9, AOT for sm_121 with the launch's specialization:
-    # tests/test_triton_compile.py). H200 side by side (bench/probe_attention_candidates.py --configs,
+    # tests/test_triton_compile.py). H200 side by side (docs/decisions/triton-configs.md,
     # Triton 3.6; GB10's own times need a GB10), prefill time against the first's, whether the split
     # decode kernels agree (else decode runs the prefill kernel: 260 us a layer against 59-107),
     # shared memory there / for sm_121:
@@ -110,7 +110,7 @@ def split_candidates(heads: int, d: int, value_dim: int, dtype: torch.dtype,
     kernel runs attention_config). num_warps is the prefill kernel's: the re-layout must land on its
     layout (the tiny model's 4 heads with 4 warps differ in bits). RELAYOUT 1 dots constant zeros
     (fastest; a compiler could fold them away, then the check fails), 2 loaded zeros.
-    H200 (bench/probe_split_attention.py, bench/results/split_attention_h200.json), T = 1 over 2048
+    H200 (docs/decisions/triton-configs.md, bench/results/split_attention_h200.json), T = 1 over 2048
     slots: GLM-5.3 bf16 60 us against the prefill kernel's 182, fp32 133 against 1725, the tiny
     model 45 against 55."""
     warps = attention_config(heads, d, value_dim, dtype, fitted)[2]
@@ -512,7 +512,7 @@ def prefix_choice(heads: int, d: int, value_dim: int, dtype: torch.dtype, rows_d
     """Whether calls that give validity as a prefix may compare instead of loading it: checked once
     per shape key on the device (`prefix_agreement`; a prefix form that does not fit the device's
     shared memory fails too), so the form never changes a result. On the H200 it fails at 16 heads
-    and fewer (bench/probe_prefix_form.py): there BLOCK_H 16 makes the dots mma.sync ones, and Triton
+    and fewer (docs/decisions/triton-configs.md): there BLOCK_H 16 makes the dots mma.sync ones, and Triton
     gives their operands another kWidth in the two forms (4 loaded, 2 compared; Triton 3.9's TTGIR),
     which groups the K products otherwise, so the prefill kernel's own bits differ, full rows too.
     At 64 heads the dots are wgmma ones from shared memory, and both forms agree. The interpreter:

@@ -12,7 +12,7 @@ the tile config chosen by M; that is row-invariant because the tensor-core paths
 BLOCK_M (mma.sync at 16, wgmma at >= 64 on Hopper), BLOCK_N and BLOCK_K (64, 128, 256: the same
 ascending k16 steps into one fp32 accumulator) give bitwise-equal per-element sums: measured on
 the H200 by bench/bench_kernels.py's probe (seven configs, every M and offset tried: identical
-bits; bench/results/kernels_h200.json) and by bench/probe_decode_tiles.py (36 decode configs over
+bits; bench/results/kernels_h200.json) and by a probe of 36 decode configs over
 eleven GLM-5.3 shapes: identical bits; bench/results/decode_tiles_h200.json), and guarded by
 tests/gpu/test_triton_cuda.py. Every device checks it again at first use of each shape
 (`row_tiles_agree`: random rows against the layer's own weight, each row-count tile against the
@@ -56,14 +56,14 @@ def linear_config(m: int, n: int, k: int, dtype: torch.dtype) -> LinearConfig:
         # router / indexer head weights: small fp32 products, FMA dots (ieee: each output one fma
         # chain over K in order, whatever the tile: all 24 probed configs gave the same bits)
         if CONFIG_BY_ROWS and m <= 16:
-            # H200 M=1 (bench/probe_decode_tiles.py --only fp32, decode_tiles_fp32_h200.json): the
+            # H200 M=1 (docs/decisions/triton-configs.md, decode_tiles_fp32_h200.json): the
             # indexer's head weights [32, 6144] 269 -> 118 us, the router [256, 6144] 350 -> 119 us;
             # a chain of 6144 dependent steps bounds a program, so more stages, not more programs
             return LinearConfig(16, 16, 128, 4, 4)
         return LinearConfig(32, 32, 32, 4, 2)
     if CONFIG_BY_ROWS:
         if m <= 16:  # decode / short verify windows: narrow column tiles (many programs stream w), long K steps
-            # H200 M=1 (bench/probe_decode_tiles.py, bench/results/decode_tiles_h200.json; all 36
+            # H200 M=1 (docs/decisions/triton-configs.md, bench/results/decode_tiles_h200.json; all 36
             # candidates bitwise equal to the prefill tiles): q_a 21 -> 11 us, o_proj 68 -> 53 us,
             # the eleven GLM-5.3 shapes 382 -> 315 us (the best per shape: 305)
             return LinearConfig(16, 16, 256, 4, 5) if n <= 2048 else LinearConfig(16, 32, 128, 4, 5)
@@ -80,7 +80,7 @@ def head_linear_config(n: int, k: int, dtype: torch.dtype, t: int) -> LinearConf
     if dtype == torch.float32:
         return LinearConfig(32, 32, 32, 4, 2)
     if CONFIG_BY_ROWS and t <= 16:
-        # H200 T=1 (probe_decode_tiles.py --only head, decode_tiles_head_h200.json; all 24 candidates
+        # H200 T=1 (docs/decisions/triton-configs.md, decode_tiles_head_h200.json; all 24 candidates
         # bitwise equal to T=2048's rows): w_uk 6.8 -> 5.5 us, w_uv 8.2 -> 7.1 us
         return LinearConfig(16, 64, 64, 4, 3)
     return LinearConfig(128, 128, 64, 8, 3)  # H200: 91-102 us at T=2048 (64x64 tiles: 117-128)

@@ -43,7 +43,7 @@ warps a program; bench/results/select_topk_resident_h200.json).
 
 What it replaces: torch.topk over k + 1 columns, a tie test (a host sync), a packed int64 top-k for
 tied rows and a sort of the chosen columns, ~15 kernels and two syncs per 'full' layer's prefill
-piece. H200, side by side (bench/bench_select_topk.py, bench/results/select_topk_h200_session11.json):
+piece. H200, side by side (bench/bench_select_topk.py, bench/results/select_topk_h200_digit_bits.json):
 4.8x the torch form at 2048 rows x 2048 keys, 6.4x at 652 x 2700, 2.4x at 2048 x 16205, 1.6x at
 2048 x 65536, 1.2x at 2048 x 262144. The ninth session's form (four full passes of 512-bin
 histograms, the non-matching elements spread over 256 of them) was 1.3-1.7x slower; 4 or 2 bits a
@@ -72,7 +72,7 @@ BLOCK = 2048  # columns a program of the split form handles
 # 0.539 ms at 1869 x 16205 keys against 0.703 for 2048 x 4 and 0.661 for 4096 x 8)
 ROW_BLOCK = 1024
 # rows longer than this keep the torch form (measured up to here: the kernel 1.23x faster than
-# torch.topk at 2048 x 262144 on the H200, bench/results/select_topk_h200_session11.json)
+# torch.topk at 2048 x 262144 on the H200, bench/results/select_topk_h200_digit_bits.json)
 MAX_KEYS = 262144
 DIGIT_BITS = 8  # bits of the threshold key found per pass: 256 bins
 SPLIT_ROWS = 16  # windows of up to this many rows (decode, verification) split each row over programs
