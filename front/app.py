@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from front import observe, replies
+from front import glm_markup, observe, replies
 from front.access import AccessLog, AccessRecord, record_of
 from front.auth import check_key
 from front.errors import ApiError, error_body, on_api_error, on_http_exception, on_request_validation, on_unexpected
@@ -168,23 +168,29 @@ async def generate(front: FrontState, request: Request,
                    model: type[ChatCompletionRequest] | type[CompletionRequest]) -> Response:
     service = front.serving()
     raw = await read_body(request, service.settings.max_body_bytes)
-    loop = asyncio.get_running_loop()
-    body: GenerationRequest = await loop.run_in_executor(service.pool, parse, raw, model)
-    if body.model not in (None, service.settings.served_model):
-        raise unknown_model(body.model, service, "model")
-    prepared: Prepared = await loop.run_in_executor(service.pool, service.prepare, body)
-    record = record_of(request.scope)
+    body: GenerationRequest = await asyncio.get_running_loop().run_in_executor(service.pool, parse, raw, model)
     chat = isinstance(body, ChatCompletionRequest)
-    head = replies.ReplyHead(("chatcmpl-" if chat else "cmpl-") + record.rid, service.settings.served_model, chat)
-    events = JobEvents(lambda result: record_job(front.metrics, job, result))
-    job = Job(prompt=prepared.prompt, max_tokens=prepared.max_tokens, sampling=prepared.sampling, events=events,
-              rid=head.id, timing=Timing(time.perf_counter(), arrived=record.start))
-    service.worker.submit(job)
-    run = Generation(service, body, job, events, record, head)
+    record = record_of(request.scope)
+    run = await start_generation(front, service, body, record, ("chatcmpl-" if chat else "cmpl-") + record.rid)
     if body.stream:
         return StreamingResponse(run.stream(request), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     return await run.complete(request)
+
+
+async def start_generation(front: FrontState, service: Service, body: GenerationRequest, record: AccessRecord,
+                           reply_id: str) -> "Generation":
+    """The path every generation route shares once its body is a GenerationRequest: the model's name,
+    the prompt (on the pool), one job on the engine's worker."""
+    if body.model not in (None, service.settings.served_model):
+        raise unknown_model(body.model, service, "model")
+    prepared: Prepared = await asyncio.get_running_loop().run_in_executor(service.pool, service.prepare, body)
+    head = replies.ReplyHead(reply_id, service.settings.served_model, isinstance(body, ChatCompletionRequest))
+    events = JobEvents(lambda result: record_job(front.metrics, job, result))
+    job = Job(prompt=prepared.prompt, max_tokens=prepared.max_tokens, sampling=prepared.sampling, events=events,
+              rid=head.id, timing=Timing(time.perf_counter(), arrived=record.start), steer=prepared.steer)
+    service.worker.submit(job)
+    return Generation(service, body, prepared, job, events, record, head)
 
 
 def record_job(metrics: Metrics, job: Job, result: dict[str, Any]) -> None:
@@ -194,11 +200,13 @@ def record_job(metrics: Metrics, job: Job, result: dict[str, Any]) -> None:
 
 
 class Generation:
-    """One submitted job and its reply: awaited whole, or streamed as SSE chunks."""
+    """One submitted job and its reply: awaited whole, or streamed. The OpenAI bodies and chunks are
+    built here (`complete`, `stream`); other APIs read the same job through `result` and `events_of`."""
 
-    def __init__(self, service: Service, body: GenerationRequest, job: Job, events: JobEvents, record: AccessRecord,
-                 head: replies.ReplyHead) -> None:
-        self.service, self.body, self.job, self.events, self.record, self.head = service, body, job, events, record, head
+    def __init__(self, service: Service, body: GenerationRequest, prepared: Prepared, job: Job,
+                 events: JobEvents, record: AccessRecord, head: replies.ReplyHead) -> None:
+        self.service, self.body, self.prepared, self.job = service, body, prepared, job
+        self.events, self.record, self.head = events, record, head
         self.finished = False
 
     def watch(self, request: Request) -> asyncio.Task[None]:
@@ -224,7 +232,19 @@ class Generation:
     def usage(self, result: dict[str, Any]) -> dict[str, Any]:
         return self.service.usage(len(self.job.prompt), result["tokens"], result["stats"])
 
-    async def complete(self, request: Request) -> Response:
+    def finish_reason(self, result: dict[str, Any]) -> str:
+        """"stop" (the model's end, or the steering's: one call only) or "length", before tool calls."""
+        if result.get("stopped"):
+            return "stop"
+        return self.service.finish_reason(result["tokens"], self.body.sampling())
+
+    def parser(self, id_prefix: str) -> glm_markup.ReplyParser | None:
+        """The reply's markup parser (chat), or None (plain text)."""
+        spec = self.prepared.reply
+        return spec.parser(self.service.text, id_prefix) if spec is not None else None
+
+    async def result(self, request: Request) -> dict[str, Any] | None:
+        """The job's result once it is done (None: the client left); an engine failure raises a 500."""
         watcher = self.watch(request)
         try:
             while True:
@@ -236,41 +256,62 @@ class Generation:
                     break
         finally:
             self.stop(watcher)
-        if value.get("cancelled"):
-            return Response(status_code=499)  # nginx's "client closed request": nobody reads it
-        tokens = value["tokens"]
-        return JSONResponse(replies.completion_body(
-            self.head, replies.message(self.service.text, tokens),
-            self.service.finish_reason(tokens, self.body.sampling()), self.usage(value)))
+        return None if value.get("cancelled") else value
 
-    async def stream(self, request: Request) -> AsyncIterator[bytes]:
-        deltas = replies.MessageDeltas(self.service.text)
+    async def events_of(self, request: Request) -> AsyncIterator[tuple[str, Any]]:
+        """The job's events as they come ("started", "tokens", then "done" with the result, or "error"
+        with the ApiError to send); nothing after a cancelled job's end. The client's disconnect is
+        watched meanwhile."""
         watcher = self.watch(request)
         try:
-            if self.head.chat:
-                yield replies.sse(replies.chunk(self.head, {"role": "assistant", "content": ""}))
             while True:
                 kind, value = await self.events.get()
-                if kind == "tokens":
-                    for delta in deltas.push(value):
-                        yield replies.sse(replies.chunk(self.head, delta))
-                    continue
                 if kind == "error":
-                    error = self.failure(value)
                     self.record.outcome = 500
-                    yield replies.sse(error.body())
+                    yield kind, self.failure(value)
                     return
-                self.finished = True
-                if value.get("cancelled"):
-                    self.record.outcome = 499
+                if kind == "done":
+                    self.finished = True
+                    if value.get("cancelled"):
+                        self.record.outcome = 499
+                        return
+                yield kind, value
+                if kind == "done":
                     return
+        finally:
+            self.stop(watcher)
+
+    async def complete(self, request: Request) -> Response:
+        result = await self.result(request)
+        if result is None:
+            return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+        finish = self.finish_reason(result)
+        parser = self.parser("call_" + self.record.rid)
+        if parser is None:
+            message = replies.message(self.service.text, result["tokens"])
+        else:
+            reply = glm_markup.Reply.of(parser.push(result["tokens"]) + parser.finish())
+            message, finish = replies.chat_message(reply), reply.finish_reason(finish)
+        return JSONResponse(replies.completion_body(self.head, message, finish, self.usage(result)))
+
+    async def stream(self, request: Request) -> AsyncIterator[bytes]:
+        parser = self.parser("call_" + self.record.rid)
+        deltas = replies.ChatDeltas(parser) if parser is not None else replies.MessageDeltas(self.service.text)
+        if self.head.chat:
+            yield replies.sse(replies.chunk(self.head, {"role": "assistant", "content": ""}))
+        async for kind, value in self.events_of(request):
+            if kind == "tokens":
+                for delta in deltas.push(value):
+                    yield replies.sse(replies.chunk(self.head, delta))
+            elif kind == "error":
+                yield replies.sse(value.body())
+            elif kind == "done":
                 for delta in deltas.finish():
                     yield replies.sse(replies.chunk(self.head, delta))
-                tokens = value["tokens"]
-                yield replies.sse(replies.chunk(self.head, {}, self.service.finish_reason(tokens, self.body.sampling())))
+                finish = self.finish_reason(value)
+                if isinstance(deltas, replies.ChatDeltas) and deltas.called and finish == "stop":
+                    finish = "tool_calls"
+                yield replies.sse(replies.chunk(self.head, {}, finish))
                 if self.body.include_usage:
                     yield replies.sse(replies.chunk(self.head, None, usage=self.usage(value)))
                 yield replies.sse("[DONE]")
-                return
-        finally:
-            self.stop(watcher)

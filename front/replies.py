@@ -1,8 +1,9 @@
 """Response bodies and SSE chunks of the OpenAI routes, built from the engine's tokens.
 
-Token batches become message deltas (`MessageDeltas`: today `{"content": text}`); every SSE event
-is built by `chunk`, so that other kinds of delta (reasoning, tool calls) need a producer of deltas
-and nothing else.
+A chat reply's ids are read by GLM's markup parser (front/glm_markup.ReplyParser, set up by a
+`ReplySpec`): reasoning, content and tool calls, whole (`chat_message`) or as OpenAI deltas
+(`ChatDeltas`); /v1/completions' text is the plain decode (`MessageDeltas`, `message`). Every SSE event
+is built by `chunk`.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from front.chat import ChatText, IncrementalDecoder
+from front.glm_markup import Event, Reply, ReplyParser, ToolCallBegin, openai_delta
 
 Delta = dict[str, Any]  # a chat delta: {"role"?, "content"?, ...}
 
@@ -67,6 +69,46 @@ class MessageDeltas:
     def finish(self) -> list[Delta]:
         text = self._decoder.finish()
         return [{"content": text}] if text else []
+
+
+@dataclass(frozen=True)
+class ReplySpec:
+    """How a chat reply's ids are read: whether the prompt left the reply inside a thinking block, and
+    the calls it may make (name -> parameters schema, glm_markup.ToolPlan.schemas; None: none)."""
+
+    thinking_started: bool
+    tools: dict[str, Any] | None
+
+    def parser(self, text: ChatText, id_prefix: str) -> ReplyParser:
+        """Call ids are f"{id_prefix}_{index}": pass something unique to the request."""
+        return ReplyParser(text.tokenizer, self.thinking_started, self.tools, id_prefix)
+
+
+class ChatDeltas:
+    """A chat reply's token batches as OpenAI deltas: `reasoning_content`, `content` and `tool_calls`
+    (a call sent whole once its markup closed: index, id, type and name, then its arguments)."""
+
+    def __init__(self, parser: ReplyParser) -> None:
+        self._parser = parser
+        self.called = False  # a tool call was sent: the finish reason becomes "tool_calls"
+
+    def push(self, tokens: list[int]) -> list[Delta]:
+        return self._deltas(self._parser.push(tokens))
+
+    def finish(self) -> list[Delta]:
+        return self._deltas(self._parser.finish())
+
+    def _deltas(self, events: list[Event]) -> list[Delta]:
+        self.called = self.called or any(isinstance(e, ToolCallBegin) for e in events)
+        return [d for d in map(openai_delta, events) if d is not None]
+
+
+def chat_message(reply: Reply) -> Delta:
+    """The assistant message: content null only when the reply is tool calls alone (as OpenAI sends it)."""
+    msg = reply.message()
+    if msg["content"] is None and not reply.tool_calls:
+        msg["content"] = ""
+    return msg
 
 
 def message(text: ChatText, tokens: list[int]) -> Delta:
