@@ -1,5 +1,6 @@
 """The front's routes on FastAPI: POST /v1/chat/completions and /v1/completions (JSON or SSE),
-GET /v1/models and /v1/models/{id}, GET /health and /v1/health, GET /metrics.
+POST /v1/messages (Anthropic's Messages API, front/anthropic.py), GET /v1/models and /v1/models/{id},
+GET /health and /v1/health, GET /metrics.
 
 A generation request goes: API key, lane state (503 while loading, draining or failed), body under
 its limit, then on the service's thread pool the validation and the prompt (template, tokenizer,
@@ -19,7 +20,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from front import glm_markup, observe, replies
+from front import anthropic, glm_markup, observe, replies
 from front.access import AccessLog, AccessRecord, record_of
 from front.auth import check_key
 from front.errors import ApiError, error_body, on_api_error, on_http_exception, on_request_validation, on_unexpected
@@ -125,6 +126,10 @@ def create_app(front: FrontState) -> FastAPI:
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(request: Request) -> Response:
         return await generate(front, request, CompletionRequest)
+
+    @app.post("/v1/messages", dependencies=[Depends(authorized)])
+    async def anthropic_messages(request: Request) -> Response:
+        return await anthropic.messages(front, request)
 
     return app
 
