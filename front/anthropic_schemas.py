@@ -17,7 +17,9 @@ Translation (the decisions are in launcher/README.md, "Anthropic Messages API"):
 - tools (`input_schema`) -> function tools; tool_choice auto/any/tool/none -> auto/required/named/none;
   `disable_parallel_tool_use` -> parallel_tool_calls false.
 - thinking enabled (`budget_tokens`) -> enable_thinking and thinking_budget; disabled or absent ->
-  thinking off (Anthropic's default); adaptive -> thinking on, no budget.
+  thinking off (Anthropic's default); adaptive -> thinking on, no budget. `display` "summarized" is the
+  full reasoning here; "omitted" is refused. `output_config.effort` -> reasoning_effort (GLM-5.3's
+  rungs, glm_markup.EFFORT_RUNGS); `output_config.format` (structured output) is refused.
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ class MessagesRequest(BaseModel):
     model: str
     max_tokens: int = Field(ge=1, le=2**31)
     messages: list[Any] = Field(min_length=1)
-    system: str | list[Any] | None = None
+    system: Any = None  # a string or a list of text blocks (_system)
     stop_sequences: list[str] | None = None
     stream: bool | None = None
     temperature: float | None = Field(None, ge=0, le=1)
@@ -46,8 +48,10 @@ class MessagesRequest(BaseModel):
     tools: list[Any] | None = None
     tool_choice: Any = None
     thinking: Any = None
+    output_config: dict[str, Any] | None = None  # effort -> GLM-5.3's reasoning effort; format refused
     metadata: dict[str, Any] | None = None  # user_id: no effect on the reply
     service_tier: str | None = None  # one tier here
+    cache_control: dict[str, Any] | None = None  # the prefix cache reuses every prefix by itself
 
 
 def parse_messages(raw: bytes) -> tuple[MessagesRequest, ChatCompletionRequest]:
@@ -91,7 +95,26 @@ def to_chat(request: MessagesRequest) -> dict[str, Any]:
     chat["chat_template_kwargs"] = {"enable_thinking": enabled}
     if budget is not None:
         chat["thinking_budget"] = budget
+    effort = _effort(request.output_config)
+    if effort is not None:
+        if not enabled:
+            raise bad_request("'output_config.effort' sets how much the model thinks: enable thinking with "
+                              "'thinking' (enabled or adaptive) too", "output_config.effort")
+        chat["reasoning_effort"] = effort
     return chat
+
+
+def _effort(config: dict[str, Any] | None) -> str | None:
+    if config is None:
+        return None
+    unknown = sorted(set(config) - {"effort"})
+    if unknown:
+        raise bad_request(f"'output_config.{unknown[0]}' is not supported by this server", f"output_config.{unknown[0]}")
+    effort = config.get("effort")
+    if effort is not None and effort not in ("low", "medium", "high", "xhigh", "max"):
+        raise bad_request(f"'output_config.effort' must be low, medium, high, xhigh or max; got {effort!r}",
+                          "output_config.effort")
+    return effort
 
 
 # ---- blocks ----------------------------------------------------------------------------------------
@@ -129,11 +152,13 @@ def _text_only(content: Any, where: str) -> str:
     return "".join(parts)
 
 
-def _system(system: str | list[Any] | None) -> list[dict[str, Any]]:
+def _system(system: Any) -> list[dict[str, Any]]:
     if system is None:
         return []
     if isinstance(system, str):
         return [{"role": "system", "content": system}] if system else []
+    if not isinstance(system, list):
+        raise bad_request("'system' must be a string or a list of text blocks", "system")
     return [{"role": "system", "content": _text_only([block], f"system[{j}]")} for j, block in enumerate(system)]
 
 
@@ -256,6 +281,10 @@ def _thinking(raw: Any, max_tokens: int) -> tuple[bool, int | None]:
         return False, None
     thinking = _object(raw, "thinking")
     kind = thinking.get("type")
+    display = thinking.get("display")
+    if display not in (None, "summarized"):
+        raise bad_request(f"'thinking.display' {display!r} is not supported here: the reasoning is sent whole "
+                          "(summarized or unset)", "thinking.display")
     if kind == "disabled":
         return False, None
     if kind == "adaptive":

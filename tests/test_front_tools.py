@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from lane_fixtures import tiny_dirs, tiny_model  # noqa: F401  (the session's tiny checkpoint)
+from lane_fixtures import front_server, standin_for, tiny_dirs, tiny_model  # noqa: F401
 from scripted_model import MODEL, OBSERVATION, scripted, tiny_lane
 
 from front.glm_markup import END_THINK, THINK
@@ -159,19 +159,17 @@ def test_parallel_calls_and_parallel_tool_calls_false(lane, monkeypatch) -> None
     with scripted(monkeypatch, engine, f"{THINK}{END_THINK}{CALL}{CALL2}", end=OBSERVATION) as script:
         both = chat(sdk, tools=[WEATHER, TIME])
         stream = streamed(sdk, tools=[WEATHER, TIME])
-        one = chat(sdk, tools=[WEATHER, TIME], parallel_tool_calls=False)
-        one_stream = streamed(sdk, tools=[WEATHER, TIME], parallel_tool_calls=False)
+        one = streamed(sdk, tools=[WEATHER, TIME], parallel_tool_calls=False, stream_options={"include_usage": True})
     assert [c.function.name for c in both.choices[0].message.tool_calls] == ["get_weather", "get_time"]
     assert [(c["name"], json.loads(c["arguments"])) for c in stream["calls"]] == \
         [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {"zone": "CET"})]
     indexes = [tc.index for c in stream["chunks"] if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
     assert sorted(set(indexes)) == [0, 1]
     # one call only: the reply ends at the first call's </tool_call>, finish tool_calls
-    [call] = one.choices[0].message.tool_calls
-    assert call.function.name == "get_weather" and one.choices[0].finish_reason == "tool_calls"
+    assert [c["name"] for c in one["calls"]] == ["get_weather"] and one["finish"] == "tool_calls"
     tok = script.tok
-    assert one.usage.completion_tokens == len(tok.encode(f"{END_THINK}{CALL}", add_special_tokens=False).ids)
-    assert [c["name"] for c in one_stream["calls"]] == ["get_weather"] and one_stream["finish"] == "tool_calls"
+    assert one["chunks"][-1].usage.completion_tokens == \
+        len(tok.encode(f"{END_THINK}{CALL}", add_special_tokens=False).ids)
 
 
 def test_tool_choice_named_forces_the_call(lane, monkeypatch) -> None:
@@ -291,9 +289,16 @@ BAD = [
 ]
 
 
+@pytest.fixture(scope="module")
+def checked(tiny_model: Path) -> Iterator[tuple[Any, openai.OpenAI]]:  # noqa: F811
+    """Validation is the front's alone: a stand-in engine over the tiny checkpoint's tokenizer and template."""
+    with front_server(tiny_model, standin_for(tiny_model), context=1024) as server:
+        yield server, openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+
+
 @pytest.mark.parametrize("extra,param", BAD, ids=[p for _, p in BAD])
-def test_bad_fields_are_400_naming_the_field(lane, extra, param) -> None:
-    server, _, sdk = lane
+def test_bad_fields_are_400_naming_the_field(checked, extra, param) -> None:
+    server, sdk = checked
     body = {"model": MODEL, "messages": ASK, "max_tokens": 2, **extra}
     r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
     assert r.status_code == 400, r.text
@@ -303,8 +308,8 @@ def test_bad_fields_are_400_naming_the_field(lane, extra, param) -> None:
     assert ok.usage.completion_tokens == 2
 
 
-def test_chat_fields_are_refused_on_completions(lane) -> None:
-    server, _, _ = lane
+def test_chat_fields_are_refused_on_completions(checked) -> None:
+    server, _ = checked
     for name, value in (("tool_choice", "auto"), ("thinking_budget", 4), ("reasoning_effort", "low")):
         r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, name: value})
         assert r.status_code == 400 and r.json()["error"]["param"] == name, r.text
