@@ -313,3 +313,41 @@ def test_chat_fields_are_refused_on_completions(checked) -> None:
     for name, value in (("tool_choice", "auto"), ("thinking_budget", 4), ("reasoning_effort", "low")):
         r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, name: value})
         assert r.status_code == 400 and r.json()["error"]["param"] == name, r.text
+
+
+def test_a_steered_reply_is_one_job_and_cancels_like_one(tiny_model: Path) -> None:  # noqa: F811
+    """Bursts stay inside one job: one request in the metrics and the queue, the second burst's prompt
+    the first's plus the reply and the appended </think>; a client leaving mid-burst ends the job."""
+    from front.chat import ChatText
+    from lane_fixtures import wait_for
+    from tests.prometheus_text import parse_prometheus, value
+
+    end_think = ChatText(tiny_model).tokenizer.token_to_id(END_THINK)
+    engine = standin_for(tiny_model, delay=0.05)
+    with front_server(tiny_model, engine, context=1024) as server:
+        # a fixed seed: the stand-in's ids are then fixed too, none of them GLM's thinking markup
+        body = {"model": MODEL, "messages": ASK, "max_tokens": 9, "thinking_budget": 3, "ignore_eos": True, "seed": 7}
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 9
+        first, second = engine.calls
+        assert first["max_tokens"] == 3 and first["generated"] == 3 and second["max_tokens"] == 9 - 4
+        assert second["prompt"] == first["prompt"] + second["prompt"][len(first["prompt"]):len(first["prompt"]) + 3] \
+            + [end_think] and len(second["prompt"]) == len(first["prompt"]) + 4
+        assert first["sampling"]["seed"] == second["sampling"]["seed"] == 7
+        engine.calls.clear()  # without a seed the front draws one for all the bursts
+        httpx.post(server.url + "/v1/chat/completions", json={**body, "seed": None, "max_tokens": 4,
+                                                             "thinking_budget": 1}, timeout=30)
+        seeds = [c["sampling"].get("seed") for c in engine.calls]
+        assert len(seeds) == 2 and seeds[0] is not None and seeds[0] == seeds[1]
+        metrics = parse_prometheus(httpx.get(server.url + "/metrics").text)
+        assert value(metrics, "glm53_requests_total", route="/v1/chat/completions", status="200") == 2
+        assert value(metrics, "glm53_completion_tokens_total") == 9 + 4
+        engine.calls.clear()
+        with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=30,
+                          json={**body, "max_tokens": 400, "thinking_budget": 300, "stream": True}) as s:
+            lines = s.iter_lines()
+            next(lines)
+            next(lines)  # a token arrived: the job runs; leaving now cancels it
+        wait_for(lambda: "glm53_cancelled_total 1.0" in httpx.get(server.url + "/metrics").text, 30, "the cancel")
+        wait_for(lambda: engine.active == 0 and server.state.service.worker.depth() == 0, 30, "the job to end")
+        assert len(engine.calls) == 1 and engine.calls[0]["generated"] < 300  # no burst after the cancel
