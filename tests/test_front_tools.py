@@ -286,6 +286,20 @@ BAD = [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]},
         {"role": "user", "content": "x"}]}, "messages[0].tool_calls[0].function.arguments"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
+    # the legacy tool fields would change the reply: refused, not ignored
+    ({"functions": [WEATHER["function"]]}, "functions"),
+    ({"function_call": "auto"}, "function_call"),
+    # steered replies (front/combos.py): what the bursts cannot keep exact
+    ({"thinking_budget": 4, "presence_penalty": 0.5}, "presence_penalty"),
+    ({"thinking_budget": 4, "frequency_penalty": -0.5}, "frequency_penalty"),
+    ({"tools": [WEATHER], "tool_choice": "required", "logprobs": True}, "logprobs"),
+    ({"tools": [WEATHER], "parallel_tool_calls": False, "response_format": {"type": "json_object"}},
+     "response_format"),
+    # a JSON reply cannot think: the grammar would hold the thinking block
+    ({"response_format": {"type": "json_object"}, "chat_template_kwargs": {"enable_thinking": True}},
+     "response_format"),
+    ({"response_format": {"type": "json_object"}, "reasoning_effort": "high"}, "response_format"),
+    ({"response_format": {"type": "json_object"}, "thinking_budget": 8}, "response_format"),
 ]
 
 
