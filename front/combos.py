@@ -5,10 +5,11 @@
   thinking block. A request that explicitly asks for thinking as well is refused (400 naming
   response_format).
 - A steered reply (thinking_budget, a forced tool call, parallel_tool_calls false) runs as several
-  engine calls (front/steer.py) and the logits policy's state lives for one call: presence and
-  frequency penalties would forget the earlier bursts' tokens, a grammar would restart, and the ids the
-  front appends have no model log-probability. Those fields are refused with steering.
-  repetition_penalty (prompt and reply alike) and logit_bias (no state) hold across bursts.
+  engine calls (front/steer.py) and the logits policy lives for one call. Presence and frequency
+  penalties hold across them: the sampling's `reply_start` (front/service.py) makes each call count
+  the reply's tokens its prompt already holds. A grammar cannot: it would restart at each call and
+  cannot hold the ids the front appends; nor can logprobs: those ids have no model log-probability.
+  Those two are refused with steering.
 """
 from __future__ import annotations
 
@@ -49,10 +50,6 @@ STEERING = "thinking_budget, a forced tool_choice or parallel_tool_calls false"
 
 def check_steered(request: ChatCompletionRequest) -> None:
     """Refuse the fields a steered (burst-by-burst) reply cannot keep exact."""
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(request, name):
-            raise bad_request(f"'{name}' cannot be combined with {STEERING}: the reply is generated in bursts "
-                              "and the penalty would not count the earlier bursts' tokens", name)
     if wants_json(request):
         raise bad_request(f"'response_format' cannot be combined with {STEERING}: the grammar would restart at "
                           "each burst and cannot hold the ids the server appends", "response_format")

@@ -88,6 +88,8 @@ class Service:
             combos.check_steered(request)
             if fields.get("seed") is None:
                 fields["seed"] = secrets.randbits(63)  # one seed for every burst: they sample as one reply
+            # a later burst's prompt holds the reply so far: the penalties count it from here
+            fields["reply_start"] = len(prompt)
         try:
             samplings = [self.sampling_factory(choice) for choice in choice_fields(fields, request.choices)]
         except (ValueError, TypeError) as exc:

@@ -8,10 +8,11 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import anthropic
+import httpx
 import openai
 import pytest
 
-from lane_fixtures import tiny_dirs, tiny_model  # noqa: F401
+from lane_fixtures import front_server, standin_for, tiny_dirs, tiny_model  # noqa: F401
 from scripted_model import MODEL, scripted, tiny_lane
 
 from front.glm_markup import END_THINK, THINK
@@ -106,7 +107,7 @@ def test_a_stop_after_a_call_keeps_the_call(lane, monkeypatch) -> None:
 
 
 def test_steered_reply_with_the_fields_that_hold_across_bursts(lane, monkeypatch) -> None:
-    """repetition_penalty (prompt and reply alike) and logit_bias (no state) are honoured with a budget."""
+    """Penalties (counted from the reply's start in every burst) and logit_bias are honoured with a budget."""
     _, engine, sdk = lane
     words = " one two three four five six"
 
@@ -114,10 +115,28 @@ def test_steered_reply_with_the_fields_that_hold_across_bursts(lane, monkeypatch
         return reply.split(END_THINK)[0] + END_THINK + "Done." if END_THINK in reply else THINK + words
 
     with scripted(monkeypatch, engine, plan):
-        reply = chat(sdk, thinking_budget=2, repetition_penalty=1.2, logit_bias={"5": 1.0}, stop=["Do"])
+        reply = chat(sdk, thinking_budget=2, repetition_penalty=1.2, logit_bias={"5": 1.0}, stop=["Do"],
+                     presence_penalty=0.3, frequency_penalty=0.2)
     message = reply.choices[0].message
     assert words.startswith(message.model_extra["reasoning_content"]) and message.content == ""
     assert reply.choices[0].finish_reason == "stop"
+
+
+def test_every_burst_counts_the_reply_from_its_start(tiny_model: Path) -> None:  # noqa: F811
+    """The sampling of each burst carries reply_start = the request prompt's length, so a later burst's
+    penalties count the reply its prompt holds (glm53/logits_policy.py)."""
+    engine = standin_for(tiny_model)
+    with front_server(tiny_model, engine, context=1024) as server:
+        body = {"model": MODEL, "messages": ASK, "max_tokens": 6, "thinking_budget": 2, "ignore_eos": True,
+                "seed": 3, "presence_penalty": 0.5, "frequency_penalty": 0.5}
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        first, second = engine.calls
+        assert first["sampling"]["reply_start"] == second["sampling"]["reply_start"] == len(first["prompt"])
+        assert len(second["prompt"]) == len(first["prompt"]) + 3  # two thinking tokens and the appended </think>
+        engine.calls.clear()
+        httpx.post(server.url + "/v1/chat/completions", json={**body, "thinking_budget": None}, timeout=30)
+        assert "reply_start" not in engine.calls[0]["sampling"]  # one engine call: nothing held
 
 
 @pytest.mark.parametrize("fmt", [{"type": "json_object"},
@@ -155,3 +174,14 @@ def test_output_config_format_on_messages(lane, monkeypatch) -> None:
             "output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}})
     assert script.first == f"{THINK}{END_THINK}"
     assert [b.text for b in reply.content] == ['{"a":1}'] and reply.stop_reason == "end_turn"
+
+
+def test_trim_tail_cuts_across_text_events_and_stops_at_a_call() -> None:
+    from front.chat_stop import trim_tail
+    from front.glm_markup import ContentDelta, ReasoningDelta, ToolCallEnd
+
+    events = [ReasoningDelta("ab"), ContentDelta("cd")]
+    assert trim_tail(events, 3) == [ReasoningDelta("a")]
+    assert trim_tail(events, 2) == [ReasoningDelta("ab")]
+    assert trim_tail(events, 0) == events
+    assert trim_tail([ToolCallEnd(0), ContentDelta("x")], 5) == [ToolCallEnd(0)]

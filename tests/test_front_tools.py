@@ -290,8 +290,6 @@ BAD = [
     ({"functions": [WEATHER["function"]]}, "functions"),
     ({"function_call": "auto"}, "function_call"),
     # steered replies (front/combos.py): what the bursts cannot keep exact
-    ({"thinking_budget": 4, "presence_penalty": 0.5}, "presence_penalty"),
-    ({"thinking_budget": 4, "frequency_penalty": -0.5}, "frequency_penalty"),
     ({"tools": [WEATHER], "tool_choice": "required", "logprobs": True}, "logprobs"),
     ({"tools": [WEATHER], "parallel_tool_calls": False, "response_format": {"type": "json_object"}},
      "response_format"),
