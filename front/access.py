@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from front.app import FrontState
 
 log = logging.getLogger("front.access")
-GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")
+GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages")
 CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")  # a client's own x-request-id, kept when it is this tame
 
 

@@ -1,5 +1,5 @@
 """The front's routes on FastAPI: POST /v1/chat/completions and /v1/completions (JSON or SSE),
-GET /v1/models and /v1/models/{id}, GET /health and /v1/health, GET /metrics.
+POST /v1/messages (Anthropic's Messages API, front/anthropic.py), GET /v1/models and /v1/models/{id}, GET /health and /v1/health, GET /metrics.
 
 A generation request goes: API key, lane state (503 while loading, draining or failed), body under
 its limit, then on the service's thread pool the validation and the prompt (template, tokenizer,
@@ -19,14 +19,15 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from front import observe, replies
-from front.logprobs import LogprobsShaper
+from front import anthropic, glm_markup, observe, replies
 from front.access import AccessLog, AccessRecord, record_of
 from front.auth import check_key
+from front.choice import Choice
 from front.errors import ApiError, error_body, on_api_error, on_http_exception, on_request_validation, on_unexpected
 from front.metrics import CONTENT_TYPE, Metrics
 from front.observe import Timing
 from front.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest, parse
+from front.logprobs import LogprobsShaper
 from front.service import Prepared, Service
 from front.stop import StopScanner
 from front.worker import Job
@@ -128,6 +129,10 @@ def create_app(front: FrontState) -> FastAPI:
     async def completions(request: Request) -> Response:
         return await generate(front, request, CompletionRequest)
 
+    @app.post("/v1/messages", dependencies=[Depends(authorized)])
+    async def anthropic_messages(request: Request) -> Response:
+        return await anthropic.messages(front, request)
+
     return app
 
 
@@ -170,68 +175,39 @@ async def generate(front: FrontState, request: Request,
                    model: type[ChatCompletionRequest] | type[CompletionRequest]) -> Response:
     service = front.serving()
     raw = await read_body(request, service.settings.max_body_bytes)
-    loop = asyncio.get_running_loop()
-    body: GenerationRequest = await loop.run_in_executor(service.pool, parse, raw, model)
-    if body.model not in (None, service.settings.served_model):
-        raise unknown_model(body.model, service, "model")
-    prepared: Prepared = await loop.run_in_executor(service.pool, service.prepare, body)
-    record = record_of(request.scope)
+    body: GenerationRequest = await asyncio.get_running_loop().run_in_executor(service.pool, parse, raw, model)
     chat = isinstance(body, ChatCompletionRequest)
-    head = replies.ReplyHead(("chatcmpl-" if chat else "cmpl-") + record.rid, service.settings.served_model, chat)
-    # n choices are n jobs, queued together: the engine decodes them one after another
-    choices = [submit(front, service, prepared, sampling, head, record, i)
-               for i, sampling in enumerate(prepared.samplings)]
-    run = Generation(service, body, choices, record, head)
+    record = record_of(request.scope)
+    run = await start_generation(front, service, body, record, ("chatcmpl-" if chat else "cmpl-") + record.rid,
+                                 "call_" + record.rid)
     if body.stream:
         return StreamingResponse(run.stream(request), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     return await run.complete(request)
 
 
-class Choice:
-    """One choice of a reply: its job, the job's events, and what the reply keeps of its tokens (the
-    stop strings' cut, front/stop.py)."""
-
-    def __init__(self, index: int, job: Job, events: JobEvents, scanner: StopScanner | None) -> None:
-        self.index, self.job, self.events, self.scanner = index, job, events, scanner
-        self.pushed = 0  # tokens handed to the scanner
-        self.used = 0  # once the job is done: how many of its tokens the reply keeps
-
-    def take(self, tokens: list[int]) -> int:
-        """Record a batch; how many of its tokens belong to the reply (fewer once a stop string appeared)."""
-        if self.scanner is None:
-            return len(tokens)
-        if self.scanner.stopped:
-            return 0
-        before = self.scanner.tokens_used
-        self.pushed += len(tokens)
-        if self.scanner.push(tokens):
-            self.job.stopped.set()  # the engine stops at its next step
-        return self.scanner.tokens_used - before
-
-    def end(self, tokens: list[int]) -> int:
-        """The job is done (`tokens`: all it decided, some perhaps never sent as events); the reply's length."""
-        if self.scanner is None:
-            self.used = len(tokens)
-            return self.used
-        if not self.scanner.stopped:
-            self.take(tokens[self.pushed:])
-        self.scanner.finish()
-        self.used = self.scanner.tokens_used
-        return self.used
-
-    @property
-    def stopped(self) -> bool:
-        return self.scanner is not None and self.scanner.stopped
-
-
-def submit(front: FrontState, service: Service, prepared: Prepared, sampling: Any, head: replies.ReplyHead,
-           record: AccessRecord, index: int) -> Choice:
-    events = JobEvents(lambda result: record_job(front.metrics, job, result))
-    job = Job(prompt=prepared.prompt, max_tokens=prepared.max_tokens, sampling=sampling, events=events,
-              rid=head.id if index == 0 else f"{head.id}-{index}", timing=Timing(time.perf_counter(), arrived=record.start))
-    service.worker.submit(job)
-    return Choice(index, job, events, None)
+async def start_generation(front: FrontState, service: Service, body: GenerationRequest, record: AccessRecord,
+                           reply_id: str, call_prefix: str) -> "Generation":
+    """The path every generation route shares once its body is a GenerationRequest: the model's name,
+    the prompt (on the pool), one job per choice on the engine's worker (queued together: the engine
+    decodes them one after another). Choice i's tool-call ids start f"{call_prefix}-{i}" (i > 0)."""
+    if body.model not in (None, service.settings.served_model):
+        raise unknown_model(body.model, service, "model")
+    prepared: Prepared = await asyncio.get_running_loop().run_in_executor(service.pool, service.prepare, body)
+    head = replies.ReplyHead(reply_id, service.settings.served_model, isinstance(body, ChatCompletionRequest))
+    choices: list[Choice] = []
+    for i, sampling in enumerate(prepared.samplings):
+        suffix = "" if i == 0 else f"-{i}"
+        events = JobEvents(lambda result, i=i: record_job(front.metrics, choices[i].job, result))
+        job = Job(prompt=prepared.prompt, max_tokens=prepared.max_tokens, sampling=sampling, events=events,
+                  rid=head.id + suffix, timing=Timing(time.perf_counter(), arrived=record.start),
+                  steer=prepared.steer(i))
+        scanner = StopScanner(service.text, body.stops) if body.stops else None
+        parser = prepared.reply.parser(service.text, call_prefix + suffix) if prepared.reply is not None else None
+        choices.append(Choice(i, job, events, scanner, parser))
+    for choice in choices:
+        service.worker.submit(choice.job)
+    return Generation(service, body, choices, record, head)
 
 
 def record_job(metrics: Metrics, job: Job, result: dict[str, Any]) -> None:
@@ -242,15 +218,18 @@ def record_job(metrics: Metrics, job: Job, result: dict[str, Any]) -> None:
 
 class Generation:
     """The submitted jobs of one reply (one per choice) and the reply: awaited whole, or streamed as SSE
-    chunks, choice after choice."""
+    chunks, choice after choice. The OpenAI bodies and chunks are built here (`complete`, `stream`);
+    other APIs read choice 0 through `result` and `events_of` (front/anthropic.py)."""
 
     def __init__(self, service: Service, body: GenerationRequest, choices: list[Choice], record: AccessRecord,
                  head: replies.ReplyHead) -> None:
         self.service, self.body, self.choices, self.record, self.head = service, body, choices, record, head
-        for choice in choices:
-            choice.scanner = StopScanner(service.text, body.stops) if body.stops else None
         self.logprobs = body.top_logprobs_asked() is not None
         self.finished = False
+
+    @property
+    def job(self) -> Job:
+        return self.choices[0].job
 
     def watch(self, request: Request) -> asyncio.Task[None]:
         """A task that cancels the jobs when the client disconnects (the ASGI disconnect message)."""
@@ -277,11 +256,66 @@ class Generation:
         self.cancel()
         return ApiError(500, f"the engine failed: {type(exc).__name__}: {exc}", code="engine_failed")
 
-    def finish_reason(self, choice: Choice, tokens: list[int]) -> str:
-        return "stop" if choice.stopped else self.service.finish_reason(tokens, self.body.sampling())
+    def finish_reason(self, choice: Choice, result: dict[str, Any]) -> str:
+        """"stop" (a stop string, the model's end, the steering's one-call rule) or "length", before
+        tool calls turn "stop" into "tool_calls"."""
+        if choice.stopped or result.get("steer_ended"):
+            return "stop"
+        return self.service.finish_reason(result["tokens"], self.body.sampling())
 
     def usage(self, first: dict[str, Any], completion: int) -> dict[str, Any]:
-        return self.service.usage(len(self.choices[0].job.prompt), first["tokens"], first["stats"], completion)
+        return self.service.usage(len(self.job.prompt), first["tokens"], first["stats"], completion)
+
+    async def result(self, request: Request) -> dict[str, Any] | None:
+        """Choice 0's result once its job is done, `end` applied (None: the client left); an engine
+        failure raises a 500."""
+        watcher = self.watch(request)
+        choice = self.choices[0]
+        try:
+            while True:
+                kind, value = await choice.events.get()
+                if kind == "error":
+                    raise self.failure(value)
+                if kind == "tokens":
+                    choice.take(value)  # a stop string stops the engine early
+                if kind == "done":
+                    self.finished = True
+                    break
+        finally:
+            self.stop(watcher)
+        if value.get("cancelled"):
+            return None
+        choice.end(value["tokens"])
+        return value
+
+    async def events_of(self, request: Request) -> AsyncIterator[tuple[str, Any]]:
+        """Choice 0's events as they come: ("started", counts), ("markup", parser events of a batch),
+        then ("done", the result, `end` applied) or ("error", the ApiError to send); nothing after a
+        cancelled job's end. The client's disconnect is watched meanwhile."""
+        watcher = self.watch(request)
+        choice = self.choices[0]
+        try:
+            while True:
+                kind, value = await choice.events.get()
+                if kind == "error":
+                    self.record.outcome = 500
+                    yield kind, self.failure(value)
+                    return
+                if kind == "tokens":
+                    choice.take(value)
+                    yield "markup", choice.markup(value)
+                    continue
+                if kind == "done":
+                    self.finished = True
+                    if value.get("cancelled"):
+                        self.record.outcome = 499
+                        return
+                    choice.end(value["tokens"])
+                yield kind, value
+                if kind == "done":
+                    return
+        finally:
+            self.stop(watcher)
 
     async def complete(self, request: Request) -> Response:
         watcher = self.watch(request)
@@ -294,9 +328,9 @@ class Generation:
                         raise self.failure(value)
                     if kind == "tokens":
                         choice.take(value)  # a stop string stops the engine early
-                        continue
-                    results.append(value)
-                    break
+                    if kind == "done":
+                        results.append(value)
+                        break
             self.finished = True
         finally:
             self.stop(watcher)
@@ -307,15 +341,18 @@ class Generation:
             tokens = result["tokens"]
             used = choice.end(tokens)
             completion += used
-            message = replies.message(self.service.text, tokens[:used])
-            if choice.stopped:
-                message["content"] = choice.scanner.text
+            finish = self.finish_reason(choice, result)
+            if choice.parser is not None:
+                reply = glm_markup.Reply.of(choice.markup_end(tokens))
+                message, finish = replies.chat_message(reply), reply.finish_reason(finish)
+            else:
+                message = {"role": "assistant",
+                           "content": choice.scanner.text if choice.scanner else self.service.text.decode(tokens)}
             logprobs = None
             if self.logprobs:
                 shaper = LogprobsShaper(self.service.text, self.head.chat)
                 logprobs = shaper.shape((result["stats"].get("logprobs") or [])[:used])
-            bodies.append(replies.completion_body(self.head, message, self.finish_reason(choice, tokens), {},
-                                                  logprobs, choice.index))
+            bodies.append(replies.completion_body(self.head, message, finish, {}, logprobs, choice.index))
         body = bodies[0]
         body["choices"] = [b["choices"][0] for b in bodies]
         body["usage"] = self.usage(results[0], completion)
@@ -347,20 +384,18 @@ class Generation:
     async def stream_choice(self, choice: Choice) -> AsyncIterator[bytes | dict[str, Any]]:
         """One choice's chunks, then its job's result (a dict); nothing more after an error or a disconnect."""
         i, text = choice.index, self.service.text
-        deltas = None if choice.scanner else replies.MessageDeltas(text)
+        texts = replies.ChoiceDeltas(choice, text)
         shaper = LogprobsShaper(text, self.head.chat) if self.logprobs else None
         sent = 0  # tokens whose logprobs went out
         if self.head.chat:
             yield replies.sse(replies.chunk(self.head, {"role": "assistant", "content": ""}, index=i))
         while True:
             kind, value = await choice.events.get()
+            if kind == "started":
+                continue
             if kind == "tokens":
                 n = choice.take(value)
-                if deltas is not None:
-                    out = deltas.push(value)
-                else:
-                    piece = choice.scanner.releasable()
-                    out = [{"content": piece}] if piece else []
+                out = texts.push(value)
                 logprobs = None
                 if shaper is not None and n:
                     logprobs = shaper.shape(choice.job.logprobs[sent:sent + n])
@@ -381,13 +416,14 @@ class Generation:
                 return
             tokens = value["tokens"]
             used = choice.end(tokens)
-            out = deltas.finish() if deltas is not None else ([{"content": r}] if (r := choice.scanner.rest()) else [])
-            for delta in out:
+            for delta in texts.finish(tokens):
                 yield replies.sse(replies.chunk(self.head, delta, index=i))
             logprobs = None
             if shaper is not None and used > sent:  # tokens never handed over as events (a serial eos)
                 logprobs = shaper.shape((value["stats"].get("logprobs") or [])[sent:used])
-            yield replies.sse(replies.chunk(self.head, {}, self.finish_reason(choice, tokens), index=i,
-                                            logprobs=logprobs))
+            finish = self.finish_reason(choice, value)
+            if texts.called and finish == "stop":
+                finish = "tool_calls"
+            yield replies.sse(replies.chunk(self.head, {}, finish, index=i, logprobs=logprobs))
             yield value
             return

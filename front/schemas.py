@@ -16,7 +16,6 @@ from pydantic_core import PydanticCustomError
 from front.errors import ApiError, bad_request, param_of
 
 MODEL_CONFIG = ConfigDict(strict=True, extra="allow")
-TEMPLATE_ROLE = {"developer": "system"}  # GLM's chat template knows system, user, assistant, tool (observation)
 
 
 def refusal(message: str, at: str = "") -> PydanticCustomError:
@@ -87,10 +86,6 @@ class ChatMessage(BaseModel):
             raise refusal("must be a string or a list of text parts", ".content")
         return raw
 
-    def for_template(self) -> dict[str, Any]:
-        """The message as the chat template reads it: every field sent, the role GLM's template knows."""
-        return {**(self.model_extra or {}), "role": TEMPLATE_ROLE.get(self.role, self.role), "content": self.content}
-
 
 class GenerationBody(BaseModel):
     """What both routes share: the model, length, sampling and streaming fields."""
@@ -125,10 +120,6 @@ class GenerationBody(BaseModel):
     prediction: Any = None
     prompt_cache_key: Any = None
     safety_identifier: Any = None
-    # Accepted, not applied by this front yet (tool calling and thinking: issue 37, items 3-4)
-    reasoning_effort: Any = None
-    parallel_tool_calls: Any = None
-    tool_choice: Any = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -206,6 +197,12 @@ class ChatCompletionRequest(GenerationBody):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # tools, tool_choice and the thinking controls are checked by front/glm_markup.py (plan_tools,
+    # thinking_controls, render_messages), which names the offending field
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: Any = None
+    thinking_budget: int | None = Field(None, ge=0, le=2**31)  # thinking tokens, then the front closes it
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     # refused: this server cannot do what they ask (docs/API.md)
@@ -213,12 +210,22 @@ class ChatCompletionRequest(GenerationBody):
     modalities: Any = None
     web_search_options: Any = None
     verbosity: Any = None
+    functions: Any = None
+    function_call: Any = None
 
     @field_validator("audio", "web_search_options", "verbosity")
     @classmethod
     def _cannot_honour(cls, value: Any, info: Any) -> Any:
         if value is not None:
             raise refusal(f"'{info.field_name}' is not supported by this server")
+        return value
+
+    @field_validator("functions", "function_call")
+    @classmethod
+    def _legacy_tools(cls, value: Any, info: Any) -> Any:
+        if value is not None:  # they would change the reply; the current form is served
+            raise refusal(f"'{info.field_name}' is the deprecated form of tool calling; send 'tools' and "
+                          "'tool_choice'")
         return value
 
     @field_validator("modalities")
@@ -237,13 +244,21 @@ class ChatCompletionRequest(GenerationBody):
     def top_logprobs_asked(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def template_messages(self) -> list[dict[str, Any]]:
-        return [m.for_template() for m in self.messages]
+    def markup_messages(self) -> list[dict[str, Any]]:
+        """The messages as sent (role, text content, tool_calls, tool_call_id, reasoning), for
+        glm_markup.render_messages."""
+        return [{**(m.model_extra or {}), "role": m.role, "content": m.content} for m in self.messages]
 
     def text_bytes(self) -> int:
-        """UTF-8 bytes of the text the template renders: messages and tool definitions."""
+        """UTF-8 bytes of the text the template renders: messages (their calls and reasoning too) and
+        tool definitions."""
         total = sum(_utf8_len(m.content) for m in self.messages)
+        total += sum(len(json.dumps(m.model_extra, ensure_ascii=False).encode()) for m in self.messages
+                     if m.model_extra)
         return total + (len(json.dumps(self.tools, ensure_ascii=False).encode()) if self.tools else 0)
+
+
+CHAT_ONLY = ("tools", "tool_choice", "parallel_tool_calls", "reasoning_effort", "thinking_budget")
 
 
 class CompletionRequest(GenerationBody):
@@ -276,6 +291,13 @@ class CompletionRequest(GenerationBody):
 
     def top_logprobs_asked(self) -> int | None:
         return self.logprobs
+
+    @model_validator(mode="after")
+    def _no_chat_fields(self) -> "CompletionRequest":
+        for name in CHAT_ONLY:  # a raw prompt has no template to render tools or thinking into
+            if (self.model_extra or {}).get(name) is not None:
+                raise refusal(f"'{name}' applies to /v1/chat/completions only", name)
+        return self
 
     @field_validator("prompt", mode="before")
     @classmethod

@@ -10,13 +10,17 @@ import hashlib
 import logging
 import secrets
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable
 
+from front import combos, glm_markup
 from front.chat import ChatText, TemplateArgumentError, TemplateError
 from front.errors import ApiError, bad_request
+from front.replies import ReplySpec
 from front.schemas import ChatCompletionRequest, GenerationRequest
 from front.settings import FrontSettings
+from front.steer import Steer
 from front.worker import EngineWorker
 
 log = logging.getLogger("front.service")
@@ -24,14 +28,26 @@ POOL_THREADS = 2
 
 
 @dataclass
+class ChatPrompt:
+    ids: list[int]
+    reply: ReplySpec
+    new_steer: Callable[[], Steer] | None  # a fresh steering state for one choice; None: not steered
+
+
+@dataclass
 class Prepared:
     prompt: list[int]
     max_tokens: int
     samplings: list[Any]  # per choice (n): what sampling_factory made of the request's sampling fields
+    reply: ReplySpec | None = None  # chat: how to read the reply; None: plain text (/v1/completions)
+    steers: list[Steer | None] = field(default_factory=list)  # per choice: front/steer.py (None: not steered)
 
     @property
     def sampling(self) -> Any:
         return self.samplings[0]
+
+    def steer(self, index: int) -> Steer | None:
+        return self.steers[index] if self.steers else None
 
 
 class Service:
@@ -57,22 +73,32 @@ class Service:
     def prepare(self, request: GenerationRequest) -> Prepared:
         """Bounds first (bytes of text, then tokens), so that a prompt that cannot fit is refused before
         the template and the tokenizer spend time and memory on it."""
-        chat = isinstance(request, ChatCompletionRequest)
-        field = "messages" if chat else "prompt"
+        field = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
         size, limit = request.text_bytes(), self.settings.max_prompt_bytes
         if size > limit:
             raise bad_request(f"the prompt has {size} bytes of text; the context of {self.settings.context} tokens "
                               f"holds at most {limit} ({self.settings.prompt_bytes_per_token} bytes a token)",
                               field, "context_length_exceeded")
-        prompt = self.prompt_ids(request)
+        chat = self.chat_prompt(request) if isinstance(request, ChatCompletionRequest) else None
+        prompt = chat.ids if chat is not None else self.prompt_ids(request)
         max_tokens = self.budget(request, len(prompt))
         fields = request.sampling()
         self.check_token_ids(fields.get("logit_bias"))
+        if chat is not None and chat.new_steer is not None:
+            combos.check_steered(request)
+            if fields.get("seed") is None:
+                fields["seed"] = secrets.randbits(63)  # one seed for every burst: they sample as one reply
+            # a later burst's prompt holds the reply so far: the penalties count it from here
+            fields["reply_start"] = len(prompt)
         try:
             samplings = [self.sampling_factory(choice) for choice in choice_fields(fields, request.choices)]
         except (ValueError, TypeError) as exc:
             raise bad_request(f"bad sampling parameters: {exc}", getattr(exc, "param", None)) from exc
-        return Prepared(prompt, max_tokens, samplings)
+        if chat is None:
+            return Prepared(prompt, max_tokens, samplings)
+        # a Steer holds one reply's state: one per choice
+        steers = [chat.new_steer() if chat.new_steer else None for _ in samplings]
+        return Prepared(prompt, max_tokens, samplings, chat.reply, steers)
 
     def check_token_ids(self, logit_bias: dict[str, float] | None) -> None:
         vocab = self.text.tokenizer.get_vocab_size(with_added_tokens=True)
@@ -81,17 +107,40 @@ class Service:
                 raise bad_request(f"'logit_bias' names token id {key}, outside the vocabulary (size {vocab})",
                                   f"logit_bias.{key}")
 
+    def chat_prompt(self, request: ChatCompletionRequest) -> ChatPrompt:
+        """The prompt of a chat request through GLM's markup (front/glm_markup.py): messages, tools and
+        tool_choice, thinking controls; then how to read the reply and how to steer it."""
+        tok = self.text.tokenizer
+        try:
+            plan = glm_markup.plan_tools(request.tools, request.tool_choice)
+            thinking = glm_markup.thinking_controls(request.reasoning_effort, combos.template_kwargs(request))
+            messages = glm_markup.render_messages(request.markup_messages())
+            forced = glm_markup.forced_call_ids(plan, tok)
+        except glm_markup.MarkupError as exc:
+            raise bad_request(str(exc), exc.param) from exc
+        except ValueError as exc:  # a tokenizer without GLM's tool markup cannot force a call
+            raise bad_request(str(exc), "tool_choice") from exc
+        try:
+            rendered = self.text.render(messages, plan.render, thinking.template_kwargs)
+        except TemplateArgumentError as exc:
+            raise bad_request(str(exc), "chat_template_kwargs") from exc
+        except (TemplateError, TypeError) as exc:  # a TypeError: content the template cannot handle
+            raise bad_request(f"chat template failed: {exc}" if isinstance(exc, TypeError) else str(exc),
+                              "messages") from exc
+        ids = self._encode(rendered, "messages")
+        ids += glm_markup.close_thinking(ids, thinking.enabled, tok)
+        started = glm_markup.thinking_open(ids, tok)
+        reply = ReplySpec(started, plan.schemas)
+        budget = request.thinking_budget if started else None
+        single = plan.schemas if request.parallel_tool_calls is False else None
+        new_steer = None
+        if budget is not None or forced or single is not None:
+            new_steer = partial(Steer, tok, started, budget, forced, single, self.eos, bool(request.ignore_eos))
+        return ChatPrompt(ids, reply, new_steer)
+
     def prompt_ids(self, request: GenerationRequest) -> list[int]:
         if isinstance(request, ChatCompletionRequest):
-            try:
-                rendered = self.text.render(request.template_messages(), request.tools,
-                                            request.chat_template_kwargs)
-            except TemplateArgumentError as exc:
-                raise bad_request(str(exc), "chat_template_kwargs") from exc
-            except (TemplateError, TypeError) as exc:  # a TypeError: content the template cannot handle
-                raise bad_request(f"chat template failed: {exc}" if isinstance(exc, TypeError) else str(exc),
-                                  "messages") from exc
-            return self._encode(rendered, "messages")
+            return self.chat_prompt(request).ids
         if isinstance(request.prompt, list):
             vocab = self.text.tokenizer.get_vocab_size(with_added_tokens=True)
             bad = [t for t in request.prompt if t >= vocab]

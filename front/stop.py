@@ -10,6 +10,8 @@ is held back until the next tokens tell whether it is one (`releasable`).
 """
 from __future__ import annotations
 
+import bisect
+
 from front.chat import ChatText, IncrementalDecoder
 
 
@@ -23,6 +25,9 @@ class StopScanner:
         self.text = ""  # the reply's text so far, cut before the stop string once one appeared
         self.tokens_used = 0  # tokens that make up the reply (the one completing the stop included)
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the reply
+        self.overshoot = 0  # characters decoded past the cut (the stop string and what followed it)
+        self._ends: list[int] = []  # per token taken: the text's length once it was decoded
         self._released = 0
 
     def push(self, tokens: list[int]) -> bool:
@@ -32,6 +37,7 @@ class StopScanner:
                 break
             self.tokens_used += 1
             self._add(self._decoder.push([token]))
+            self._ends.append(len(self.text) + self.overshoot)
         return self.stopped
 
     def finish(self) -> None:
@@ -44,9 +50,11 @@ class StopScanner:
             return
         searched_from = max(0, len(self.text) - self._longest + 1)
         self.text += piece
-        found = [i for i in (self.text.find(s, searched_from) for s in self.stops) if i >= 0]
+        found = [(i, s) for s in self.stops if (i := self.text.find(s, searched_from)) >= 0]
         if found:
-            self.text = self.text[:min(found)]
+            at, self.matched = min(found)
+            self.overshoot = len(self.text) - at
+            self.text = self.text[:at]
             self.stopped = True
 
     def releasable(self) -> str:
@@ -55,6 +63,12 @@ class StopScanner:
         piece = self.text[self._released:end] if end > self._released else ""
         self._released = max(self._released, end)
         return piece
+
+    def settled_tokens(self) -> int:
+        """How many tokens lie wholly before any possible stop string (all taken ones once it stopped)."""
+        if self.stopped:
+            return self.tokens_used
+        return bisect.bisect_right(self._ends, len(self.text) - self._held_back())
 
     def rest(self) -> str:
         """Everything not yet handed out (generation is over)."""

@@ -4,8 +4,9 @@ grammar mask; and the log-probabilities a request asks for.
 `LogitsPolicy.choose(row, position)` is the sampler both decode loops call (serial steps, and each
 row of a verification window, drafter/verify.py). Its state is keyed by absolute position: the
 reply's tokens at positions [start, next), with their counts and the grammar matcher advanced over
-them. A call for position p first rolls the state back to p (dropping tokens at p and later), then
-processes the row with the tokens before p, samples, and advances over the chosen token. So:
+them (with `reply_start`, the counts also hold the reply's tokens the prompt already holds: a steered
+reply's later engine calls count the earlier calls' tokens). A call for position p first rolls the
+state back to p (dropping tokens at p and later), then processes the row with the tokens before p, samples, and advances over the chosen token. So:
 
 - in a verification window, row i sees the counts and grammar state of the tokens accepted up to
   i (the pending token and drafts 0..i-1, which equal what the rows before chose, else the window
@@ -60,7 +61,9 @@ class LogitsPolicy:
         self.params, self.vocab_size, self.grammar = params, vocab_size, grammar
         self.start = len(prompt)
         self.reply: list[int] = []  # tokens at positions [start, start + len(reply))
-        self.counts: Counter[int] = Counter()
+        # the reply's tokens the prompt already holds (params.reply_start) count, and are never rolled back
+        prior = prompt[params.reply_start:] if params.reply_start is not None else ()
+        self.counts: Counter[int] = Counter(int(t) for t in prior)
         self.records: dict[int, TokenLogprob] = {}
         self._prompt_ids = sorted(set(int(t) for t in prompt)) if params.repetition_penalty != 1.0 else []
         self._cache: dict[torch.device, dict[str, torch.Tensor]] = {}

@@ -44,6 +44,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     grammar: str | None = None  # an llguidance grammar (glm53/grammar.py), from response_format
     logprobs: int | None = None  # None: none; k: the chosen token's log-probability and the k most likely
+    # where the reply began when the prompt already holds part of it (a steered reply's later engine
+    # calls, front/steer.py): presence and frequency penalties count the reply from there
+    reply_start: int | None = None
 
     def __post_init__(self) -> None:
         _check_number("temperature", self.temperature, 0.0, math.inf)
@@ -71,6 +74,8 @@ class SamplingParams:
             if self.logprobs > MAX_TOP_LOGPROBS:
                 raise SamplingError(f"'logprobs' asks for {self.logprobs} alternatives; at most {MAX_TOP_LOGPROBS}",
                                     "logprobs")
+        if self.reply_start is not None:
+            _check_int("reply_start", self.reply_start, 0)
         if self.grammar is not None and self.ignore_eos:
             raise SamplingError("'ignore_eos' cannot be combined with 'response_format': the grammar ends the "
                                 "reply with an end-of-sequence token", "ignore_eos")

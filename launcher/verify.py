@@ -1,6 +1,6 @@
 """verify.sh: check a real completion from a running lane, not just /health.
 
-Checks, in order: models (the served id), completion (content, finish reason, usage), repeat
+Checks, in order: models (the served id), completion (text: reasoning and content; finish reason, usage), repeat
 (temperature 0 twice: the same text), draft (`"draft": false` gives the drafted text), cached (an
 extended resend reports cached tokens > 0), stream (SSE delivers the same text). A check whose
 feature the server reports as off is SKIPPED with the reason, never passed.
@@ -21,6 +21,12 @@ from launcher.config import API_KEYS_ENV, api_keys
 
 PROMPT = "Write one sentence about the sea."
 SENTENCE = "The lighthouse keeper counted ships in the harbour every evening and wrote their names down. "
+
+
+def reply_text(message: dict[str, Any]) -> str:
+    """What the model wrote: its reasoning (`reasoning_content`, where the server splits thinking
+    out) and its content. A thinking model's short reply may be reasoning alone."""
+    return (message.get("reasoning_content") or "") + (message.get("content") or "")
 
 
 @dataclass
@@ -74,7 +80,8 @@ class Verifier:
                 if "error" in chunk:
                     raise AssertionError(f"error event: {chunk['error']}")
                 for choice in chunk.get("choices", []):
-                    text.append(choice.get("delta", {}).get("content") or "")
+                    delta = choice.get("delta", {})
+                    text.append((delta.get("reasoning_content") or "") + (delta.get("content") or ""))
                     finish = choice.get("finish_reason") or finish
         if not done:
             raise AssertionError("the stream ended without data: [DONE]")
@@ -104,7 +111,7 @@ class Verifier:
         first = self.check("completion", lambda: self.completion(messages))
         if first is None:
             return self.summary()
-        text = first["choices"][0]["message"]["content"]
+        text = reply_text(first["choices"][0]["message"])
         self.check("repeat", lambda: self.same(messages, text, {}, "a second temperature-0 request"))
         self.check("draft", lambda: self.draft(messages, text))
         self.check("cached", self.cached)
@@ -126,10 +133,9 @@ class Verifier:
     def completion(self, messages):
         body = self.chat(messages)
         choice = body["choices"][0]
-        content = choice["message"].get("content")
         usage = body.get("usage") or {}
-        if not isinstance(content, str) or not content:
-            raise AssertionError(f"the reply has no content (message: {choice['message']!r})")
+        if not reply_text(choice["message"]):
+            raise AssertionError(f"the reply has no content or reasoning (message: {choice['message']!r})")
         if choice.get("finish_reason") not in ("stop", "length"):
             raise AssertionError(f"finish_reason is {choice.get('finish_reason')!r}, expected stop or length")
         if not (usage.get("prompt_tokens", 0) > 0 and usage.get("completion_tokens", 0) > 0):
@@ -141,7 +147,7 @@ class Verifier:
         return body
 
     def same(self, messages, text: str, extra: dict[str, Any], what: str) -> dict[str, Any]:
-        again = self.chat(messages, **extra)["choices"][0]["message"]["content"]
+        again = reply_text(self.chat(messages, **extra)["choices"][0]["message"])
         if again != text:
             raise AssertionError(f"{what} gave different text:\n  first:  {text!r}\n  second: {again!r}")
         return {"_detail": f"{what} gave the same text"}
@@ -170,7 +176,7 @@ class Verifier:
         if a["usage"]["prompt_tokens"] <= chunk:
             raise AssertionError(f"the first turn has {a['usage']['prompt_tokens']} tokens, not more than the "
                                  f"prefill chunk {chunk}; cannot test reuse")
-        extended = first_turn + [{"role": "assistant", "content": a["choices"][0]["message"]["content"]},
+        extended = first_turn + [{"role": "assistant", "content": a["choices"][0]["message"].get("content") or ""},
                                  {"role": "user", "content": "And one more?"}]
         b = self.chat(extended, max_tokens=4)
         cached = b["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -213,3 +219,4 @@ def main(url: str, timeout: float, max_tokens: int, api_key: str | None) -> None
 
 if __name__ == "__main__":
     main()
+

@@ -51,6 +51,21 @@ def test_rewind_forgets_later_positions_and_refuses_gaps() -> None:
         policy.choose(row, 6)
 
 
+def test_reply_start_counts_the_reply_the_prompt_holds() -> None:
+    """A steered reply's later engine call (prompt = request prompt + reply so far) processes a row as
+    one call over the whole reply would; the held part is never rolled back."""
+    params = dict(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.5)
+    row = torch.tensor([2.0, -1.0, 0.5, 3.0, 0.0])
+    whole = LogitsPolicy(SamplingParams(**params), prompt=[2], vocab_size=5)
+    for t in (0, 0, 1):
+        whole.advance(t)
+    burst = LogitsPolicy(SamplingParams(**params, reply_start=1), prompt=[2, 0, 0, 1], vocab_size=5)
+    assert torch.equal(burst.process(row), whole.process(row))
+    burst.choose(row, 4)
+    burst.rewind(4)
+    assert burst.counts == {0: 2, 1: 1} and burst.reply == []
+
+
 def test_logprobs_are_the_raw_rows_log_softmax() -> None:
     row = torch.tensor([1.0, 3.0, 2.0, 3.0])
     policy = LogitsPolicy(SamplingParams(logprobs=3, logit_bias={0: 50.0}), prompt=[1], vocab_size=4)
@@ -94,7 +109,8 @@ def test_bad_response_formats_name_the_field(response_format, param) -> None:
 
 @pytest.mark.parametrize("field, value", [("presence_penalty", 2.5), ("frequency_penalty", "x"),
                                           ("repetition_penalty", 0), ("logit_bias", {"a": 1}),
-                                          ("logit_bias", {"5": 101}), ("logprobs", 21)])
+                                          ("logit_bias", {"5": 101}), ("logprobs", 21),
+                                          ("reply_start", -1)])
 def test_bad_processing_fields_name_the_field(field, value) -> None:
     with pytest.raises(SamplingError) as err:
         SamplingParams.from_request({field: value})
