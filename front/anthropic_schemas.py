@@ -25,13 +25,12 @@ Translation (the decisions are in launcher/README.md, "Anthropic Messages API"):
 """
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from front.errors import ApiError, bad_request
-from front.schemas import MAX_STOP_CHARS, MAX_STOPS, ChatCompletionRequest, validation_error
+from front.schemas import MAX_STOP_CHARS, MAX_STOPS, ChatCompletionRequest, validated, validation_error
 
 ERROR_PREFIX = "Error: "  # a tool_result with is_error: true
 
@@ -58,16 +57,7 @@ class MessagesRequest(BaseModel):
 
 def parse_messages(raw: bytes) -> tuple[MessagesRequest, ChatCompletionRequest]:
     """Validate a /v1/messages body and translate it; raises ApiError 400 naming the field."""
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise bad_request(f"the body is not valid JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object")
-    try:
-        request = MessagesRequest.model_validate(body)
-    except ValidationError as exc:
-        raise validation_error(exc) from None
+    request = validated(raw, MessagesRequest)
     chat = to_chat(request)
     try:
         return request, ChatCompletionRequest.model_validate(chat)

@@ -272,21 +272,26 @@ class Generation:
         watcher = self.watch(request)
         choice = self.choices[0]
         try:
-            while True:
-                kind, value = await choice.events.get()
-                if kind == "error":
-                    raise self.failure(value)
-                if kind == "tokens":
-                    choice.take(value)  # a stop string stops the engine early
-                if kind == "done":
-                    self.finished = True
-                    break
+            value = await self.done(choice)
+            self.finished = True
         finally:
             self.stop(watcher)
         if value.get("cancelled"):
             return None
         choice.end(value["tokens"])
         return value
+
+    async def done(self, choice: Choice) -> dict[str, Any]:
+        """A choice's job result, its token batches handed to the choice as they come (a stop string
+        stops the engine early); an engine failure raises a 500."""
+        while True:
+            kind, value = await choice.events.get()
+            if kind == "error":
+                raise self.failure(value)
+            if kind == "tokens":
+                choice.take(value)
+            if kind == "done":
+                return value
 
     async def events_of(self, request: Request) -> AsyncIterator[tuple[str, Any]]:
         """Choice 0's events as they come: ("started", counts), ("markup", parser events of a batch),
@@ -322,15 +327,7 @@ class Generation:
         results = []
         try:
             for choice in self.choices:
-                while True:
-                    kind, value = await choice.events.get()
-                    if kind == "error":
-                        raise self.failure(value)
-                    if kind == "tokens":
-                        choice.take(value)  # a stop string stops the engine early
-                    if kind == "done":
-                        results.append(value)
-                        break
+                results.append(await self.done(choice))
             self.finished = True
         finally:
             self.stop(watcher)

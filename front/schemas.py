@@ -8,7 +8,7 @@ reaches it unchanged.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -325,6 +325,14 @@ def _utf8_len(text: str) -> int:
 
 def parse(raw: bytes, model: type[ChatCompletionRequest] | type[CompletionRequest]) -> GenerationRequest:
     """Validate a body for the route whose request model is `model`; raises ApiError 400."""
+    return validated(raw, model)
+
+
+Model = TypeVar("Model", bound=BaseModel)
+
+
+def validated(raw: bytes, model: type[Model]) -> Model:
+    """A JSON object body validated as `model`; raises ApiError 400 naming what is wrong."""
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
