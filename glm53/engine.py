@@ -1,7 +1,8 @@
 """The GLM-5.3 engine behind TensorFold's family contract (and the kit's own front).
 
-One engine serves one stream: requests run one at a time. It keeps the KV rows of the last
-conversation (`self.state`) so the next request that extends it prefills only the new tokens
+`generate` serves one request at a time (several at once: `batch_engine()`, glm53/runtime). It
+keeps the KV rows of the last conversation (`self.state`) so the next request that extends it
+prefills only the new tokens
 (reuse ends at the canonical prefill frontier: any token, since the forward is row-invariant), and
 it hands its rows to an optional prefix cache (kv_cache.PrefixCache) for longer-lived reuse.
 See glm53/ENGINE.md.
@@ -443,6 +444,16 @@ class Glm53Engine:
             stats["finish_reason"] = "cancelled"
             state.truncate(min(state.length, len(prompt) + len(reply) - 1))
             return reply
+
+    def batch_engine(self, **options: Any) -> Any:
+        """The batched runtime over this engine's model (glm53.runtime.BatchEngine: several requests
+        at once over one KV pool, each reply the bits `generate` gives it alone), or None where it
+        does not run (several ranks: requests there run one at a time through `generate`)."""
+        if self.plan.world != 1:
+            return None
+        from glm53.runtime import BatchEngine
+
+        return BatchEngine(self, **options)
 
     def follow(self) -> None:
         """The loop of a non-zero rank, executing what rank 0 decides. World 1: nothing to follow."""

@@ -125,6 +125,36 @@ class Glm53Model:
         return [ForwardOutput(hidden=rms_norm(x, self.w.final_norm, self.cfg.rms_norm_eps), last_layer=x, taps=t)
                 for x, t in outs]
 
+    def forward_batch(self, items: list[tuple[KVState, list[int]]], taps: tuple[int, ...] = ()
+                      ) -> list[ForwardOutput]:
+        """Several sequences' windows in one forward: each (state, tokens) runs at [state.length,
+        state.length + len(tokens)) on top of its own cache. Per layer each window's attention runs
+        over its own state, and the feed-forward block over every window's rows at once. Every op is
+        row-invariant, so each row gets the bits of forward(state, tokens, state.length) run alone
+        (tests/test_batch_exact.py); a MoE layer reads its experts once a step for all sequences."""
+        if not items:
+            return []
+        if len({id(state) for state, _ in items}) != len(items):
+            raise ValueError("forward_batch takes one window per state")
+        sizes = [len(tokens) for _, tokens in items]
+        if min(sizes) <= 0:
+            raise ValueError("forward_batch needs at least one token per window")
+        ids = self._ids([t for _, tokens in items for t in tokens])
+        x = self.plan.embed(self.w.embed, ids).to(self.dtype)
+        nan_flag = torch.zeros((), dtype=torch.bool, device=self.device) if self.device.type == "cuda" else None
+        spans = []
+        for (state, _), n in zip(items, sizes):
+            a = state.length
+            state.reserve(a + n)
+            spans.append(Span(torch.arange(a, a + n, device=self.device), a, a + n, nan_flag))
+        outs = self._layers_over([state for state, _ in items], self.w.layers, list(x.split(sizes)), spans, taps)
+        if nan_flag is not None and bool(nan_flag):
+            raise ValueError("indexer scores contain NaN; the selection is undefined")
+        for state, tokens in items:
+            state.tokens.extend(tokens)
+        return [ForwardOutput(hidden=rms_norm(x, self.w.final_norm, self.cfg.rms_norm_eps), last_layer=x, taps=t)
+                for x, t in outs]
+
     def forward_window(self, state: KVState, ids: torch.Tensor, span: Span, taps: tuple[int, ...] = ()
                        ) -> ForwardOutput:
         """The forward of a short window as glm53.cuda_graphs captures it: ids [T] and span.positions
@@ -191,11 +221,13 @@ class Glm53Model:
             raise ValueError("indexer scores contain NaN; the selection is undefined")
         return outs
 
-    def _layers_over(self, state: KVState, layers: list[LayerWeights], xs: list[torch.Tensor], spans: list[Span],
-                     taps: tuple[int, ...]) -> list[tuple[torch.Tensor, dict[int, torch.Tensor]]]:
-        """The layers over consecutive spans' rows xs (one span: a forward or a captured window):
+    def _layers_over(self, state: KVState | list[KVState], layers: list[LayerWeights], xs: list[torch.Tensor],
+                     spans: list[Span], taps: tuple[int, ...]) -> list[tuple[torch.Tensor, dict[int, torch.Tensor]]]:
+        """The layers over spans' rows xs (one span: a forward or a captured window; consecutive
+        spans of one state: a wave; a list of states: span i over states[i], a batch of sequences):
         each span's attention apart, each feed-forward block over all the rows at once; per span its
         output and taps."""
+        states = state if isinstance(state, list) else [state] * len(spans)
         sizes = [x.shape[0] for x in xs]
         angles = [rope_angles(self.inv_freq, span.positions, self.dtype) for span in spans]
         selections: list[Selection | None] = [None] * len(spans)
@@ -203,7 +235,7 @@ class Glm53Model:
         for layer in layers:
             hs = []
             for i, span in enumerate(spans):
-                xs[i], h, selections[i] = self._attention(state, layer, xs[i], span, *angles[i], selections[i])
+                xs[i], h, selections[i] = self._attention(states[i], layer, xs[i], span, *angles[i], selections[i])
                 hs.append(h)
             ys = self.plan.sum_partials(layer.ffn(hs[0] if len(hs) == 1 else torch.cat(hs))).split(sizes)
             xs = [x + y for x, y in zip(xs, ys)]
