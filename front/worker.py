@@ -165,10 +165,15 @@ class EngineWorker:
     def _run_batched(self) -> None:
         batch = self.batch
         active: dict[int, tuple[Job, Any]] = {}  # id(job) -> the job and its sequence (glm53.runtime.sequence)
+        stepped = True
         while True:
+            incoming: list[Job | None] = []
             try:
-                # block for work only when nothing runs
-                incoming = [self._jobs.get()] if batch.idle else []
+                # block for work only when nothing runs (or, never expected, a step found nothing to run)
+                if batch.idle:
+                    incoming.append(self._jobs.get())
+                elif not stepped:
+                    incoming.append(self._jobs.get(timeout=0.05))
                 while True:
                     incoming.append(self._jobs.get_nowait())
             except queue.Empty:
@@ -183,7 +188,7 @@ class EngineWorker:
                 for job, seq in list(active.values()):
                     if job.cancelled.is_set():
                         batch.cancel(seq)  # its rows go back to the pool before the next step
-                batch.step()
+                stepped = batch.step()
                 self._count_admitted(active)
             except BaseException as exc:  # the engine's state is unknown: the lane must stop
                 self._fail(exc, [job for job, _ in active.values()])

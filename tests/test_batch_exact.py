@@ -69,10 +69,14 @@ def test_forward_batch_rows_equal_each_sequence_alone(engine) -> None:
         assert torch.equal(whole[len(p):], g.hidden)
 
 
-def test_forward_batch_refuses_a_state_twice(engine) -> None:
-    s = engine.model.new_state(engine.kv_dtype)
-    with pytest.raises(ValueError, match="one window per state"):
-        engine.model.forward_batch([(s, [1]), (s, [2])])
+def test_forward_batch_takes_a_states_pieces_only_adjacent(engine) -> None:
+    s, t = engine.model.new_state(engine.kv_dtype), engine.model.new_state(engine.kv_dtype)
+    with pytest.raises(ValueError, match="adjacent"):
+        engine.model.forward_batch([(s, [1]), (t, [3]), (s, [2])])
+    with torch.inference_mode():
+        pieces = engine.model.forward_batch([(s, [1, 2, 3]), (s, [4, 5]), (t, [6])])
+        whole = engine.model.forward(engine.model.new_state(engine.kv_dtype), [1, 2, 3, 4, 5], 0).hidden
+    assert s.tokens == [1, 2, 3, 4, 5] and torch.equal(torch.cat([pieces[0].hidden, pieces[1].hidden]), whole)
 
 
 # ---- pool, queue, admission ---------------------------------------------------------------------
@@ -159,13 +163,16 @@ def schedule(seed: int, n: int, vocab: int) -> list[Req]:
     shared = [[rng.randrange(vocab) for _ in range(rng.randint(20, 45))] for _ in range(4)]
     reqs, step = [], 0
     for i in range(n):
-        step += rng.choice((0, 0, 0, 1, 1, 2))  # bursts: several requests arrive in one step
+        step += rng.choice((0, 0, 0, 0, 1, 1))  # bursts: several requests arrive in one step
         tail = [rng.randrange(vocab) for _ in range(rng.randint(1, 16))]
         prompt = rng.choice(shared)[: rng.randint(8, 45)] + tail if rng.random() < 0.35 else tail
         sampling: dict = {"draft": rng.random() < 0.5}
         if rng.random() < 0.5:
             sampling.update(temperature=rng.choice((0.7, 1.0)), seed=rng.randrange(1 << 30), top_p=0.95)
-        r = Req(prompt, rng.randint(1, 5), sampling, step)
+        long = rng.random() < 0.15  # longer replies: running sequences outgrow the pool
+        if long:
+            sampling["ignore_eos"] = True
+        r = Req(prompt, rng.randint(8, 14) if long else rng.randint(1, 5), sampling, step)
         kind = rng.random()
         if kind < 0.08:
             r.cancel_after = rng.randint(1, 3)
@@ -187,10 +194,10 @@ def test_random_schedule_replies_equal_alone(engine, requests_alone, prefix_cach
     if prefix_cache:
         attach_prefix_cache(engine, revision="tiny-batch", environ={})
     try:
-        # 320 positions in grants of 4 for up to 16 sequences: running sequences outgrow it and the
+        # 256 positions in grants of 4 for up to 16 sequences: running sequences outgrow it and the
         # youngest are preempted
         batch = BatchEngine(engine, max_seqs=16, max_waiting=len(reqs), step_tokens=96,
-                            pool_bytes=positions_bytes(engine, 320), pool_block=4)
+                            pool_bytes=positions_bytes(engine, 256), pool_block=4)
         seqs: list = [None] * len(reqs)
         step, nxt = 0, 0
         while nxt < len(reqs) or not batch.idle:
@@ -227,3 +234,14 @@ def test_random_schedule_replies_equal_alone(engine, requests_alone, prefix_cach
         if prefix_cache:
             engine.prefix_cache.close()
             engine.prefix_cache = None
+
+
+def test_a_lone_prompt_prefills_in_waves_and_streams_hold_it_to_a_piece(engine) -> None:
+    """With nothing decoding, a prompt takes a wave of pieces a step (the experts read once for
+    several pieces, as generate's prefill does); the reply is still the one it gets alone."""
+    batch = BatchEngine(engine, step_tokens=TINY_CHUNK, pool_bytes=positions_bytes(engine, 1024))
+    seq = batch.submit(list(range(1, 4 * TINY_CHUNK + 3)), 2, {"draft": False})
+    batch.step()
+    assert seq.state.length == engine.wave  # 4 pieces in the first step
+    batch.run()
+    assert seq.reply == alone(engine, seq.prompt, 2, {"draft": False})

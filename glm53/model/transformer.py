@@ -127,26 +127,30 @@ class Glm53Model:
 
     def forward_batch(self, items: list[tuple[KVState, list[int]]], taps: tuple[int, ...] = ()
                       ) -> list[ForwardOutput]:
-        """Several sequences' windows in one forward: each (state, tokens) runs at [state.length,
-        state.length + len(tokens)) on top of its own cache. Per layer each window's attention runs
-        over its own state, and the feed-forward block over every window's rows at once. Every op is
-        row-invariant, so each row gets the bits of forward(state, tokens, state.length) run alone
-        (tests/test_batch_exact.py); a MoE layer reads its experts once a step for all sequences."""
+        """Several sequences' windows in one forward: each (state, tokens) continues its state's
+        rows. Per layer each window's attention runs over its own state, and the feed-forward block
+        over every window's rows at once. Every op is row-invariant, so each row gets the bits of
+        forward(state, tokens, state.length) run alone (tests/test_batch_exact.py); a MoE layer reads
+        its experts once a step for all sequences. A state may have several windows if they are
+        adjacent in `items`: consecutive pieces, run as forward_wave runs them (each piece's
+        attention after the previous piece's rows of that layer are written)."""
         if not items:
             return []
-        if len({id(state) for state, _ in items}) != len(items):
-            raise ValueError("forward_batch takes one window per state")
         sizes = [len(tokens) for _, tokens in items]
         if min(sizes) <= 0:
             raise ValueError("forward_batch needs at least one token per window")
-        ids = self._ids([t for _, tokens in items for t in tokens])
-        x = self.plan.embed(self.w.embed, ids).to(self.dtype)
-        nan_flag = torch.zeros((), dtype=torch.bool, device=self.device) if self.device.type == "cuda" else None
+        ends: dict[int, int] = {}
         spans = []
-        for (state, _), n in zip(items, sizes):
-            a = state.length
+        nan_flag = torch.zeros((), dtype=torch.bool, device=self.device) if self.device.type == "cuda" else None
+        for i, ((state, _), n) in enumerate(zip(items, sizes)):
+            if id(state) in ends and items[i - 1][0] is not state:
+                raise ValueError("forward_batch: a state's windows must be adjacent (consecutive pieces)")
+            a = ends.get(id(state), state.length)
+            ends[id(state)] = a + n
             state.reserve(a + n)
             spans.append(Span(torch.arange(a, a + n, device=self.device), a, a + n, nan_flag))
+        ids = self._ids([t for _, tokens in items for t in tokens])
+        x = self.plan.embed(self.w.embed, ids).to(self.dtype)
         outs = self._layers_over([state for state, _ in items], self.w.layers, list(x.split(sizes)), spans, taps)
         if nan_flag is not None and bool(nan_flag):
             raise ValueError("indexer scores contain NaN; the selection is undefined")

@@ -8,7 +8,9 @@ the request gets alone from `Glm53Engine.generate`, bit for bit (tests/test_batc
 Knobs (options override the environment):
     TF_GLM53_MAX_SEQS       running sequences decoded together (default 8, at most 64)
     TF_GLM53_MAX_WAITING    requests queued behind them; past it `submit` raises QueueFull (default 64)
-    TF_GLM53_STEP_TOKENS    rows a step (decode windows first, then prefill pieces; default the prefill chunk)
+    TF_GLM53_STEP_TOKENS    rows a step while sequences decode (their windows first, then prefill pieces;
+                            default the prefill chunk C); with none decoding, prefill takes a wave
+                            (TF_GLM53_PREFILL_WAVE, 4C) as glm53.engine's prefill does
     TF_GLM53_KV_POOL_BYTES  the pool's budget (default: 90% of the free device memory on CUDA, 4 GiB on the CPU)
     pool_block=             positions a grant of the pool (default the prefix-cache block B)
 """
@@ -62,10 +64,10 @@ class BatchEngine:
         self.scheduler = Scheduler(self.pool, max_seqs=_knob("TF_GLM53_MAX_SEQS", max_seqs, 8, MAX_SEQS_LIMIT),
                                    max_waiting=_knob("TF_GLM53_MAX_WAITING", max_waiting, 64),
                                    step_tokens=_knob("TF_GLM53_STEP_TOKENS", step_tokens, engine.chunk),
-                                   chunk=engine.chunk)
+                                   chunk=engine.chunk, wave=engine.wave)
         self.runner = ModelRunner(engine)
         self.steps = 0
-        self.batch_sizes: Counter[int] = Counter()  # sequences a step -> steps
+        self.batch_sizes: Counter[int] = Counter()  # sequences in a step -> steps
         self._arrivals = 0
 
     # ---- requests ------------------------------------------------------------------------------
@@ -121,7 +123,7 @@ class BatchEngine:
         wanted = [self._rows_read(w, o) for w, o in zip(work, outs)]
         logits = iter(self.runner.logits([r for r in wanted if r is not None]))
         self.steps += 1
-        self.batch_sizes[len(work)] += 1
+        self.batch_sizes[len({id(w.seq) for w in work})] += 1
         for w, out, rows in zip(work, outs, wanted):
             self._advance(w, out, next(logits) if rows is not None else None)
         return True
@@ -240,6 +242,7 @@ class BatchEngine:
             seq.stats["decode_s"] = now - seq.first_token
         if seq.started == seq.started:
             seq.stats["queue_s"] = seq.started - seq.arrived
+        self.engine.last_stats = seq.stats  # the engine's contract: the last finished request's stats
         if seq.on_done is not None:
             seq.on_done(seq)
 

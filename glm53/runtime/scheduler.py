@@ -40,9 +40,12 @@ class Work:
 
 class Scheduler:
     def __init__(self, pool: KVPool, *, max_seqs: int = 8, max_waiting: int = 64, step_tokens: int = 256,
-                 chunk: int = 256) -> None:
+                 chunk: int = 256, wave: int | None = None) -> None:
         self.pool, self.max_seqs, self.max_waiting = pool, max_seqs, max_waiting
         self.step_tokens, self.chunk = step_tokens, chunk
+        # with no stream to hold up, prefill takes a wave (glm53.engine's prefill_waves: a MoE layer
+        # reads its experts once for several pieces)
+        self.wave = max(wave or step_tokens, step_tokens)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the last is the youngest
         self.preempted_total = 0
@@ -110,15 +113,20 @@ class Scheduler:
             work.append(Work(seq, tokens, start, prefill=False))
             budget -= len(tokens)
         work = [w for w in work if w.seq in self.running]  # make_room may have preempted an earlier one
+        if not work:
+            budget = self.wave
         for seq in self.running:
             if seq.status is not Status.PREFILL:
                 continue
-            if budget <= 0 and work:
-                break
             start, context = seq.state.length, seq.context_length
-            # a piece never crosses the prompt's end: rows past it are not canonical prefill
-            stop = len(seq.prompt) if start < len(seq.prompt) else context
-            n = min(stop - start, self.chunk, max(budget, 1))
-            work.append(Work(seq, seq.context[start:start + n], start, prefill=True))
-            budget -= n
+            while start < context and (budget > 0 or not work):
+                # pieces of at most C that never cross the prompt's end (rows past it are not
+                # canonical prefill); a sequence's pieces in one step are adjacent: a wave
+                stop = len(seq.prompt) if start < len(seq.prompt) else context
+                n = min(stop - start, self.chunk, max(budget, 1))
+                work.append(Work(seq, seq.context[start:start + n], start, prefill=True))
+                budget -= n
+                start += n
+            if budget <= 0:
+                break
         return work
