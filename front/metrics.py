@@ -44,11 +44,8 @@ class RuntimeCollector:
         yield GaugeMetricFamily("glm53_kv_pool_used_bytes", "KV pool bytes granted to running sequences.",
                                 value=s["pool_used_bytes"])
         yield GaugeMetricFamily("glm53_kv_pool_free_bytes", "KV pool bytes free.", value=s["pool_free_bytes"])
-        sizes = s.get("batch_sizes", {})
-        buckets, running = [], 0
-        for bound in BATCH_BUCKETS:
-            running = sum(count for size, count in sizes.items() if size <= bound)
-            buckets.append((str(bound), running))
+        sizes = s.get("batch_sizes", {})  # sequences in a step -> steps
+        buckets = [(str(bound), sum(n for size, n in sizes.items() if size <= bound)) for bound in BATCH_BUCKETS]
         buckets.append(("+Inf", sum(sizes.values())))
         yield HistogramMetricFamily("glm53_batch_size", "Sequences in one step of the batched runtime.",
                                     buckets=buckets, sum_value=sum(size * n for size, n in sizes.items()))

@@ -229,24 +229,22 @@ class Glm53Model:
                      spans: list[Span], taps: tuple[int, ...]) -> list[tuple[torch.Tensor, dict[int, torch.Tensor]]]:
         """The layers over spans' rows xs (one span: a forward or a captured window; consecutive
         spans of one state: a wave; a list of states: span i over states[i], a batch of sequences):
-        each span's attention apart, each feed-forward block over all the rows at once; per span its
-        output and taps."""
+        every projection and feed-forward block over all the rows at once, each span's cache
+        writes, selection and attention apart; per span its output and taps."""
         states = state if isinstance(state, list) else [state] * len(spans)
         sizes = [x.shape[0] for x in xs]
-        angles = [rope_angles(self.inv_freq, span.positions, self.dtype) for span in spans]
+        x = xs[0] if len(xs) == 1 else torch.cat(xs)
+        positions = spans[0].positions if len(spans) == 1 else torch.cat([span.positions for span in spans])
+        cos, sin = rope_angles(self.inv_freq, positions, self.dtype)
         selections: list[Selection | None] = [None] * len(spans)
         taken: list[dict[int, torch.Tensor]] = [{} for _ in spans]
         for layer in layers:
-            hs = []
-            for i, span in enumerate(spans):
-                xs[i], h, selections[i] = self._attention(states[i], layer, xs[i], span, *angles[i], selections[i])
-                hs.append(h)
-            ys = self.plan.sum_partials(layer.ffn(hs[0] if len(hs) == 1 else torch.cat(hs))).split(sizes)
-            xs = [x + y for x, y in zip(xs, ys)]
+            x, h = self._attention_rows(states, layer, x, spans, sizes, cos, sin, selections)
+            x = x + self.plan.sum_partials(layer.ffn(h))
             if layer.index in taps:
-                for i, x in enumerate(xs):
-                    taken[i][layer.index] = x
-        return list(zip(xs, taken))
+                for i, part in enumerate(x.split(sizes)):
+                    taken[i][layer.index] = part
+        return list(zip(x.split(sizes), taken))
 
     def _layer(self, state: KVState, layer: LayerWeights, x: torch.Tensor, span: Span,
                cos: torch.Tensor, sin: torch.Tensor, selection: Selection | None
@@ -258,27 +256,49 @@ class Glm53Model:
     def _attention(self, state: KVState, layer: LayerWeights, x: torch.Tensor, span: Span,
                    cos: torch.Tensor, sin: torch.Tensor, selection: Selection | None
                    ) -> tuple[torch.Tensor, torch.Tensor, Selection]:
-        """A layer up to its feed-forward block: x after the attention's residual, the normed input
-        of the feed-forward block, and the selection (the next 'shared' layers reuse it)."""
+        """A layer up to its feed-forward block over one span: x after the attention's residual,
+        the normed input of the feed-forward block, and the selection (the next 'shared' layers
+        reuse it)."""
+        selections = [selection]
+        x, h = self._attention_rows([state], layer, x, [span], [x.shape[0]], cos, sin, selections)
+        return x, h, selections[0]
+
+    def _attention_rows(self, states: list[KVState], layer: LayerWeights, x: torch.Tensor, spans: list[Span],
+                        sizes: list[int], cos: torch.Tensor, sin: torch.Tensor,
+                        selections: list[Selection | None]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer up to its feed-forward block over the rows of several spans (sizes: each span's
+        rows, in order): the projections over all the rows at once, then per span its cache rows
+        written, its keys read back, its selection (updated in `selections`: the next 'shared'
+        layers reuse it) and its attention, then the output projection over all the rows. Returns
+        x after the attention's residual and the normed input of the feed-forward block."""
         cfg, a, plan = self.cfg, layer.attn, self.plan
         h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
         q_resid, q_nope, q_rot = project_queries(a, h, cos, sin)
-        stop = span.key_bound
-        # the rows this rank holds (all of [0, stop) unless the cache is split by position)
-        key_positions = state.owned_positions(stop)
-        _write(state.write_latent, state.write_latent_at, layer.index, span, latent_rows(a, h, cos, sin))
-        cached = state.read_latent(layer.index, stop, self.dtype)  # read back: attend to what is stored
+        latents = latent_rows(a, h, cos, sin)
         if layer.indexer is not None:
-            _write(state.write_index, state.write_index_at, layer.index, span, indexer_keys(layer.indexer, h, cos, sin))
-            keys = state.read_index(layer.index, stop, self.dtype)
+            index_keys = indexer_keys(layer.indexer, h, cos, sin)
             q_idx = indexer_queries(layer.indexer, q_resid, cos, sin)
-            scores = index_scores(layer.indexer, q_idx, h, keys, span.positions, key_positions)
-            selection = plan.merge_topk(scores, key_positions, cfg.index_topk, span.nan_flag)
-        elif selection is None:
-            raise ValueError(f"layer {layer.index} shares the indexer selection but no earlier full layer ran")
-        out = plan.attend(a, q_nope, q_rot, cached, key_positions, selection, cfg.num_attention_heads)
+        outs, a0 = [], 0
+        for i, (state, span, n) in enumerate(zip(states, spans, sizes)):
+            rows = slice(a0, a0 + n)
+            a0 += n
+            stop = span.key_bound
+            # the rows this rank holds (all of [0, stop) unless the cache is split by position)
+            key_positions = state.owned_positions(stop)
+            _write(state.write_latent, state.write_latent_at, layer.index, span, latents[rows])
+            cached = state.read_latent(layer.index, stop, self.dtype)  # read back: attend to what is stored
+            if layer.indexer is not None:
+                _write(state.write_index, state.write_index_at, layer.index, span, index_keys[rows])
+                keys = state.read_index(layer.index, stop, self.dtype)
+                scores = index_scores(layer.indexer, q_idx[rows], h[rows], keys, span.positions, key_positions)
+                selections[i] = plan.merge_topk(scores, key_positions, cfg.index_topk, span.nan_flag)
+            elif selections[i] is None:
+                raise ValueError(f"layer {layer.index} shares the indexer selection but no earlier full layer ran")
+            outs.append(plan.attend(a, q_nope[rows], q_rot[rows], cached, key_positions, selections[i],
+                                    cfg.num_attention_heads))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
         x = x + plan.sum_partials(output_projection(a, out))
-        return x, rms_norm(x, layer.post_norm, cfg.rms_norm_eps), selection
+        return x, rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
 
 
 def _write(at_start, at_positions, layer: int, span: Span, rows: torch.Tensor) -> None:  # noqa: ANN001
