@@ -188,9 +188,12 @@ def requests_alone(engine) -> tuple[list[Req], list[list[int]]]:
     return reqs, [alone(engine, r.prompt, r.max_tokens, r.sampling) for r in reqs]
 
 
-@pytest.mark.parametrize("prefix_cache", [False, True], ids=["cache-off", "cache-on"])
+@pytest.mark.parametrize("prefix_cache", [False, True], ids=["no-reuse", "cache-and-live"])
 def test_random_schedule_replies_equal_alone(engine, requests_alone, prefix_cache: bool) -> None:
+    """no-reuse: no prefix cache, no rows copied from running sequences; cache-and-live: the
+    prefix cache, and rows copied from running sequences that share a prefix."""
     reqs, want = requests_alone
+    engine.reuse_live = prefix_cache
     if prefix_cache:
         attach_prefix_cache(engine, revision="tiny-batch", environ={})
     try:
@@ -217,7 +220,7 @@ def test_random_schedule_replies_equal_alone(engine, requests_alone, prefix_cach
             batch.step()
             step += 1
         assert batch.pool.used == 0
-        cancelled = preempted = drafted = cached = 0
+        cancelled = preempted = drafted = cached = live = 0
         for r, s, w in zip(reqs, seqs, want):
             if s.finish_reason == "cancelled":
                 cancelled += 1
@@ -227,10 +230,12 @@ def test_random_schedule_replies_equal_alone(engine, requests_alone, prefix_cach
             preempted += s.preemptions > 0
             drafted += s.drafted and len(s.reply) > 1
             cached += s.stats["cached_tokens"] > 0
+            live += s.stats.get("live_tokens", 0) > 0
         assert cancelled >= 10 and preempted >= 5 and drafted >= 30
-        assert (cached >= 20) if prefix_cache else cached == 0
+        assert (cached >= 20 and live >= 5) if prefix_cache else cached == 0
         assert max(batch.batch_sizes) >= 8  # many requests a step
     finally:
+        engine.reuse_live = True
         if prefix_cache:
             engine.prefix_cache.close()
             engine.prefix_cache = None

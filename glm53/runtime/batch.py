@@ -150,17 +150,39 @@ class BatchEngine:
                 seq.stats["prefill_tokens"] = len(seq.prompt) - seq.cached
 
     def _reuse(self, seq: Sequence) -> int:
-        """Rows of the prompt restored from the prefix cache into the sequence's fresh state."""
-        cache = self.engine.prefix_cache
-        if cache is None:
+        """Rows of the prompt reused into the sequence's fresh state: restored from the prefix cache,
+        then continued from the running sequence whose canonical rows share the longest prefix
+        (copied: rows of a running sequence are not yet in the cache, and sharing them in place
+        would need pages with refcounts). None without a prefix cache and without `reuse_live`."""
+        engine, state, prompt = self.engine, seq.state, seq.prompt
+        reused = 0
+        if engine.prefix_cache is not None:
+            with _CacheDelta(engine.prefix_cache, seq):
+                hit = engine.prefix_cache.lookup(seq.prompt_ids)
+            reused = hit.restore(lambda start, n, rows: state.import_rows(start, rows, prompt[start:start + n]),
+                                 device=state.device)
+            state.truncate(reused)
+        elif not engine.reuse_live:
             return 0
-        state, prompt = seq.state, seq.prompt
-        with _CacheDelta(cache, seq):
-            hit = cache.lookup(seq.prompt_ids)
-        reused = hit.restore(lambda start, n, rows: state.import_rows(start, rows, prompt[start:start + n]),
-                             device=state.device)
-        state.truncate(reused)
+        source, n = self._longest_running_prefix(seq)
+        if n > reused:
+            state.import_rows(reused, source.export_rows(reused, n), prompt[reused:n])
+            seq.stats["live_tokens"] = n - reused
+            reused = n
         return reused
+
+    def _longest_running_prefix(self, seq: Sequence) -> tuple[Any, int]:
+        """The running state whose canonical prefill rows share the longest prefix with seq's
+        prompt, and that length (leaving the prompt's last token to compute)."""
+        best, length = None, 0
+        limit = len(seq.prompt) - 1
+        for other in self.scheduler.running:
+            if other is seq or other.state is None:
+                continue
+            n = min(_common_prefix(other.state.token_ids(), seq.prompt_ids), other.state.frontier, limit)
+            if n > length:
+                best, length = other.state, n
+        return best, length
 
     def _window_of(self, seq: Sequence) -> list[int] | None:
         if seq.draft_run is not None:
@@ -268,3 +290,9 @@ class _CacheDelta:
         after, delta = self._read(), self.seq.stats.setdefault("cache_delta", {})
         for name in self.NAMES:
             delta[name] = delta.get(name, 0) + int(after.get(name, 0)) - int(self.before.get(name, 0))
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
