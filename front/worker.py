@@ -71,6 +71,11 @@ class EngineWorker:
 
     def submit(self, job: Job) -> None:
         if self.batch is not None and self.failed is None:
+            pool = self.batch.pool
+            if pool.blocks(len(job.prompt) + job.max_tokens) > pool.capacity:  # could never be admitted
+                raise ApiError(400, f"the prompt ({len(job.prompt)} tokens) and max_tokens ({job.max_tokens}) exceed "
+                               f"the KV pool ({pool.capacity} positions, TF_GLM53_KV_POOL_BYTES)", "max_tokens",
+                               "context_length_exceeded")
             with self._lock:
                 if self._queued >= self.max_waiting:
                     raise ApiError(429, f"{self._queued} requests are waiting for the engine already; retry later",

@@ -99,6 +99,9 @@ def test_full_wait_queue_answers_429(engine, monkeypatch: pytest.MonkeyPatch) ->
         for job in jobs:
             assert result(job)[1]["tokens"] == alone(engine, job.prompt, 2, None)
         worker.submit(Job([1, 2], 2, None, events=queue.Queue()))  # room again
+        with pytest.raises(ApiError) as too_large:  # could never be admitted: 400, not a wait
+            worker.submit(Job([1, 2], worker.batch.pool.capacity, None))
+        assert too_large.value.status == 400 and too_large.value.code == "context_length_exceeded"
     finally:
         gate.set()
         worker.stop()
