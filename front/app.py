@@ -46,7 +46,8 @@ class FrontState:
         self.retry_after_s = retry_after_s
         self.draining = False
         self.inflight = 0
-        self.metrics = Metrics(lambda: self.service.worker.depth() if self.service else 0)
+        self.metrics = Metrics(lambda: self.service.worker.depth() if self.service else 0,
+                               lambda: self.service.worker.runtime_stats() if self.service else None)
 
     def serving(self) -> Service:
         """The service, or the 503 that says why there is none to take new work."""

@@ -1,25 +1,63 @@
 """The front's Prometheus families, through prometheus_client: requests by route and status, token
 counters, the queue depth, and histograms of queue wait, time to first token, decode speed and
-request duration. One registry per front (several fronts share a test process)."""
+request duration; with the batched runtime also running / waiting sequences, preemptions, the KV
+pool's bytes and the sequences-a-step histogram. One registry per front (several fronts share a
+test process)."""
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 disable_created_metrics()  # no *_created series: one family per name, as the existing scrapers read them
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 RATE_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 50.0, 75.0, 100.0, 150.0, 200.0, 300.0, 500.0, 1000.0)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
+class RuntimeCollector:
+    """The batched runtime's families, read from its stats at each scrape (glm53.runtime
+    BatchEngine.stats through EngineWorker.runtime_stats; None: jobs run one at a time, no families)."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any] | None]) -> None:
+        self.stats = stats
+
+    def describe(self) -> list[Metric]:
+        return []  # families appear only where a runtime reports them
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats()
+        if not s:
+            return
+        yield GaugeMetricFamily("glm53_running_sequences", "Sequences decoding or prefilling together.",
+                                value=s["running"])
+        yield GaugeMetricFamily("glm53_waiting_sequences", "Requests queued for admission (KV memory or the "
+                                "running limit).", value=s["waiting"])
+        yield CounterMetricFamily("glm53_preempted", "Running sequences preempted (rows released, recomputed "
+                                  "on resumption) because running sequences outgrew the KV pool.",
+                                  value=s["preempted_total"])
+        yield GaugeMetricFamily("glm53_kv_pool_used_bytes", "KV pool bytes granted to running sequences.",
+                                value=s["pool_used_bytes"])
+        yield GaugeMetricFamily("glm53_kv_pool_free_bytes", "KV pool bytes free.", value=s["pool_free_bytes"])
+        sizes = s.get("batch_sizes", {})  # sequences in a step -> steps
+        buckets = [(str(bound), sum(n for size, n in sizes.items() if size <= bound)) for bound in BATCH_BUCKETS]
+        buckets.append(("+Inf", sum(sizes.values())))
+        yield HistogramMetricFamily("glm53_batch_size", "Sequences in one step of the batched runtime.",
+                                    buckets=buckets, sum_value=sum(size * n for size, n in sizes.items()))
+
+
 class Metrics:
-    def __init__(self, queue_depth: Callable[[], int]) -> None:
+    def __init__(self, queue_depth: Callable[[], int],
+                 runtime: Callable[[], dict[str, Any] | None] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        if runtime is not None:
+            r.register(RuntimeCollector(runtime))
         self.requests = Counter("glm53_requests", "HTTP requests by route and status.", ["route", "status"], registry=r)
         self.prompt_tokens = Counter("glm53_prompt_tokens", "Prompt tokens of finished generations.", registry=r)
         self.completion_tokens = Counter("glm53_completion_tokens", "Tokens generated.", registry=r)

@@ -192,6 +192,9 @@ class Service:
                 "ranks": self.settings.ranks, "context": self.settings.context,
                 "prefix_cache": self.settings.prefix_cache, "drafting": self.settings.drafting,
                 "prefill_chunk": self.settings.prefill_chunk, "queue_depth": self.worker.depth()}
+        runtime = self.worker.runtime_stats()
+        if runtime is not None:  # the batched runtime: sequences running together, and those queued
+            body["running"], body["waiting"] = runtime["running"], runtime["waiting"]
         memory = getattr(self.engine, "memory", None)  # rank 0's weights on the device (glm53.model.memory)
         if memory is not None:
             body["memory"] = memory

@@ -1,7 +1,8 @@
 """The GLM-5.3 engine behind TensorFold's family contract (and the kit's own front).
 
-One engine serves one stream: requests run one at a time. It keeps the KV rows of the last
-conversation (`self.state`) so the next request that extends it prefills only the new tokens
+`generate` serves one request at a time (several at once: `batch_engine()`, glm53/runtime). It
+keeps the KV rows of the last conversation (`self.state`) so the next request that extends it
+prefills only the new tokens
 (reuse ends at the canonical prefill frontier: any token, since the forward is row-invariant), and
 it hands its rows to an optional prefix cache (kv_cache.PrefixCache) for longer-lived reuse.
 See glm53/ENGINE.md.
@@ -458,19 +459,12 @@ class Glm53Engine:
                       max_tokens: int, eos: frozenset[int], forward_tokens: Callable[[list[int]], None],
                       reply: list[int], stats: dict) -> list[int]:
         from drafter.decode_loop import StopRule, drafted_decode
-        from drafter.policy import AdaptiveDepth, PolicyConfig
 
         params = policy.params
-        depth = None
-        if params.processes_logits or params.logprobs is not None:
-            # relaxed top-2 keeps drafts the processed row may forbid (a grammar) and that the policy's
-            # state and records never saw: off for such requests
-            config = PolicyConfig.from_env()
-            if config.relaxed_top2:
-                depth = AdaptiveDepth(dataclasses.replace(config, relaxed_top2=False))
         try:
             result = drafted_decode(target, prompt, policy.choose, StopRule(max_tokens, eos, params.ignore_eos),
-                                    self.drafter, policy=depth, on_tokens=forward_tokens, prefilled=prefilled)
+                                    self.drafter, policy=self.depth_policy(params), on_tokens=forward_tokens,
+                                    prefilled=prefilled)
             stats["draft"] = result.stats.metrics() if hasattr(result.stats, "metrics") else {}
             if result.tokens and result.tokens[-1] in eos and not params.ignore_eos:
                 stats["finish_reason"] = "stop"
@@ -479,6 +473,31 @@ class Glm53Engine:
             stats["finish_reason"] = "cancelled"
             state.truncate(min(state.length, len(prompt) + len(reply) - 1))
             return reply
+
+    @staticmethod
+    def depth_policy(params: SamplingParams) -> Any:
+        """The drafter's depth policy for a request: None (drafted_decode's default) unless the request
+        processes logits or asks for logprobs; then the default with relaxed top-2 off (it keeps drafts
+        the processed row may forbid, a grammar's, and that the policy's state and records never saw).
+        The one rule of both drafted loops (here and glm53/runtime/drafted.py)."""
+        from drafter.policy import AdaptiveDepth, PolicyConfig
+
+        if params.processes_logits or params.logprobs is not None:
+            config = PolicyConfig.from_env()
+            if config.relaxed_top2:
+                return AdaptiveDepth(dataclasses.replace(config, relaxed_top2=False))
+        return None
+
+    def batch_engine(self, **options: Any) -> Any:
+        """The batched runtime over this engine's model (glm53.runtime.BatchEngine: several requests
+        at once over one KV pool, each reply the bits `generate` gives it alone), or None where it
+        does not run: several ranks, or ops that are not row-invariant (the grid-boundary mode,
+        where a row's bits depend on its batch); requests there run one at a time through `generate`."""
+        if self.plan.world != 1 or self.reuse_boundary is not None:
+            return None
+        from glm53.runtime import BatchEngine
+
+        return BatchEngine(self, **options)
 
     def follow(self) -> None:
         """The loop of a non-zero rank, executing what rank 0 decides. World 1: nothing to follow."""

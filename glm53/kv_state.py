@@ -115,11 +115,12 @@ class KVState:
         self.index_scale = dict(zip(order, layers("index_scale", len(order))))
         self.capacity = stacks["latent"].shape[1]
 
-    def reserve(self, n: int) -> None:
-        """Room for n positions (grows geometrically; existing rows are kept)."""
+    def reserve(self, n: int, exact: bool = False) -> None:
+        """Room for n positions (grows geometrically; exact: to n positions, what a KV pool that
+        accounts every position asks for; existing rows are kept)."""
         if n <= self.capacity:
             return
-        new = self._new_stacks(max(n, 2 * self.capacity, 256))
+        new = self._new_stacks(n if exact else max(n, 2 * self.capacity, 256))
         for kind, old in self.stacks.items():
             if old is not None:
                 new[kind][:, : old.shape[1]] = old

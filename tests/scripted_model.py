@@ -7,7 +7,8 @@ SSE, the official clients). At each position the script reads the reply so far (
 prompt's last `<|assistant|>`, decoded with the markup visible, e.g. "<think>hm</think>") and writes the
 next token of the text `plan(reply)` says the reply is; once the reply is that text, or leaves it, it
 ends with `end`. `script.first` is the reply as it stood at the model's first choice (what the front
-appended before it is visible there), `script.prompts` the prompt of each engine call (one per burst).
+appended before it is visible there), `script.prompts` the prompt of each engine call (one per burst:
+an `engine.generate`, or a sequence submitted to the batched runtime, whose rows the script then reads).
 """
 from __future__ import annotations
 
@@ -32,9 +33,11 @@ class Script:
         self.first: str | None = None
         self.prompts: list[list[int]] = []
         self.calls = 0
+        self.state: Any = None  # the batched runtime: the rows of the sequence choosing now
 
     def reply_so_far(self, pos: int) -> tuple[list[int], str]:
-        context = [int(t) for t in self.engine.state.token_ids()[:pos]]
+        state = self.state if self.state is not None else self.engine.state
+        context = [int(t) for t in state.token_ids()[:pos]]
         start = max(i for i, t in enumerate(context) if t == ASSISTANT) + 1
         return context, self.tok.decode(context[start:], skip_special_tokens=True)
 
@@ -55,6 +58,8 @@ def scripted(monkeypatch: pytest.MonkeyPatch, engine: Any, plan: Callable[[str],
     """While inside, the engine writes `plan` (a text, or reply so far -> the text it is to become)."""
     import glm53.engine
     import glm53.logits_policy
+    from glm53.runtime.batch import BatchEngine
+    from glm53.runtime.sequence import Sequence
 
     from front.chat import ChatText
 
@@ -66,9 +71,24 @@ def scripted(monkeypatch: pytest.MonkeyPatch, engine: Any, plan: Callable[[str],
         script.prompts.append(list(prompt))
         return generate(prompt, *args, **kwargs)
 
+    submit, choose = BatchEngine.submit, Sequence.choose
+
+    def submitted(batch: Any, prompt: list[int], *args: Any, **kwargs: Any) -> Any:
+        script.prompts.append(list(prompt))
+        return submit(batch, prompt, *args, **kwargs)
+
+    def chosen(seq: Any, row: Any, position: int) -> int:
+        script.state = seq.state
+        try:
+            return choose(seq, row, position)
+        finally:
+            script.state = None
+
     with monkeypatch.context() as patch:
         patch.setattr(glm53.logits_policy, "sample", script)
         patch.setattr(engine, "generate", recorded)
+        patch.setattr(BatchEngine, "submit", submitted)
+        patch.setattr(Sequence, "choose", chosen)
         yield script
 
 

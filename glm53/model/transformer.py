@@ -125,6 +125,40 @@ class Glm53Model:
         return [ForwardOutput(hidden=rms_norm(x, self.w.final_norm, self.cfg.rms_norm_eps), last_layer=x, taps=t)
                 for x, t in outs]
 
+    def forward_batch(self, items: list[tuple[KVState, list[int]]], taps: tuple[int, ...] = ()
+                      ) -> list[ForwardOutput]:
+        """Several sequences' windows in one forward: each (state, tokens) continues its state's
+        rows. Per layer each window's attention runs over its own state, and the feed-forward block
+        over every window's rows at once. Every op is row-invariant, so each row gets the bits of
+        forward(state, tokens, state.length) run alone (tests/test_batch_exact.py); a MoE layer reads
+        its experts once a step for all sequences. A state may have several windows if they are
+        adjacent in `items`: consecutive pieces, run as forward_wave runs them (each piece's
+        attention after the previous piece's rows of that layer are written)."""
+        if not items:
+            return []
+        sizes = [len(tokens) for _, tokens in items]
+        if min(sizes) <= 0:
+            raise ValueError("forward_batch needs at least one token per window")
+        ends: dict[int, int] = {}
+        spans = []
+        nan_flag = torch.zeros((), dtype=torch.bool, device=self.device) if self.device.type == "cuda" else None
+        for i, ((state, _), n) in enumerate(zip(items, sizes)):
+            if id(state) in ends and items[i - 1][0] is not state:
+                raise ValueError("forward_batch: a state's windows must be adjacent (consecutive pieces)")
+            a = ends.get(id(state), state.length)
+            ends[id(state)] = a + n
+            state.reserve(a + n)
+            spans.append(Span(torch.arange(a, a + n, device=self.device), a, a + n, nan_flag))
+        ids = self._ids([t for _, tokens in items for t in tokens])
+        x = self.plan.embed(self.w.embed, ids).to(self.dtype)
+        outs = self._layers_over([state for state, _ in items], self.w.layers, list(x.split(sizes)), spans, taps)
+        if nan_flag is not None and bool(nan_flag):
+            raise ValueError("indexer scores contain NaN; the selection is undefined")
+        for state, tokens in items:
+            state.tokens.extend(tokens)
+        return [ForwardOutput(hidden=rms_norm(x, self.w.final_norm, self.cfg.rms_norm_eps), last_layer=x, taps=t)
+                for x, t in outs]
+
     def forward_window(self, state: KVState, ids: torch.Tensor, span: Span, taps: tuple[int, ...] = ()
                        ) -> ForwardOutput:
         """The forward of a short window as glm53.cuda_graphs captures it: ids [T] and span.positions
@@ -191,26 +225,26 @@ class Glm53Model:
             raise ValueError("indexer scores contain NaN; the selection is undefined")
         return outs
 
-    def _layers_over(self, state: KVState, layers: list[LayerWeights], xs: list[torch.Tensor], spans: list[Span],
-                     taps: tuple[int, ...]) -> list[tuple[torch.Tensor, dict[int, torch.Tensor]]]:
-        """The layers over consecutive spans' rows xs (one span: a forward or a captured window):
-        each span's attention apart, each feed-forward block over all the rows at once; per span its
-        output and taps."""
+    def _layers_over(self, state: KVState | list[KVState], layers: list[LayerWeights], xs: list[torch.Tensor],
+                     spans: list[Span], taps: tuple[int, ...]) -> list[tuple[torch.Tensor, dict[int, torch.Tensor]]]:
+        """The layers over spans' rows xs (one span: a forward or a captured window; consecutive
+        spans of one state: a wave; a list of states: span i over states[i], a batch of sequences):
+        every projection and feed-forward block over all the rows at once, each span's cache
+        writes, selection and attention apart; per span its output and taps."""
+        states = state if isinstance(state, list) else [state] * len(spans)
         sizes = [x.shape[0] for x in xs]
-        angles = [rope_angles(self.inv_freq, span.positions, self.dtype) for span in spans]
+        x = xs[0] if len(xs) == 1 else torch.cat(xs)
+        positions = spans[0].positions if len(spans) == 1 else torch.cat([span.positions for span in spans])
+        cos, sin = rope_angles(self.inv_freq, positions, self.dtype)
         selections: list[Selection | None] = [None] * len(spans)
         taken: list[dict[int, torch.Tensor]] = [{} for _ in spans]
         for layer in layers:
-            hs = []
-            for i, span in enumerate(spans):
-                xs[i], h, selections[i] = self._attention(state, layer, xs[i], span, *angles[i], selections[i])
-                hs.append(h)
-            ys = self.plan.sum_partials(layer.ffn(hs[0] if len(hs) == 1 else torch.cat(hs))).split(sizes)
-            xs = [x + y for x, y in zip(xs, ys)]
+            x, h = self._attention_rows(states, layer, x, spans, sizes, cos, sin, selections)
+            x = x + self.plan.sum_partials(layer.ffn(h))
             if layer.index in taps:
-                for i, x in enumerate(xs):
-                    taken[i][layer.index] = x
-        return list(zip(xs, taken))
+                for i, part in enumerate(x.split(sizes)):
+                    taken[i][layer.index] = part
+        return list(zip(x.split(sizes), taken))
 
     def _layer(self, state: KVState, layer: LayerWeights, x: torch.Tensor, span: Span,
                cos: torch.Tensor, sin: torch.Tensor, selection: Selection | None
@@ -222,27 +256,49 @@ class Glm53Model:
     def _attention(self, state: KVState, layer: LayerWeights, x: torch.Tensor, span: Span,
                    cos: torch.Tensor, sin: torch.Tensor, selection: Selection | None
                    ) -> tuple[torch.Tensor, torch.Tensor, Selection]:
-        """A layer up to its feed-forward block: x after the attention's residual, the normed input
-        of the feed-forward block, and the selection (the next 'shared' layers reuse it)."""
+        """A layer up to its feed-forward block over one span: x after the attention's residual,
+        the normed input of the feed-forward block, and the selection (the next 'shared' layers
+        reuse it)."""
+        selections = [selection]
+        x, h = self._attention_rows([state], layer, x, [span], [x.shape[0]], cos, sin, selections)
+        return x, h, selections[0]
+
+    def _attention_rows(self, states: list[KVState], layer: LayerWeights, x: torch.Tensor, spans: list[Span],
+                        sizes: list[int], cos: torch.Tensor, sin: torch.Tensor,
+                        selections: list[Selection | None]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer up to its feed-forward block over the rows of several spans (sizes: each span's
+        rows, in order): the projections over all the rows at once, then per span its cache rows
+        written, its keys read back, its selection (updated in `selections`: the next 'shared'
+        layers reuse it) and its attention, then the output projection over all the rows. Returns
+        x after the attention's residual and the normed input of the feed-forward block."""
         cfg, a, plan = self.cfg, layer.attn, self.plan
         h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
         q_resid, q_nope, q_rot = project_queries(a, h, cos, sin)
-        stop = span.key_bound
-        # the rows this rank holds (all of [0, stop) unless the cache is split by position)
-        key_positions = state.owned_positions(stop)
-        _write(state.write_latent, state.write_latent_at, layer.index, span, latent_rows(a, h, cos, sin))
-        cached = state.read_latent(layer.index, stop, self.dtype)  # read back: attend to what is stored
+        latents = latent_rows(a, h, cos, sin)
         if layer.indexer is not None:
-            _write(state.write_index, state.write_index_at, layer.index, span, indexer_keys(layer.indexer, h, cos, sin))
-            keys = state.read_index(layer.index, stop, self.dtype)
+            index_keys = indexer_keys(layer.indexer, h, cos, sin)
             q_idx = indexer_queries(layer.indexer, q_resid, cos, sin)
-            scores = index_scores(layer.indexer, q_idx, h, keys, span.positions, key_positions)
-            selection = plan.merge_topk(scores, key_positions, cfg.index_topk, span.nan_flag)
-        elif selection is None:
-            raise ValueError(f"layer {layer.index} shares the indexer selection but no earlier full layer ran")
-        out = plan.attend(a, q_nope, q_rot, cached, key_positions, selection, cfg.num_attention_heads)
+        outs, a0 = [], 0
+        for i, (state, span, n) in enumerate(zip(states, spans, sizes)):
+            rows = slice(a0, a0 + n)
+            a0 += n
+            stop = span.key_bound
+            # the rows this rank holds (all of [0, stop) unless the cache is split by position)
+            key_positions = state.owned_positions(stop)
+            _write(state.write_latent, state.write_latent_at, layer.index, span, latents[rows])
+            cached = state.read_latent(layer.index, stop, self.dtype)  # read back: attend to what is stored
+            if layer.indexer is not None:
+                _write(state.write_index, state.write_index_at, layer.index, span, index_keys[rows])
+                keys = state.read_index(layer.index, stop, self.dtype)
+                scores = index_scores(layer.indexer, q_idx[rows], h[rows], keys, span.positions, key_positions)
+                selections[i] = plan.merge_topk(scores, key_positions, cfg.index_topk, span.nan_flag)
+            elif selections[i] is None:
+                raise ValueError(f"layer {layer.index} shares the indexer selection but no earlier full layer ran")
+            outs.append(plan.attend(a, q_nope[rows], q_rot[rows], cached, key_positions, selections[i],
+                                    cfg.num_attention_heads))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
         x = x + plan.sum_partials(output_projection(a, out))
-        return x, rms_norm(x, layer.post_norm, cfg.rms_norm_eps), selection
+        return x, rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
 
 
 def _write(at_start, at_positions, layer: int, span: Span, rows: torch.Tensor) -> None:  # noqa: ANN001

@@ -1,0 +1,125 @@
+"""Concurrent decode streams through the batched runtime against one stream alone, side by side.
+
+    python -m bench.bench_batching                       # CPU, tiny checkpoint: 1, 4, 16 streams
+    python -m bench.bench_batching --streams 1,4,16 --tokens 32 --repeats 3 --device cuda
+
+Each round submits N requests at once to glm53.runtime.BatchEngine (distinct prompts of
+--prompt tokens, --tokens decoded each, greedy, ignore_eos, "draft": false) and steps until all
+finish; rounds of every N alternate within each repeat. Per round: the decode phase's aggregate
+tokens a second (tokens after each stream's first, over the time from the first stream's first
+token to the last stream's last) and each stream's time a token (its first to last token over
+tokens - 1). Ratios against N = 1 of the same repeat: aggregate speedup, per-stream slowdown.
+Every reply is checked against the N = 1 round's reply of the same prompt (exactness).
+Goals (issue 36, at GLM-5.3 dimensions on a GPU): 4 streams >= 3x aggregate and <= 1.35x per
+stream; 16 streams >= 8x. On the CPU the row-invariant ops compute each row as its own product,
+so batching shares only the expert reads and the Python of a step: the tiny CPU numbers show the
+runtime's overhead, not the GPU's batching gain.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+from bench.lib.log import log
+from bench.lib.meta import KIT_ROOT, RESULTS, result_header, summary, write_json
+
+
+def checkpoint(work: Path) -> Path:
+    from bench.lib.checkpoints import tiny_checkpoint
+
+    model = work / "tiny"
+    if (model / "config.json").exists():
+        return model
+    work.mkdir(parents=True, exist_ok=True)
+    return tiny_checkpoint(work)
+
+
+def one_round(batch, prompts: list[list[int]], tokens: int) -> dict:
+    """N streams submitted at once; their token times and replies."""
+    times: list[list[float]] = [[] for _ in prompts]
+
+    def stamp(i: int):
+        def on_tokens(new: list[int]) -> bool:
+            now = time.perf_counter()
+            times[i].extend([now] * len(new))
+            return True
+        return on_tokens
+
+    seqs = [batch.submit(p, tokens, {"draft": False, "ignore_eos": True}, on_tokens=stamp(i))
+            for i, p in enumerate(prompts)]
+    steps0 = batch.steps
+    batch.run()
+    first, last = min(t[0] for t in times), max(t[-1] for t in times)
+    decoded = sum(len(t) - 1 for t in times)
+    per_stream = [(t[-1] - t[0]) / (len(t) - 1) for t in times]
+    return {"streams": len(prompts), "aggregate_tok_s": decoded / (last - first),
+            "per_stream_s_per_token": statistics.mean(per_stream), "steps": batch.steps - steps0,
+            "replies": [s.reply for s in seqs]}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, help="checkpoint folder (default: the tiny one, written under --work)")
+    p.add_argument("--work", type=Path, default=KIT_ROOT / ".work" / "bench_batching")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--streams", default="1,4,16")
+    p.add_argument("--prompt", type=int, default=48, help="prompt tokens a stream")
+    p.add_argument("--tokens", type=int, default=24, help="decoded tokens a stream")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (CPU)")
+    p.add_argument("--out", type=Path, default=RESULTS / "batching_cpu_tiny.json")
+    args = p.parse_args()
+
+    import torch
+
+    from glm53.engine import Glm53Engine
+
+    torch.set_num_threads(args.threads)
+    counts = [int(n) for n in args.streams.split(",")]
+    model = args.model or checkpoint(args.work)
+    cpu = args.device == "cpu"
+    engine = Glm53Engine(model, device=args.device, dtype="fp32" if cpu else None,
+                         kv_dtype="fp32" if cpu else None, prefill_chunk=256 if cpu else None)
+    batch = engine.batch_engine(max_seqs=max(counts), step_tokens=max(counts) * args.prompt)
+    vocab = engine.vocab_size
+    prompts = [[(7 + 31 * i + 17 * j) % vocab for j in range(args.prompt)] for i in range(max(counts))]
+    one_round(batch, prompts[:2], 4)  # warm-up, discarded
+    rows, alone_replies = [], {}
+    for r in range(args.repeats):
+        for n in counts:
+            row = one_round(batch, prompts[:n], args.tokens)
+            replies = row.pop("replies")
+            for i, reply in enumerate(replies):
+                if i in alone_replies and alone_replies[i] != reply:
+                    raise SystemExit(f"stream {i} of {n}: reply differs from the same prompt's earlier reply")
+                alone_replies.setdefault(i, reply)
+            rows.append({"repeat": r, **row})
+            log(f"repeat {r} streams {n}: {row['aggregate_tok_s']:.1f} tok/s, "
+                f"{1e3 * row['per_stream_s_per_token']:.1f} ms/token a stream")
+    table = []
+    for n in counts:
+        agg = [x["aggregate_tok_s"] for x in rows if x["streams"] == n]
+        per = [x["per_stream_s_per_token"] for x in rows if x["streams"] == n]
+        base_agg = [x["aggregate_tok_s"] for x in rows if x["streams"] == counts[0]]
+        base_per = [x["per_stream_s_per_token"] for x in rows if x["streams"] == counts[0]]
+        table.append({"streams": n, "aggregate_tok_s": summary(agg), "per_stream_s_per_token": summary(per),
+                      "aggregate_vs_one": statistics.median(a / b for a, b in zip(agg, base_agg)),
+                      "per_token_vs_one": statistics.median(a / b for a, b in zip(per, base_per))})
+    settings = {"device": args.device, "streams": counts, "prompt": args.prompt, "tokens": args.tokens,
+                "repeats": args.repeats, "threads": args.threads, "model": str(model),
+                "layers": engine.cfg.num_hidden_layers}
+    write_json(args.out, {**result_header("bench_batching", settings, device=args.device), "table": table,
+                          "rounds": rows})
+    print(f"{'streams':>8} {'agg tok/s':>10} {'x one':>7} {'ms/token/stream':>16} {'x alone':>8}")
+    for t in table:
+        print(f"{t['streams']:>8} {t['aggregate_tok_s']['median']:>10.1f} {t['aggregate_vs_one']:>7.2f} "
+              f"{1e3 * t['per_stream_s_per_token']['median']:>16.2f} {t['per_token_vs_one']:>8.2f}")
+    print(f"full results: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,307 @@
+"""The batched runtime: sequences admitted into one KV pool, stepped together.
+
+`BatchEngine(engine)` serves several requests at once on a Glm53Engine's model (world 1):
+`submit` queues a request as a Sequence, `step` runs one forward over the scheduler's batch and
+hands each sequence its tokens, `cancel` releases a sequence's rows at once. Each reply is the one
+the request gets alone from `Glm53Engine.generate`, bit for bit (tests/test_batch_exact.py).
+
+Knobs (options override the environment):
+    TF_GLM53_MAX_SEQS       running sequences decoded together (default 8, at most 64)
+    TF_GLM53_MAX_WAITING    requests queued behind them; past it `submit` raises QueueFull (default 64)
+    TF_GLM53_STEP_TOKENS    rows a step while sequences decode (their windows first, then prefill pieces;
+                            default the prefill chunk C); with none decoding, prefill takes a wave
+                            (TF_GLM53_PREFILL_WAVE, 4C) as glm53.engine's prefill does
+    TF_GLM53_KV_POOL_BYTES  the pool's budget (default: 90% of the free device memory on CUDA, 4 GiB on the CPU)
+    pool_block=             positions a grant of the pool (default the prefix-cache block B)
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import torch
+
+from glm53.runtime.drafted import DraftedRun
+from glm53.runtime.kv_pool import KVPool
+from glm53.runtime.runner import ModelRunner
+from glm53.runtime.scheduler import QueueFull, Scheduler, TooLarge, Work
+from glm53.runtime.sequence import OnTokens, Sequence, Status
+
+MAX_SEQS_LIMIT = 64
+__all__ = ["BatchEngine", "QueueFull", "TooLarge"]
+
+
+def _knob(name: str, value: int | None, default: int, high: int | None = None) -> int:
+    from glm53.engine import EngineError, _env_int
+
+    n = _env_int(name, value, default)
+    if high is not None and n > high:
+        raise EngineError(f"{name}={n}: at most {high}")
+    return n
+
+
+def default_pool_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.9)
+    return 4 << 30
+
+
+class BatchEngine:
+    def __init__(self, engine: Any, *, max_seqs: int | None = None, max_waiting: int | None = None,
+                 step_tokens: int | None = None, pool_bytes: int | None = None, pool_block: int | None = None
+                 ) -> None:
+        if engine.plan.world != 1:
+            raise ValueError("the batched runtime runs at one rank (several ranks: one request at a time)")
+        self.engine = engine
+        self.eos = frozenset(engine.eos)
+        budget = _knob("TF_GLM53_KV_POOL_BYTES", pool_bytes, 0) if (
+            pool_bytes is not None or os.environ.get("TF_GLM53_KV_POOL_BYTES")) else default_pool_bytes(engine.device)
+        self.pool = KVPool(lambda: engine.model.new_state(engine.kv_dtype), budget, block=pool_block or engine.cache_block)
+        self.scheduler = Scheduler(self.pool, max_seqs=_knob("TF_GLM53_MAX_SEQS", max_seqs, 8, MAX_SEQS_LIMIT),
+                                   max_waiting=_knob("TF_GLM53_MAX_WAITING", max_waiting, 64),
+                                   step_tokens=_knob("TF_GLM53_STEP_TOKENS", step_tokens, engine.chunk),
+                                   chunk=engine.chunk, wave=engine.wave)
+        self.runner = ModelRunner(engine)
+        self.steps = 0
+        self.batch_sizes: Counter[int] = Counter()  # sequences in a step -> steps
+        self._arrivals = 0
+
+    # ---- requests ------------------------------------------------------------------------------
+    def submit(self, prompt: list[int], max_tokens: int, sampling: Any = None, on_tokens: OnTokens | None = None,
+               on_done: Any = None, rid: str = "-", on_admit: Any = None) -> Sequence:
+        """Queue a request (the checks of Glm53Engine.generate, and its logits policy built as generate
+        builds it). Raises QueueFull past the wait queue's bound and TooLarge for a request the pool
+        could never hold. `on_admit(seq)` runs once, when the sequence is first admitted (its cached
+        tokens known, before any of its tokens stream)."""
+        prompt, ids = self.engine._check_prompt(prompt, max_tokens)
+        params = self.engine._params(sampling).with_seed()
+        policy = self.engine._policy(params, prompt)
+        seq = Sequence(prompt, ids, max_tokens, params, self.engine.will_draft(params), on_tokens, on_done, policy,
+                       on_admit, rid, number=self._arrivals)
+        seq.stats = {"prompt_tokens": len(prompt), "cached_tokens": 0, "completion_tokens": 0,
+                     "prefill_tokens": len(prompt), "seed": params.seed, "finish_reason": "length",
+                     "drafted": seq.drafted, "preemptions": 0}
+        if params.logprobs is not None:  # TokenLogprob per decided token, filled before on_tokens sees it
+            seq.stats["logprobs"] = []
+        if max_tokens == 0:
+            self._finish(seq, "length")
+            return seq
+        self.scheduler.add(seq)
+        self._arrivals += 1
+        return seq
+
+    def cancel(self, seq: Sequence) -> None:
+        """Stop a sequence now (the client left, or a stop string appeared): its rows go back to the
+        pool before the next step. finish_reason "cancelled", as Glm53Engine.generate's when
+        on_tokens returns False."""
+        if seq.finished:
+            return
+        if seq.draft_run is not None:
+            seq.draft_run.abort()
+        self._finish(seq, "cancelled")
+
+    @property
+    def idle(self) -> bool:
+        return not self.scheduler.running and not self.scheduler.waiting
+
+    def stats(self) -> dict[str, Any]:
+        """What /metrics shows of the runtime."""
+        s, p = self.scheduler, self.pool
+        return {"running": len(s.running), "waiting": len(s.waiting), "preempted_total": s.preempted_total,
+                "pool_positions": p.capacity, "pool_used_positions": p.used,
+                "pool_used_bytes": p.used * p.position_bytes, "pool_free_bytes": p.free * p.position_bytes,
+                "steps": self.steps, "batch_sizes": dict(self.batch_sizes)}
+
+    # ---- a step --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> bool:
+        """Admit what fits, run one forward over the scheduler's batch, hand out its tokens.
+        False when there was nothing to run."""
+        self._admit()
+        work = self.scheduler.plan(self._window_of, self._make_room)
+        if not work:
+            return False
+        taps = tuple(getattr(self.engine.drafter, "taps", ()) or ()) if any(w.seq.drafted for w in work) else ()
+        outs = self.runner.forward(work, taps)
+        wanted = [self._rows_read(w, o) for w, o in zip(work, outs)]
+        logits = iter(self.runner.logits([r for r in wanted if r is not None]))
+        self.steps += 1
+        self.batch_sizes[len({id(w.seq) for w in work})] += 1
+        for w, out, rows in zip(work, outs, wanted):
+            self._advance(w, out, next(logits) if rows is not None else None)
+        return True
+
+    def run(self) -> None:
+        """Step until every submitted sequence has finished."""
+        while not self.idle:
+            self.step()
+
+    def _admit(self) -> None:
+        s = self.scheduler
+        while (seq := s.admissible()) is not None:
+            state = self.pool.allocate(seq.context_length + 1)
+            if state is None:
+                return
+            seq.state = state
+            s.start(seq)
+            if seq.started != seq.started:
+                seq.started = time.perf_counter()
+            seq.cached = self._reuse(seq)
+            seq.prefill_start = seq.cached
+            if seq.preemptions == 0:
+                seq.stats["cached_tokens"] = seq.cached
+                seq.stats["prefill_tokens"] = len(seq.prompt) - seq.cached
+                if seq.on_admit is not None:
+                    seq.on_admit(seq)
+
+    def _reuse(self, seq: Sequence) -> int:
+        """Rows of the prompt reused into the sequence's fresh state: restored from the prefix cache,
+        then continued from the running sequence whose canonical rows share the longest prefix
+        (copied: rows of a running sequence are not yet in the cache, and sharing them in place
+        would need pages with refcounts). None without a prefix cache and without `reuse_live`."""
+        engine, state, prompt = self.engine, seq.state, seq.prompt
+        reused = 0
+        if engine.prefix_cache is not None:
+            with _CacheDelta(engine.prefix_cache, seq):
+                hit = engine.prefix_cache.lookup(seq.prompt_ids)
+            reused = hit.restore(lambda start, n, rows: state.import_rows(start, rows, prompt[start:start + n]),
+                                 device=state.device)
+            state.truncate(reused)
+        elif not engine.reuse_live:
+            return 0
+        source, n = self._longest_running_prefix(seq)
+        if n > reused:
+            state.import_rows(reused, source.export_rows(reused, n), prompt[reused:n])
+            seq.stats["live_tokens"] = n - reused
+            reused = n
+        return reused
+
+    def _longest_running_prefix(self, seq: Sequence) -> tuple[Any, int]:
+        """The running state whose canonical prefill rows share the longest prefix with seq's
+        prompt, and that length (leaving the prompt's last token to compute)."""
+        best, length = None, 0
+        limit = len(seq.prompt) - 1
+        for other in self.scheduler.running:
+            if other is seq or other.state is None:
+                continue
+            n = min(_common_prefix(other.state.token_ids(), seq.prompt_ids), other.state.frontier, limit)
+            if n > length:
+                best, length = other.state, n
+        return best, length
+
+    def _window_of(self, seq: Sequence) -> list[int] | None:
+        if seq.draft_run is not None:
+            window = seq.draft_run.window
+            return window[0] if window is not None else None
+        return [seq.reply[-1]]
+
+    def _make_room(self, seq: Sequence, positions: int) -> bool:
+        """Grow `seq`'s rows, preempting the youngest running sequences while the pool is short."""
+        while not self.pool.ensure(seq.state, positions):
+            victim = self.scheduler.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        if seq.draft_run is not None:
+            seq.draft_run.abort()
+        self.scheduler.preempt(seq)
+        seq.stats["preemptions"] = seq.preemptions
+
+    def _rows_read(self, w: Work, out: Any) -> torch.Tensor | None:
+        """The hidden rows whose logits this step reads: a decode window's (all of a drafted
+        window's), a prefill's last row once the context is complete."""
+        if not w.prefill:
+            return out.hidden if w.seq.draft_run is not None else out.hidden[-1:]
+        return out.hidden[-1:] if w.end == w.seq.context_length else None
+
+    def _advance(self, w: Work, out: Any, logits: torch.Tensor | None) -> None:
+        seq = w.seq
+        if w.prefill:
+            if seq.drafted:
+                seq.prefill_outs.append(out)
+            if logits is None:
+                return
+            seq.status = Status.DECODE
+            if seq.drafted:
+                self._start_drafting(seq, logits[-1])
+                return
+        elif seq.draft_run is not None:
+            seq.draft_run.resume((out, logits))
+            if seq.draft_run.done:
+                self._finish(seq, seq.finish_reason)
+            return
+        if seq.take(seq.choose(logits[-1], seq.context_length), self.eos):
+            self._finish(seq, seq.finish_reason)
+
+    def _start_drafting(self, seq: Sequence, last_logits: torch.Tensor) -> None:
+        from drafter.target import WindowOutput
+
+        outs, seq.prefill_outs = seq.prefill_outs, []
+        hidden = torch.cat([o.hidden for o in outs])
+        taps = {k: torch.cat([o.taps[k] for o in outs]) for k in outs[0].taps}
+        prefilled = WindowOutput(start=seq.prefill_start, logits=last_logits[None].expand(hidden.shape[0], -1),
+                                 hidden=hidden, taps=taps)
+        seq.draft_run = DraftedRun(seq, self.engine, prefilled, self.eos)
+        seq.draft_run.resume()
+        if seq.draft_run.done:
+            self._finish(seq, seq.finish_reason)
+
+    def _finish(self, seq: Sequence, reason: str | None) -> None:
+        seq.finish_reason = reason or "length"
+        seq.status = Status.FINISHED
+        self.scheduler.remove(seq)
+        state, seq.state, seq.draft_run = seq.state, None, None
+        if state is not None:
+            if self.engine.prefix_cache is not None and reason != "cancelled":
+                # the prompt's canonical rows (decode rows lie past the frontier, never stored)
+                with _CacheDelta(self.engine.prefix_cache, seq):
+                    self.engine.prefix_cache.store(seq.prompt_ids, min(state.frontier, len(seq.prompt)),
+                                                   state.export_rows)
+            self.pool.release(state)
+        now = time.perf_counter()
+        seq.stats.update(finish_reason=seq.finish_reason, completion_tokens=len(seq.reply),
+                         preemptions=seq.preemptions)
+        if seq.first_token == seq.first_token:
+            seq.stats["ttft_s"] = seq.first_token - seq.arrived
+            seq.stats["decode_s"] = now - seq.first_token
+        if seq.started == seq.started:
+            seq.stats["queue_s"] = seq.started - seq.arrived
+        self.engine.last_stats = seq.stats  # the engine's contract: the last finished request's stats
+        if seq.on_done is not None:
+            seq.on_done(seq)
+
+
+class _CacheDelta:
+    """Adds the prefix cache's counters' change over a lookup or a store to seq.stats["cache_delta"]:
+    the cache is shared by every running sequence, so a request's share is measured around its own
+    calls (the log line's cache_hits / cache_misses / cache_evictions)."""
+
+    NAMES = ("hits", "misses", "evictions")
+
+    def __init__(self, cache: Any, seq: Sequence) -> None:
+        self.cache, self.seq = cache, seq
+
+    def _read(self) -> dict[str, Any]:
+        read = getattr(self.cache, "stats_dict", None)
+        return read(settle=False) if callable(read) else {}
+
+    def __enter__(self) -> None:
+        self.before = self._read()
+
+    def __exit__(self, *exc: Any) -> None:
+        after, delta = self._read(), self.seq.stats.setdefault("cache_delta", {})
+        for name in self.NAMES:
+            delta[name] = delta.get(name, 0) + int(after.get(name, 0)) - int(self.before.get(name, 0))
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n

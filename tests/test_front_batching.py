@@ -1,0 +1,114 @@
+"""The front's worker over the batched runtime: concurrent jobs each get the reply they get alone,
+a job whose client leaves releases its rows, a full wait queue answers 429 with Retry-After, and
+/metrics shows the runtime's families."""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import pytest
+
+from front.errors import ApiError
+from front.metrics import Metrics
+from front.worker import EngineWorker, Job
+from glm53.engine import Glm53Engine
+from tests.drafter_fixtures import one_thread  # noqa: F401
+from tests.fixtures_tiny import TINY_CHUNK, tiny_dirs  # noqa: F401
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dirs):  # noqa: F811
+    return Glm53Engine(tiny_dirs.model, device="cpu", dtype="fp32", kv_dtype="fp32", prefill_chunk=TINY_CHUNK,
+                       cache_block=TINY_CHUNK)
+
+
+def alone(engine: Glm53Engine, prompt: list[int], n: int, sampling: dict | None) -> list[int]:
+    engine.state = None
+    return engine.generate(prompt, n, sampling)
+
+
+def result(job: Job, timeout: float = 300, started: bool = False) -> tuple[list[int], dict]:
+    """Streamed tokens and the done event's payload; "started" comes once, before any token
+    (`started`: the caller read it already)."""
+    streamed, deadline = [], time.monotonic() + timeout
+    while True:
+        kind, value = job.events.get(timeout=max(0.1, deadline - time.monotonic()))
+        if kind == "started":
+            assert not started and not streamed
+            started = True
+        elif kind == "tokens":
+            assert started
+            streamed += value
+        elif kind == "error":
+            raise value
+        else:
+            assert started
+            return streamed, value
+
+
+def test_concurrent_jobs_stream_their_own_replies(engine) -> None:
+    fatal: list[BaseException] = []
+    worker = EngineWorker(engine, fatal.append)
+    assert worker.batch is not None
+    reqs = [([3 + i, 9, 27, 81 % (i + 2)], 6, {"temperature": 0.9, "seed": i} if i % 2 else None) for i in range(6)]
+    try:
+        jobs = [Job(p, n, s) for p, n, s in reqs]
+        for job in jobs:
+            worker.submit(job)
+        outs = [result(job) for job in jobs]
+        for (p, n, s), (streamed, done) in zip(reqs, outs):
+            want = alone(engine, p, n, s)
+            assert done["tokens"] == want and not done["cancelled"]
+            assert streamed == [t for t in want if t not in engine.eos]  # eos ends the reply unstreamed
+        stats = worker.runtime_stats()
+        assert stats["running"] == 0 and stats["waiting"] == 0 and stats["pool_used_bytes"] == 0
+        assert max(stats["batch_sizes"]) >= 2  # they ran together
+        text = Metrics(worker.depth, worker.runtime_stats).render()
+        for family in ("glm53_running_sequences 0.0", "glm53_waiting_sequences 0.0", "glm53_preempted_total",
+                       'glm53_batch_size_bucket{le="+Inf"}', "glm53_kv_pool_free_bytes"):
+            assert family in text
+    finally:
+        worker.stop()
+    assert not fatal
+
+
+def test_cancelled_job_stops_and_frees_rows(engine) -> None:
+    worker = EngineWorker(engine, lambda exc: None)
+    try:
+        job = Job(list(range(1, 40)), 200, {"ignore_eos": True, "draft": False})
+        worker.submit(job)
+        assert job.events.get(timeout=300)[0] == "started"
+        kind, _ = job.events.get(timeout=300)
+        assert kind == "tokens"
+        job.cancelled.set()
+        streamed, done = result(job, started=True)
+        assert done["cancelled"] and len(done["tokens"]) < 200
+        assert worker.runtime_stats()["pool_used_bytes"] == 0
+    finally:
+        worker.stop()
+
+
+def test_full_wait_queue_answers_429(engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TF_GLM53_MAX_WAITING", "2")
+    worker = EngineWorker(engine, lambda exc: None, retry_after_s=7)
+    gate = threading.Event()
+    step = worker.batch.step
+    monkeypatch.setattr(worker.batch, "step", lambda: gate.wait(300) and step())
+    try:
+        jobs = [Job([5, 6, 7], 2, None), Job([8, 9], 2, None)]
+        for job in jobs:
+            worker.submit(job)
+        with pytest.raises(ApiError) as refused:
+            worker.submit(Job([1, 2], 2, None))
+        assert refused.value.status == 429 and refused.value.headers["Retry-After"] == "7"
+        gate.set()
+        for job in jobs:
+            assert result(job)[1]["tokens"] == alone(engine, job.prompt, 2, None)
+        worker.submit(Job([1, 2], 2, None, events=queue.Queue()))  # room again
+        with pytest.raises(ApiError) as too_large:  # could never be admitted: 400, not a wait
+            worker.submit(Job([1, 2], worker.batch.pool.capacity, None))
+        assert too_large.value.status == 400 and too_large.value.code == "context_length_exceeded"
+    finally:
+        gate.set()
+        worker.stop()
