@@ -1,7 +1,8 @@
 """The batched runtime (glm53/runtime): several requests over one KV pool, each reply the bits it
 gets alone. The bar: random arrival schedules of 200+ requests over mixed lengths (shared
-prefixes, cancellations, preemptions; greedy and seeded sampling; drafted and serial requests)
-against each request run alone through Glm53Engine.generate, with the prefix cache on and off."""
+prefixes, cancellations, preemptions; greedy and seeded sampling; drafted and serial requests;
+penalties, logit_bias, a json_schema grammar and logprobs) against each request run alone through
+Glm53Engine.generate, tokens and logprobs records, with the prefix cache on and off."""
 from __future__ import annotations
 
 import random
@@ -32,12 +33,42 @@ def engine(tiny_dirs):  # noqa: F811
 
 def alone(engine: Glm53Engine, prompt: list[int], max_tokens: int, sampling: dict) -> list[int]:
     """The request on its own: a fresh conversation, nothing reused."""
+    return alone_with_records(engine, prompt, max_tokens, sampling)[0]
+
+
+def alone_with_records(engine: Glm53Engine, prompt: list[int], max_tokens: int, sampling: dict
+                       ) -> tuple[list[int], list]:
+    """The request on its own, and its logprobs records (empty when it asks for none)."""
     saved = engine.prefix_cache, engine.reuse_live
     engine.prefix_cache, engine.reuse_live, engine.state = None, False, None
     try:
-        return engine.generate(prompt, max_tokens, dict(sampling))
+        tokens = engine.generate(prompt, max_tokens, dict(sampling))
+        return tokens, list(engine.last_stats.get("logprobs") or [])
     finally:
         engine.prefix_cache, engine.reuse_live = saved
+
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                          "maximum": 9}},
+          "required": ["ok", "n"], "additionalProperties": False}
+JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA}}
+
+
+def processing_fields(rng: random.Random) -> dict:
+    """Some of penalties, logit_bias, a json_schema response_format and logprobs (each request's
+    LogitsPolicy, glm53/logits_policy.py)."""
+    fields: dict = {}
+    if rng.random() < 0.5:
+        fields.update(presence_penalty=0.7, frequency_penalty=0.4)
+    if rng.random() < 0.3:
+        fields["repetition_penalty"] = 1.3
+    if rng.random() < 0.4:
+        fields["logit_bias"] = {str(rng.randrange(1900)): rng.choice((4.0, -3.0, 2.5)) for _ in range(3)}
+    if rng.random() < 0.5:
+        fields["logprobs"] = rng.choice((0, 3))
+    if rng.random() < 0.3:
+        fields["response_format"] = JSON_SCHEMA
+    return fields or {"logprobs": 2}
 
 
 def positions_bytes(engine: Glm53Engine, n: int) -> int:
@@ -160,6 +191,7 @@ class Req:
 
 def schedule(seed: int, n: int, vocab: int) -> list[Req]:
     rng = random.Random(seed)
+    fields_rng = random.Random(seed + 1)  # its own stream: the schedule's shape is the seed's
     shared = [[rng.randrange(vocab) for _ in range(rng.randint(20, 45))] for _ in range(4)]
     reqs, step = [], 0
     for i in range(n):
@@ -172,6 +204,8 @@ def schedule(seed: int, n: int, vocab: int) -> list[Req]:
         long = rng.random() < 0.15  # longer replies: running sequences outgrow the pool
         if long:
             sampling["ignore_eos"] = True
+        if fields_rng.random() < 0.15:  # penalties, logit_bias, a grammar, logprobs
+            sampling.update(processing_fields(fields_rng))
         r = Req(prompt, rng.randint(8, 14) if long else rng.randint(1, 5), sampling, step)
         kind = rng.random()
         if kind < 0.08:
@@ -183,9 +217,9 @@ def schedule(seed: int, n: int, vocab: int) -> list[Req]:
 
 
 @pytest.fixture(scope="module")
-def requests_alone(engine) -> tuple[list[Req], list[list[int]]]:
+def requests_alone(engine) -> tuple[list[Req], list[tuple[list[int], list]]]:
     reqs = schedule(2026, 200, engine.vocab_size)
-    return reqs, [alone(engine, r.prompt, r.max_tokens, r.sampling) for r in reqs]
+    return reqs, [alone_with_records(engine, r.prompt, r.max_tokens, r.sampling) for r in reqs]
 
 
 @pytest.mark.parametrize("prefix_cache", [False, True], ids=["no-reuse", "cache-and-live"])
@@ -220,18 +254,22 @@ def test_random_schedule_replies_equal_alone(engine, requests_alone, prefix_cach
             batch.step()
             step += 1
         assert batch.pool.used == 0
-        cancelled = preempted = drafted = cached = live = 0
-        for r, s, w in zip(reqs, seqs, want):
+        cancelled = preempted = drafted = cached = live = processed = 0
+        for r, s, (w, w_lp) in zip(reqs, seqs, want):
+            lp = s.stats.get("logprobs") or []
             if s.finish_reason == "cancelled":
                 cancelled += 1
                 assert s.reply == w[: len(s.reply)], (r, s.reply, w)
+                assert lp == w_lp[: len(lp)] and len(lp) == (len(s.reply) if w_lp else 0), r
             else:
                 assert s.reply == w, (r, s.reply, w)
+                assert lp == w_lp, r
             preempted += s.preemptions > 0
+            processed += s.params.processes_logits or s.params.logprobs is not None
             drafted += s.drafted and len(s.reply) > 1
             cached += s.stats["cached_tokens"] > 0
             live += s.stats.get("live_tokens", 0) > 0
-        assert cancelled >= 10 and preempted >= 5 and drafted >= 30
+        assert cancelled >= 10 and preempted >= 5 and drafted >= 30 and processed >= 20
         assert (cached >= 20 and live >= 1) if prefix_cache else cached == 0, (cached, live)
         assert max(batch.batch_sizes) >= 8  # many requests a step
     finally:
@@ -265,3 +303,52 @@ def test_a_new_sequence_copies_the_prefix_a_running_one_prefilled(engine) -> Non
     assert b.stats["cached_tokens"] == 40 and b.stats["live_tokens"] == 40
     assert a.reply == alone(engine, a.prompt, 6, {"draft": False})
     assert b.reply == alone(engine, b.prompt, 6, {"temperature": 0.8, "seed": 3})
+
+
+def test_processing_fields_batched_and_preempted_equal_alone(engine) -> None:
+    """Penalties, logit_bias, a json_schema grammar and logprobs on every request, drafted (MTP) and
+    serial, greedy and seeded, longer replies in a pool that preempts: tokens and logprobs records
+    equal the request alone, each record published before its token streams; one request stops
+    mid-reply as a stop string stops it (on_tokens returning False)."""
+    rng = random.Random(36)
+    reqs = []
+    for i in range(12):
+        fields = {"presence_penalty": 0.7, "frequency_penalty": 0.4, "logprobs": 3,
+                  "logit_bias": {str(rng.randrange(1900)): 4.0, str(rng.randrange(1900)): -3.0},
+                  "draft": i % 3 != 0}
+        if i % 2:
+            fields.update(temperature=0.9, top_p=0.95, seed=rng.randrange(1 << 30))
+        if i % 4 < 2:
+            fields["response_format"] = JSON_SCHEMA
+        if i % 5 == 4:
+            fields["repetition_penalty"] = 1.3
+        reqs.append(([rng.randrange(1900) for _ in range(rng.randint(3, 30))], rng.randint(10, 16), fields))
+    want = [alone_with_records(engine, p, n, f) for p, n, f in reqs]
+    batch = BatchEngine(engine, max_seqs=12, step_tokens=64, pool_bytes=positions_bytes(engine, 160), pool_block=4)
+    seqs: list = []
+    streamed: list[list[int]] = [[] for _ in reqs]
+    stop_at = 3  # request 1 stops after its third streamed token
+
+    def stream(i: int):
+        def on_tokens(tokens: list[int]) -> bool:
+            streamed[i].extend(tokens)
+            records = seqs[i].stats["logprobs"]
+            assert len(records) >= len(seqs[i].reply)  # published before the tokens go out
+            return not (i == 1 and len(streamed[i]) >= stop_at)
+        return on_tokens
+
+    for i, (p, n, f) in enumerate(reqs):
+        seqs.append(batch.submit(p, n, f, on_tokens=stream(i)))
+        if i % 4 == 3:
+            batch.step()
+    batch.run()
+    assert batch.pool.used == 0
+    for i, (s, (w, w_lp)) in enumerate(zip(seqs, want)):
+        lp = s.stats["logprobs"]
+        assert [r.token for r in lp] == s.reply
+        if i == 1:
+            assert s.finish_reason == "cancelled" and s.reply == w[: len(s.reply)] and lp == w_lp[: len(lp)]
+        else:
+            assert s.reply == w and lp == w_lp, (i, s.reply, w)
+    assert sum(s.preemptions > 0 for s in seqs) >= 2
+    assert sum(s.drafted and len(s.reply) > 1 for s in seqs) >= 4

@@ -112,3 +112,63 @@ def test_full_wait_queue_answers_429(engine, monkeypatch: pytest.MonkeyPatch) ->
     finally:
         gate.set()
         worker.stop()
+
+
+class _OneAtATime:
+    """The engine without its batched runtime: the worker runs each job through generate."""
+
+    def __init__(self, engine: Glm53Engine) -> None:
+        self._engine = engine
+
+    def __getattr__(self, name: str):
+        if name == "batch_engine":
+            raise AttributeError(name)
+        return getattr(self._engine, name)
+
+
+def test_steered_and_stopped_jobs_match_the_one_at_a_time_worker(engine) -> None:
+    """A steered job (a thinking budget: `</think>` appended after 3 tokens, then a second burst) runs
+    as a chain of sequences and gets the one-at-a-time worker's reply, bursts and stream; a job
+    stopped after its second token (a stop string: Job.stopped) stops at the next step."""
+    from front.chat import ChatText
+    from front.steer import Steer
+
+    tok = ChatText(engine.model_dir).tokenizer
+    sampling = {"temperature": 0.9, "seed": 11, "ignore_eos": True}
+
+    def jobs() -> list[Job]:
+        steered = Job([3, 9, 27, 81, 5], 9, dict(sampling),
+                      steer=Steer(tok, thinking_started=True, budget=3, eos=engine.eos, ignore_eos=True))
+        return [steered, Job([4, 8, 15, 16, 23, 42], 7, dict(sampling)), Job([2, 7, 1, 8], 30, dict(sampling))]
+
+    outs = {}
+    for name, eng in (("batched", engine), ("alone", _OneAtATime(engine))):
+        worker = EngineWorker(eng, lambda exc: None)
+        assert (worker.batch is not None) == (name == "batched")
+        try:
+            js = jobs()
+            for job in js:
+                worker.submit(job)
+            stopper = js[2]
+            kind, _ = stopper.events.get(timeout=300)
+            assert kind == "started"
+            seen = []
+            while len(seen) < 2:
+                kind, value = stopper.events.get(timeout=300)
+                assert kind == "tokens"
+                seen += value
+            stopper.stopped.set()
+            rest, done = result(stopper, started=True)
+            stopped = (seen + rest, done)
+            outs[name] = [result(j) for j in js[:2]] + [stopped]
+        finally:
+            worker.stop()
+    (b_steer, b_plain, b_stop), (a_steer, a_plain, a_stop) = outs["batched"], outs["alone"]
+    assert b_steer[1]["tokens"] == a_steer[1]["tokens"] and b_steer[0] == a_steer[0]
+    assert b_steer[1]["stats"]["bursts"] == a_steer[1]["stats"]["bursts"] == 2
+    assert tok.token_to_id("</think>") in b_steer[1]["tokens"]
+    assert b_plain[1]["tokens"] == a_plain[1]["tokens"] == alone(engine, [4, 8, 15, 16, 23, 42], 7, sampling)
+    for streamed, done in (b_stop, a_stop):
+        assert not done["cancelled"] and done["stats"]["finish_reason"] == "cancelled"
+        assert len(done["tokens"]) < 30 and streamed == done["tokens"]
+    assert b_stop[1]["tokens"][:2] == a_stop[1]["tokens"][:2]

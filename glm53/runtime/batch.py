@@ -237,6 +237,8 @@ class BatchEngine:
             if seq.draft_run.done:
                 self._finish(seq, seq.finish_reason)
             return
+        if self.engine.trace is not None:  # generate's serial loop records the same (tests read it)
+            self.engine.trace.append((seq.context_length, logits[-1].clone()))
         if seq.take(seq.choose(logits[-1], seq.context_length), self.eos):
             self._finish(seq, seq.finish_reason)
 
