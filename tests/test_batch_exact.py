@@ -204,8 +204,10 @@ def schedule(seed: int, n: int, vocab: int) -> list[Req]:
         long = rng.random() < 0.15  # longer replies: running sequences outgrow the pool
         if long:
             sampling["ignore_eos"] = True
-        if fields_rng.random() < 0.15:  # penalties, logit_bias, a grammar, logprobs
+        if fields_rng.random() < 0.2:  # penalties, logit_bias, a grammar, logprobs
             sampling.update(processing_fields(fields_rng))
+            if "response_format" in sampling:  # the grammar ends the reply with an eos
+                sampling.pop("ignore_eos", None)
         r = Req(prompt, rng.randint(8, 14) if long else rng.randint(1, 5), sampling, step)
         kind = rng.random()
         if kind < 0.08:
@@ -269,7 +271,7 @@ def test_random_schedule_replies_equal_alone(engine, requests_alone, prefix_cach
             drafted += s.drafted and len(s.reply) > 1
             cached += s.stats["cached_tokens"] > 0
             live += s.stats.get("live_tokens", 0) > 0
-        assert cancelled >= 10 and preempted >= 5 and drafted >= 30 and processed >= 20
+        assert cancelled >= 10 and preempted >= 5 and drafted >= 30 and processed >= 30
         assert (cached >= 20 and live >= 1) if prefix_cache else cached == 0, (cached, live)
         assert max(batch.batch_sizes) >= 8  # many requests a step
     finally:
