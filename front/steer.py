@@ -7,8 +7,9 @@ false).
 The worker generates a steered reply in bursts, each one `engine.generate` call inside the same job:
 a burst ends at a stop id (the worker keeps the batch up to it and tells the engine to stop), at its cap
 (the thinking budget left), at the model's end or at max_tokens. The next burst's prompt is the
-request's prompt and the reply so far, appended ids included. The engine still holds the conversation's
-rows: it reuses the prompt's and computes the reply's rows again in one prefill (decode rows are never
+request's prompt and the reply so far, appended ids included (batched, front/worker.py: a sequence a
+burst, submitted when the previous one finishes). The prompt's rows are reused (the engine's retained
+rows, or the prefix cache) and the reply's rows computed again in one prefill (decode rows are never
 offered for reuse), which with row-invariant ops gives the bits serial decoding would. Sampling is keyed
 by (seed, position), so a fixed seed keeps the bursts one reply (Service fixes it).
 """
