@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -503,12 +502,5 @@ class Glm53Engine:
         """The loop of a non-zero rank, executing what rank 0 decides. World 1: nothing to follow."""
         if self.plan.world == 1:
             return
-        raise NotImplementedError("multi-rank follow() comes with glm53.dist (the layout work)")
-
-
-def build_engine(model_dir: str | Path, **kwargs: Any) -> Glm53Engine:
-    try:
-        return Glm53Engine(model_dir, **kwargs)
-    except Exception as exc:
-        print(f"glm53: cannot start the engine on {model_dir}: {exc}", file=sys.stderr)
-        raise
+        raise EngineError(f"this engine holds one rank of {self.plan.world} alone; several ranks run "
+                          "glm53.dist.parallel_engine.RankEngine (glm53.cuda_engine builds it with tp > 1)")
