@@ -43,6 +43,7 @@ from glm53.model.parallel import RankPlan
 from glm53.model.transformer import ForwardOutput, Glm53Model
 from glm53.logits_policy import LogitsPolicy, policy_for
 from glm53.sampling import SamplingParams
+from glm53.state_target import StateTarget
 from glm53.weights_loader import load_weights
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -112,30 +113,15 @@ class _Cancelled(Exception):
     """on_tokens returned False: the client went away."""
 
 
-class Glm53Target:
+class Glm53Target(StateTarget):
     """The drafter's Target protocol (drafter/target.py) over this engine's model and one state.
     Positions below `prompt_length` are canonical prefill (grid pieces, they move the frontier);
     later positions are decode / draft verification (same arithmetic, never reused)."""
 
     def __init__(self, engine: "Glm53Engine", state: KVState, prompt_length: int) -> None:
-        self.engine, self.state, self.prompt_length = engine, state, prompt_length
-        self.vocab_size = engine.cfg.vocab_size
+        super().__init__(engine, state)
+        self.prompt_length = prompt_length
         self.forwards = 0
-
-    def length(self) -> int:
-        return self.state.length
-
-    def canonical_frontier(self) -> int:
-        return self.state.frontier
-
-    def truncate(self, length: int) -> None:
-        self.state.truncate(length)
-
-    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return self.engine.model.plan.embed(self.engine.model.w.embed, token_ids.to(self.engine.device)).float()
-
-    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.engine.model.logits(hidden.to(self.engine.model.dtype))
 
     def forward(self, tokens: Sequence[int], start: int, *, taps: Sequence[int] = ()):  # -> drafter WindowOutput
         from drafter.target import WindowOutput

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from glm53.model.transformer import ForwardOutput
+from glm53.state_target import StateTarget
 
 
 class Preempted(Exception):
@@ -26,27 +27,12 @@ class _Cancelled(Exception):
     """on_tokens returned False: the client went away."""
 
 
-class WindowTarget:
+class WindowTarget(StateTarget):
     """The drafter's Target over one sequence's state; forward() goes through the batch."""
 
     def __init__(self, run: "DraftedRun", engine: Any, state: Any) -> None:
-        self.run, self.engine, self.state = run, engine, state
-        self.vocab_size = engine.cfg.vocab_size
-
-    def length(self) -> int:
-        return self.state.length
-
-    def canonical_frontier(self) -> int:
-        return self.state.frontier
-
-    def truncate(self, length: int) -> None:
-        self.state.truncate(length)
-
-    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return self.engine.model.plan.embed(self.engine.model.w.embed, token_ids.to(self.engine.device)).float()
-
-    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.engine.model.logits(hidden.to(self.engine.model.dtype))
+        super().__init__(engine, state)
+        self.run = run
 
     def forward(self, tokens: Seq[int], start: int, *, taps: Seq[int] = ()):  # -> drafter WindowOutput
         from drafter.target import WindowOutput
