@@ -274,9 +274,9 @@ def wait_for_call(engine, n: int) -> dict:
 
 
 def test_a_client_that_disconnects_stops_its_generation(model_dir: Path) -> None:
-    """Streaming or not, the engine stops within a decode step of the disconnect (a non-streaming
-    request used to run on: 3000 tokens, and the next request waited 50 s), and the lane serves the
-    next request at once."""
+    """Streaming or not, the engine stops within a decode step of the disconnect (a request that runs
+    on holds the engine for its whole reply: thousands of tokens, the next request waiting behind it),
+    and the lane serves the next request at once."""
     engine = standin_for(model_dir, delay=0.02)  # a burst (decode step) of 3 tokens every 20 ms
     with front_server(model_dir, engine, context=4096) as server:
         for n, stream in enumerate((True, False), 1):
