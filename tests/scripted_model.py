@@ -104,3 +104,24 @@ def tiny_lane(model_dir: Path, **settings: Any) -> Iterator[tuple[Any, Any]]:
     with front_server(model_dir, engine, sampling_factory=glm53_sampling,
                       **{"context": 1024, "default_max_tokens": 16, **settings}) as server:
         yield server, engine
+
+
+@contextlib.contextmanager
+def openai_tiny_lane(model_dir: Path) -> Iterator[tuple[Any, Any, Any]]:
+    """tiny_lane with the official openai client pointed at its /v1."""
+    import openai
+
+    with tiny_lane(model_dir) as (server, engine):
+        yield server, engine, openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+EXTRA_FIELDS = ("thinking_budget", "chat_template_kwargs", "repetition_penalty")  # not in the SDK's signature
+
+
+def openai_chat(sdk: Any, **body: Any) -> Any:
+    """A chat completion of ASK at temperature 0 (any field overridable); the kit's own fields go as
+    extra_body."""
+    extra = {k: body.pop(k) for k in EXTRA_FIELDS if k in body}
+    return sdk.chat.completions.create(model=MODEL, **{"messages": ASK, "max_tokens": 60, "temperature": 0, **body},
+                                       extra_body=extra or None)

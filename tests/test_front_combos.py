@@ -13,27 +13,22 @@ import openai
 import pytest
 
 from lane_fixtures import front_server, standin_for, tiny_dirs, tiny_model  # noqa: F401
-from scripted_model import MODEL, scripted, tiny_lane
+from scripted_model import ASK, MODEL, openai_chat, openai_tiny_lane, scripted
 
 from front.glm_markup import END_THINK, THINK
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 CALL = "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>"
 
 
 @pytest.fixture(scope="module")
 def lane(tiny_model: Path) -> Iterator[tuple[Any, Any, openai.OpenAI]]:  # noqa: F811
-    with tiny_lane(tiny_model) as (server, engine):
-        yield server, engine, openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
-                                            timeout=60)
+    with openai_tiny_lane(tiny_model) as running:
+        yield running
 
 
-def chat(sdk: openai.OpenAI, **body: Any) -> Any:
-    extra = {k: body.pop(k) for k in ("thinking_budget", "chat_template_kwargs", "repetition_penalty") if k in body}
-    return sdk.chat.completions.create(model=MODEL, **{"messages": ASK, "max_tokens": 60, "temperature": 0, **body},
-                                       extra_body=extra or None)
+chat = openai_chat
 
 
 def streamed(sdk: openai.OpenAI, **body: Any) -> dict[int, dict[str, Any]]:

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from lane_fixtures import front_server, standin_for, tiny_dirs, tiny_model  # noqa: F401
-from scripted_model import MODEL, OBSERVATION, scripted, tiny_lane
+from scripted_model import ASK, MODEL, OBSERVATION, openai_chat, openai_tiny_lane, scripted
 
 from front.glm_markup import END_THINK, THINK
 
@@ -23,7 +23,6 @@ WEATHER = {"type": "function", "function": {
                    "required": ["city"]}}}
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {"zone": {"type": "string"}}}}}
-ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 CALL = "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value>" \
        "<arg_key>days</arg_key><arg_value>3</arg_value></tool_call>"
 CALL2 = "<tool_call>get_time<arg_key>zone</arg_key><arg_value>CET</arg_value></tool_call>"
@@ -31,15 +30,11 @@ CALL2 = "<tool_call>get_time<arg_key>zone</arg_key><arg_value>CET</arg_value></t
 
 @pytest.fixture(scope="module")
 def lane(tiny_model: Path) -> Iterator[tuple[Any, Any, openai.OpenAI]]:  # noqa: F811
-    with tiny_lane(tiny_model) as (server, engine):
-        yield server, engine, openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
-                                            timeout=60)
+    with openai_tiny_lane(tiny_model) as running:
+        yield running
 
 
-def chat(sdk: openai.OpenAI, **body: Any) -> Any:
-    extra = {k: body.pop(k) for k in ("thinking_budget", "chat_template_kwargs") if k in body}
-    return sdk.chat.completions.create(model=MODEL, **{"messages": ASK, "max_tokens": 60, "temperature": 0, **body},
-                                       extra_body=extra or None)
+chat = openai_chat
 
 
 def streamed(sdk: openai.OpenAI, **body: Any) -> dict[str, Any]:
