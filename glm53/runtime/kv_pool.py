@@ -20,8 +20,12 @@ class KVPool:
         self.position_bytes = max(1, probe.bytes_per_position())
         self.block = block
         self.capacity = max(block, budget_bytes // self.position_bytes // block * block)  # positions
-        self.used = 0  # positions granted to live states
         self._held: dict[int, int] = {}  # id(state) -> positions granted
+
+    @property
+    def used(self) -> int:
+        """Positions granted to live states."""
+        return sum(self._held.values())
 
     @property
     def free(self) -> int:
@@ -42,7 +46,6 @@ class KVPool:
         state = self.new_state()
         state.reserve(grant, exact=True)
         self._held[id(state)] = grant
-        self.used += grant
         return state
 
     def ensure(self, state: KVState, positions: int) -> bool:
@@ -58,10 +61,9 @@ class KVPool:
                 return False
         state.reserve(want, exact=True)
         self._held[id(state)] = want
-        self.used += want - held
         return True
 
     def release(self, state: KVState | None) -> None:
         if state is None:
             return
-        self.used -= self._held.pop(id(state), 0)
+        self._held.pop(id(state), None)
