@@ -55,7 +55,8 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         if self.pool.blocks(len(seq.prompt) + seq.max_tokens) > self.pool.capacity:
             raise TooLarge(f"prompt ({len(seq.prompt)}) + max_tokens ({seq.max_tokens}) exceed the KV pool "
-                           f"({self.pool.capacity} positions)")
+                           f"({self.pool.capacity} positions): send a shorter prompt or a smaller max_tokens, or "
+                           "give the pool more memory (TF_GLM53_KV_POOL_BYTES)")
         if len(self.waiting) >= self.max_waiting:
             raise QueueFull(f"{len(self.waiting)} requests wait already (TF_GLM53_MAX_WAITING={self.max_waiting})")
         self.waiting.append(seq)
