@@ -33,6 +33,8 @@ from typing import Any
 
 import numpy as np
 import torch
+import triton
+import triton.language  # noqa: F401  (constexpr for --split-steps)
 
 from bench.lib.exllamav3 import exllamav3_reference
 from bench.lib.meta import result_header, write_json
@@ -249,8 +251,13 @@ def exllamav3_rows(tx, bank, mats, parts, shared, tokens: list[int], sets: int, 
 def parse_form(text: str):
     from glm53.ops.triton_exl3 import Form
 
-    bm, warps, stages, lanes, subk, parallel = (int(v) for v in text.split(","))
-    return Form(bm, warps, stages, bool(lanes), subk, bool(parallel))
+    bm, warps, stages, lanes, subk, parallel, *ptx = (int(v) for v in text.split(","))
+    return Form(bm, warps, stages, bool(lanes), subk, bool(parallel), bool(ptx and ptx[0]))
+
+
+def form_label(form: dict) -> str:
+    decoder = "lanes" if form["lanes"] else "elements ptx" if form.get("ptx") else "elements"
+    return f"bm{form['bm']} w{form['warps']} s{form['stages']} {decoder} k{form['subk']}"
 
 
 def main() -> None:
@@ -264,15 +271,21 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, nargs="*", default=[2048])
     ap.add_argument("--sets", type=int, default=8)
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--forms", nargs="*", default=[], help="extra decode tilings BM,warps,stages,lanes,subk,parallel")
-    ap.add_argument("--prefill-forms", nargs="*", default=[], help="extra prefill tilings BM,warps,stages,lanes,subk,parallel")
+    ap.add_argument("--forms", nargs="*", default=[], help="extra decode tilings BM,warps,stages,lanes,subk,parallel[,ptx]")
+    ap.add_argument("--prefill-forms", nargs="*", default=[], help="extra prefill tilings BM,warps,stages,lanes,subk,parallel[,ptx]")
     ap.add_argument("--exllamav3", action="store_true", help="compare with exllamav3 1.6.5 (carried in .whl)")
+    ap.add_argument("--split-steps", type=int, default=None,
+                    help="128-row steps a split (default triton_exl3.SPLIT_STEPS): another summation grouping, "
+                         "every form alike")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_exl3_moe: needs a CUDA device", file=sys.stderr)
         sys.exit(2)
     from glm53.ops import triton_exl3 as tx
+
+    if args.split_steps is not None:  # before any kernel compiles: the kernels read it as a constant
+        tx.SPLIT_STEPS, tx._SPLIT = args.split_steps, triton.language.constexpr(args.split_steps)
 
     dtype = torch.bfloat16
     bw = copy_bandwidth()
@@ -286,6 +299,7 @@ def main() -> None:
     prefill_forms = [tx.prefill_form(bank, dtype)] + [parse_form(f) for f in args.prefill_forms]
     header = result_header("bench_exl3_moe", {"experts": args.experts, "hidden": args.hidden, "width": args.width,
                                              "top_k": 8, "codebook": args.codebook, "dtype": "bf16",
+                                             "split_steps": tx.SPLIT_STEPS,
                                              "mix": "default_expert_bits (2/3/4: 10/50/40 %)"}, device="cuda")
     result: dict[str, Any] = {**header, "copy_bandwidth_Bps": bw, "bank_bytes": bank.nbytes, "allocated_bytes": allocated,
                               "results": []}
@@ -332,10 +346,10 @@ def main() -> None:
         if "failed" in r or "skipped" in r:
             print(f"| {r['kind']} | | {r.get('failed') or r.get('skipped')} | | | |")
         elif r.get("kind") == "decode":
-            print(f"| decode | {r['tokens']} | {r['routing']} bm{r['form']['bm']} w{r['form']['warps']} | "
+            print(f"| decode | {r['tokens']} | {r['routing']} {form_label(r['form'])} | "
                   f"{r['us']:.1f} us | {r['floor_us']:.1f} us | {r['x_floor']:.2f} |")
         elif r.get("kind") == "prefill":
-            print(f"| prefill | {r['tokens']} | bm{r['form']['bm']} w{r['form']['warps']} | {r['ms']['median']:.2f} ms | | |")
+            print(f"| prefill | {r['tokens']} | {form_label(r['form'])} | {r['ms']['median']:.2f} ms | | |")
         elif r.get("kind") == "linear":
             print(f"| linear | {r['rows']} | 6144x2048 K3 | {r['us']:.1f} us | {r['floor_us']:.1f} us | "
                   f"{r['us'] / r['floor_us']:.2f} |")

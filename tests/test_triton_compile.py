@@ -270,18 +270,20 @@ def _exl3_signature(kernel: str) -> dict[str, str]:
 
 @pytest.mark.parametrize("capability,limit", [(90, H200_SHARED), (121, GB10_SHARED)], ids=["h200-sm90", "gb10-sm121"])
 @pytest.mark.parametrize("kernel,form", [("linear", "decode"), ("linear", "prefill"), ("gate_up", "decode"),
-                                         ("down", "prefill")])
+                                         ("down", "prefill"), ("gate_up", "elements-ptx")])
 def test_exl3_kernels_compile_and_fit(capability: int, limit: int, form: str, kernel: str) -> None:
     """The EXL3 products (glm53/ops/triton_exl3.py) as a bf16 model launches them with one codebook: they
     compile, fit the device's shared memory, and decode in PTX (the funnel shifts and the f16x2 codebook
-    of _decode_asm), not the interpreter's fallback. Every kernel once, each form's branches in two
+    of _decode_asm) where the form says so (the lane form, the element form with ptx), not the
+    interpreter's fallback. Every kernel once, each form's branches in two
     (their shared helpers are the main loop; ~3 s a compile here, so not every kernel x form)."""
     import triton.language as tl
 
     from glm53.ops import triton_exl3 as tx
 
-    f = tx.DECODE if form == "decode" else tx.PREFILL
-    constexprs = {"ACT": tl.float16, "CB": 1, "LANES": f.lanes, "BM": f.bm, "BN": 128, "SUBK": f.subk,
+    f = {"decode": tx.DECODE, "prefill": tx.PREFILL,
+         "elements-ptx": tx.Form(16, 4, 1, False, 32, parallel=True, ptx=True)}[form]
+    constexprs = {"ACT": tl.float16, "CB": 1, "LANES": f.decoder, "BM": f.bm, "BN": 128, "SUBK": f.subk,
                   "PARALLEL": f.parallel}
     if kernel != "linear":
         constexprs.update(TOKENS=f.parallel, HAS_SHARED=True, KPB=16)
@@ -293,7 +295,8 @@ def test_exl3_kernels_compile_and_fit(capability: int, limit: int, form: str, ke
     compiled = _compile(fn, _exl3_signature(kernel), constexprs, f.warps, capability, f.stages)
     assert compiled.metadata.shared <= limit, (kernel, form, compiled.metadata.shared)
     ptx = compiled.asm["ptx"]
-    assert "shf.r.clamp.b32" in ptx and "add.rn.f16x2" in ptx
+    in_ptx = "shf.r.clamp.b32" in ptx and "add.rn.f16x2" in ptx
+    assert in_ptx == (f.lanes or f.ptx), f"{form}: the decoder's PTX path {'missing' if not in_ptx else 'unexpected'}"
 
 
 @pytest.mark.parametrize("capability", [90, 121])

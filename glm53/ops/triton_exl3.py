@@ -31,6 +31,7 @@ for linear's tiles (glm53/ops/triton_linear.py) and checked again per device her
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -119,10 +120,14 @@ def _element_layout(bits2, stride_r, SUBK: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
-def _decode_elements(words_ptr, block, off0, off1, offset, cb, CB: tl.constexpr):
-    """The SUBK x BN fp16 block whose first tile starts at int32 word `block`: each value from its two words."""
+def _decode_elements(words_ptr, block, off0, off1, offset, cb, CB: tl.constexpr, PTX: tl.constexpr):
+    """The SUBK x BN fp16 block whose first tile starts at int32 word `block`: each value from its two words.
+    PTX: the window and codebook two values at a time (_decode_asm, as the lane form), from w0:w1 >> 16
+    (the window lies in its low 48 bits, `32 - offset` up from the bottom); else in Triton's own ops."""
     w0 = tl.load(words_ptr + block + off0).to(tl.uint32, bitcast=True)
     w1 = tl.load(words_ptr + block + off1).to(tl.uint32, bitcast=True)
+    if PTX and not _INTERPRETED and CB >= 0:
+        return _decode_asm((w0 << 16) | (w1 >> 16), w0 >> 16, 32 - offset, CB)
     return _codebook(_window(w0, w1, offset), cb, CB)
 
 
@@ -266,7 +271,8 @@ def _unrotate(acc, svh32, ACT: tl.constexpr):
 # ---- one matrix of the bank: its table row, its main loop ------------------------------------------
 @triton.jit
 def _layout(bits2, stride_r, LANES: tl.constexpr, SUBK: tl.constexpr, BN: tl.constexpr):
-    if LANES:
+    """LANES (the decoder): 1 the lane form, 0 the element form, 2 the element form in PTX."""
+    if LANES == 1:
         a, b, c, d, e = _lane_layout(bits2, stride_r, SUBK, BN)
     else:
         a, b, c = _element_layout(bits2, stride_r, SUBK, BN)
@@ -280,10 +286,10 @@ def _chunk(acc, xrow, row_ok, c, words_ptr, block, lay0, lay1, lay2, lay3, lay4,
            LANES: tl.constexpr, ACT: tl.constexpr, SUBK: tl.constexpr, BN: tl.constexpr):
     """acc += (rotated input columns c) @ (the SUBK x BN trellis block at int32 word `block`, decoded)."""
     xr = tl.load(xrow[:, None] + c[None, :], mask=row_ok[:, None], other=0.0)
-    if LANES:
+    if LANES == 1:
         w = _decode_lanes(words_ptr, block, lay0, lay1, lay2, lay3, lay4, cb, CB, SUBK, BN)
     else:
-        w = _decode_elements(words_ptr, block, lay0, lay1, lay2, cb, CB)
+        w = _decode_elements(words_ptr, block, lay0, lay1, lay2, cb, CB, LANES == 2)
     if ACT == tl.float32:
         acc = tl.dot(xr, w.to(tl.float32), acc, input_precision="ieee")
     else:
@@ -654,11 +660,12 @@ def _dequant_kernel(words_ptr, table_ptr, m, out_ptr, out_read, CB: tl.constexpr
     r = tl.arange(0, SUBK)[:, None]
     c = nb * BN + tl.arange(0, BN)[None, :]
     for j in tl.static_range(_HAD // SUBK):
-        if LANES:
+        if LANES == 1:
             w = _decode_lanes(words_ptr, block + j * (SUBK // 16) * (stride_r // 2), lay0, lay1, lay2, lay3, lay4, cb,
                               CB, SUBK, BN)
         else:
-            w = _decode_elements(words_ptr, block + j * (SUBK // 16) * (stride_r // 2), lay0, lay1, lay2, cb, CB)
+            w = _decode_elements(words_ptr, block + j * (SUBK // 16) * (stride_r // 2), lay0, lay1, lay2, cb, CB,
+                                 LANES == 2)
         tl.store(out_ptr + (kb * _HAD + j * SUBK + r).to(tl.int64) * out_read + c, w)
 
 
@@ -668,7 +675,7 @@ def dequant(bank: Exl3Bank, m: int, form: Form | None = None) -> torch.Tensor:
     lay = bank.layouts[m]
     out = torch.empty(lay.in_read, lay.out_read, dtype=torch.float16, device=bank.device)
     _dequant_kernel[(lay.in_read // HAD, lay.out_read // HAD)](
-        bank.words.view(torch.int32), bank.table, m, out, lay.out_read, CB=_codebook_arg(bank), LANES=form.lanes,
+        bank.words.view(torch.int32), bank.table, m, out, lay.out_read, CB=_codebook_arg(bank), LANES=form.decoder,
         SUBK=form.subk, BN=HAD, num_warps=4, **OPTIONS)
     return out
 
@@ -686,11 +693,20 @@ class Form:
     lanes: bool
     subk: int = 32
     parallel: bool = False
+    ptx: bool = False  # the element form's windows and codebook in PTX (the lane form's always are)
+
+    @property
+    def decoder(self) -> int:
+        """The kernels' LANES constant: 1 the lane form, 2 the element form in PTX, 0 in Triton's ops."""
+        return 1 if self.lanes else 2 if self.ptx else 0
 
 
 DECODE_ROWS = 16  # up to this many rows (tokens): the parallel form (decode steps, verification windows)
-DECODE = Form(16, 4, 1, True, 32, parallel=True)
-PREFILL = Form(64, 8, 1, True, 32)
+# the fastest tilings measured on the H200 (bench/results/exl3_moe_h200.json: the element decode 567 us
+# against the lane decode's 851 us for one token's experts; 4 warps 35 ms against 8 warps' 59 ms for a
+# 2048-token prefill); every tiling gives a row the same bits
+DECODE = Form(16, 4, 1, False, 32, parallel=True)
+PREFILL = Form(64, 4, 1, True, 32)
 ROTATE_ROWS = 16  # rows a program of the input rotation (one tile for every form: the same bits)
 _AGREE: dict[tuple, bool] = {}
 
@@ -780,7 +796,7 @@ def _parallel(rows: int, form: Form | None) -> bool:
 
 
 def _tiling(form: Form) -> dict:
-    return dict(LANES=form.lanes, BM=form.bm, BN=HAD, SUBK=form.subk, num_warps=form.warps, num_stages=form.stages)
+    return dict(LANES=form.decoder, BM=form.bm, BN=HAD, SUBK=form.subk, num_warps=form.warps, num_stages=form.stages)
 
 
 def linear(x: torch.Tensor, bank: Exl3Bank, m: int, in_start: int = 0, out_start: int = 0,
@@ -909,7 +925,7 @@ def prefill_form(bank: Exl3Bank, dtype: torch.dtype) -> Form:
     """PREFILL where this device gives a row the decode form's bits under it, else the decode tile."""
     if forms_agree(bank, dtype):
         return PREFILL
-    return Form(DECODE.bm, PREFILL.warps, PREFILL.stages, PREFILL.lanes, PREFILL.subk)
+    return dataclasses.replace(PREFILL, bm=DECODE.bm)
 
 
 def forms_agree(bank: Exl3Bank, dtype: torch.dtype) -> bool:

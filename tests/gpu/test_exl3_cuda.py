@@ -82,7 +82,8 @@ def test_kernel_decoder_gives_the_reference_values(tx, case):
     group = random_group(256, 384, bits, codebook, seed=int(bits * 10) + len(codebook))
     bank, (m,) = bank_of(group)
     want = decode_rotated(group.trellis.cuda(), bits, codebook).view(torch.int16)
-    for form in (tx.DECODE, tx.Form(16, 4, 1, False, 32), tx.Form(16, 4, 1, True, 64)):
+    for form in (tx.DECODE, tx.Form(16, 4, 1, False, 32), tx.Form(16, 4, 1, True, 32), tx.Form(16, 4, 1, True, 64),
+                 tx.Form(16, 4, 1, False, 32, ptx=True)):
         got = tx.dequant(bank, m, form).view(torch.int16)
         assert torch.equal(got, want), f"{form}: {int((got != want).sum())} of {want.numel()} values differ"
 
