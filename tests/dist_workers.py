@@ -550,9 +550,81 @@ def draft_sources(spec_rank: int, world: int, port: int, out: Path) -> None:
     torch.save(results, out / f"rank{eng.rank}.pt")
 
 
+# ---- several requests at once over R ranks (tests/test_multirank_batch.py) --------------------------
+BATCH_OPTIONS = dict(ENGINE_OPTIONS, prefill_chunk=8, cache_block=8)
+
+
+def batch_requests(n: int, vocab: int, seed: int) -> list[dict]:
+    """n requests: prompts of 2-40 tokens, a third extending one of three shared openings; greedy or
+    seeded; a third drafted; about one in six cancelled by its client after 2 tokens; an arrival
+    step each (a few at once, then more while the first decode)."""
+    rng = random.Random(seed)
+    openings = [[rng.randrange(vocab) for _ in range(rng.randint(10, 24))] for _ in range(3)]
+    out = []
+    for i in range(n):
+        tail = [rng.randrange(vocab) for _ in range(rng.randint(2, 16))]
+        prompt = rng.choice(openings) + tail if rng.random() < 0.35 else tail
+        sampling = {} if rng.random() < 0.5 else {"temperature": 0.8, "top_p": 0.9, "seed": rng.randrange(1 << 30)}
+        sampling["draft"] = rng.random() < 0.35
+        out.append({"prompt": prompt, "max_tokens": rng.randint(3, 12), "sampling": sampling,
+                    "cancel_after": 2 if rng.random() < 0.17 else None, "arrival": 0 if i < 4 else rng.randint(0, n)})
+    return out
+
+
+def batch_ranks(spec_rank: int, world: int, port: int, out: Path) -> None:
+    """RankEngine as glm53.cuda_engine builds it (prefix cache, the plan's drafts) serving
+    GLM53_TEST_REQUESTS requests twice: alone, one at a time (generate), then through the batched
+    runtime (batch_engine) in their arrival schedule with a small pool (preemptions); each client
+    that leaves does so after the same tokens. Rank 0 saves both replies; every rank its step count."""
+    from glm53.dist.parallel_engine import RankEngine
+
+    eng = RankEngine(os.environ["GLM53_TEST_MODEL"], tp=world, rank=spec_rank, master="127.0.0.1",
+                     master_port=port, rendezvous_timeout_s=60, serve_features=True, **BATCH_OPTIONS)
+    if eng.rank != 0:
+        eng.follow()
+        batch = eng._batch.batch
+        torch.save({"rank": eng.rank, "steps": batch.steps, "preempted": batch.scheduler.preempted_total,
+                    "pool_capacity": batch.pool.capacity, "drafter": eng.engine.drafter.kind}, out / f"rank{eng.rank}.pt")
+        return
+    requests = batch_requests(int(os.environ["GLM53_TEST_REQUESTS"]), eng.engine.vocab_size, seed=world)
+
+    def leaving_after(n: int | None, seen: list[int]):
+        def on_tokens(new: list[int]) -> bool:
+            seen.extend(new)
+            return n is None or len(seen) < n
+        return on_tokens
+
+    alone = []
+    for r in requests:
+        alone.append((eng.generate(r["prompt"], r["max_tokens"], dict(r["sampling"]),
+                                   leaving_after(r["cancel_after"], [])), eng.engine.last_stats["finish_reason"]))
+    position_bytes = eng.engine.model.new_state(eng.engine.kv_dtype).bytes_per_position()
+    batch = eng.batch_engine(max_seqs=6, pool_bytes=position_bytes * 64, pool_block=8, step_tokens=24)
+    pending = sorted(range(len(requests)), key=lambda i: requests[i]["arrival"])
+    seqs: dict[int, object] = {}
+    most = step = 0
+    while pending or not batch.idle:
+        while pending and requests[pending[0]]["arrival"] <= step:
+            i = pending.pop(0)
+            r = requests[i]
+            seqs[i] = batch.submit(r["prompt"], r["max_tokens"], dict(r["sampling"]),
+                                   leaving_after(r["cancel_after"], []))
+        batch.step()
+        most = max(most, batch.stats()["running"])
+        step += 1
+    batched = [(seqs[i].reply, seqs[i].finish_reason, seqs[i].stats.get("cached_tokens", 0),
+                seqs[i].stats.get("preemptions", 0)) for i in range(len(requests))]
+    stats = batch.stats()
+    eng.close()
+    torch.save({"rank": 0, "requests": requests, "alone": alone, "batched": batched, "steps": batch.batch.steps,
+                "preempted": stats["preempted_total"], "most_running": most, "pool_capacity": batch.pool.capacity,
+                "drafter": eng.engine.drafter.kind}, out / "rank0.pt")
+
+
 SCENARIOS = {"suite": suite, "spin": spin, "stuck": stuck, "model": model, "nccl": nccl, "spin_cuda": spin_cuda,
              "cache_settings": cache_settings}
-ENGINE_SCENARIOS = {"engine": engine_requests, "cache_draft": cache_draft, "draft_sources": draft_sources}  # these build their own group
+ENGINE_SCENARIOS = {"engine": engine_requests, "cache_draft": cache_draft, "draft_sources": draft_sources,
+                    "batch_ranks": batch_ranks}  # these build their own group
 
 
 def main() -> None:

@@ -28,7 +28,7 @@ What each plug point does here:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
@@ -139,8 +139,13 @@ class DcpKVState(KVState):
 
     own: dcp.Ownership = dcp.Ownership(0, 1)
 
-    def reserve(self, n: int) -> None:
-        super().reserve(self.own.count(n))
+    def reserve(self, n: int, exact: bool = False) -> None:
+        super().reserve(self.own.count(n), exact)
+
+    def bytes_per_position(self) -> int:
+        """A position's share of this rank's bytes (it holds one position in R): what a KV pool
+        counts, so that R ranks' pools hold as many positions as one rank's of R times the bytes."""
+        return -(-super().bytes_per_position() // self.own.ranks)
 
     def owned_positions(self, stop: int) -> torch.Tensor | None:
         if self.own.ranks == 1:
@@ -331,6 +336,8 @@ class LeadingMtpAdapter:
 REQUEST_KEY = "glm53/request/"
 READ_KEY = "glm53/read/"  # + seq: how many followers have read request seq (deleted once all have)
 STOP = "stop"
+BATCH_START = "batch_start"  # rank 0 serves through glm53.dist.rank_batch from now on: build yours
+BATCH_WAKE = "batch_wake"  # rank 0 has a step to run: RankBatch.follow() until the batch is idle
 
 
 class RankEngine:
@@ -381,6 +388,7 @@ class RankEngine:
         self.eos = self.engine.eos
         self._seq = 0
         self._unread: list[int] = []  # rank 0: published requests some follower may not have read yet
+        self._batch: Any = None  # glm53.dist.rank_batch.RankBatch once rank 0 asked for batch_engine()
 
     @property
     def rank(self) -> int:
@@ -416,10 +424,30 @@ class RankEngine:
         return self.engine.drafter
 
     # ---- rank 0 ---------------------------------------------------------------------------
+    def batch_engine(self, **options: Any) -> Any:
+        """Rank 0: the batched runtime over every rank (glm53.dist.rank_batch.RankBatch: each rank
+        steps its own BatchEngine in lockstep), or None where the ops are not row-invariant (the
+        grid-boundary mode: requests run one at a time through `generate`). From then on every
+        request, `generate`'s too, runs through it."""
+        if self.rank != 0:
+            raise RuntimeError(f"batch_engine runs on rank 0; rank {self.rank} runs follow()")
+        if self.engine.reuse_boundary is not None:
+            return None
+        if self._batch is None:
+            from glm53.dist.rank_batch import RankBatch
+
+            self._batch = RankBatch(self, options)
+        return self._batch
+
     def generate(self, prompt: list[int], max_tokens: int, sampling: object = None,
                  on_tokens=None) -> list[int]:
         if self.rank != 0:
             raise RuntimeError(f"generate runs on rank 0; rank {self.rank} runs follow()")
+        if self._batch is not None:  # the followers step batches now: the request is a batch of one
+            seq = self._batch.submit(prompt, max_tokens, sampling, on_tokens)
+            while not seq.finished:
+                self._batch.step()
+            return seq.reply
         params = self.engine._params(sampling).with_seed()  # one seed for every rank
         self._publish(("generate", list(prompt), max_tokens, params))
         if self.engine.will_draft(params):  # cancellation travels with the windows (END)
@@ -434,6 +462,8 @@ class RankEngine:
 
     def close(self) -> None:
         if self.rank == 0:
+            if self._batch is not None:
+                self._batch.close()
             self._publish((STOP,))
         self.comm.close()
 
@@ -449,6 +479,14 @@ class RankEngine:
         if request[0] == STOP:
             self.comm.close()
             return False
+        if request[0] in (BATCH_START, BATCH_WAKE):  # rank 0 serves several requests at once
+            from glm53.dist.rank_batch import RankBatch
+
+            if request[0] == BATCH_START:
+                self._batch = RankBatch(self, request[1])
+            else:
+                self._batch.follow()
+            return True
         _, prompt, max_tokens, params = request
 
         def agreed(new: list[int]) -> bool:

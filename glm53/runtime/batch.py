@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -52,10 +52,11 @@ def default_pool_bytes(device: torch.device) -> int:
 
 class BatchEngine:
     def __init__(self, engine: Any, *, max_seqs: int | None = None, max_waiting: int | None = None,
-                 step_tokens: int | None = None, pool_bytes: int | None = None, pool_block: int | None = None
-                 ) -> None:
-        if engine.plan.world != 1:
-            raise ValueError("the batched runtime runs at one rank (several ranks: one request at a time)")
+                 step_tokens: int | None = None, pool_bytes: int | None = None, pool_block: int | None = None,
+                 lockstep: bool = False) -> None:
+        if engine.plan.world != 1 and not lockstep:
+            raise ValueError("over several ranks the batched runtime runs in lockstep on every rank "
+                             "(glm53.dist.rank_batch.RankBatch)")
         self.engine = engine
         self.eos = frozenset(engine.eos)
         budget = _knob("TF_GLM53_KV_POOL_BYTES", pool_bytes, 0) if (
@@ -66,6 +67,8 @@ class BatchEngine:
                                    step_tokens=_knob("TF_GLM53_STEP_TOKENS", step_tokens, engine.chunk),
                                    chunk=engine.chunk, wave=engine.wave)
         self.runner = ModelRunner(engine)
+        # called with every step's work before its forward (several ranks: the ranks compare it)
+        self.on_plan: Callable[[list[Work]], None] | None = None
         self.steps = 0
         self.batch_sizes: Counter[int] = Counter()  # sequences in a step -> steps
         self._arrivals = 0
@@ -123,6 +126,8 @@ class BatchEngine:
         False when there was nothing to run."""
         self._admit()
         work = self.scheduler.plan(self._window_of, self._make_room)
+        if self.on_plan is not None:
+            self.on_plan(work)
         if not work:
             return False
         taps = tuple(getattr(self.engine.drafter, "taps", ()) or ()) if any(w.seq.drafted for w in work) else ()
