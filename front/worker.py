@@ -222,7 +222,7 @@ class EngineWorker:
     def depth(self) -> int:
         """Jobs waiting or running."""
         if self.batch is not None:
-            return self._queued + len(self.batch.scheduler.running)
+            return self._queued + self.batch.running
         return self._jobs.qsize() + (1 if self.busy else 0)
 
     def runtime_stats(self) -> dict[str, Any] | None:

@@ -64,6 +64,10 @@ class RankBatch:
     def idle(self) -> bool:
         return self.batch.idle
 
+    @property
+    def running(self) -> int:
+        return self.batch.running
+
     def stats(self) -> dict[str, Any]:
         return self.batch.stats()
 

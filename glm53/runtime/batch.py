@@ -111,6 +111,11 @@ class BatchEngine:
     def idle(self) -> bool:
         return not self.scheduler.running and not self.scheduler.waiting
 
+    @property
+    def running(self) -> int:
+        """Sequences admitted and not finished."""
+        return len(self.scheduler.running)
+
     def stats(self) -> dict[str, Any]:
         """What /metrics shows of the runtime."""
         s, p = self.scheduler, self.pool
