@@ -18,7 +18,7 @@ drafts would achieve on a model that writes this text. MTP / DFlash2 acceptance 
 means nothing and is not measured here.
 
 Reported per text: tokens per verify step (committed / verify forwards), draft acceptance, decode
-tokens/s serial and drafted (BENCH.md: (tokens - 1) / (t_last - t_first), tokens counted by the
+tokens/s serial and drafted ((tokens - 1) / (t_last - t_first), tokens counted by the
 loop), and the speedup, measured side by side (serial and drafted interleaved, warm-up discarded).
 On the CPU the tiny model's forward is overhead-bound, so its speedup tracks the forward count;
 the GPU cost of a window at real dimensions is bench_verify_window.py's number.
