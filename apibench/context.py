@@ -30,7 +30,7 @@ class RunContext:
         return {**({"ignore_eos": True} if self.settings.ignore_eos else {}), **extra}
 
     def warm_up(self) -> int:
-        """One short request whose timing is discarded (BENCH.md: warm-up runs are not results), before
+        """One short request whose timing is discarded (bench/results/README.md, "Method": warm-up runs are not results), before
         the run's first suite; returns how many were sent now (1, then 0)."""
         if self._warm:
             return 0

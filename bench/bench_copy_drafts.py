@@ -6,7 +6,7 @@ tokens per verify step and end-to-end decode tokens/s, drafted against serial.
     python -m bench.bench_copy_drafts --device cuda --out bench/results/copy_drafts_cuda.json
 
 Texts are real: the kit's own Python sources (code), a JSON-lines log with repeated keys built
-from the kit's files (structured), and the kit's DESIGN.md (prose). They are tokenized with the
+from the kit's files (structured), and the kit's docs/prefix-cache.md (prose). They are tokenized with the
 tiny checkpoint's byte-level BPE (glm53.tiny_tokenizer). Each sample takes a prompt of P tokens
 and decodes the next N tokens of the text.
 
@@ -18,7 +18,7 @@ drafts would achieve on a model that writes this text. MTP / DFlash2 acceptance 
 means nothing and is not measured here.
 
 Reported per text: tokens per verify step (committed / verify forwards), draft acceptance, decode
-tokens/s serial and drafted (BENCH.md: (tokens - 1) / (t_last - t_first), tokens counted by the
+tokens/s serial and drafted ((tokens - 1) / (t_last - t_first), tokens counted by the
 loop), and the speedup, measured side by side (serial and drafted interleaved, warm-up discarded).
 On the CPU the tiny model's forward is overhead-bound, so its speedup tracks the forward count;
 the GPU cost of a window at real dimensions is bench_verify_window.py's number.
@@ -61,7 +61,7 @@ def texts(limit_chars: int = 200_000) -> dict[str, str]:
         if p.is_file():
             records.append(json.dumps({"id": i, "path": p.relative_to(KIT_ROOT).as_posix(), "kind": "python",
                                        "lines": len(p.read_text(errors="replace").splitlines()), "status": "ok"}))
-    prose_text = (KIT_ROOT / "DESIGN.md").read_text()
+    prose_text = (KIT_ROOT / "docs" / "prefix-cache.md").read_text()
     return {"code": code[:limit_chars], "structured": "\n".join(records)[:limit_chars], "prose": prose_text[:limit_chars]}
 
 

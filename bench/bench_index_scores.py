@@ -1,5 +1,5 @@
 """The CPU indexer scores: the row-invariant form (one [heads, d] @ [d, keys] product per query)
-against the padded all-queries GEMM it replaced, side by side.
+against the padded all-queries GEMM (which changes bits under MKL's AVX2 kernels), side by side.
 
     python -m bench.bench_index_scores
     python -m bench.bench_index_scores --repeats 9

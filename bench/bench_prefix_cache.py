@@ -134,9 +134,9 @@ def scenario_turns(engine, args, rng, mismatches: list[str]) -> dict[str, Any]:
     are greedy), so every turn has that many samples of cache on; the first `--off-repeats` of them
     (default all) also of cache off, side by side. A repeat without cache off is checked against the
     first repeat's cache-off reply and logits for that turn. Medians compared. Before them
-    `--warmup-repeats` conversations, cache on and off, are run and discarded (BENCH.md): without
-    them the first repeat was the slowest (H200, 4 layers: turn 1 in 59 ms against 40 and 44; its
-    cause, some first use in the process, not isolated)."""
+    `--warmup-repeats` conversations, cache on and off, are run and discarded (warm-up runs are not
+    results): without them the first repeat is the slowest (H200, 4 layers: turn 1 in 59 ms against
+    40 and 44; its cause, some first use in the process, not isolated)."""
     turns = [rand_tokens(rng, args.turn_tokens, engine.vocab_size) for _ in range(args.turns)]
     off_repeats = args.repeats if args.off_repeats is None else min(args.off_repeats, args.repeats)
     samples: list[list[tuple[dict, dict | None]]] = [[] for _ in turns]

@@ -1,5 +1,5 @@
 """The indexer's top-k selection on CUDA: the Triton kernel (glm53/ops/triton_topk.py) against the
-torch form it replaced for prefill pieces (glm53/model/indexer.py select_topk_torch), side by side.
+torch form (glm53/model/indexer.py select_topk_torch, kept for the CPU and the longest rows), side by side.
 
     python -m bench.bench_select_topk            # per call, prefill-sized cases (CUDA)
     python -m bench.bench_select_topk --engine   # both inside the engine's turns (CUDA, 4 layers)

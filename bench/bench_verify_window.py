@@ -16,7 +16,7 @@ the same 8 experts: the best case). Real routing lies between; the JSON records 
 experts per sample.
 
 Caveats: experts are dense bf16 (DecodedExperts), not EXL3 (~3 bpw): the real pack reads ~5x fewer
-expert bytes per expert but through kernels at 3-11% of copy bandwidth (BENCH.md anchors), so the
+expert bytes per expert but through kernels at 3-11% of copy bandwidth (a figure from outside this repository), so the
 absolute times here are not the serving kit's; the RATIO t(k)/t(1) is the number that decides how
 deep drafting pays (a window pays when expected tokens per step > t(k)/t(1)). The model code syncs
 to the host inside the MoE (expert counts), so no CUDA graphs. Timing: CUDA events around each

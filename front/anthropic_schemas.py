@@ -7,7 +7,7 @@ Fields this front does not know are refused, not ignored: each could change the 
 ignored because they cannot change the reply: `metadata`, `service_tier`, `cache_control` on blocks
 and tools (the prefix cache reuses every prompt prefix by itself).
 
-Translation (the decisions are in launcher/README.md, "Anthropic Messages API"):
+Translation (the decisions are in docs/decisions/chat-markup.md):
 - `system` (a string, or text blocks: one system turn each) -> system messages first.
 - user text blocks -> a user message; `tool_result` blocks -> `tool` messages (is_error: the text
   prefixed "Error: ", since GLM's observation turn has no error flag); images and documents refused.

@@ -5,7 +5,7 @@ The family contract (TensorFold v0.6.0 families/<name>/):
     check(model_dir) -> None            raises, naming file and field/tensor, for what cannot be served
     cuda_engine(model_dir, *, drafter=None, tp=1, rank=0, master="127.0.0.1", master_port=29551,
                 no_drafts=False, mtp_drafts=None, **options) -> engine with eos, generate(), follow()
-It also runs on the CPU (options device="cpu" or TF_GLM53_DEVICE=cpu). See glm53/ENGINE.md.
+It also runs on the CPU (options device="cpu" or TF_GLM53_DEVICE=cpu). See docs/engine.md.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ keeps the KV rows of the last conversation (`self.state`) so the next request th
 prefills only the new tokens
 (reuse ends at the canonical prefill frontier: any token, since the forward is row-invariant), and
 it hands its rows to an optional prefix cache (kv_cache.PrefixCache) for longer-lived reuse.
-See glm53/ENGINE.md.
+See docs/engine.md.
 
 Knobs (options override the environment):
     TF_GLM53_DEVICE         cuda | cpu (default: cuda when available)

@@ -10,8 +10,8 @@ dtype: bf16 (default), fp32 (reference tests) or fp8 e4m3 with one fp32 scale pe
 
 Each kind's per-layer tensors are views of one stacked tensor ([layers, capacity, ...], `stacks`),
 so a restored node whose rows arrive stacked in the same layer order (kv_cache.rows.StackedRows)
-is one strided copy per kind, not one per layer: at GLM-5.3's depth the ~117 per-tensor copies'
-Python was what bounded a resume from the page cache (bench/results/README.md, tenth session).
+is one strided copy per kind, not one per layer: at GLM-5.3's depth ~117 per-tensor copies' Python
+would bound a resume from the page cache (docs/decisions/cache-tiers.md).
 
 `frontier` is how far rows were written by canonical prefill; rows written by decode or draft
 verification lie beyond it and are never offered for reuse.

@@ -1,7 +1,7 @@
 """Incremental prefix cache: token-granular exact reuse over a block hash chain, host tier,
 disk tier.
 
-See kv_cache/DESIGN.md for the storage and lookup design and for why reuse is bitwise exact."""
+See docs/prefix-cache.md for the storage and lookup design and for why reuse is bitwise exact."""
 from .cache import CacheConfigError, PrefixCache, Stats
 from .disk import DiskTier
 from .hit import Hit, Piece

@@ -2,7 +2,7 @@
 
 A lookup finds disk nodes through the index alone; their files are read here, when the engine
 restores the hit. Reader threads read each file into one of a ring of reused buffers (pinned
-where the cache lives on a GPU), hashing it piece by piece as it lands (disk.py); the caller's
+where the cache lives on a GPU) with one readinto and verifies it there (disk.py); the caller's
 thread takes the nodes in order, copies each to the device in one transfer into a scratch buffer
 and from there into the cache's tensors. Host-tier nodes take the same path: a reader packs the
 node's tensors into a ring buffer (diskfile.plan; a stored node's stacks one memcpy each,

@@ -61,8 +61,8 @@ def test_copy_without_git_reports_env_commit_else_unknown(isolated_env):
 
 
 def test_env_commit_names_the_copy_even_over_a_checkout(isolated_env, monkeypatch):
-    """The GPU machine's copy was seen carrying a stale .git (it reported the session's first commit,
-    dirty, for a run of a later one): a commit the operator names wins over what git says there."""
+    """A copy of the tree may carry a stale .git (naming an older commit, dirty, for a run of a later
+    one): a commit the operator names wins over what git says there."""
     repo = isolated_env / "kit"
     repo.mkdir()
     _git(repo, "init", "-q")

@@ -192,11 +192,11 @@ print(((e.double() - exact).abs() / exact).max().item())
 
 @pytest.mark.slow
 def test_a_fresh_processs_first_parallel_exp_is_accurate_once_the_kit_is_imported() -> None:
-    """MKL's vector math, initialised by two threads at once, computed one thread's share of the
-    first exp at ~12-bit accuracy in 5-50% of fresh processes on this host (the attention test's
-    flake, tenth session): an exact run and its cached continuation then differ. glm53.ops settles
-    it at import. Ten fresh processes one after another (the race needs both threads on a core at
-    once); with the settling call in torch_ops commented out, 7 of 8 runs of this test failed."""
+    """MKL's vector math, initialised by two threads at once, computes one thread's share of the
+    first exp at ~12-bit accuracy in 5-50% of fresh processes on an AVX-512 + AMX host: an exact run
+    and its cached continuation then differ. glm53.ops settles it at import. Ten fresh processes one
+    after another (the race needs both threads on a core at once); with the settling call in
+    torch_ops commented out, 7 of 8 runs of this test fail."""
     root = Path(__file__).resolve().parents[1]
     errors = []
     for _ in range(10):

@@ -1,4 +1,4 @@
-"""What every benchmark result carries (/work/shared/BENCH.md): the kit's commit, the device, the
+"""What every benchmark result carries (bench/results/README.md, "Method"): the kit's commit, the device, the
 versions, the settings, and median/min/max over the samples; written atomically as JSON.
 
     from bench.lib.meta import result_header, summary, write_json

@@ -1,4 +1,4 @@
-"""Tensor-parallel partitions (DESIGN.md "Layout across ranks") as [start, end) ranges per rank.
+"""Tensor-parallel partitions (docs/distribution.md, "Who holds what") as [start, end) ranges per rank.
 
 The arithmetic is glm53.layout.plan's `split_units` (the layout plan that decides which bytes each
 rank reads), so the model's slices and the loader's reads cannot disagree:

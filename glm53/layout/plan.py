@@ -1,6 +1,6 @@
 """The static TP layout: for R ranks, which slice of every checkpoint tensor each rank holds.
 
-Rules (DESIGN.md, "Layout across ranks"), per module:
+Rules (docs/distribution.md, "Who holds what"), per module:
 - attention heads split contiguously, earlier ranks take the extra head (64/4 = 16; 64/3 = 22/21/21):
   q_b_proj and kv_b_proj by output rows of their heads, o_proj by input columns of its heads;
 - the latent path is replicated: q_a_proj, kv_a_proj_with_mqa and their norms (every rank needs the

@@ -2,7 +2,7 @@
 
 Why: the prefix cache reuses KV rows computed in one prefill and continues in another whose pieces
 start elsewhere, hold other rows and end elsewhere; speculative decoding verifies k tokens in one
-forward where serial decoding runs one. Both are exact (contracts 1 and 3, DESIGN.md) exactly when a
+forward where serial decoding runs one. Both are exact (contracts 1 and 3, docs/ARCHITECTURE.md) exactly when a
 row's bits do not depend on how many rows share its forward, where it sits among them, or how many
 keys lie past it. Library kernels do not promise that: a GEMM picks its tiling and split-K by shape
 (measured: MKL fp32 rows change with M below 16 and with the thread count; cuBLAS on the H200 too),

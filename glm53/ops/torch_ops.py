@@ -11,15 +11,15 @@ column count below 16. So:
 - `index_scores` multiplies queries by a growing set of keys, so it needs invariance in both counts.
   Each query is its own product of its heads by the keys ([heads, d] @ [d, keys]: the heads, a
   model constant, are the rows, so a score's row in its product never moves), batched over the
-  queries like `_row_products`, and keys are padded to a multiple of COL_PAD (16). The earlier form,
-  one GEMM of all queries padded to a multiple of 8, changed bits under MKL's AVX2 kernels
-  (MKL_ENABLE_INSTRUCTIONS=AVX2 on an AVX-512 host): a query's row in the product moved with the
-  query count and offset. This form costs 1.1-1.7x that GEMM on the CPU (bench/bench_index_scores.py).
+  queries like `_row_products`, and keys are padded to a multiple of COL_PAD (16). One GEMM of all
+  queries padded to a multiple of 8 changes bits under MKL's AVX2 kernels (MKL_ENABLE_INSTRUCTIONS=AVX2
+  on an AVX-512 host): a query's row in the product moves with the query count and offset. This form
+  costs 1.1-1.7x that GEMM on the CPU (bench/bench_index_scores.py; docs/decisions/row-invariant-ops.md).
 
 tests/test_row_invariance.py sweeps shapes, counts, offsets and threads; it passes on an AVX2 host
-and on an AVX-512 + AMX host (where, before `_matmul32`, one-row fp32 products split over two
-threads and one-row bf16 head projections changed bits), and on the latter with MKL held to its
-AVX2 or SSE4.2 kernels. Everything else here reduces along a row with the same length whatever the
+and on an AVX-512 + AMX host (where a lone one-row fp32 product is split over two threads and a
+one-row bf16 head projection changes bits, which `_matmul32` avoids), and on the latter with MKL held
+to its AVX2 or SSE4.2 kernels. Everything else here reduces along a row with the same length whatever the
 row count (torch's CPU reductions are sequential per row), or is elementwise.
 """
 from __future__ import annotations

@@ -175,7 +175,8 @@ def _block_scores(q_v, q_r, rows_ptr, idx_ptr, valid_ptr, end, t, jb, K_SLOTS, s
 def _exp2_ftz(x):
     """2^x as one MUFU.EX2 (results below 2^-126 flush to 0; 2^-inf is 0), without tl.exp's multiply by
     log2(e) and its range fix-up for subnormal results: the prefill kernel 1.16x (H200, GLM-5.3's
-    shape, 2.310 against 2.680 ms; bench/results/attention_bound_h200_e.json). The accuracy of
+    shape, 2.310 against 2.680 ms; bench/results/attention_bound_h200_in_use.json against
+    attention_bound_h200_transposed.json's in-use row). The accuracy of
     FlashAttention's fast-math exp2."""
     return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
                                      pack=1)

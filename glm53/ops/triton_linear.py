@@ -57,15 +57,16 @@ def linear_config(m: int, n: int, k: int, dtype: torch.dtype) -> LinearConfig:
         # chain over K in order, whatever the tile: all 24 probed configs gave the same bits)
         if CONFIG_BY_ROWS and m <= 16:
             # H200 M=1 (docs/decisions/triton-configs.md, decode_tiles_fp32_h200.json): the
-            # indexer's head weights [32, 6144] 269 -> 118 us, the router [256, 6144] 350 -> 119 us;
+            # indexer's head weights [32, 6144] 118 us against the M=2048 tile's 269, the router
+            # [256, 6144] 119 against 350;
             # a chain of 6144 dependent steps bounds a program, so more stages, not more programs
             return LinearConfig(16, 16, 128, 4, 4)
         return LinearConfig(32, 32, 32, 4, 2)
     if CONFIG_BY_ROWS:
         if m <= 16:  # decode / short verify windows: narrow column tiles (many programs stream w), long K steps
             # H200 M=1 (docs/decisions/triton-configs.md, bench/results/decode_tiles_h200.json; all 36
-            # candidates bitwise equal to the prefill tiles): q_a 21 -> 11 us, o_proj 68 -> 53 us,
-            # the eleven GLM-5.3 shapes 382 -> 315 us (the best per shape: 305)
+            # candidates bitwise equal to the prefill tiles): q_a 11 us against the prefill tile's 21,
+            # o_proj 53 against 68, the eleven GLM-5.3 shapes 315 against 382 (the best per shape: 305)
             return LinearConfig(16, 16, 256, 4, 5) if n <= 2048 else LinearConfig(16, 32, 128, 4, 5)
         if m <= 256:
             return LinearConfig(64, 64, 64, 4, 4)
@@ -81,7 +82,7 @@ def head_linear_config(n: int, k: int, dtype: torch.dtype, t: int) -> LinearConf
         return LinearConfig(32, 32, 32, 4, 2)
     if CONFIG_BY_ROWS and t <= 16:
         # H200 T=1 (docs/decisions/triton-configs.md, decode_tiles_head_h200.json; all 24 candidates
-        # bitwise equal to T=2048's rows): w_uk 6.8 -> 5.5 us, w_uv 8.2 -> 7.1 us
+        # bitwise equal to T=2048's rows): w_uk 5.5 us against T=2048's tile's 6.8, w_uv 7.1 against 8.2
         return LinearConfig(16, 64, 64, 4, 3)
     return LinearConfig(128, 128, 64, 8, 3)  # H200: 91-102 us at T=2048 (64x64 tiles: 117-128)
 

@@ -36,28 +36,21 @@ tie count come out, except that a threshold found early (its lower bits zero) is
 below lo share its high bits but are not chosen. The sample only decides how fast, never what: a
 bad one (a row whose sampled columns all hold its lowest keys, a row of one value) costs one pass
 and falls back.
-Why: a 256-bin histogram is ~80 instructions a key (Triton lowers it to 8 ballots and 8 masked
-popcounts a lane), so three passes over every key were the cost, not the reads (holding the row in
-registers instead of re-reading it was slower: 0.87-1.19 ms against 0.76 at 1869 x 16205, more
-warps a program; bench/results/select_topk_resident_h200.json).
-
-What it replaces: torch.topk over k + 1 columns, a tie test (a host sync), a packed int64 top-k for
-tied rows and a sort of the chosen columns, ~15 kernels and two syncs per 'full' layer's prefill
-piece. H200, side by side (bench/bench_select_topk.py, bench/results/select_topk_h200_digit_bits.json):
-4.8x the torch form at 2048 rows x 2048 keys, 6.4x at 652 x 2700, 2.4x at 2048 x 16205, 1.6x at
-2048 x 65536, 1.2x at 2048 x 262144. The ninth session's form (four full passes of 512-bin
-histograms, the non-matching elements spread over 256 of them) was 1.3-1.7x slower; 4 or 2 bits a
-pass (16 or 4 bins, more passes) were slower than 8. The bracket, against that kernel side by side
-(thirteenth session, bench/results/select_topk_bracket_blocks_h200.json, direct calls): 0.539 vs
-0.791 ms at 1869 x 16205 (1.47x), 0.569 vs 0.862 at 2048 x 16205, 1.64 vs 3.39 at 2048 x 65536,
-5.34 vs 13.36 at 2048 x 262144 (2.5x), every row bracketed, the same selection.
+Why this shape (measured on the H200; the figures and their JSON: docs/decisions/topk-selection.md):
+a 256-bin histogram is ~80 instructions a key (Triton lowers it to 8 ballots and 8 masked popcounts
+a lane), so the passes over every key are the cost, not the reads: holding the row in registers
+instead of re-reading it is slower, 4 or 2 bits a pass (more passes over fewer bins) are slower than
+8, and the bracket's passes over a few thousand candidates are 1.5x (16k keys) to 2.5x (262k keys)
+faster than passes over the whole row. In torch the same selection is torch.topk over k + 1
+columns, a tie test (a host sync), a packed int64 top-k for tied rows and a sort of the chosen
+columns: ~15 kernels and two syncs per 'full' layer's prefill piece, against one launch and none.
 Short windows (decode steps, verification: at most SPLIT_ROWS rows) split each row over programs
 of BLOCK columns (`_select_split`): the same passes and the same arithmetic, each pass's
 histograms summed by one program per row, then a count per block so that every block knows where
 its chosen columns go. A row on one program would run on one multiprocessor. H200, GPU time a call
-in CUDA graphs (bench/bench_select_topk.py --short, bench/results/select_topk_short_h200.json): one
-row of 19001 keys 0.031 ms against 0.153 for the torch form this replaced there (a packed int64
-top-k of 8 radix passes, then a sort of the chosen columns) and 0.097 for the row kernel.
+in CUDA graphs (bench/bench_select_topk.py --short): one row of 19001 keys 0.031 ms against 0.153
+for the torch form (a packed int64 top-k of 8 radix passes, then a sort of the chosen columns) and
+0.097 for the row kernel (docs/decisions/topk-selection.md).
 """
 from __future__ import annotations
 

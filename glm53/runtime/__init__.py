@@ -1,4 +1,4 @@
-"""The batched runtime (glm53/ENGINE.md, "Batched runtime"): several requests decoded together
+"""The batched runtime (docs/engine.md, "Batched runtime"): several requests decoded together
 over one KV pool, each reply the bits it gets alone.
 
     sequence.py   Sequence: a request's tokens, KV state, sampling and draft state

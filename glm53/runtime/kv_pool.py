@@ -4,7 +4,7 @@ Each sequence keeps its rows in its own KVState (contiguous per layer, so the at
 prefix cache's import/export work unchanged); the pool decides how many positions each may hold
 and refuses what the budget cannot take. Capacity is granted in blocks of `block` positions and a
 grant is exact (KVState.reserve(exact=True)), so the pool's count is what is allocated.
-Decision record: glm53/ENGINE.md, "Batched runtime".
+Decision record: docs/decisions/kv-pool.md.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """`python -m glm53.weights`: fetch a GLM-5.3 checkpoint (or find it offline) and prove it complete.
 
-fetch_weights.sh is a thin front over this. Exit codes: see glm53/weights/report.py and README.md.
+fetch_weights.sh is a thin front over this. Exit codes: see glm53/weights/report.py and docs/weights.md.
 """
 from __future__ import annotations
 

@@ -7,10 +7,10 @@ Offline (`--offline`, or the hub unreachable): the copy at `--dir`, or in the Hu
 is used without any network; none there is a clear error (exit 4).
 
 Revision: the default repo's revision is meant to be pinned in `PINNED_REVISIONS`. The real commit
-of vcruz305/GLM-5.3-EXL3-3.38bpw could not be looked up when this was written (no network), so the
-entry is a placeholder (None): without `--revision` the tool fetches `main`, warns, and records the
-commit `main` resolved to in the manifest (so the download itself is pinned after the fact; pass
-that commit as `--revision` on the other machines to get identical files).
+of vcruz305/GLM-5.3-EXL3-3.38bpw is not known to the kit, so the entry is a placeholder (None):
+without `--revision` the tool fetches `main`, warns, and records the commit `main` resolved to in
+the manifest (so the download itself is pinned after the fact; pass that commit as `--revision` on
+the other machines to get identical files).
 
 The DFlash2 drafter (`fetch_drafter`) is driven by drafter/MANIFEST.json instead: its repository,
 revision and allow_patterns; after the download its files are pinned against the hub's metadata

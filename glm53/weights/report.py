@@ -1,6 +1,6 @@
 """The verification report: a summary users want before serving, findings, exit code; text and JSON.
 
-Exit codes (also in fetch_weights.sh --help and glm53/weights/README.md):
+Exit codes (also in fetch_weights.sh --help and docs/weights.md):
   0  the checkpoint is complete and valid (warnings may be printed)
   1  file problems: a shard/index/config missing, truncated, an LFS pointer, an invalid header,
      a size or hash differing from the hub's, or --deep without recorded hashes

@@ -244,7 +244,7 @@ def tiny_config(**overrides: Any) -> dict[str, Any]:
 
 
 def real_config(**overrides: Any) -> dict[str, Any]:
-    """GLM-5.3's published dimensions (UPSTREAM.md), as config.json fields; the 3.38 bpw pack has no MTP."""
+    """GLM-5.3's published dimensions as config.json fields; the 3.38 bpw pack has no MTP."""
     raw: dict[str, Any] = {"model_type": "glm_moe_dsa", "num_nextn_predict_layers": 0}
     raw.update(overrides)
     return raw
