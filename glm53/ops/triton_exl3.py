@@ -704,7 +704,7 @@ class Form:
 DECODE_ROWS = 16  # up to this many rows (tokens): the parallel form (decode steps, verification windows)
 # the fastest tilings measured on the H200 by bench/bench_exl3_moe.py (the element decode 567 us against
 # the lane decode's 851 us for one token's experts; 4 warps 35 ms against 8 warps' 59 ms for a 2048-token
-# prefill; that run's JSON is not in bench/results); every tiling gives a row the same bits
+# prefill; bench/results/exl3_moe_h200.json); every tiling gives a row the same bits
 DECODE = Form(16, 4, 1, False, 32, parallel=True)
 PREFILL = Form(64, 4, 1, True, 32)
 ROTATE_ROWS = 16  # rows a program of the input rotation (one tile for every form: the same bits)
