@@ -1,11 +1,11 @@
 """The engine behind the front: jobs queued by the HTTP side, run on one worker thread.
 
 Two ways, chosen by what the engine offers:
-- batched (an engine with `batch_engine()`, glm53 at one rank): the worker loops over the
+- batched (an engine with `batch_engine()`: glm53 at one rank or several): the worker loops over the
   runtime's steps, admitting queued jobs as sequences (up to TF_GLM53_MAX_SEQS running, KV memory
   permitting) and streaming each sequence's tokens to its own client. Past TF_GLM53_MAX_WAITING
   queued jobs `submit` refuses with 429 and Retry-After.
-- one at a time (several ranks, stand-in engines): `engine.generate` per job, in arrival order.
+- one at a time (the grid-boundary mode, stand-in engines): `engine.generate` per job, in arrival order.
 Either way a job that is over (its client went away, or a stop string appeared: `Job.over`) stops
 at the engine's next step; batched, its rows are released before the next step.
 

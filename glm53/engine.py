@@ -476,8 +476,9 @@ class Glm53Engine:
     def batch_engine(self, **options: Any) -> Any:
         """The batched runtime over this engine's model (glm53.runtime.BatchEngine: several requests
         at once over one KV pool, each reply the bits `generate` gives it alone), or None where it
-        does not run: several ranks, or ops that are not row-invariant (the grid-boundary mode,
-        where a row's bits depend on its batch); requests there run one at a time through `generate`."""
+        does not run: one rank of several (RankEngine.batch_engine serves them), or ops that are not
+        row-invariant (the grid-boundary mode, where a row's bits depend on its batch); requests there
+        run one at a time through `generate`."""
         if self.plan.world != 1 or self.reuse_boundary is not None:
             return None
         from glm53.runtime import BatchEngine
