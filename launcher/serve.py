@@ -146,8 +146,31 @@ def check(config: LaneConfig, model: str, out: TextIO, freed: dict[str, int] | N
                 if plan.refusal():
                     problems.append(plan.refusal())
                 else:
-                    config = replace(config, context=plan.context)
+                    config = replace(config, context=plan.context,
+                                     env=kv_pool_env(config.env, plan, sequence_kv_share(model, config.kv_dtype)))
     return config, plan, problems
+
+
+KV_POOL_ENV = "TF_GLM53_KV_POOL_BYTES"
+
+
+def kv_pool_env(env: dict[str, str], plan: MemoryPlan, share: float = 1.0) -> dict[str, str]:
+    """The ranks' environment with the batched runtime's KV pool sized from the plan: the KV the plan
+    holds room for on the tightest rank (the context's positions, shared by the sequences that run at
+    once), rather than what the device has free after loading; `share` of it, the part that is the
+    sequences' own cache (the MTP layer's rows live beside the pool). A value the user set wins."""
+    if KV_POOL_ENV in env or not plan.ranks:
+        return env
+    return {**env, KV_POOL_ENV: str(int(min(r.kv for r in plan.ranks) * share))}
+
+
+def sequence_kv_share(model: str, kv_dtype: str) -> float:
+    """The planned KV's part that the model's layers hold (the plan also counts the MTP layer's)."""
+    from glm53.config import Glm53Config
+    from glm53.layout.kv import kv_token_bytes
+
+    cfg = Glm53Config.from_dir(model)
+    return kv_token_bytes(cfg, kv_dtype, include_mtp=False).per_token / kv_token_bytes(cfg, kv_dtype).per_token
 
 
 # ---- start -------------------------------------------------------------------------------------

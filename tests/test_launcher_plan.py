@@ -110,3 +110,36 @@ def test_ranks_on_a_multi_gpu_host_each_get_their_own_gpu(tiny_model: Path) -> N
     assert [(r.node, r.available) for r in plan.ranks] == [("local/gpu0", 100_000 * MIB), ("local/gpu1", 50_000 * MIB)]
     assert [r.left for r in plan.ranks] == [r.available - r.need for r in plan.ranks]  # nothing shared
     assert not plan.unified
+
+
+def test_the_ranks_kv_pool_is_the_kv_the_plan_holds_room_for(tiny_model: Path) -> None:
+    """serve.sh hands every rank TF_GLM53_KV_POOL_BYTES = the plan's KV on the tightest rank (its
+    model layers' part: the MTP layer's rows live beside the pool), so the batched runtime's pool
+    holds the planned context's positions (DCP: each rank a position in R), not what the device has
+    free; a value the user set is kept."""
+    from glm53.config import Glm53Config
+    from glm53.dist.dcp import Ownership
+    from glm53.dist.parallel_engine import DcpKVState
+    from glm53.layout.kv import kv_bytes_per_rank
+    from glm53.runtime.kv_pool import KVPool
+    from launcher.config import local_lane
+    from launcher.preflight import Preflight
+    from launcher.serve import KV_POOL_ENV, kv_pool_env, memory_plan, sequence_kv_share
+
+    context, ranks = 4096, 2
+    config = local_lane(ranks, device="cpu", context=context)
+    probe = {"gpus": [], "unified": False, "mem_available": 30 * GIB}
+    plan = memory_plan(config, str(tiny_model), Preflight(probes={0: probe, 1: probe}))
+    cfg = Glm53Config.from_dir(tiny_model)
+    share = sequence_kv_share(str(tiny_model), "bf16")
+    assert cfg.num_mtp_layers and 0 < share < 1
+    env = kv_pool_env({"TF_GLM53_DCP": "1"}, plan, share)
+    assert int(env[KV_POOL_ENV]) == int(min(kv_bytes_per_rank(cfg, context, ranks, dcp=True)) * share)
+    assert kv_pool_env({KV_POOL_ENV: "8G"}, plan, share) == {KV_POOL_ENV: "8G"}
+    indexed = frozenset(i for i in range(cfg.num_hidden_layers) if cfg.indexer_is_full(i))
+    for r in range(ranks):
+        def state(r=r):
+            return DcpKVState(n_layers=cfg.num_hidden_layers, latent_dim=cfg.latent_dim, index_dim=cfg.index_head_dim,
+                              indexed_layers=indexed, kv_dtype="bf16", own=Ownership(r, ranks))
+        pool = KVPool(state, int(env[KV_POOL_ENV]), block=256)
+        assert context - 256 < pool.capacity <= context, (r, pool.capacity)
