@@ -511,6 +511,55 @@ def source_prompts(source: str, n: int, vocab: int) -> list[tuple[list[int] | No
     return cases
 
 
+def draft_sources_batched(spec_rank: int, world: int, port: int, out: Path) -> None:
+    """RankEngine (prefix cache on, grid 4) switched through copy, MTP and DFlash2 drafts (the plan
+    built on every rank), serving through the batched runtime in lockstep (batch_engine): per source,
+    rank 0 submits GLM53_TEST_PER_SOURCE requests twice, serial and drafted, in two waves (the fresh
+    prompts, then those extending an earlier drafted reply) and saves both replies and the drafting and
+    reuse stats; every rank saves its step count. A follower runs each wave as one follow_one()."""
+    from drafter.glm53_target import DraftPlan
+    from glm53.dist.parallel_engine import RankEngine
+
+    per_source = int(os.environ["GLM53_TEST_PER_SOURCE"])
+    eng = RankEngine(os.environ["GLM53_TEST_MODEL"], tp=world, rank=spec_rank, master="127.0.0.1",
+                     master_port=port, rendezvous_timeout_s=60, serve_features=True, **SOURCE_OPTIONS)
+    inner = eng.engine
+    results: dict[str, object] = {"rank": eng.rank}
+    batch = eng.batch_engine(max_seqs=8, max_waiting=1 << 20) if eng.rank == 0 else None
+    if eng.rank != 0:
+        assert eng.follow_one()  # BATCH_START
+    for source in DRAFT_SOURCES:
+        started = time.monotonic()
+        inner.drafter = DraftPlan.from_contract(inner, drafter=os.environ["GLM53_TEST_DFLASH"] if source == "dflash2"
+                                                else None, env={"TF_GLM53_DRAFT_SOURCE": source}, world=world)
+        cases = source_prompts(source, per_source, inner.vocab_size)
+        rows: list[dict] = [{} for _ in cases]
+        for wave in (0, 1):  # fresh prompts first; then each extension of the request before it
+            if eng.rank != 0:
+                assert eng.follow_one()  # one BATCH_WAKE: the wave runs until the batch is idle
+                continue
+            seqs = {}
+            for i, (fresh, max_tokens, sampling) in enumerate(cases):
+                if (fresh is None) != (wave == 1):
+                    continue
+                prompt = fresh if fresh is not None else cases[i - 1][0][:24] + rows[i - 1]["drafted"] + [7, 8]
+                cases[i] = (prompt, max_tokens, sampling) if fresh is None else cases[i]
+                for mode in ("serial", "drafted"):
+                    seqs[i, mode] = batch.submit(prompt, max_tokens, dict(sampling, draft=mode == "drafted"))
+            while not batch.idle:
+                batch.step()
+            for (i, mode), seq in seqs.items():
+                rows[i][mode], rows[i][f"{mode}_stats"] = seq.reply, dict(seq.stats)
+        results[source] = {"kind": inner.drafter.kind, "requests": rows, "seconds": time.monotonic() - started,
+                           "totals": inner.drafter.stats.metrics() if eng.rank == 0 else None}
+    results["steps"] = (batch.batch if batch is not None else eng._batch.batch).steps
+    if eng.rank == 0:
+        eng.close()
+    else:
+        assert not eng.follow_one()
+    torch.save(results, out / f"rank{eng.rank}.pt")
+
+
 def draft_sources(spec_rank: int, world: int, port: int, out: Path) -> None:
     """RankEngine (prefix cache on, grid 4) switched through copy, MTP and DFlash2 drafts (the plan
     built on every rank): per source, rank 0 serves GLM53_TEST_PER_SOURCE requests twice, serial then
@@ -624,7 +673,7 @@ def batch_ranks(spec_rank: int, world: int, port: int, out: Path) -> None:
 SCENARIOS = {"suite": suite, "spin": spin, "stuck": stuck, "model": model, "nccl": nccl, "spin_cuda": spin_cuda,
              "cache_settings": cache_settings}
 ENGINE_SCENARIOS = {"engine": engine_requests, "cache_draft": cache_draft, "draft_sources": draft_sources,
-                    "batch_ranks": batch_ranks}  # these build their own group
+                    "draft_sources_batched": draft_sources_batched, "batch_ranks": batch_ranks}  # these build their own group
 
 
 def main() -> None:
