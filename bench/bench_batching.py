@@ -2,6 +2,7 @@
 
     python -m bench.bench_batching                       # CPU, tiny checkpoint: 1, 4, 16 streams
     python -m bench.bench_batching --streams 1,4,16 --tokens 32 --repeats 3 --device cuda
+    python -m bench.bench_batching --ranks 2             # TP 2 + DCP 2 over gloo (RankBatch, lockstep)
 
 Each round submits N requests at once to glm53.runtime.BatchEngine (distinct prompts of
 --prompt tokens, --tokens decoded each, greedy, ignore_eos, "draft": false) and steps until all
@@ -13,12 +14,18 @@ Every reply is checked against the N = 1 round's reply of the same prompt (exact
 Goals (issue 36, at GLM-5.3 dimensions on a GPU): 4 streams >= 3x aggregate and <= 1.35x per
 stream; 16 streams >= 8x. On the CPU the row-invariant ops compute each row as its own product,
 so batching shares only the expert reads and the Python of a step: the tiny CPU numbers show the
-runtime's overhead, not the GPU's batching gain.
+runtime's overhead, not the GPU's batching gain. With --ranks R the runtime steps on R processes in
+lockstep (glm53.dist.rank_batch; this process is rank 0, each follower pinned to its own CPU where
+there are enough): a step's collectives then serve every stream in it.
 """
 from __future__ import annotations
 
 import argparse
+import os
+import socket
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -59,6 +66,36 @@ def one_round(batch, prompts: list[list[int]], tokens: int) -> dict:
             "replies": [s.reply for s in seqs]}
 
 
+def engine_options(device: str) -> dict:
+    cpu = device == "cpu"
+    return {"device": device, "dtype": "fp32" if cpu else None, "kv_dtype": "fp32" if cpu else None,
+            "prefill_chunk": 256 if cpu else None}
+
+
+def start_followers(model: Path, ranks: int, device: str, threads: int) -> tuple[int, list[subprocess.Popen]]:
+    """Ranks 1..R-1 as processes running RankEngine.follow(); each on its own CPU when there are enough."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cpus = sorted(os.sched_getaffinity(0))
+    procs = []
+    for r in range(1, ranks):
+        cmd = [sys.executable, "-m", "bench.bench_batching", "--follower", str(r), "--ranks", str(ranks),
+               "--port", str(port), "--model", str(model), "--device", device, "--threads", str(threads)]
+        cpu = {cpus[r % len(cpus)]}
+        procs.append(subprocess.Popen(cmd, cwd=KIT_ROOT, preexec_fn=lambda cpu=cpu: os.sched_setaffinity(0, cpu)))
+    if len(cpus) >= ranks:
+        os.sched_setaffinity(0, {cpus[0]})
+    return port, procs
+
+
+def rank_engine(model: Path, rank: int, ranks: int, port: int, device: str):
+    from glm53.dist.parallel_engine import RankEngine
+
+    return RankEngine(str(model), tp=ranks, rank=rank, master="127.0.0.1", master_port=port,
+                      rendezvous_timeout_s=120, **{k: v for k, v in engine_options(device).items() if v is not None})
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -70,7 +107,10 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=24, help="decoded tokens a stream")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch threads (CPU)")
-    p.add_argument("--out", type=Path, default=RESULTS / "batching_cpu_tiny.json")
+    p.add_argument("--ranks", type=int, default=1, help="TP + DCP ranks (gloo processes on this machine)")
+    p.add_argument("--out", type=Path, help="default bench/results/batching_cpu_tiny[_R<ranks>].json")
+    p.add_argument("--follower", type=int, default=0, help=argparse.SUPPRESS)  # rank r of --ranks (internal)
+    p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
 
     import torch
@@ -78,12 +118,21 @@ def main() -> int:
     from glm53.engine import Glm53Engine
 
     torch.set_num_threads(args.threads)
+    if args.follower:
+        rank_engine(args.model, args.follower, args.ranks, args.port, args.device).follow()
+        return 0
     counts = [int(n) for n in args.streams.split(",")]
     model = args.model or checkpoint(args.work)
-    cpu = args.device == "cpu"
-    engine = Glm53Engine(model, device=args.device, dtype="fp32" if cpu else None,
-                         kv_dtype="fp32" if cpu else None, prefill_chunk=256 if cpu else None)
-    batch = engine.batch_engine(max_seqs=max(counts), step_tokens=max(counts) * args.prompt)
+    out = args.out or RESULTS / f"batching_cpu_tiny{'' if args.ranks == 1 else f'_R{args.ranks}'}.json"
+    followers: list[subprocess.Popen] = []
+    if args.ranks > 1:
+        port, followers = start_followers(model, args.ranks, args.device, args.threads)
+        lead = rank_engine(model, 0, args.ranks, port, args.device)
+        engine = lead.engine
+        batch = lead.batch_engine(max_seqs=max(counts), step_tokens=max(counts) * args.prompt)
+    else:
+        engine = Glm53Engine(model, **{k: v for k, v in engine_options(args.device).items() if v is not None})
+        batch = engine.batch_engine(max_seqs=max(counts), step_tokens=max(counts) * args.prompt)
     vocab = engine.vocab_size
     prompts = [[(7 + 31 * i + 17 * j) % vocab for j in range(args.prompt)] for i in range(max(counts))]
     one_round(batch, prompts[:2], 4)  # warm-up, discarded
@@ -108,16 +157,20 @@ def main() -> int:
         table.append({"streams": n, "aggregate_tok_s": summary(agg), "per_stream_s_per_token": summary(per),
                       "aggregate_vs_one": statistics.median(a / b for a, b in zip(agg, base_agg)),
                       "per_token_vs_one": statistics.median(a / b for a, b in zip(per, base_per))})
+    if args.ranks > 1:
+        lead.close()
+        for proc in followers:
+            proc.wait(timeout=120)
     settings = {"device": args.device, "streams": counts, "prompt": args.prompt, "tokens": args.tokens,
                 "repeats": args.repeats, "threads": args.threads, "model": str(model),
-                "layers": engine.cfg.num_hidden_layers}
-    write_json(args.out, {**result_header("bench_batching", settings, device=args.device), "table": table,
-                          "rounds": rows})
+                "layers": engine.cfg.num_hidden_layers, "ranks": args.ranks}
+    write_json(out, {**result_header("bench_batching", settings, device=args.device), "table": table,
+                     "rounds": rows})
     print(f"{'streams':>8} {'agg tok/s':>10} {'x one':>7} {'ms/token/stream':>16} {'x alone':>8}")
     for t in table:
         print(f"{t['streams']:>8} {t['aggregate_tok_s']['median']:>10.1f} {t['aggregate_vs_one']:>7.2f} "
               f"{1e3 * t['per_stream_s_per_token']['median']:>16.2f} {t['per_token_vs_one']:>8.2f}")
-    print(f"full results: {args.out}")
+    print(f"full results: {out}")
     return 0
 
 

@@ -68,6 +68,10 @@ class RankBatch:
     def running(self) -> int:
         return self.batch.running
 
+    @property
+    def steps(self) -> int:
+        return self.batch.steps
+
     def stats(self) -> dict[str, Any]:
         return self.batch.stats()
 
@@ -113,6 +117,11 @@ class RankBatch:
         if self.batch.idle and not self._events:
             self._awake = False  # the followers see the same idle batch and go back to the store
         return stepped
+
+    def run(self) -> None:
+        """Step until every submitted sequence has finished."""
+        while not self.batch.idle or self._events:
+            self.step()
 
     def close(self) -> None:
         """Rank 0: release awake followers (they cancel what they hold and return to the store)."""
