@@ -35,6 +35,7 @@ from bench.lib.kvstate import new_kv_state
 from bench.lib.meta import RESULTS, result_header, summary, write_json
 from bench.lib.pagecache import drop_page_cache
 from glm53.kv_state import KVState
+from glm53.settings import Settings
 from kv_cache import CacheKey, PrefixCache
 
 BLOCK = 256
@@ -54,8 +55,8 @@ def open_cache(folder: Path, args, position_bytes: int) -> PrefixCache:
            "TF_GLM53_HOST_CACHE_BYTES": args.host_bytes}
     if args.threads:
         env["TF_GLM53_DISK_CACHE_THREADS"] = str(args.threads)
-    return PrefixCache.from_env(cache_key(args.device), environ=env, on_gpu=args.device == "cuda",
-                                position_bytes=position_bytes)
+    return PrefixCache.from_settings(cache_key(args.device), Settings.from_env(env), on_gpu=args.device == "cuda",
+                                     position_bytes=position_bytes)
 
 
 def resume(cache_or_folder, args, prompt: list[int], position_bytes: int) -> tuple[dict[str, float], object]:
@@ -132,8 +133,8 @@ def host_tier_cache(source: KVState, prompt: list[int], device: str) -> PrefixCa
     conversation's rows in the same process), the store landed."""
     positions, position_bytes = len(prompt) - 1, source.position_bytes()
     room = str(2 * positions * position_bytes + (64 << 20))
-    cache = PrefixCache.from_env(cache_key(device), environ={"TF_GLM53_HOST_CACHE_BYTES": room},
-                                 on_gpu=device == "cuda", position_bytes=position_bytes)
+    cache = PrefixCache.from_settings(cache_key(device), Settings(host_cache_bytes=int(room)),
+                                      on_gpu=device == "cuda", position_bytes=position_bytes)
     cache.store(prompt[:-1], positions, source.export_rows)
     cache.flush()
     return cache

@@ -61,6 +61,7 @@ from bench.lib.meta import RESULTS, result_header, summary, write_json
 from bench.lib.pagecache import drop_page_cache
 from glm53.cuda_graphs import WindowGraphs
 from glm53.engine import Glm53Engine
+from glm53.settings import Settings
 from kv_cache.engine_adapter import attach_prefix_cache
 
 
@@ -70,12 +71,12 @@ class Side:
 
     def __init__(self, engine: Glm53Engine, name: str, environ: dict[str, str]) -> None:
         self.engine, self.name, self.environ = engine, name, environ
-        self.cache = attach_prefix_cache(engine, revision="bench", environ=environ)
+        self.cache = attach_prefix_cache(engine, revision="bench", settings=Settings.from_env(environ))
         self.state = None
 
     def restart(self) -> None:
         self.cache.close()  # as at process exit: pending disk writes finish
-        self.cache = attach_prefix_cache(self.engine, revision="bench", environ=self.environ)
+        self.cache = attach_prefix_cache(self.engine, revision="bench", settings=Settings.from_env(self.environ))
         self.state = None
 
     def generate(self, prompt: list[int], reply_tokens: int) -> dict[str, Any]:

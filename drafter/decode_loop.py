@@ -106,11 +106,12 @@ def drafted_decode(target: Target, prompt: Sequence[int], sample: Sampler, stop:
     Its logits may be the last row only.
     `policy.enabled = False` (a request with "draft": false) makes every window empty, which is
     serial decoding through the same code. `relaxed_top2` is LOSSY and must be asked for by name
-    (argument, or TF_GLM53_DRAFT_RELAXED_TOP2=1 through the default policy's config)."""
+    (argument, or the policy's config: the engine's depth_policy builds it from TF_GLM53_DRAFT_RELAXED_TOP2).
+    Without `policy`, the default PolicyConfig."""
     factory = source if hasattr(source, "new_source") else None
     if factory is not None:
         source = factory.new_source(target)
-    policy = policy or AdaptiveDepth(PolicyConfig.from_env())
+    policy = policy or AdaptiveDepth(PolicyConfig())
     relaxed_top2 = relaxed_top2 or policy.config.relaxed_top2
     if relaxed_top2:
         log.warning("relaxed top-2 acceptance requested: LOSSY, outputs may differ from serial decoding")

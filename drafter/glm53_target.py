@@ -8,7 +8,7 @@ bookkeeping, written to drafter/target.py's protocol). This module adds what the
     plan = DraftPlan.from_contract(engine, drafter=..., no_drafts=..., mtp_drafts=...)
     engine.drafter = plan            # drafter.decode_loop.drafted_decode calls plan.new_source(target)
 
-Choice (first that applies):
+Choice (first that applies; the source is Settings.draft_source, TF_GLM53_DRAFT_SOURCE):
     no_drafts=True, or TF_GLM53_DRAFT_SOURCE=off          -> None (serial decoding)
     TF_GLM53_DRAFT_SOURCE=copy|mtp|dflash2                -> that source (an error if unavailable)
     `drafter` is a DFlash2 directory (config.json + *.safetensors) -> DFlash2 drafts
@@ -33,14 +33,14 @@ from typing import Any, Sequence
 
 import torch
 
+from glm53.settings import Settings
+
 from .policy import MAX_DEPTH, AcceptanceStats
 from .sources import CopySource, MtpSource
 from .sources.dflash2 import Dflash2Model, Dflash2Source
 from .target import Target
 
 log = logging.getLogger("drafter.glm53")
-
-SOURCES = ("auto", "off", "copy", "mtp", "dflash2")
 
 
 class Glm53MtpAdapter:
@@ -108,14 +108,16 @@ class DraftPlan:
 
     @classmethod
     def from_contract(cls, engine: Any, *, drafter: Any = None, no_drafts: bool = False,
-                      mtp_drafts: int | None = None, env: dict[str, str] | None = None,
+                      mtp_drafts: int | None = None, settings: Settings | None = None,
                       world: int = 1) -> "DraftPlan | Any | None":
-        env = os.environ if env is None else env
-        choice = str(env.get("TF_GLM53_DRAFT_SOURCE", "auto") or "auto").strip().lower()
-        if choice not in SOURCES:
-            raise ValueError(f"TF_GLM53_DRAFT_SOURCE={choice!r}: one of {', '.join(SOURCES)}")
+        """`settings`: default the engine's (`engine.settings`; the defaults where it has none)."""
+        settings = settings if settings is not None else getattr(engine, "settings", None) or Settings()
+        choice = settings.draft_source
         if no_drafts or choice == "off":
             return None
+        if settings.draft_relaxed_top2:
+            log.warning("TF_GLM53_DRAFT_RELAXED_TOP2 is on: relaxed top-2 acceptance is LOSSY; "
+                        "drafted replies may differ from serial ones")
         if drafter is not None and not isinstance(drafter, (str, os.PathLike)):
             return drafter                                  # a ready source or factory
         if mtp_drafts is not None and (isinstance(mtp_drafts, bool) or not isinstance(mtp_drafts, int) or mtp_drafts < 0):

@@ -5,18 +5,18 @@ step; the next window drafts round(headroom * mean) + 1 tokens (more than recent
 climbs quickly while drafts land; verifying a few extra rows costs little in weight-bound decode),
 clamped to [1, max_depth]. A request with `draft: false` decodes serially (depth 0).
 
-Knobs (environment):
+Knobs (glm53/settings.py; PolicyConfig.from_settings):
   TF_GLM53_DRAFT_MAX_DEPTH      deepest window, 1..13 (default 13)
   TF_GLM53_DRAFT_EWMA           weight of the newest step in the mean (default 0.3)
   TF_GLM53_DRAFT_RELAXED_TOP2   1 = LOSSY relaxed top-2 acceptance (default 0; changes outputs)
 """
 from __future__ import annotations
 
-import logging
-import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-log = logging.getLogger("drafter.policy")
+if TYPE_CHECKING:
+    from glm53.settings import Settings
 
 MAX_DEPTH = 13
 
@@ -36,24 +36,10 @@ class PolicyConfig:
             raise ValueError(f"TF_GLM53_DRAFT_EWMA must be in (0, 1], got {self.ewma_weight}")
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> "PolicyConfig":
-        env = os.environ if env is None else env
-
-        def read(name: str, kind, default):
-            raw = env.get(name)
-            if raw is None or raw == "":
-                return default
-            try:
-                return kind(raw)
-            except ValueError:
-                raise ValueError(f"{name}={raw!r} is not a valid {kind.__name__}") from None
-
-        relaxed = read("TF_GLM53_DRAFT_RELAXED_TOP2", str, "0").strip().lower() in ("1", "true", "yes", "on")
-        if relaxed:
-            log.warning("TF_GLM53_DRAFT_RELAXED_TOP2 is on: relaxed top-2 acceptance is LOSSY; "
-                        "drafted replies may differ from serial ones")
-        return cls(max_depth=read("TF_GLM53_DRAFT_MAX_DEPTH", int, MAX_DEPTH),
-                   ewma_weight=read("TF_GLM53_DRAFT_EWMA", float, 0.3), relaxed_top2=relaxed)
+    def from_settings(cls, settings: "Settings") -> "PolicyConfig":
+        """The knobs' values (already checked by Settings against the same ranges)."""
+        return cls(max_depth=settings.draft_max_depth, ewma_weight=settings.draft_ewma,
+                   relaxed_top2=settings.draft_relaxed_top2)
 
 
 @dataclass

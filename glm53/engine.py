@@ -7,26 +7,15 @@ prefills only the new tokens
 it hands its rows to an optional prefix cache (kv_cache.PrefixCache) for longer-lived reuse.
 See docs/engine.md.
 
-Knobs (options override the environment):
-    TF_GLM53_DEVICE         cuda | cpu (default: cuda when available)
-    TF_GLM53_DTYPE          bf16 | fp32 compute dtype (default: bf16 on cuda, fp32 on cpu)
-    TF_GLM53_KV_DTYPE       bf16 | fp8 | fp32 latent-cache dtype (default bf16)
-    TF_GLM53_PREFILL_CHUNK  prefill piece size C (default 2048 on cuda, 256 on cpu): bounds a piece's memory;
-                            pieces follow the absolute grid [kC, (k+1)C) only in the grid-boundary mode
-    TF_GLM53_PREFILL_WAVE   tokens of consecutive prefill pieces run as one wave (default 4C): each piece's
-                            attention as alone, each layer's feed-forward block over the wave's rows at once
-                            (a MoE layer reads its experts once a wave); only where the ops are row-invariant
-    TF_GLM53_CACHE_BLOCK    prefix-cache block size B (default 256): the hash chain's granularity
-    TF_GLM53_PREFIX_REUSE_BOUNDARY  auto | 1 | 0: 1 floors reuse to the prefill grid (only needed where
-                            the ops are not row-invariant: auto does it then), 0 reuses at any token
-    TF_GLM53_CUDA_GRAPHS    auto | 1 | 0: windows of up to 16 tokens (decode steps, verification, a
-                            short extension) replay CUDA graphs (glm53/cuda_graphs.py); auto: on CUDA
-                            where exact, 1: require it (error otherwise), 0: eager
+Knobs: the Settings fields device, dtype, kv_dtype, prefill_chunk, prefill_wave, cache_block,
+prefix_reuse_boundary, cuda_graphs and kernels (glm53/settings.py: TF_GLM53_DEVICE, ...; the
+defaults and how "auto" resolves are described there). Keyword options of the same names win over
+them; the engine keeps the result as `engine.settings`, which the batched runtime, the prefix cache
+and the draft plan built on it read.
 """
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -37,12 +26,13 @@ import torch
 
 from glm53 import ops
 from glm53.config import Glm53Config
-from glm53.cuda_graphs import GRAPH_CHOICES, WindowGraphs
-from glm53.kv_state import KVState, kv_dtype_from_env
+from glm53.cuda_graphs import WindowGraphs
+from glm53.kv_state import KVState
 from glm53.model.parallel import RankPlan
 from glm53.model.transformer import ForwardOutput, Glm53Model
 from glm53.logits_policy import LogitsPolicy, policy_for
 from glm53.sampling import SamplingParams
+from glm53.settings import Settings, SettingsError
 from glm53.state_target import StateTarget
 from glm53.weights_loader import load_weights
 
@@ -61,26 +51,13 @@ class EngineError(ValueError):
     """A request or option the engine cannot take; the message names the field and the remedy."""
 
 
-def _env_choice(name: str, value: str | None, choices: Sequence[str], default: str) -> str:
-    text = value if value is not None else os.environ.get(name, default)
-    text = str(text).strip().lower()
-    if text not in choices:
-        raise EngineError(f"{name}={text!r}: choose one of {', '.join(choices)}")
-    return text
-
-
-def _env_int(name: str, value: int | None, default: int) -> int:
-    if value is not None:
-        n = value
-    else:
-        raw = os.environ.get(name)
-        try:
-            n = int(raw) if raw not in (None, "") else default
-        except ValueError:
-            raise EngineError(f"{name}={raw!r}: expected a positive integer") from None
-    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
-        raise EngineError(f"{name}={n!r}: expected a positive integer")
-    return n
+def with_options(settings: Settings, **options: Any) -> Settings:
+    """`settings` with the options given (not None) in place of their fields; a bad option is an
+    EngineError naming the field's variable (the environment's bad values are SettingsErrors)."""
+    try:
+        return settings.override(**options)
+    except SettingsError as exc:
+        raise EngineError(str(exc)) from None
 
 
 def prefill_pieces(start: int, stop: int, chunk: int, aligned: bool = True) -> list[tuple[int, int]]:
@@ -141,27 +118,33 @@ class Glm53Engine:
                  cache_block: int | None = None,
                  prefix_reuse_boundary: str | None = None, prefix_cache: Any = None,
                  plan: RankPlan | None = None, reuse_live: bool = True, cuda_graphs: str | None = None,
-                 progress: Callable[[str], None] | None = None, **unknown: Any) -> None:
+                 progress: Callable[[str], None] | None = None, settings: Settings | None = None,
+                 **unknown: Any) -> None:
         if unknown:
             raise EngineError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
         if tp < 1 or not 0 <= rank < tp:
             raise EngineError(f"--tp {tp} --rank {rank}: ranks run 0..tp-1")
         self.model_dir = Path(model_dir)
         self.cfg = Glm53Config.from_dir(model_dir)
-        default_device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(_env_choice("TF_GLM53_DEVICE", device, ("cuda", "cpu"), default_device))
+        # built without settings (a library caller): the environment's, parsed here once
+        self.settings = s = with_options(
+            Settings.from_env() if settings is None else settings, device=device, dtype=dtype, kv_dtype=kv_dtype,
+            prefill_chunk=prefill_chunk, prefill_wave=prefill_wave, cache_block=cache_block,
+            prefix_reuse_boundary=prefix_reuse_boundary, cuda_graphs=cuda_graphs)
+        ops.use_kernels(s.kernels)
+        self.device = torch.device(s.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         on_gpu = self.device.type == "cuda"
-        self.dtype_name = _env_choice("TF_GLM53_DTYPE", dtype, tuple(DTYPES), "bf16" if on_gpu else "fp32")
-        self.kv_dtype = kv_dtype_from_env() if kv_dtype is None else _env_choice("kv_dtype", kv_dtype, ("bf16", "fp8", "fp32"), "bf16")
-        self.chunk = _env_int("TF_GLM53_PREFILL_CHUNK", prefill_chunk, 2048 if on_gpu else 256)
-        self.cache_block = _env_int("TF_GLM53_CACHE_BLOCK", cache_block, 256)
-        boundary = _env_choice("TF_GLM53_PREFIX_REUSE_BOUNDARY", prefix_reuse_boundary, ("auto", "1", "0"), "auto")
+        self.dtype_name = s.dtype or ("bf16" if on_gpu else "fp32")
+        self.kv_dtype = s.kv_dtype
+        self.chunk = s.prefill_chunk or (2048 if on_gpu else 256)
+        self.cache_block = s.cache_block
+        boundary = s.prefix_reuse_boundary
         if boundary == "auto":
             boundary = "0" if ops.row_invariant(self.device) else "1"
         # None: reuse resumes at any token (row-invariant ops); else at a multiple of the prefill grid
         self.reuse_boundary: int | None = self.chunk if boundary == "1" else None
         # a wave's rows get each piece's bits only where the ops are row-invariant: else one piece a wave
-        wave = _env_int("TF_GLM53_PREFILL_WAVE", prefill_wave, 4 * self.chunk)
+        wave = s.prefill_wave or 4 * self.chunk
         self.wave = wave if self.reuse_boundary is None else self.chunk
         self.plan = plan or RankPlan(world=tp, rank=rank)
         self.master, self.master_port = master, master_port
@@ -172,7 +155,7 @@ class Glm53Engine:
                                device=self.device, progress=progress or (lambda s: None))
         self.model = Glm53Model(self.cfg, weights, self.plan, DTYPES[self.dtype_name], self.device)
         self.memory = self._memory_report(weights, progress or (lambda s: None))
-        self.graphs = self._window_graphs(_env_choice("TF_GLM53_CUDA_GRAPHS", cuda_graphs, GRAPH_CHOICES, "auto"))
+        self.graphs = self._window_graphs(s.cuda_graphs)
         self.eos: list[int] = list(self.cfg.eos_token_ids)
         self.vocab_size = self.cfg.vocab_size
         self.state: KVState | None = None  # the retained conversation
@@ -459,19 +442,17 @@ class Glm53Engine:
             state.truncate(min(state.length, len(prompt) + len(reply) - 1))
             return reply
 
-    @staticmethod
-    def depth_policy(params: SamplingParams) -> Any:
-        """The drafter's depth policy for a request: None (drafted_decode's default) unless the request
-        processes logits or asks for logprobs; then the default with relaxed top-2 off (it keeps drafts
-        the processed row may forbid, a grammar's, and that the policy's state and records never saw).
-        The one rule of both drafted loops (here and glm53/runtime/drafted.py)."""
+    def depth_policy(self, params: SamplingParams) -> Any:
+        """The drafter's depth policy for a request, from the engine's settings (TF_GLM53_DRAFT_MAX_DEPTH,
+        _EWMA, _RELAXED_TOP2), with relaxed top-2 off where the request processes logits or asks for
+        logprobs (it keeps drafts the processed row may forbid, a grammar's, and that the policy's state
+        and records never saw). The one rule of both drafted loops (here and glm53/runtime/drafted.py)."""
         from drafter.policy import AdaptiveDepth, PolicyConfig
 
-        if params.processes_logits or params.logprobs is not None:
-            config = PolicyConfig.from_env()
-            if config.relaxed_top2:
-                return AdaptiveDepth(dataclasses.replace(config, relaxed_top2=False))
-        return None
+        config = PolicyConfig.from_settings(self.settings)
+        if config.relaxed_top2 and (params.processes_logits or params.logprobs is not None):
+            config = dataclasses.replace(config, relaxed_top2=False)
+        return AdaptiveDepth(config)
 
     def batch_engine(self, **options: Any) -> Any:
         """The batched runtime over this engine's model (glm53.runtime.BatchEngine: several requests

@@ -19,7 +19,6 @@ verification lie beyond it and are never offered for reuse.
 from __future__ import annotations
 
 import copy
-import os
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -30,13 +29,6 @@ from glm53.token_log import TokenLog
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 KV_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
-
-
-def kv_dtype_from_env(default: str = "bf16") -> str:
-    name = os.environ.get("TF_GLM53_KV_DTYPE", default).strip().lower()
-    if name not in KV_DTYPES:
-        raise ValueError(f"TF_GLM53_KV_DTYPE={name!r}: choose one of {', '.join(KV_DTYPES)}")
-    return name
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,6 +1,6 @@
 """The facade the engine uses: lookup, restore, store, stats.
 
-    cache = PrefixCache.from_env(key, agree=..., boundary=engine.reuse_boundary)
+    cache = PrefixCache.from_settings(key, settings, agree=..., boundary=engine.reuse_boundary)
     hit = cache.lookup(prompt, live_tokens=state.tokens, live_frontier=state.frontier)
     state.truncate(hit.live_tokens)
     hit.restore(lambda start, n, rows: state.import_rows(start, rows, prompt[start:start + n]))
@@ -19,13 +19,11 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
-import os
-import re
 import threading
 import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
@@ -39,43 +37,16 @@ from .staging import Staging, default_capacity
 from .store import HostStore
 from .writer import BackgroundWriter
 
+if TYPE_CHECKING:
+    from glm53.settings import Settings
+
 log = logging.getLogger("kv_cache")
 
-DEFAULT_HOST_BYTES = 8 << 30
-DEFAULT_DISK_BYTES = 64 << 30
+DEFAULT_HOST_BYTES = 8 << 30  # as Settings.host_cache_bytes's
 
 
 class CacheConfigError(ValueError):
-    """A TF_GLM53_* cache variable the kit cannot use; the message names it and the remedy."""
-
-
-def parse_bytes(name: str, text: str) -> int:
-    m = re.fullmatch(r"\s*(\d+)\s*([kKmMgGtT]?)(i?[bB])?\s*", text)
-    if not m:
-        raise CacheConfigError(f"{name}={text!r}: expected a byte count like 8G, 512M or 1048576")
-    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2).lower()]
-    return int(m.group(1)) * scale
-
-
-def env_flag(name: str, default: bool, environ: dict | None = None) -> bool:
-    env = os.environ if environ is None else environ
-    text = env.get(name)
-    if text is None or text == "":
-        return default
-    if text.strip().lower() in ("1", "true", "yes", "on"):
-        return True
-    if text.strip().lower() in ("0", "false", "no", "off"):
-        return False
-    raise CacheConfigError(f"{name}={text!r}: expected 1 or 0")
-
-
-def env_count(name: str, environ: dict) -> int | None:
-    text = environ.get(name)
-    if text is None or text.strip() == "":
-        return None
-    if not text.strip().isdigit() or int(text) < 1:
-        raise CacheConfigError(f"{name}={text!r}: expected a positive integer")
-    return int(text)
+    """Cache settings the kit cannot use (the ranks' differ); the message names them and the remedy."""
 
 
 @dataclass
@@ -167,25 +138,21 @@ class PrefixCache:
         atexit.register(self._at_exit)
 
     @classmethod
-    def from_env(cls, key: CacheKey, agree: Callable[[int], int] | None = None, environ: dict | None = None,
-                 *, boundary: int | None = None, on_gpu: bool = False, position_bytes: int = 0) -> "PrefixCache":
-        """TF_GLM53_PREFIX_CACHE (1/0), TF_GLM53_HOST_CACHE_BYTES, TF_GLM53_DISK_CACHE (a
-        directory; unset = no disk tier), TF_GLM53_DISK_CACHE_BYTES, TF_GLM53_DISK_CACHE_THREADS
-        (disk read threads, default min(8, CPUs)), TF_GLM53_STORE_STAGING_BYTES (the background
-        store's buffer; default where the rows live on a GPU (`on_gpu`): staging.default_capacity
-        of the engine's `position_bytes`, else 0: stores copy inside the call). `boundary` is the
-        engine's decision."""
-        env = os.environ if environ is None else environ
-        enabled = env_flag("TF_GLM53_PREFIX_CACHE", True, env)
-        host_bytes = parse_bytes("TF_GLM53_HOST_CACHE_BYTES", env.get("TF_GLM53_HOST_CACHE_BYTES") or str(DEFAULT_HOST_BYTES))
-        staging = parse_bytes("TF_GLM53_STORE_STAGING_BYTES", env.get("TF_GLM53_STORE_STAGING_BYTES")
-                              or str(default_capacity(position_bytes) if on_gpu else 0))
+    def from_settings(cls, key: CacheKey, settings: "Settings", agree: Callable[[int], int] | None = None, *,
+                      boundary: int | None = None, on_gpu: bool = False, position_bytes: int = 0) -> "PrefixCache":
+        """The cache glm53.settings describes: prefix_cache (on/off), host_cache_bytes, disk_cache (a
+        folder; None: no disk tier), disk_cache_bytes, disk_cache_threads (None: disk.default_threads),
+        store_staging_bytes (the background store's buffer; None: where the rows live on a GPU
+        (`on_gpu`) staging.default_capacity of the engine's `position_bytes`, else 0: stores copy
+        inside the call). `boundary` is the engine's decision."""
+        enabled = settings.prefix_cache
+        host_bytes = settings.host_cache_bytes
+        staging = settings.store_staging_bytes
+        if staging is None:
+            staging = default_capacity(position_bytes) if on_gpu else 0
         disk = None
-        disk_dir = env.get("TF_GLM53_DISK_CACHE")
-        if enabled and disk_dir:
-            disk_bytes = parse_bytes("TF_GLM53_DISK_CACHE_BYTES", env.get("TF_GLM53_DISK_CACHE_BYTES") or str(DEFAULT_DISK_BYTES))
-            threads = env_count("TF_GLM53_DISK_CACHE_THREADS", env)
-            disk = DiskTier(disk_dir, key, disk_bytes, threads=threads)
+        if enabled and settings.disk_cache:
+            disk = DiskTier(settings.disk_cache, key, settings.disk_cache_bytes, threads=settings.disk_cache_threads)
         # the restore ring, pinned at start-up where a restore can happen (rows on a GPU, a host or disk tier)
         restores = enabled and on_gpu and position_bytes > 0 and (host_bytes > 0 or disk is not None)
         ring = node_bytes(key.chunk_size, position_bytes, key.ranks, key.dcp) if restores else 0

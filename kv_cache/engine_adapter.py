@@ -9,7 +9,7 @@ builds that cache with the engine's cache block size (`engine.cache_block`) and 
 (`engine.reuse_boundary`: None where the kernels are row-invariant) and the right key:
 
     engine = Glm53Engine(model_dir, ...)
-    cache = attach_prefix_cache(engine)     # reads TF_GLM53_PREFIX_CACHE, TF_GLM53_DISK_CACHE, ...
+    cache = attach_prefix_cache(engine)     # engine.settings: prefix_cache, disk_cache, ... (glm53/settings.py)
     engine.generate(prompt, max_tokens)     # engine.last_stats["cached_tokens"] = reused rows
     cache.stats_dict()
 
@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
+from glm53.settings import Settings
 
 from .cache import CacheConfigError, PrefixCache
 from .keys import CacheKey, model_revision
@@ -154,19 +156,19 @@ def same_settings_over_comm(comm: Any, enabled: bool, disk: bool, boundary: int 
 
 
 def attach_prefix_cache(engine: Any, *, revision: str | None = None, group: Any = None, comm: Any = None,
-                        environ: dict | None = None) -> PrefixCache:
-    """Build the cache for `engine` from TF_GLM53_* variables and plug it in. Over several ranks
-    call it on every rank with the rank's `comm` (every rank then looks up every request)."""
+                        settings: Settings | None = None) -> PrefixCache:
+    """Build the cache for `engine` from `settings` (default the engine's, `engine.settings`) and plug
+    it in. Over several ranks call it on every rank with the rank's `comm` (every rank then looks up
+    every request)."""
     agree = min_over_comm(comm) if comm is not None else min_over_ranks(group)
     previous = getattr(engine, "prefix_cache", None)
     if previous is not None:  # its stores land and its writer thread ends, not at process exit
         engine.prefix_cache = None
         previous.close()
-    cache = PrefixCache.from_env(cache_key_for(engine, revision), agree=agree,
-                                 environ=os.environ if environ is None else environ,
-                                 boundary=engine.reuse_boundary,
-                                 on_gpu=torch.device(engine.device).type == "cuda",
-                                 position_bytes=engine.model.new_state(engine.kv_dtype).position_bytes())
+    settings = engine.settings if settings is None else settings
+    cache = PrefixCache.from_settings(cache_key_for(engine, revision), settings, agree=agree,
+                                      boundary=engine.reuse_boundary, on_gpu=torch.device(engine.device).type == "cuda",
+                                      position_bytes=engine.model.new_state(engine.kv_dtype).position_bytes())
     if comm is not None:
         try:
             same_settings_over_comm(comm, cache.enabled, cache.disk is not None, cache.boundary)

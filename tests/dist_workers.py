@@ -21,7 +21,9 @@ import torch  # noqa: E402
 
 from glm53.dist import dcp, tp  # noqa: E402
 from glm53.dist.collectives import Comm  # noqa: E402
+from glm53.dist.guard import GuardSettings  # noqa: E402
 from glm53.dist.rendezvous import RendezvousSpec, rendezvous, spec_from_env  # noqa: E402
+from glm53.settings import Settings  # noqa: E402
 
 # ---- shared inputs (the test imports these to recompute the expected values) -----------------
 HEADS, QK_DIM, V_DIM, SCALE = 8, 48, 32, 0.17
@@ -456,7 +458,7 @@ def cache_draft(spec_rank: int, world: int, port: int, out: Path) -> None:
     replies: dict[str, list[int]] = {}
     for phase in ("warm", "cold"):
         if phase == "cold":
-            attach_prefix_cache(inner, comm=eng.comm, environ={"TF_GLM53_PREFIX_CACHE": "0"})
+            attach_prefix_cache(inner, comm=eng.comm, settings=Settings.from_env({"TF_GLM53_PREFIX_CACHE": "0"}))
         got: dict[str, list[int]] = {}
         for name, make, max_tokens, sampling in cache_draft_cases(replies):  # warm replies build later prompts
             inner.trace = []
@@ -531,7 +533,7 @@ def draft_sources_batched(spec_rank: int, world: int, port: int, out: Path) -> N
     for source in DRAFT_SOURCES:
         started = time.monotonic()
         inner.drafter = DraftPlan.from_contract(inner, drafter=os.environ["GLM53_TEST_DFLASH"] if source == "dflash2"
-                                                else None, env={"TF_GLM53_DRAFT_SOURCE": source}, world=world)
+                                                else None, settings=Settings(draft_source=source), world=world)
         cases = source_prompts(source, per_source, inner.vocab_size)
         rows: list[dict] = [{} for _ in cases]
         for wave in (0, 1):  # fresh prompts first; then each extension of the request before it
@@ -575,7 +577,7 @@ def draft_sources(spec_rank: int, world: int, port: int, out: Path) -> None:
     for source in DRAFT_SOURCES:
         started = time.monotonic()
         inner.drafter = DraftPlan.from_contract(inner, drafter=os.environ["GLM53_TEST_DFLASH"] if source == "dflash2"
-                                                else None, env={"TF_GLM53_DRAFT_SOURCE": source}, world=world)
+                                                else None, settings=Settings(draft_source=source), world=world)
         rows, history = [], []
         for fresh, max_tokens, sampling in source_prompts(source, per_source, inner.vocab_size):
             prompt = fresh if fresh is not None else history[:24]
@@ -696,7 +698,9 @@ def main() -> None:
     else:
         spec = RendezvousSpec(args.rank, args.world, "127.0.0.1", args.port, timeout_s=args.timeout)
     device = torch.device(f"cuda:{spec.rank}") if args.scenario in ("nccl", "spin_cuda") else torch.device("cpu")
-    comm = rendezvous(spec, device=device)
+    settings = Settings.from_env()  # this process's entry point: the knobs the test gave it
+    comm = rendezvous(spec, device=device, settings=GuardSettings.from_settings(settings),
+                      backend=settings.dist_backend)
     SCENARIOS[args.scenario](comm, args.out)
     comm.close()
     (args.out / f"done{comm.rank}").write_text("")

@@ -46,11 +46,12 @@ def _front(model: Path, cache: bool) -> FrontServer:
     from front.server import serve
     from front.service import Service
     from front.settings import FrontSettings, drafting_state, prefix_cache_state
+    from glm53.settings import Settings
     from kv_cache.engine_adapter import attach_prefix_cache
 
     engine = glm53.cuda_engine(str(model))
     if not cache:
-        attach_prefix_cache(engine, environ={"TF_GLM53_PREFIX_CACHE": "0"})
+        attach_prefix_cache(engine, settings=Settings.from_env({"TF_GLM53_PREFIX_CACHE": "0"}))
     settings = FrontSettings(context=1024, default_max_tokens=16, prefix_cache=prefix_cache_state(engine),
                              drafting=drafting_state(engine), prefill_chunk=engine.chunk)
     return serve(Service(engine, ChatText(model), settings, glm53_sampling), "127.0.0.1", 0)

@@ -16,6 +16,7 @@ from glm53.engine import Glm53Engine
 from glm53.runtime import BatchEngine, QueueFull, TooLarge
 from glm53.runtime.kv_pool import KVPool
 from glm53.runtime.sequence import Status
+from glm53.settings import Settings
 from kv_cache.engine_adapter import attach_prefix_cache
 from tests.drafter_fixtures import one_thread  # noqa: F401
 from tests.fixtures_tiny import TINY_CHUNK, tiny_dirs  # noqa: F401
@@ -26,7 +27,7 @@ def engine(tiny_dirs):  # noqa: F811
     """Its own engine (the shared tiny_engine keeps no drafter): MTP drafts, no prefix cache."""
     e = Glm53Engine(tiny_dirs.model, device="cpu", dtype="fp32", kv_dtype="fp32", prefill_chunk=TINY_CHUNK,
                     cache_block=TINY_CHUNK)
-    e.drafter = DraftPlan.from_contract(e, env={})
+    e.drafter = DraftPlan.from_contract(e, settings=Settings())
     assert e.drafter.kind == "mtp"
     return e
 
@@ -231,7 +232,7 @@ def test_random_schedule_replies_equal_alone(engine, requests_alone, prefix_cach
     reqs, want = requests_alone
     engine.reuse_live = prefix_cache
     if prefix_cache:
-        attach_prefix_cache(engine, revision="tiny-batch", environ={})
+        attach_prefix_cache(engine, revision="tiny-batch", settings=Settings())
     try:
         # 256 positions in grants of 4 for up to 16 sequences: running sequences outgrow it and the
         # youngest are preempted

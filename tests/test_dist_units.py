@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from glm53.dist import dcp, tp
-from glm53.dist.guard import DistFailure, GuardSettings
+from glm53.dist.guard import GuardSettings
 from glm53.dist.rendezvous import RendezvousError, RendezvousSpec, spec_from_env
+from glm53.settings import Settings, SettingsError
 
 
 # ---- ownership ------------------------------------------------------------------------------
@@ -47,9 +48,9 @@ def test_prefill_chunks_written_to_owners_rebuild_the_cache() -> None:
 
 
 def test_dcp_off_means_every_rank_holds_every_position() -> None:
-    assert dcp.dcp_enabled({}) and not dcp.dcp_enabled({"TF_GLM53_DCP": "0"})
+    assert Settings.from_env({}).dcp and not Settings.from_env({"TF_GLM53_DCP": "0"}).dcp
     with pytest.raises(ValueError, match="TF_GLM53_DCP='yes'"):
-        dcp.dcp_enabled({"TF_GLM53_DCP": "yes"})
+        Settings.from_env({"TF_GLM53_DCP": "yes"})
     own = dcp.Ownership.for_rank(2, 4, enabled=False)
     assert own == dcp.Ownership(0, 1) and torch.equal(own.owned_positions(0, 9), torch.arange(9))
 
@@ -207,9 +208,10 @@ def test_intermediate_blocks_rotate_the_extra_by_layer() -> None:
 
 # ---- settings -------------------------------------------------------------------------------
 def test_settings_and_specs_reject_bad_input_naming_it() -> None:
-    assert GuardSettings.from_env({"TF_GLM53_DEAD_AFTER_S": "2.5"}).dead_after_s == 2.5
-    with pytest.raises(DistFailure, match="TF_GLM53_HEARTBEAT_S='fast'"):
-        GuardSettings.from_env({"TF_GLM53_HEARTBEAT_S": "fast"})
+    assert GuardSettings.from_settings(Settings.from_env({"TF_GLM53_DEAD_AFTER_S": "2.5"})).dead_after_s == 2.5
+    assert GuardSettings.from_settings(Settings()) == GuardSettings()  # one set of defaults
+    with pytest.raises(SettingsError, match="TF_GLM53_HEARTBEAT_S='fast'"):
+        Settings.from_env({"TF_GLM53_HEARTBEAT_S": "fast"})
     with pytest.raises(RendezvousError, match="lacks MASTER_PORT, RANK"):
         spec_from_env({"MASTER_ADDR": "h", "WORLD_SIZE": "2"})
     spec = spec_from_env({"MASTER_ADDR": "h", "MASTER_PORT": "1234", "RANK": "1", "WORLD_SIZE": "3",

@@ -18,6 +18,7 @@ from drafter_fixtures import one_thread  # noqa: F401  (autouse fixture)
 from drafter.verify import verify_window
 from glm53.engine import Glm53Engine, Glm53Target
 from glm53.sampling import SamplingParams, sample
+from glm53.settings import Settings
 from glm53.tiny import write_tiny_checkpoint
 from kv_cache.cache import PrefixCache
 from kv_cache.keys import CacheKey
@@ -84,9 +85,9 @@ def test_drafted_equals_serial_on_the_engine(kind, tiny, tmp_path):
     elif kind == "dflash2":
         dfl = write_tiny_dflash2(tmp_path / "dflash2", vocab_size=drafted.cfg.vocab_size,
                                  hidden_size=drafted.cfg.hidden_size, target_layer_ids=[1, 2], block_size=6)
-        drafted.drafter = DraftPlan.from_contract(drafted, drafter=str(dfl), env={})
+        drafted.drafter = DraftPlan.from_contract(drafted, drafter=str(dfl), settings=Settings())
     else:
-        drafted.drafter = DraftPlan.from_contract(drafted, mtp_drafts=None if kind == "mtp" else 0, env={})
+        drafted.drafter = DraftPlan.from_contract(drafted, mtp_drafts=None if kind == "mtp" else 0, settings=Settings())
     if kind in ("copy", "mtp", "dflash2"):
         assert drafted.drafter.kind == kind
     rng = random.Random(hash(kind) % 1000)
@@ -168,20 +169,20 @@ def test_mtp_adapter_pads_unseen_rows_and_drafts(tiny):
 
 def test_contract_arguments_choose_the_source(tiny, tmp_path):
     engine = new_engine(tiny)
-    assert DraftPlan.from_contract(engine, no_drafts=True, env={}) is None
-    assert DraftPlan.from_contract(engine, env={"TF_GLM53_DRAFT_SOURCE": "off"}) is None
-    assert DraftPlan.from_contract(engine, env={}).kind == "mtp"                # the tiny checkpoint has an MTP layer
-    plan = DraftPlan.from_contract(engine, mtp_drafts=3, env={})
+    assert DraftPlan.from_contract(engine, no_drafts=True, settings=Settings()) is None
+    assert DraftPlan.from_contract(engine, settings=Settings.from_env({"TF_GLM53_DRAFT_SOURCE": "off"})) is None
+    assert DraftPlan.from_contract(engine, settings=Settings()).kind == "mtp"  # the tiny checkpoint has an MTP layer
+    plan = DraftPlan.from_contract(engine, mtp_drafts=3, settings=Settings())
     assert plan.kind == "mtp" and plan.max_depth == 3
-    assert DraftPlan.from_contract(engine, mtp_drafts=0, env={}).kind == "copy"
-    assert DraftPlan.from_contract(engine, env={"TF_GLM53_DRAFT_SOURCE": "copy"}).kind == "copy"
+    assert DraftPlan.from_contract(engine, mtp_drafts=0, settings=Settings()).kind == "copy"
+    assert DraftPlan.from_contract(engine, settings=Settings.from_env({"TF_GLM53_DRAFT_SOURCE": "copy"})).kind == "copy"
     with pytest.raises(ValueError, match="TF_GLM53_DRAFT_SOURCE"):
-        DraftPlan.from_contract(engine, env={"TF_GLM53_DRAFT_SOURCE": "fast"})
+        DraftPlan.from_contract(engine, settings=Settings.from_env({"TF_GLM53_DRAFT_SOURCE": "fast"}))
     with pytest.raises(ValueError, match="needs the drafter directory"):
-        DraftPlan.from_contract(engine, env={"TF_GLM53_DRAFT_SOURCE": "dflash2"})
+        DraftPlan.from_contract(engine, settings=Settings.from_env({"TF_GLM53_DRAFT_SOURCE": "dflash2"}))
     wrong = write_tiny_dflash2(tmp_path / "wrong", vocab_size=64, hidden_size=32, target_layer_ids=[0])
     with pytest.raises(ValueError, match="does not match the model"):
-        DraftPlan.from_contract(engine, drafter=str(wrong), env={})
+        DraftPlan.from_contract(engine, drafter=str(wrong), settings=Settings())
 
 
 def test_window_logits_equal_serial_logits_bitwise(tiny):

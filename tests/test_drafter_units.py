@@ -15,6 +15,7 @@ import torch
 from drafter import manifest as mf
 from drafter.decode_loop import StopRule, drafted_decode, serial_decode
 from drafter.policy import AcceptanceStats, AdaptiveDepth, PolicyConfig
+from glm53.settings import Settings
 from drafter.reference_lm import ReferenceLM
 from drafter.sources import CopySource, MtpSource
 from drafter.sources.dflash2 import Dflash2Model, Dflash2Source, grouped_dynamic_conv
@@ -122,10 +123,10 @@ class SecondBest:
 
 def test_relaxed_top2_is_off_by_default_and_lossy_when_asked():
     assert PolicyConfig().relaxed_top2 is False
-    assert PolicyConfig.from_env({}).relaxed_top2 is False
+    assert PolicyConfig.from_settings(Settings.from_env({})).relaxed_top2 is False
     assert inspect.signature(drafted_decode).parameters["relaxed_top2"].default is False
     assert inspect.signature(verify_window).parameters["relaxed_top2"].default is False
-    assert PolicyConfig.from_env({"TF_GLM53_DRAFT_RELAXED_TOP2": "1"}).relaxed_top2 is True
+    assert PolicyConfig.from_settings(Settings.from_env({"TF_GLM53_DRAFT_RELAXED_TOP2": "1"})).relaxed_top2 is True
     prompt = [9, 8, 7, 6, 5]
     stop = StopRule(max_tokens=12)
     ref = serial_decode(MODEL.session(), prompt, GREEDY, stop)
@@ -184,10 +185,12 @@ def test_depth_climbs_to_13_on_full_acceptance_and_falls_to_1_on_none():
     assert pol.depth(source_max=1) == 1
     assert AdaptiveDepth(enabled=False).depth() == 0
     with pytest.raises(ValueError, match="TF_GLM53_DRAFT_MAX_DEPTH"):
-        PolicyConfig.from_env({"TF_GLM53_DRAFT_MAX_DEPTH": "14"})
+        Settings.from_env({"TF_GLM53_DRAFT_MAX_DEPTH": "14"})
     with pytest.raises(ValueError, match="TF_GLM53_DRAFT_MAX_DEPTH"):
-        PolicyConfig.from_env({"TF_GLM53_DRAFT_MAX_DEPTH": "deep"})
-    capped = AdaptiveDepth(PolicyConfig.from_env({"TF_GLM53_DRAFT_MAX_DEPTH": "4"}))
+        Settings.from_env({"TF_GLM53_DRAFT_MAX_DEPTH": "deep"})
+    with pytest.raises(ValueError, match="TF_GLM53_DRAFT_MAX_DEPTH"):
+        PolicyConfig(max_depth=14)
+    capped = AdaptiveDepth(PolicyConfig.from_settings(Settings.from_env({"TF_GLM53_DRAFT_MAX_DEPTH": "4"})))
     capped.mean = 50
     assert capped.depth() == 4
 

@@ -11,6 +11,7 @@ import torch
 
 from glm53.engine import EngineError, prefill_pieces, prefill_waves
 from glm53.sampling import SamplingParams
+from glm53.settings import SettingsError
 from tests.fixtures_tiny import TINY_CHUNK, fresh_engine_state, tiny_dirs, tiny_engine  # noqa: F401
 
 
@@ -104,9 +105,12 @@ def test_a_bad_wave_size_is_refused(tiny_dirs, monkeypatch) -> None:  # noqa: F8
 
     from glm53.engine import Glm53Engine
 
-    monkeypatch.setenv("TF_GLM53_PREFILL_WAVE", "lots")
-    with pytest.raises(EngineError, match="TF_GLM53_PREFILL_WAVE='lots': expected a positive integer"):
+    monkeypatch.setenv("TF_GLM53_PREFILL_WAVE", "lots")  # built without settings: the environment's
+    with pytest.raises(SettingsError, match="TF_GLM53_PREFILL_WAVE='lots': expected a positive integer"):
         Glm53Engine(tiny_dirs.model, device="cpu")
+    monkeypatch.delenv("TF_GLM53_PREFILL_WAVE")
+    with pytest.raises(EngineError, match="TF_GLM53_PREFILL_WAVE=0: expected a positive integer"):
+        Glm53Engine(tiny_dirs.model, device="cpu", prefill_wave=0)  # an option: the engine's error
 
 
 def test_a_short_turn_across_a_grid_boundary_is_one_forward_and_the_same_bits(tiny_dirs) -> None:  # noqa: F811

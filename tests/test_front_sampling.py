@@ -17,6 +17,7 @@ from drafter_fixtures import one_thread  # noqa: F401  (autouse fixture)
 from front.chat import ChatText
 from front.stop import StopScanner
 from glm53.engine import Glm53Engine
+from glm53.settings import Settings
 from lane_fixtures import front_server, tiny_dirs, tiny_model  # noqa: F401  (fixtures)
 
 MODEL = "glm-5.3-exl3"
@@ -37,11 +38,11 @@ def glm53_sampling(request):
 
 def new_engine(model_dir, cache: bool) -> Glm53Engine:
     engine = Glm53Engine(model_dir, device="cpu", dtype="fp32", kv_dtype="fp32", prefill_chunk=32, reuse_live=cache)
-    engine.drafter = DraftPlan.from_contract(engine, env={})  # MTP drafts (the tiny checkpoint has the layer)
+    engine.drafter = DraftPlan.from_contract(engine, settings=Settings())  # MTP drafts (the tiny checkpoint has it)
     if cache:
         from kv_cache.engine_adapter import attach_prefix_cache
 
-        attach_prefix_cache(engine, environ={})
+        attach_prefix_cache(engine, settings=Settings())
     return engine
 
 

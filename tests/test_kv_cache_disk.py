@@ -91,10 +91,11 @@ def exact(hit, prompt=PROMPT) -> int:
 CHILD = textwrap.dedent("""
     import json, sys
     sys.path.insert(0, {repo!r})
+    from glm53.settings import Settings
     from kv_cache import CacheKey, PrefixCache
     key = CacheKey.from_json({key!r})
     prompt = json.loads({prompt!r})
-    cache = PrefixCache.from_env(key)
+    cache = PrefixCache.from_settings(key, Settings.from_env())  # the child's knobs, as a rank's
     if sys.argv[1] == "write":  # no flush: the background writer must finish at exit
         cache.store(prompt, len(prompt), rows_for_prompt(prompt))
         print(json.dumps(cache.stats_dict()))

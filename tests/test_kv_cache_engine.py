@@ -19,6 +19,7 @@ import torch
 from front.chat import ChatText
 from glm53.engine import Glm53Engine
 from glm53.kv_state import KVState
+from glm53.settings import Settings
 from kv_cache import chain_hashes
 from kv_cache import diskfile
 from kv_cache.disk import SUFFIX
@@ -105,7 +106,7 @@ def conversation(rng: random.Random, vocab: int, earlier: list[list[int]]):
 
 
 def run_patterns(engine: Glm53Engine, seed: int, environ: dict | None = None) -> None:
-    cache = attach_prefix_cache(engine, revision="tiny-test", environ=environ or {})
+    cache = attach_prefix_cache(engine, revision="tiny-test", settings=Settings.from_env(environ or {}))
     engine.state = None
     rng = random.Random(seed)
     prompt, reply, earlier = [], [], []
@@ -147,7 +148,7 @@ def test_a_restore_reserves_room_for_the_prompt_once(engine, monkeypatch):
     to the prompt's length, not by doubling as blocks arrive (each doubling copies every row so
     far: 1.85x slower at 78 layers on the CPU, bench/bench_restore.py); the rows and logits are
     still a cold run's."""
-    attach_prefix_cache(engine, revision="tiny-test", environ={})
+    attach_prefix_cache(engine, revision="tiny-test", settings=Settings())
     rng = random.Random(6)
     prompt = [rng.randrange(3, engine.vocab_size) for _ in range(600)]
     engine.state = None
@@ -224,7 +225,7 @@ def test_reuse_is_bitwise_on_cuda(tiny_dirs):  # noqa: F811
 
 def test_multi_turn_chat_rerendered_by_the_template(engine):
     text = ChatText(engine.model_dir)
-    attach_prefix_cache(engine, revision="tiny-test", environ={})
+    attach_prefix_cache(engine, revision="tiny-test", settings=Settings())
     engine.state = None
     sampling = {"temperature": 0.8, "seed": 11}
     messages = [{"role": "system", "content": "You are terse."}]
@@ -251,10 +252,10 @@ def test_attaching_a_new_cache_closes_the_previous_one(engine, tmp_path):
 
     env = {"TF_GLM53_DISK_CACHE": str(tmp_path), "TF_GLM53_DISK_CACHE_BYTES": "64M"}
     before = writers()
-    caches = [attach_prefix_cache(engine, revision="tiny-test", environ=env) for _ in range(4)]
+    caches = [attach_prefix_cache(engine, revision="tiny-test", settings=Settings.from_env(env)) for _ in range(4)]
     assert writers() == before + 1 and caches[-1] is engine.prefix_cache
     assert all(c._writer is None for c in caches[:-1])
-    attach_prefix_cache(engine, revision="tiny-test", environ={})
+    attach_prefix_cache(engine, revision="tiny-test", settings=Settings())
     assert writers() == before
 
 
@@ -263,7 +264,7 @@ def test_a_store_that_fails_does_not_fail_the_request(engine, monkeypatch, caplo
     logged and the store dropped; the reply stands, and the next request is exact."""
     import kv_cache.cache as cache_mod
 
-    cache = attach_prefix_cache(engine, revision="tiny-test", environ={})
+    cache = attach_prefix_cache(engine, revision="tiny-test", settings=Settings())
     engine.state = None
     rng = random.Random(12)
     prompt = [rng.randrange(3, engine.vocab_size) for _ in range(45)]
@@ -291,7 +292,8 @@ def test_prefix_cache_off_gives_identical_replies(engine):
     prompts = [base, base + [7, 8, 9], base + [7, 8, 9] + [rng.randrange(3, 99) for _ in range(20)]]
     replies = {}
     for flag in ("1", "0"):
-        cache = attach_prefix_cache(engine, revision="tiny-test", environ={"TF_GLM53_PREFIX_CACHE": flag})
+        switch = Settings.from_env({"TF_GLM53_PREFIX_CACHE": flag})
+        cache = attach_prefix_cache(engine, revision="tiny-test", settings=switch)
         engine.state = None
         replies[flag] = [engine.generate(p, 4, dict(GREEDY)) for p in prompts]
         if flag == "0":
@@ -303,14 +305,14 @@ def test_prefix_cache_off_gives_identical_replies(engine):
 
 def test_disk_tier_restores_exact_rows_after_a_restart(engine, tmp_path):
     env = {"TF_GLM53_DISK_CACHE": str(tmp_path), "TF_GLM53_DISK_CACHE_BYTES": "64M"}
-    first = attach_prefix_cache(engine, revision="tiny-test", environ=env)
+    first = attach_prefix_cache(engine, revision="tiny-test", settings=Settings.from_env(env))
     engine.state = None
     rng = random.Random(9)
     prompt = [rng.randrange(3, engine.vocab_size) for _ in range(70)]
     Run(engine, prompt, 2, GREEDY)
     first.close()  # what process exit does: pending background writes finish
     # a new cache over the same folder (empty host tier) and no live rows: as after a restart
-    cache = attach_prefix_cache(engine, revision="tiny-test", environ=env)
+    cache = attach_prefix_cache(engine, revision="tiny-test", settings=Settings.from_env(env))
     engine.state = None
     longer = prompt + [5, 6]
     warm = Run(engine, longer, 3, GREEDY)
@@ -321,7 +323,7 @@ def test_disk_tier_restores_exact_rows_after_a_restart(engine, tmp_path):
     files = list((tmp_path / cache.key.digest().hex()).glob("*" + SUFFIX))
     assert len(files) == 9 and max(f.stat().st_size for f in files) <= ring
     # another revision never matches these files
-    other = attach_prefix_cache(engine, revision="another-model", environ=env)
+    other = attach_prefix_cache(engine, revision="another-model", settings=Settings.from_env(env))
     engine.state = None
     assert Run(engine, longer, 1, GREEDY).cached == 0 and other.stats.misses == 1
 
@@ -332,7 +334,7 @@ def disk_resume(engine, folder, corrupt_block: int | None) -> tuple[Run, object]
     one reader thread (a ring of two buffers for nine files): the reply, rows and logits must be
     a cold run's."""
     env = {"TF_GLM53_DISK_CACHE": str(folder), "TF_GLM53_DISK_CACHE_BYTES": "64M", "TF_GLM53_DISK_CACHE_THREADS": "1"}
-    first = attach_prefix_cache(engine, revision="tiny-test", environ=env)
+    first = attach_prefix_cache(engine, revision="tiny-test", settings=Settings.from_env(env))
     engine.state = None
     rng = random.Random(21)
     prompt = [rng.randrange(3, engine.vocab_size) for _ in range(70)]
@@ -343,7 +345,7 @@ def disk_resume(engine, folder, corrupt_block: int | None) -> tuple[Run, object]
         data = bytearray(victim.read_bytes())
         data[-3] ^= 0x20
         victim.write_bytes(bytes(data))
-    cache = attach_prefix_cache(engine, revision="tiny-test", environ=env)
+    cache = attach_prefix_cache(engine, revision="tiny-test", settings=Settings.from_env(env))
     engine.state = None
     longer = prompt + [5, 6]
     warm = Run(engine, longer, 3, GREEDY)
@@ -406,20 +408,22 @@ def test_key_names_the_kernel_stack(monkeypatch):
     key: a Triton upgrade, TRITON_DEFAULT_FP_FUSION or TF_GLM53_KERNELS=torch can change a row's bits
     while torch's version stays, and rows written under one must never be reused under another; on
     the CPU, MKL's code path and reproducibility mode as the environment sets them.
-    (kernel_stack needs no GPU: it reads the device type, the environment and the installed
-    packages.)"""
+    (kernel_stack needs no GPU: it reads the device type, the kernels the ops run (glm53.ops, set
+    from TF_GLM53_KERNELS when an engine is built), the environment and the installed packages.)"""
     from importlib import metadata
 
     from kv_cache.engine_adapter import kernel_stack
 
     pytest.importorskip("triton")
-    monkeypatch.delenv("TF_GLM53_KERNELS", raising=False)
+    from glm53 import ops
+
+    monkeypatch.setattr(ops, "_kernels", "auto")
     monkeypatch.delenv("TRITON_DEFAULT_FP_FUSION", raising=False)
     triton_stack = dict(kernel_stack("cuda"))
     assert triton_stack == {"kernels": "triton", "triton": metadata.version("triton"), "triton_fp_fusion": "default"}
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0")
     assert dict(kernel_stack("cuda"))["triton_fp_fusion"] == "0"
-    monkeypatch.setenv("TF_GLM53_KERNELS", "torch")
+    ops.use_kernels("torch")  # what an engine built with TF_GLM53_KERNELS=torch sets
     assert kernel_stack("cuda") == (("kernels", "torch"),)
     monkeypatch.delenv("MKL_CBWR", raising=False)
     monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
+from glm53.settings import Settings, SettingsError
 from kv_cache import CacheKey, PrefixCache, diskfile
-from kv_cache.cache import CacheConfigError
 from kv_cache.keys import token_array
 from kv_cache.node import Node
 from kv_cache.staging import Staging, runs_of
@@ -269,23 +269,24 @@ def test_a_failed_background_copy_is_logged_and_dropped(monkeypatch, caplog):
 
 
 def test_staging_size_from_the_environment():
-    on_gpu = PrefixCache.from_env(key(), environ={}, on_gpu=True)
+    on_gpu = PrefixCache.from_settings(key(), Settings(), on_gpu=True)
     assert on_gpu._staging is not None and on_gpu._staging.capacity == 128 << 20
     # the default follows the model: 8192 positions of its rows, within 128 MiB and 2 GiB
-    deep = PrefixCache.from_env(key(), environ={}, on_gpu=True, position_bytes=99840)  # 78 GLM-5.3 layers
+    deep = PrefixCache.from_settings(key(), Settings(), on_gpu=True, position_bytes=99840)  # 78 GLM-5.3 layers
     assert deep._staging.capacity == 99840 * 8192
-    huge = PrefixCache.from_env(key(), environ={}, on_gpu=True, position_bytes=1 << 20)
+    huge = PrefixCache.from_settings(key(), Settings(), on_gpu=True, position_bytes=1 << 20)
     assert huge._staging.capacity == 2 << 30
     deep.close()
     huge.close()
-    assert PrefixCache.from_env(key(), environ={"TF_GLM53_STORE_STAGING_BYTES": "8M"}, on_gpu=True,
-                                position_bytes=99840)._staging.capacity == 8 << 20  # the variable wins
-    assert PrefixCache.from_env(key(), environ={})._staging is None  # CPU rows: copied in the call
+    eight = Settings.from_env({"TF_GLM53_STORE_STAGING_BYTES": "8M"})
+    assert PrefixCache.from_settings(key(), eight, on_gpu=True,
+                                     position_bytes=99840)._staging.capacity == 8 << 20  # the variable wins
+    assert PrefixCache.from_settings(key(), Settings())._staging is None  # CPU rows: copied in the call
     env = {"TF_GLM53_STORE_STAGING_BYTES": "0"}
-    assert PrefixCache.from_env(key(), environ=env, on_gpu=True)._staging is None
-    assert PrefixCache.from_env(key(), environ={"TF_GLM53_STORE_STAGING_BYTES": "8M"})._staging.capacity == 8 << 20
-    with pytest.raises(CacheConfigError, match="TF_GLM53_STORE_STAGING_BYTES"):
-        PrefixCache.from_env(key(), environ={"TF_GLM53_STORE_STAGING_BYTES": "lots"})
+    assert PrefixCache.from_settings(key(), Settings.from_env(env), on_gpu=True)._staging is None
+    assert PrefixCache.from_settings(key(), eight)._staging.capacity == 8 << 20
+    with pytest.raises(SettingsError, match="TF_GLM53_STORE_STAGING_BYTES='lots': expected a byte count"):
+        Settings.from_env({"TF_GLM53_STORE_STAGING_BYTES": "lots"})
     on_gpu.close()
 
 

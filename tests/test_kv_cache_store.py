@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from glm53.settings import Settings, SettingsError, parse_bytes
 from kv_cache import CacheKey, DiskTier, Node, PrefixCache, block_hash, chain_hashes
-from kv_cache.cache import CacheConfigError, parse_bytes
 from kv_cache.disk import SUFFIX
 from kv_cache.keys import root_hash
 
@@ -119,33 +119,31 @@ def test_live_rows_are_reused_in_place():
     assert replay(hit, longer + [3], live)
 
 
-def test_prefix_cache_off_reuses_nothing(monkeypatch):
-    monkeypatch.setenv("TF_GLM53_PREFIX_CACHE", "0")
-    cache = PrefixCache.from_env(key())
+def test_prefix_cache_off_reuses_nothing():
+    cache = PrefixCache.from_settings(key(), Settings.from_env({"TF_GLM53_PREFIX_CACHE": "0"}))
     p = list(range(50))
     assert cache.store(p, 50, rows_of(p)) == 0
     assert cache.lookup(p + [1]).reused_tokens == 0
     assert cache.stats.lookups == 0
 
 
-def test_env_errors_name_the_variable_and_the_boundary_is_not_read_here(monkeypatch, tmp_path):
-    monkeypatch.setenv("TF_GLM53_PREFIX_CACHE", "maybe")
-    with pytest.raises(CacheConfigError, match="TF_GLM53_PREFIX_CACHE"):
-        PrefixCache.from_env(key())
-    assert parse_bytes("X", "2M") == 2 << 20 and parse_bytes("X", "512") == 512
-    with pytest.raises(CacheConfigError, match="TF_GLM53_HOST_CACHE_BYTES"):
-        parse_bytes("TF_GLM53_HOST_CACHE_BYTES", "lots")
+def test_env_errors_name_the_variable_and_the_boundary_is_not_read_here(tmp_path):
+    with pytest.raises(SettingsError, match="TF_GLM53_PREFIX_CACHE"):
+        Settings.from_env({"TF_GLM53_PREFIX_CACHE": "maybe"})
+    assert parse_bytes("2M") == 2 << 20 and parse_bytes("512") == 512
+    with pytest.raises(SettingsError, match="TF_GLM53_HOST_CACHE_BYTES"):
+        Settings.from_env({"TF_GLM53_HOST_CACHE_BYTES": "lots"})
     env = {"TF_GLM53_DISK_CACHE": str(tmp_path), "TF_GLM53_DISK_CACHE_THREADS": "zero"}
-    with pytest.raises(CacheConfigError, match="TF_GLM53_DISK_CACHE_THREADS"):
-        PrefixCache.from_env(key(), environ=env)
+    with pytest.raises(SettingsError, match="TF_GLM53_DISK_CACHE_THREADS"):
+        Settings.from_env(env)
     env["TF_GLM53_DISK_CACHE_THREADS"] = "3"
-    cache = PrefixCache.from_env(key(), environ=env)
+    cache = PrefixCache.from_settings(key(), Settings.from_env(env))
     assert cache.disk.threads == 3
     cache.close()
-    # the engine decides the boundary; the old variable has no effect on kv_cache
-    cache = PrefixCache.from_env(key(), environ={"TF_GLM53_PREFIX_REUSE_BOUNDARY": "1"})
+    # the engine decides the boundary; the variable has no effect on kv_cache
+    cache = PrefixCache.from_settings(key(), Settings.from_env({"TF_GLM53_PREFIX_REUSE_BOUNDARY": "1"}))
     assert cache.boundary is None
-    assert PrefixCache.from_env(key(), environ={}, boundary=16).boundary == 16
+    assert PrefixCache.from_settings(key(), Settings(), boundary=16).boundary == 16
     with pytest.raises(ValueError, match="boundary"):
         PrefixCache(key(), boundary=0)
 

@@ -15,6 +15,7 @@ from glm53.engine import Glm53Engine
 from glm53.grammar import GrammarMatcher, grammar_for
 from glm53.logits_policy import LogitsPolicy
 from glm53.sampling import SamplingError, SamplingParams
+from glm53.settings import Settings
 from kv_cache.cache import PrefixCache
 from kv_cache.keys import CacheKey
 from tests.fixtures_tiny import tiny_dirs  # noqa: F401  (the session's one tiny checkpoint)
@@ -179,7 +180,7 @@ def test_every_field_drafted_equals_serial_and_cache_on_equals_off(tiny_dirs, so
     cold = engine(tiny_dirs.model, cache=False)
     oracle = Oracle()
     drafted = engine(tiny_dirs.model, cache=True)
-    drafted.drafter = oracle if source == "oracle" else DraftPlan.from_contract(drafted, env={})
+    drafted.drafter = oracle if source == "oracle" else DraftPlan.from_contract(drafted, settings=Settings())
     rng = random.Random(7)
     history: list[int] = []
     reused = accepted = parsed = 0

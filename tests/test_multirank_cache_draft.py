@@ -223,7 +223,9 @@ def test_dcp_state_moves_its_own_slots_of_a_grid_chunk() -> None:
 
 def test_draft_plan_over_ranks_follows_the_choice() -> None:
     from drafter.glm53_target import DraftPlan
+    from glm53.settings import Settings
 
     engine = object()  # copy / off never need the model; mtp / dflash2 over ranks run in the spawned job
-    assert DraftPlan.from_contract(engine, world=2, env={"TF_GLM53_DRAFT_SOURCE": "copy"}).kind == "copy"
-    assert DraftPlan.from_contract(engine, world=2, env={"TF_GLM53_DRAFT_SOURCE": "off"}) is None
+    copy, off = (Settings.from_env({"TF_GLM53_DRAFT_SOURCE": v}) for v in ("copy", "off"))
+    assert DraftPlan.from_contract(engine, world=2, settings=copy).kind == "copy"
+    assert DraftPlan.from_contract(engine, world=2, settings=off) is None

@@ -19,7 +19,6 @@ global top-k of the keys give exactly the single-rank top-k with the same tie-br
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -36,15 +35,6 @@ _POS_MASK = (1 << POSITION_BITS) - 1
 PAD_KEY = -1  # below every real key (real keys are >= 0)
 
 
-def dcp_enabled(env: dict[str, str] | None = None) -> bool:
-    """TF_GLM53_DCP=0 turns DCP off (every rank holds every position); on by default."""
-    env = os.environ if env is None else env
-    value = env.get("TF_GLM53_DCP", "1").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"TF_GLM53_DCP={value!r}: use 1 (positions spread over ranks) or 0 (every rank holds all)")
-    return value == "1"
-
-
 # ---- ownership ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Ownership:
@@ -54,9 +44,8 @@ class Ownership:
     ranks: int  # number of DCP ranks (1 when DCP is off)
 
     @classmethod
-    def for_rank(cls, rank: int, world_size: int, enabled: bool | None = None) -> "Ownership":
-        if enabled is None:
-            enabled = dcp_enabled()
+    def for_rank(cls, rank: int, world_size: int, enabled: bool = True) -> "Ownership":
+        """enabled: Settings.dcp (TF_GLM53_DCP), on by default."""
         return cls(rank, world_size) if enabled else cls(0, 1)
 
     def __post_init__(self) -> None:

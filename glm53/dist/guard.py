@@ -25,8 +25,12 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from glm53.settings import Settings
 
 # Exit codes of a rank stopped by the guard (documented for the launcher).
 EXIT_PEER_FAILED = 3  # a peer died, stopped answering, or reported a failure
@@ -42,33 +46,17 @@ class DistFailure(RuntimeError):
 
 @dataclass(frozen=True)
 class GuardSettings:
+    """The guard's timings (defaults: Settings'); a rendezvous without them uses these defaults."""
+
     heartbeat_s: float = 0.5
     dead_after_s: float = 4.0
     collective_timeout_s: float = 120.0
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> "GuardSettings":
-        """TF_GLM53_HEARTBEAT_S, TF_GLM53_DEAD_AFTER_S, TF_GLM53_COLLECTIVE_TIMEOUT_S override the defaults."""
-        env = os.environ if env is None else env
-        d = cls()
-
-        def number(name: str, default: float) -> float:
-            raw = env.get(name)
-            if raw is None or raw == "":
-                return default
-            try:
-                value = float(raw)
-            except ValueError:
-                raise DistFailure(f"environment {name}={raw!r} is not a number of seconds") from None
-            if value <= 0:
-                raise DistFailure(f"environment {name}={raw!r} must be positive")
-            return value
-
-        return cls(
-            heartbeat_s=number("TF_GLM53_HEARTBEAT_S", d.heartbeat_s),
-            dead_after_s=number("TF_GLM53_DEAD_AFTER_S", d.dead_after_s),
-            collective_timeout_s=number("TF_GLM53_COLLECTIVE_TIMEOUT_S", d.collective_timeout_s),
-        )
+    def from_settings(cls, settings: "Settings") -> "GuardSettings":
+        """TF_GLM53_HEARTBEAT_S, TF_GLM53_DEAD_AFTER_S, TF_GLM53_COLLECTIVE_TIMEOUT_S (glm53/settings.py)."""
+        return cls(heartbeat_s=settings.heartbeat_s, dead_after_s=settings.dead_after_s,
+                   collective_timeout_s=settings.collective_timeout_s)
 
 
 def heartbeat_key(rank: int) -> str:

@@ -1,7 +1,7 @@
 """One rank of the TP R + DCP R layout, through the model's plug points (glm53.model.parallel.RankPlan).
 
     comm = rendezvous(RendezvousSpec(rank, R, master, master_port))
-    plan = DistRankPlan.create(comm, cfg.vocab_size)   # DCP from TF_GLM53_DCP (on by default)
+    plan = DistRankPlan.create(comm, cfg.vocab_size)   # DCP on (Settings.dcp, TF_GLM53_DCP, says)
     weights = load_weights(model_dir, cfg, plan=plan)  # this rank's slices
     model = Glm53Model(cfg, weights, plan)
     state = plan.new_state(model, kv_dtype)            # holds only this rank's positions under DCP
@@ -38,6 +38,7 @@ from glm53.kv_state import KVState
 from glm53.model.indexer import Selection, select_topk
 from glm53.model.mla import AttentionWeights
 from glm53.model.parallel import RankPlan
+from glm53.settings import Settings
 
 if TYPE_CHECKING:
     from glm53.model.transformer import Glm53Model
@@ -50,10 +51,9 @@ class DistRankPlan(RankPlan):
     dcp: bool = False
 
     @classmethod
-    def create(cls, comm: Comm, vocab_size: int, dcp_on: bool | None = None) -> "DistRankPlan":
-        on = dcp.dcp_enabled() if dcp_on is None else dcp_on
+    def create(cls, comm: Comm, vocab_size: int, dcp_on: bool = True) -> "DistRankPlan":
         return cls(world=comm.world_size, rank=comm.rank, comm=comm, vocab_size=vocab_size,
-                   dcp=on and comm.world_size > 1)
+                   dcp=dcp_on and comm.world_size > 1)
 
     @property
     def ownership(self) -> dcp.Ownership:
@@ -355,24 +355,32 @@ class RankEngine:
       comm: each rank stores its own rows under its own key, a hit is the minimum every rank holds);
       every rank looks up, restores and stores for every request, in the same order;
     - drafted decoding (drafter.glm53_target.DraftPlan: copy, MTP or DFlash2 drafts, as at one
-      rank): rank 0 drafts and verifies, the followers replay its calls (WindowChannel)."""
+      rank): rank 0 drafts and verifies, the followers replay its calls (WindowChannel).
+
+    `settings` (glm53.settings.Settings; default the environment's, parsed here) gives the device,
+    DCP, the guard's timings, the backend and everything the engine, cache and draft plan read;
+    `device`, `dcp_on` and the engine options win over it."""
 
     def __init__(self, model_dir: str, *, tp: int, rank: int, master: str = "127.0.0.1", master_port: int = 29551,
                  device: str | None = None, dcp_on: bool | None = None, rendezvous_timeout_s: float = 120.0,
                  load_timeout_s: float = 3600.0, serve_features: bool = False, drafter: object = None,
-                 no_drafts: bool = False, mtp_drafts: int | None = None, **engine_options: object) -> None:
+                 no_drafts: bool = False, mtp_drafts: int | None = None, settings: Settings | None = None,
+                 **engine_options: object) -> None:
         from glm53.config import Glm53Config
+        from glm53.dist.guard import GuardSettings
         from glm53.dist.rendezvous import RendezvousSpec, rendezvous
         from glm53.engine import Glm53Engine
 
-        dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        settings = Settings.from_env() if settings is None else settings
+        dev = device or settings.device or ("cuda" if torch.cuda.is_available() else "cpu")
         torch_device = torch.device(f"cuda:{rank % max(torch.cuda.device_count(), 1)}") if dev == "cuda" else torch.device("cpu")
-        self.comm = rendezvous(RendezvousSpec(rank, tp, master, master_port, rendezvous_timeout_s), device=torch_device)
+        self.comm = rendezvous(RendezvousSpec(rank, tp, master, master_port, rendezvous_timeout_s), device=torch_device,
+                               settings=GuardSettings.from_settings(settings), backend=settings.dist_backend)
         cfg = Glm53Config.from_dir(model_dir)
-        self.plan = DistRankPlan.create(self.comm, cfg.vocab_size, dcp_on)
+        self.plan = DistRankPlan.create(self.comm, cfg.vocab_size, settings.dcp if dcp_on is None else dcp_on)
         self.engine = Glm53Engine(model_dir, tp=tp, rank=rank, master=master, master_port=master_port,
                                   device=dev, plan=self.plan, no_drafts=no_drafts, mtp_drafts=mtp_drafts,
-                                  drafter=None if serve_features else drafter, **engine_options)
+                                  drafter=None if serve_features else drafter, settings=settings, **engine_options)
         self.engine.window_channel = WindowChannel(self.comm)
         if serve_features:
             from drafter.glm53_target import DraftPlan
@@ -393,6 +401,10 @@ class RankEngine:
     @property
     def rank(self) -> int:
         return self.comm.rank
+
+    @property
+    def settings(self) -> Settings:
+        return self.engine.settings
 
     # ---- what the front reports (/health, verify.sh) -------------------------------------------
     @property

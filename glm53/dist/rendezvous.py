@@ -8,7 +8,7 @@ Two ways in, one result (a `Comm`):
 Rank 0 hosts a TCPStore at master:master_port; each rank announces itself there (its first
 heartbeat) and waits for all others, so a rank that never arrives is named after the timeout,
 and a rank 0 that is not there is reported with the address tried. Backend: NCCL when the
-rank's device is CUDA, gloo otherwise (TF_GLM53_DIST_BACKEND overrides).
+rank's device is CUDA, gloo otherwise (`backend=`: Settings.dist_backend, TF_GLM53_DIST_BACKEND).
 """
 from __future__ import annotations
 
@@ -66,11 +66,10 @@ def spec_from_env(env: dict[str, str] | None = None, timeout_s: float = 120.0) -
     return RendezvousSpec(rank, world, env["MASTER_ADDR"], port, timeout_s, agent_store=agent)
 
 
-def choose_backend(device: torch.device) -> str:
-    forced = os.environ.get("TF_GLM53_DIST_BACKEND")
+def choose_backend(device: torch.device, forced: str | None = None) -> str:
     if forced:
         if forced not in ("nccl", "gloo"):
-            raise RendezvousError(f"TF_GLM53_DIST_BACKEND={forced!r}: use 'nccl' or 'gloo'")
+            raise RendezvousError(f"backend {forced!r}: use 'nccl' or 'gloo'")
         return forced
     return "nccl" if device.type == "cuda" else "gloo"
 
@@ -80,13 +79,16 @@ def rendezvous(
     device: torch.device | str = "cpu",
     settings: GuardSettings | None = None,
     on_failure=exit_process,
+    backend: str | None = None,
 ) -> Comm:
-    """Join the group and return its guarded collectives. Raises RendezvousError naming what is missing."""
+    """Join the group and return its guarded collectives. Raises RendezvousError naming what is missing.
+    `settings` (default GuardSettings()) and `backend` (None: by device) come from the caller's
+    glm53.settings.Settings (GuardSettings.from_settings, Settings.dist_backend)."""
     device = torch.device(device)
-    settings = settings or GuardSettings.from_env()
+    settings = settings or GuardSettings()
     store = _connect_store(spec)
     _announce_and_wait(store, spec)
-    backend = choose_backend(device)
+    backend = choose_backend(device, backend)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(

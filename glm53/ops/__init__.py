@@ -42,24 +42,29 @@ products run in fp32 and never as a batch of one, torch_ops._matmul32; MKL's vec
 initialised from one thread at import, torch_ops._settle_mkl_vml); torch's last-dim reductions on
 the CPU are sequential per row.
 TF_GLM53_KERNELS=torch forces the torch path on CUDA (debugging); it is not row-invariant there, so
-the engine then reuses only at prefill-grid boundaries.
+the engine then reuses only at prefill-grid boundaries. The choice is the process's (the ops see no
+engine): the engine sets it from its settings (`use_kernels`) when it is built.
 """
 from __future__ import annotations
-
-import os
 
 import torch
 
 from glm53.ops import torch_ops
+from glm53.settings import KERNEL_CHOICES
 
-KERNEL_CHOICES = ("auto", "triton", "torch")
+_kernels = "auto"
+
+
+def use_kernels(choice: str) -> None:
+    """The kernels every op runs from now on (Settings.kernels: auto, triton or torch)."""
+    global _kernels
+    if choice not in KERNEL_CHOICES:
+        raise ValueError(f"kernels {choice!r}: choose one of {', '.join(KERNEL_CHOICES)}")
+    _kernels = choice
 
 
 def kernel_choice() -> str:
-    name = os.environ.get("TF_GLM53_KERNELS", "auto").strip().lower()
-    if name not in KERNEL_CHOICES:
-        raise ValueError(f"TF_GLM53_KERNELS={name!r}: choose one of {', '.join(KERNEL_CHOICES)}")
-    return name
+    return _kernels
 
 
 def _triton_for(t: torch.Tensor) -> bool:

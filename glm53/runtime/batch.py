@@ -5,18 +5,13 @@
 hands each sequence its tokens, `cancel` releases a sequence's rows at once. Each reply is the one
 the request gets alone from `Glm53Engine.generate`, bit for bit (tests/test_batch_exact.py).
 
-Knobs (options override the environment):
-    TF_GLM53_MAX_SEQS       running sequences decoded together (default 8, at most 64)
-    TF_GLM53_MAX_WAITING    requests queued behind them; past it `submit` raises QueueFull (default 64)
-    TF_GLM53_STEP_TOKENS    rows a step while sequences decode (their windows first, then prefill pieces;
-                            default the prefill chunk C); with none decoding, prefill takes a wave
-                            (TF_GLM53_PREFILL_WAVE, 4C) as glm53.engine's prefill does
-    TF_GLM53_KV_POOL_BYTES  the pool's budget (default: 90% of the free device memory on CUDA, 4 GiB on the CPU)
-    pool_block=             positions a grant of the pool (default the prefix-cache block B)
+Knobs: the engine's settings (glm53/settings.py) max_seqs, max_waiting, step_tokens and
+kv_pool_bytes (TF_GLM53_MAX_SEQS, TF_GLM53_MAX_WAITING: past it `submit` raises QueueFull,
+TF_GLM53_STEP_TOKENS, TF_GLM53_KV_POOL_BYTES); the options max_seqs=, max_waiting=, step_tokens= and
+pool_bytes= win over them. pool_block=: positions a grant of the pool (default the prefix-cache block B).
 """
 from __future__ import annotations
 
-import os
 import time
 from collections import Counter
 from typing import Any, Callable
@@ -30,17 +25,7 @@ from glm53.runtime.runner import ModelRunner
 from glm53.runtime.scheduler import QueueFull, Scheduler, TooLarge, Work
 from glm53.runtime.sequence import OnTokens, Sequence, Status
 
-MAX_SEQS_LIMIT = 64
 __all__ = ["BatchEngine", "QueueFull", "TooLarge"]
-
-
-def _knob(name: str, value: int | None, default: int, high: int | None = None) -> int:
-    from glm53.engine import EngineError, _env_int
-
-    n = _env_int(name, value, default)
-    if high is not None and n > high:
-        raise EngineError(f"{name}={n}: at most {high}")
-    return n
 
 
 def default_pool_bytes(device: torch.device) -> int:
@@ -59,13 +44,14 @@ class BatchEngine:
                              "(glm53.dist.rank_batch.RankBatch)")
         self.engine = engine
         self.eos = frozenset(engine.eos)
-        budget = _knob("TF_GLM53_KV_POOL_BYTES", pool_bytes, 0) if (
-            pool_bytes is not None or os.environ.get("TF_GLM53_KV_POOL_BYTES")) else default_pool_bytes(engine.device)
+        from glm53.engine import with_options
+
+        s = with_options(engine.settings, max_seqs=max_seqs, max_waiting=max_waiting, step_tokens=step_tokens,
+                         kv_pool_bytes=pool_bytes)
+        budget = s.kv_pool_bytes if s.kv_pool_bytes is not None else default_pool_bytes(engine.device)
         self.pool = KVPool(lambda: engine.model.new_state(engine.kv_dtype), budget, block=pool_block or engine.cache_block)
-        self.scheduler = Scheduler(self.pool, max_seqs=_knob("TF_GLM53_MAX_SEQS", max_seqs, 8, MAX_SEQS_LIMIT),
-                                   max_waiting=_knob("TF_GLM53_MAX_WAITING", max_waiting, 64),
-                                   step_tokens=_knob("TF_GLM53_STEP_TOKENS", step_tokens, engine.chunk),
-                                   chunk=engine.chunk, wave=engine.wave)
+        self.scheduler = Scheduler(self.pool, max_seqs=s.max_seqs, max_waiting=s.max_waiting,
+                                   step_tokens=s.step_tokens or engine.chunk, chunk=engine.chunk, wave=engine.wave)
         self.runner = ModelRunner(engine)
         # called with every step's work before its forward (several ranks: the ranks compare it)
         self.on_plan: Callable[[list[Work]], None] | None = None

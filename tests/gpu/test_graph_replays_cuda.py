@@ -114,12 +114,13 @@ def test_decoding_with_graphs_equals_eager_bitwise(tiny_dirs, compute: str, kv: 
 
 
 def test_one_word_extension_replays_a_graph_and_equals_cold(tiny_dirs) -> None:  # noqa: F811
+    from glm53.settings import Settings
     from kv_cache.engine_adapter import attach_prefix_cache
 
     rng = random.Random(6)
     on = _engine(tiny_dirs, "bf16", "bf16", "1")
     cold = _engine(tiny_dirs, "bf16", "bf16", "0")
-    attach_prefix_cache(on, revision="test", environ={})
+    attach_prefix_cache(on, revision="test", settings=Settings())
     base = [rng.randrange(3, on.vocab_size) for _ in range(300)]
     on.generate(base, 1, {"temperature": 0.0})
     for i in range(3):
