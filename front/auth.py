@@ -1,21 +1,20 @@
 """API keys: a request to /v1 carries one as `Authorization: Bearer KEY` or `x-api-key: KEY`.
 
-Keys come from `--api-key` (front.rank) and TF_GLM53_API_KEYS (comma-separated); none configured
-means none needed. /health and /metrics stay open (probes and scrapers carry no key).
+Keys come from `--api-key` (front.rank) and TF_GLM53_API_KEYS (comma-separated; Settings.api_keys);
+none configured means none needed. /health and /metrics stay open (probes and scrapers carry no key).
 """
 from __future__ import annotations
 
 import hmac
-import os
 from collections.abc import Iterable, Mapping
 
 from front.errors import ApiError
-from launcher.config import api_keys
+from glm53.settings import Settings
 
 
-def configured_keys(flags: Iterable[str] = (), environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
-    """The keys from the flags and the environment, blanks dropped, each once."""
-    keys = [k.strip() for k in flags] + api_keys(os.environ if environ is None else environ)
+def configured_keys(flags: Iterable[str] = (), settings: Settings | None = None) -> tuple[str, ...]:
+    """The keys from the flags and the settings (TF_GLM53_API_KEYS), blanks dropped, each once."""
+    keys = [k.strip() for k in flags] + list(settings.api_keys if settings is not None else ())
     return tuple(dict.fromkeys(k for k in keys if k))
 
 

@@ -3,8 +3,10 @@
 `python -m front.rank --model DIR --rank R --ranks N [...]`. Progress goes to stdout as
 `@state {json}` lines (the launcher shows them); errors go to stderr. On SIGTERM/SIGINT rank 0
 drains: new requests get 503 with Retry-After, those in flight finish (up to --drain-timeout s).
-Exit codes: 0 stopped by SIGTERM/SIGINT; 2 bad arguments; 70 the engine failed; 75 the memory guard stopped the
-lane (launcher.guard.EXIT_MEMORY_GUARD); 98 the HTTP port is taken. glm53.dist's guard may end a
+The TF_GLM53_* knobs are parsed once at start (glm53.settings.Settings; `args.settings`, which the
+engine factory passes on); a bad value ends the rank at once with exit 2 and the variable named.
+Exit codes: 0 stopped by SIGTERM/SIGINT; 2 bad arguments or settings; 70 the engine failed; 75 the memory
+guard stopped the lane (launcher.guard.EXIT_MEMORY_GUARD); 98 the HTTP port is taken. glm53.dist's guard may end a
 rank with 3 (a peer died), 4 (a collective timed out) or 5 (rank 0's store unreachable).
 """
 from __future__ import annotations
@@ -20,10 +22,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from glm53.settings import Settings, SettingsError
 from launcher.commands import DRAIN_TIMEOUT_S
 from launcher.config import API_KEYS_ENV
-from launcher.guard import MemoryGuard, floor_bytes_from_env
-from launcher.meminfo import MIB, available_bytes
+from launcher.guard import MemoryGuard
+from launcher.meminfo import MIB, PROC_MEMINFO, available_bytes
 
 EXIT_PORT_IN_USE = 98
 EXIT_ENGINE_FAILED = 70
@@ -32,9 +35,10 @@ EXIT_ENGINE_FAILED = 70
 class Progress(threading.Thread):
     """Prints this rank's state, available memory and elapsed time every `interval` seconds."""
 
-    def __init__(self, rank: int, interval: float) -> None:
+    def __init__(self, rank: int, interval: float, meminfo: str = PROC_MEMINFO) -> None:
         super().__init__(name="progress", daemon=True)
         self.rank, self.interval, self.state, self.t0 = rank, interval, "starting", time.monotonic()
+        self.meminfo = Path(meminfo)
         self._wake = threading.Event()
 
     def set(self, state: str) -> None:
@@ -43,7 +47,7 @@ class Progress(threading.Thread):
 
     def emit(self) -> None:
         try:
-            avail = available_bytes() // MIB
+            avail = available_bytes(self.meminfo) // MIB
         except (OSError, RuntimeError):
             avail = -1
         line = {"rank": self.rank, "state": self.state, "available_mib": avail,
@@ -125,7 +129,7 @@ def glm53_engine(args: argparse.Namespace) -> Any:
 
     return glm53.cuda_engine(args.model, drafter=args.drafter, tp=args.ranks, rank=args.rank, master=args.master,
                              master_port=args.master_port, no_drafts=args.no_drafts, mtp_drafts=None,
-                             **engine_options(args.option))
+                             settings=getattr(args, "settings", None), **engine_options(args.option))
 
 
 def glm53_sampling(request: dict[str, Any]) -> Any:
@@ -134,23 +138,23 @@ def glm53_sampling(request: dict[str, Any]) -> Any:
     return SamplingParams.from_request(request)
 
 
-def configure_logging(environ: dict[str, str] | None = None) -> None:
+def configure_logging(level: str = "INFO") -> None:
     """Log records (the front's per-request line, kv_cache hits/misses/evictions, drafter acceptance)
-    go to stderr at TF_GLM53_LOG_LEVEL (default INFO; DEBUG adds cache stores)."""
-    env = os.environ if environ is None else environ
-    name = (env.get("TF_GLM53_LOG_LEVEL") or "INFO").strip().upper()
-    level = logging.getLevelName(name)
-    if not isinstance(level, int):
-        print(f"TF_GLM53_LOG_LEVEL={name!r}: choose DEBUG, INFO, WARNING or ERROR; using INFO", file=sys.stderr)
-        level = logging.INFO
-    logging.basicConfig(level=level, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
+    go to stderr at `level` (Settings.log_level: TF_GLM53_LOG_LEVEL, default INFO; DEBUG adds cache stores)."""
+    logging.basicConfig(level=logging.getLevelName(level), stream=sys.stderr,
+                        format="%(asctime)s %(name)s: %(message)s")
 
 
 def main(argv: list[str] | None = None, engine_factory: Callable[[argparse.Namespace], Any] = glm53_engine,
          sampling_factory: Callable[[dict[str, Any]], Any] = glm53_sampling) -> int:
     args = parse_args(argv)
-    configure_logging()
-    progress = Progress(args.rank, args.progress_interval)
+    try:  # once, before anything starts: a bad value ends the rank here, naming the variable
+        settings = args.settings = Settings.from_env()
+    except SettingsError as exc:
+        print(f"rank {args.rank}: {exc}", file=sys.stderr, flush=True)
+        return 2
+    configure_logging(settings.log_level)
+    progress = Progress(args.rank, args.progress_interval, settings.meminfo)
     progress.start()
     stop = threading.Event()
 
@@ -162,14 +166,14 @@ def main(argv: list[str] | None = None, engine_factory: Callable[[argparse.Names
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    MemoryGuard(args.rank, floor_bytes_from_env()).start()
+    MemoryGuard(args.rank, settings.mem_floor_mb * MIB, meminfo=settings.meminfo).start()
 
     server = None
     if args.rank == 0:  # bind first: a taken port fails in a second, not after the load
         from front.auth import configured_keys
         from front.server import FrontServer
         try:
-            server = FrontServer(args.host, args.port, configured_keys(args.api_key))
+            server = FrontServer(args.host, args.port, configured_keys(args.api_key, settings))
         except OSError as exc:
             print(f"rank 0: cannot listen on {args.host}:{args.port} ({exc.strerror}); stop what holds the port "
                   f"(bash serve.sh stop --port {args.port}) or choose another --port", file=sys.stderr, flush=True)
@@ -211,15 +215,15 @@ def main(argv: list[str] | None = None, engine_factory: Callable[[argparse.Names
         print(f"rank 0: cannot read max_position_embeddings from {args.model}/config.json; pass --context",
               file=sys.stderr, flush=True)
         return 2
-    settings = FrontSettings(served_model=args.served_model_name, context=context,
-                             default_max_tokens=args.default_max_tokens, ranks=args.ranks,
-                             prefix_cache=prefix_cache_state(engine), drafting=drafting_state(engine),
-                             prefill_chunk=getattr(engine, "chunk", None))
-    service = Service(engine, ChatText(args.model), settings, sampling_factory)
+    front = FrontSettings(served_model=args.served_model_name, context=context,
+                          default_max_tokens=args.default_max_tokens, ranks=args.ranks,
+                          prefix_cache=prefix_cache_state(engine, settings), drafting=drafting_state(engine),
+                          prefill_chunk=getattr(engine, "chunk", None), max_waiting=settings.max_waiting)
+    service = Service(engine, ChatText(args.model), front, sampling_factory)
     assert server is not None
     server.attach(service)
     progress.set("serving")
-    print(f"rank 0: serving {settings.served_model} on http://{args.host}:{args.port} "
+    print(f"rank 0: serving {front.served_model} on http://{args.host}:{args.port} "
           f"(context {context}, ranks {args.ranks}{', API keys required' if server.state.api_keys else ''})",
           flush=True)
     while not stop.wait(0.1):

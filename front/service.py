@@ -59,7 +59,7 @@ class Service:
         self.eos = {int(t) for t in getattr(engine, "eos", []) or []}
         self.fatal: BaseException | None = None
         self.pool = ThreadPoolExecutor(POOL_THREADS, thread_name_prefix="prepare")
-        self.worker = EngineWorker(engine, self._on_fatal)
+        self.worker = EngineWorker(engine, self._on_fatal, max_waiting=settings.max_waiting)
 
     def _on_fatal(self, exc: BaseException) -> None:
         self.fatal = exc

@@ -1,12 +1,17 @@
-"""What the front serves and its limits (FrontSettings), and what it reads of the engine for /health."""
+"""What the front serves and its limits (FrontSettings), and what it reads of the engine for /health.
+
+The HTTP front's own limits, apart from glm53.settings.Settings (the TF_GLM53_* knobs): front.rank
+builds FrontSettings from its flags and takes max_waiting from those knobs."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
+from glm53.settings import Settings
+
 DEFAULT_PORT = 8300
 DEFAULT_MODEL_ID = "glm-5.3-exl3"
+DEFAULT_MAX_WAITING = Settings().max_waiting
 
 
 @dataclass
@@ -18,6 +23,7 @@ class FrontSettings:
     prefix_cache: str = "absent"  # "on", "off" or "absent" (the engine has none): shown by /health
     drafting: bool = False  # the engine drafts (speculative decoding) unless a request says "draft": false
     prefill_chunk: int | None = None  # the engine's prefill grid: reuse happens in whole chunks
+    max_waiting: int = DEFAULT_MAX_WAITING  # queued jobs before 429 (batched; Settings.max_waiting)
     max_body_bytes: int = 32 << 20  # a larger body is refused (413), unread past the limit
     # Prompt text above context x this many UTF-8 bytes cannot fit the context (a token of real text
     # is 3-5 bytes): refused before the template and the tokenizer run on it.
@@ -28,12 +34,13 @@ class FrontSettings:
         return self.context * self.prompt_bytes_per_token
 
 
-def prefix_cache_state(engine: Any) -> str:
-    """What /health reports about reuse: "off" when TF_GLM53_PREFIX_CACHE says so (0, false, no or
-    off, as kv_cache reads it); else the engine's `prefix_cache_enabled` flag if it has one; else
-    its prefix cache object's own `enabled`; else "on" when it reuses the live conversation
-    (glm53's `reuse_live`); "absent" otherwise."""
-    if os.environ.get("TF_GLM53_PREFIX_CACHE", "1").strip().lower() in ("0", "false", "no", "off"):
+def prefix_cache_state(engine: Any, settings: Settings | None = None) -> str:
+    """What /health reports about reuse: "off" when the settings turn the cache off
+    (TF_GLM53_PREFIX_CACHE; default the engine's `settings`, if it has any); else the engine's
+    `prefix_cache_enabled` flag if it has one; else its prefix cache object's own `enabled`; else
+    "on" when it reuses the live conversation (glm53's `reuse_live`); "absent" otherwise."""
+    settings = settings if settings is not None else getattr(engine, "settings", None)
+    if isinstance(settings, Settings) and not settings.prefix_cache:
         return "off"
     flag = getattr(engine, "prefix_cache_enabled", None)
     cache = getattr(engine, "prefix_cache", None)

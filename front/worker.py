@@ -17,7 +17,6 @@ one request.
 """
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import time
@@ -27,6 +26,7 @@ from typing import Any, Callable, Protocol
 
 from front.errors import ApiError
 from front.observe import Snapshot, Timing, cache_stats, holder, log, request_drafts, request_line
+from front.settings import DEFAULT_MAX_WAITING
 from front.steer import Steer
 
 # one burst of a steered reply: (prompt, cap, on_tokens) out, (the burst's tokens, its stats) back
@@ -57,14 +57,6 @@ class Job:
     def over(self) -> bool:
         """The client left or a stop string appeared: the engine stops at its next step."""
         return self.cancelled.is_set() or self.stopped.is_set()
-
-
-def _max_waiting() -> int:
-    raw = os.environ.get("TF_GLM53_MAX_WAITING", "").strip()
-    n = int(raw) if raw else 64
-    if n < 1:
-        raise ValueError(f"TF_GLM53_MAX_WAITING={raw!r}: expected a positive integer")
-    return n
 
 
 class _Stream:
@@ -175,14 +167,15 @@ class EngineWorker:
     bool}) or ("error", exception). `steer_ended`: the steering ended the reply (one call only), not
     the model, a stop string or max_tokens."""
 
-    def __init__(self, engine: Any, on_fatal: Callable[[BaseException], None], retry_after_s: int = 2) -> None:
+    def __init__(self, engine: Any, on_fatal: Callable[[BaseException], None], retry_after_s: int = 2,
+                 max_waiting: int = DEFAULT_MAX_WAITING) -> None:
         self.engine = engine
         self._jobs: "queue.Queue[Job | None]" = queue.Queue()
         self._on_fatal = on_fatal
         self.retry_after_s = retry_after_s
         make = getattr(engine, "batch_engine", None)
         self.batch = make(max_waiting=1 << 30) if callable(make) else None  # the bound is kept here
-        self.max_waiting = _max_waiting()
+        self.max_waiting = max_waiting  # FrontSettings.max_waiting: TF_GLM53_MAX_WAITING
         self._lock = threading.Lock()
         self._queued = 0  # accepted, not yet admitted (batched)
         self._left_queue: set[int] = set()  # jobs running that the count has let go (worker thread only)

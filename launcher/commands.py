@@ -8,6 +8,7 @@ import shlex
 from importlib import metadata
 from pathlib import Path
 
+from glm53.settings import env_name
 from launcher.config import KIT_DIR, LaneConfig, Node
 
 RUNTIME_STAMP = ".glm53-runtime-key"
@@ -72,8 +73,8 @@ def rank_argv(config: LaneConfig, node: Node, model: str) -> list[str]:
 
 def rank_env(config: LaneConfig) -> dict[str, str]:
     env = dict(config.env)
-    env.setdefault("TF_GLM53_DCP", "1" if config.dcp else "0")
-    env.setdefault("TF_GLM53_MEM_FLOOR_MB", str(int(config.memory.floor_gib * 1024)))
+    env.setdefault(env_name("dcp"), "1" if config.dcp else "0")
+    env.setdefault(env_name("mem_floor_mb"), str(int(config.memory.floor_gib * 1024)))
     env["PYTHONUNBUFFERED"] = "1"
     return env
 

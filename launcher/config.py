@@ -15,12 +15,14 @@ from typing import Any
 
 import yaml
 
+from glm53.settings import PREFIX, Settings, SettingsError, env_name
+
 KIT_DIR = Path(__file__).resolve().parents[1]
 DEFAULT_PORT = 8300
 DEFAULT_MODEL_ID = "glm-5.3-exl3"
 DEFAULT_MASTER_PORT = 29551
-FORWARDED_PREFIXES = ("TF_GLM53_", "TENSORFOLD_")
-API_KEYS_ENV = "TF_GLM53_API_KEYS"  # keys rank 0's front asks of clients (comma-separated; front.auth)
+FORWARDED_PREFIXES = (PREFIX, "TENSORFOLD_")
+API_KEYS_ENV = env_name("api_keys")  # keys rank 0's front asks of clients (comma-separated; front.auth)
 KV_DTYPES = ("bf16", "fp8")
 
 # Environment variables that override the cluster file (flags override both).
@@ -232,7 +234,17 @@ def _validated(config: LaneConfig) -> LaneConfig:
     for name in config.env:
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
             raise ConfigError(f"{src}: env name {name!r} is not a valid variable name")
+    check_knobs(config.env, f"{src}: env")
     return config
+
+
+def check_knobs(env: Mapping[str, str], where: str) -> None:
+    """The TF_GLM53_* variables of `env` as every rank will parse them (glm53.settings): a bad value or
+    an unknown name stops the launch here, before any node is touched."""
+    try:
+        Settings.from_env(env)
+    except SettingsError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
 
 
 def _coerce(name: str, value: str, current: Any) -> Any:
@@ -251,8 +263,9 @@ def _coerce(name: str, value: str, current: Any) -> Any:
 
 
 def api_keys(environ: Mapping[str, str]) -> list[str]:
-    """The keys in TF_GLM53_API_KEYS (comma-separated; blanks dropped)."""
-    return [k.strip() for k in environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
+    """The keys in TF_GLM53_API_KEYS of `environ` (a lane's env, or a command's environment), as the
+    ranks parse them (glm53.settings)."""
+    return list(Settings.from_env(environ).api_keys)
 
 
 def with_environment(config: LaneConfig, environ: dict[str, str] | None = None) -> LaneConfig:
@@ -263,6 +276,7 @@ def with_environment(config: LaneConfig, environ: dict[str, str] | None = None) 
         if environ.get(name):
             changes[attr] = _coerce(name, environ[name], getattr(config, attr))
     forwarded = {k: v for k, v in environ.items() if k.startswith(FORWARDED_PREFIXES)}
+    check_knobs(forwarded, "environment")
     changes["env"] = {**config.env, **forwarded}
     return _validated(replace(config, **changes))
 

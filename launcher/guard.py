@@ -12,15 +12,10 @@ import sys
 import threading
 from typing import Callable
 
-from launcher.meminfo import MIB, available_bytes
+from launcher.meminfo import MIB, PROC_MEMINFO, available_bytes
 
 EXIT_MEMORY_GUARD = 75
-DEFAULT_FLOOR_MB = 4096
 DEFAULT_INTERVAL_S = 1.0
-
-
-def floor_bytes_from_env() -> int:
-    return int(os.environ.get("TF_GLM53_MEM_FLOOR_MB", DEFAULT_FLOOR_MB)) * MIB
 
 
 def breach_message(rank: int, available: int, floor: int) -> str:
@@ -31,17 +26,18 @@ def breach_message(rank: int, available: int, floor: int) -> str:
 
 
 class MemoryGuard(threading.Thread):
-    """Polls available memory; calls `on_breach(message)` once when it drops below `floor`."""
+    """Polls available memory (of the `meminfo` file); calls `on_breach(message)` once when it drops
+    below `floor` bytes (Settings.mem_floor_mb: TF_GLM53_MEM_FLOOR_MB)."""
 
     def __init__(self, rank: int, floor: int, interval: float = DEFAULT_INTERVAL_S,
-                 on_breach: Callable[[str], None] | None = None) -> None:
+                 on_breach: Callable[[str], None] | None = None, meminfo: str = PROC_MEMINFO) -> None:
         super().__init__(name="memory-guard", daemon=True)
-        self.rank, self.floor, self.interval = rank, floor, interval
+        self.rank, self.floor, self.interval, self.meminfo = rank, floor, interval, meminfo
         self.on_breach = on_breach or _exit_lane
         self._stop = threading.Event()
 
     def check(self) -> str | None:
-        available = available_bytes()
+        available = available_bytes(self.meminfo)
         return breach_message(self.rank, available, self.floor) if available < self.floor else None
 
     def run(self) -> None:

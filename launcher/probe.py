@@ -14,7 +14,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from launcher.meminfo import read_meminfo
+from glm53.settings import Settings, SettingsError
+from launcher.meminfo import PROC_MEMINFO, read_meminfo
 
 
 def gpus() -> list[dict[str, Any]]:
@@ -47,8 +48,9 @@ def git_dirty(path: str) -> bool:
     return out.returncode == 0 and bool(out.stdout.strip())
 
 
-def probe(model: str, kit_dir: str, workdir: str | None, runtime_stamp: str | None) -> dict[str, Any]:
-    mem = read_meminfo()
+def probe(model: str, kit_dir: str, workdir: str | None, runtime_stamp: str | None,
+          meminfo: str = PROC_MEMINFO) -> dict[str, Any]:
+    mem = read_meminfo(meminfo)
     found = gpus()
     disk_path = Path(kit_dir)
     try:
@@ -80,7 +82,11 @@ def main() -> None:
     p.add_argument("--workdir")
     p.add_argument("--runtime-stamp")
     a = p.parse_args()
-    print(json.dumps(probe(a.model, a.kit_dir, a.workdir, a.runtime_stamp)))
+    try:  # the node's TF_GLM53_* variables, as its rank will parse them
+        settings = Settings.from_env()
+    except SettingsError as exc:
+        sys.exit(f"launcher.probe: {exc}")
+    print(json.dumps(probe(a.model, a.kit_dir, a.workdir, a.runtime_stamp, settings.meminfo)))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from typing import Any
 import click
 import httpx
 
+from glm53.settings import SettingsError
 from launcher.config import API_KEYS_ENV, api_keys
 
 PROMPT = "Write one sentence about the sea."
@@ -213,7 +214,10 @@ class Verifier:
 @click.option("--api-key", default=None, help=f"the key the lane asks for (default: the first of ${API_KEYS_ENV})")
 def main(url: str, timeout: float, max_tokens: int, api_key: str | None) -> None:
     if api_key is None:
-        api_key = next(iter(api_keys(os.environ)), None)
+        try:
+            api_key = next(iter(api_keys(os.environ)), None)
+        except SettingsError as exc:
+            sys.exit(f"verify: {exc}")
     sys.exit(Verifier(url, timeout, max_tokens, api_key).run())
 
 

@@ -13,6 +13,7 @@ from front.errors import ApiError
 from front.metrics import Metrics
 from front.worker import EngineWorker, Job
 from glm53.engine import Glm53Engine
+from glm53.settings import Settings
 from tests.drafter_fixtures import one_thread  # noqa: F401
 from tests.fixtures_tiny import TINY_CHUNK, tiny_dirs  # noqa: F401
 
@@ -90,8 +91,8 @@ def test_cancelled_job_stops_and_frees_rows(engine) -> None:
 
 
 def test_full_wait_queue_answers_429(engine, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TF_GLM53_MAX_WAITING", "2")
-    worker = EngineWorker(engine, lambda exc: None, retry_after_s=7)
+    waiting = Settings.from_env({"TF_GLM53_MAX_WAITING": "2"}).max_waiting  # as front.rank passes it on
+    worker = EngineWorker(engine, lambda exc: None, retry_after_s=7, max_waiting=waiting)
     gate = threading.Event()
     step = worker.batch.step
     monkeypatch.setattr(worker.batch, "step", lambda: gate.wait(300) and step())

@@ -23,6 +23,7 @@ from front.rank import glm53_sampling
 from front.server import serve
 from front.service import Service
 from front.settings import FrontSettings, drafting_state, prefix_cache_state
+from glm53.settings import Settings
 from kv_cache.cache import PrefixCache
 from kv_cache.engine_adapter import cache_key_for
 from tests.fixtures_tiny import TINY_CHUNK, fresh_engine_state, tiny_dirs, tiny_engine  # noqa: F401
@@ -200,16 +201,24 @@ def test_a_wrapping_engine_is_seen_through(lane) -> None:
     assert observe.render(object()) == ""  # an engine with neither: no families
 
 
-def test_rank_logging_goes_to_stderr() -> None:
-    code = ("import logging; from front.rank import configure_logging; configure_logging(); "
+def test_rank_logging_goes_to_stderr(tmp_path) -> None:
+    code = ("import logging; from front.rank import configure_logging; from glm53.settings import Settings; "
+            "configure_logging(Settings.from_env().log_level); "
             "from front.observe import log; log.info('request x done: prompt=3'); "
             "logging.getLogger('kv_cache.cache').debug('hidden')")
-    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         env={"PATH": ""})
     assert run.returncode == 0 and run.stdout == ""
     assert "front.requests: request x done: prompt=3" in run.stderr and "hidden" not in run.stderr
-    bad = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
-                         env={"TF_GLM53_LOG_LEVEL": "LOUD", "PATH": ""})
-    assert bad.returncode == 0 and "TF_GLM53_LOG_LEVEL='LOUD'" in bad.stderr and "request x done" in bad.stderr
+    debug = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                           env={"TF_GLM53_LOG_LEVEL": "debug", "PATH": ""})
+    assert debug.returncode == 0 and "hidden" in debug.stderr
+    # the rank parses TF_GLM53_LOG_LEVEL with every other knob at start: a bad value ends it there, named
+    bad = subprocess.run([sys.executable, "-m", "front.rank", "--model", str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60, env={"TF_GLM53_LOG_LEVEL": "LOUD", "PATH": ""})
+    assert bad.returncode == 2, bad.stderr
+    assert "TF_GLM53_LOG_LEVEL='LOUD': expected one of DEBUG, INFO, WARNING, ERROR" in bad.stderr
+    assert "Traceback" not in bad.stderr
 
 
 def test_a_reply_does_not_wait_for_the_store_behind_it(tiny_dirs, tiny_engine, monkeypatch) -> None:  # noqa: F811
@@ -244,13 +253,12 @@ def test_a_reply_does_not_wait_for_the_store_behind_it(tiny_dirs, tiny_engine, m
             cache.close()
 
 
-def test_health_reads_the_cache_switch_as_the_cache_does(tiny_engine, monkeypatch) -> None:  # noqa: F811
+def test_health_reads_the_cache_switch_as_the_cache_does(tiny_engine) -> None:  # noqa: F811
     """/health said "on" for TF_GLM53_PREFIX_CACHE=off, which the cache reads as off."""
     engine = tiny_engine
     for text in ("0", "off", "False", " no "):
-        monkeypatch.setenv("TF_GLM53_PREFIX_CACHE", text)
-        assert prefix_cache_state(engine) == "off", text
-    monkeypatch.delenv("TF_GLM53_PREFIX_CACHE")
+        assert prefix_cache_state(engine, Settings.from_env({"TF_GLM53_PREFIX_CACHE": text})) == "off", text
+    assert prefix_cache_state(engine) == "on"  # the engine's own settings: the cache on by default
     for enabled in (False, True):
         cache = PrefixCache(cache_key_for(engine, revision="health"), enabled=enabled)
         with fresh_engine_state(engine, prefix_cache=cache, drafter=None):
