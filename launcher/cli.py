@@ -14,8 +14,8 @@ from typing import Any
 import click
 
 from launcher import serve as lane
-from launcher.config import KIT_DIR, ConfigError, LaneConfig, from_dict, load_cluster, local_lane, with_environment, \
-    with_flags
+from launcher.config import KIT_DIR, ConfigError, LaneConfig, check_knobs, from_dict, load_cluster, local_lane, \
+    with_environment, with_flags
 from launcher.state import read_json
 
 
@@ -40,7 +40,9 @@ def lane_options(f):
     return f
 
 
-def resolve(cluster: str | None, local: bool, ranks: int | None, **flags: Any) -> LaneConfig:
+def resolve(cluster: str | None, local: bool, ranks: int | None, knobs: bool = True, **flags: Any) -> LaneConfig:
+    """The lane's config; `knobs`: also check the TF_GLM53_* variables the ranks will get (not for
+    stop, which starts nothing and must work whatever the environment holds)."""
     cluster = None if local else (cluster or os.environ.get("GLM53_CLUSTER") or None)
     try:
         if cluster:
@@ -50,6 +52,8 @@ def resolve(cluster: str | None, local: bool, ranks: int | None, **flags: Any) -
         else:
             config = local_lane(1 if ranks is None else ranks, device=lane.local_device())
         config = with_environment(config)
+        if knobs:
+            check_knobs(config)
         return with_flags(config, **flags)
     except ConfigError as exc:
         click.echo(f"serve: {exc}", err=True)
@@ -96,7 +100,8 @@ def restart_cmd(ready_timeout: float, **opts: Any) -> None:
 @click.option("--cluster", type=click.Path(dir_okay=False), default=None)
 def stop_cmd(port: int | None, cluster: str | None) -> None:
     """Stop every rank of the lane on PORT; logs are kept."""
-    config = resolve(cluster, local=cluster is None and not os.environ.get("GLM53_CLUSTER"), ranks=None, port=port)
+    config = resolve(cluster, local=cluster is None and not os.environ.get("GLM53_CLUSTER"), ranks=None, knobs=False,
+                     port=port)
     sys.exit(lane.stop(lane.lane_dir(config)))
 
 

@@ -234,17 +234,21 @@ def _validated(config: LaneConfig) -> LaneConfig:
     for name in config.env:
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
             raise ConfigError(f"{src}: env name {name!r} is not a valid variable name")
-    check_knobs(config.env, f"{src}: env")
     return config
 
 
-def check_knobs(env: Mapping[str, str], where: str) -> None:
-    """The TF_GLM53_* variables of `env` as every rank will parse them (glm53.settings): a bad value or
-    an unknown name stops the launch here, before any node is touched."""
-    try:
-        Settings.from_env(env)
-    except SettingsError as exc:
-        raise ConfigError(f"{where}: {exc}") from None
+def check_knobs(config: LaneConfig, environ: Mapping[str, str] | None = None) -> None:
+    """The TF_GLM53_* variables the ranks will get (this environment's, then the cluster file's env),
+    parsed as every rank will parse them (glm53.settings): a bad value or an unknown name stops a
+    start here, before any node is touched, naming where it came from."""
+    environ = os.environ if environ is None else environ
+    forwarded = {k: v for k, v in environ.items() if k.startswith(PREFIX)}
+    own = {k: v for k, v in config.env.items() if k not in forwarded}
+    for env, where in ((forwarded, "environment"), (own, f"{config.source}: env")):
+        try:
+            Settings.from_env(env)
+        except SettingsError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
 
 
 def _coerce(name: str, value: str, current: Any) -> Any:
@@ -276,7 +280,6 @@ def with_environment(config: LaneConfig, environ: dict[str, str] | None = None) 
         if environ.get(name):
             changes[attr] = _coerce(name, environ[name], getattr(config, attr))
     forwarded = {k: v for k, v in environ.items() if k.startswith(FORWARDED_PREFIXES)}
-    check_knobs(forwarded, "environment")
     changes["env"] = {**config.env, **forwarded}
     return _validated(replace(config, **changes))
 

@@ -197,8 +197,26 @@ def test_every_knob_named_in_the_code_and_scripts_exists() -> None:
     assert not stale, sorted(stale)
 
 
+def test_the_launcher_checks_the_knobs_the_ranks_will_get() -> None:
+    from launcher.config import ConfigError, check_knobs, local_lane
+
+    lane = dataclasses.replace(local_lane(1, device="cpu"), env={"TF_GLM53_KV_DTYPE": "int4"}, source="c.yaml")
+    with pytest.raises(ConfigError, match=re.escape("c.yaml: env: TF_GLM53_KV_DTYPE='int4': expected one of bf16")):
+        check_knobs(lane, {})
+    with pytest.raises(ConfigError, match=re.escape("environment: TF_GLM53_MAX_SEQS='abc': expected an integer")):
+        check_knobs(dataclasses.replace(lane, env={}), {"TF_GLM53_MAX_SEQS": "abc"})
+    check_knobs(lane, {"TF_GLM53_KV_DTYPE": "fp8"})  # the environment's value replaces the file's
+
+
 def test_serve_sh_stops_at_a_bad_value_naming_it() -> None:
-    r = run_kit_script("serve.sh", "--local", env={"TF_GLM53_MAX_SEQS": "abc", "DRY_RUN": "1"}, timeout=120)
+    from launcher.config import free_port
+
+    port = str(free_port())
+    r = run_kit_script("serve.sh", "--local", "--port", port, env={"TF_GLM53_MAX_SEQS": "abc", "DRY_RUN": "1"},
+                       timeout=120)
     assert r.returncode == 2, r.stderr
     assert "environment: TF_GLM53_MAX_SEQS='abc': expected an integer in 1..64" in r.stderr
     assert "Traceback" not in r.stderr
+    # stop starts nothing: it works whatever the environment holds
+    r = run_kit_script("serve.sh", "stop", "--port", port, env={"TF_GLM53_MAX_SEQS": "abc"}, timeout=120)
+    assert r.returncode == 0 and "nothing to stop" in r.stderr, r.stderr
