@@ -32,7 +32,7 @@ import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 PREFIX = "TF_GLM53_"
 TEST_ONLY = {
@@ -192,8 +192,8 @@ class Knob:
         return SettingsError(f"{self.env}={value!r}: expected {self.kind.accepted}")
 
 
-def knob(env: str, kind: Kind, default: Any, help: str, default_text: str | None = None) -> Any:
-    return field(default=default, metadata={"knob": Knob(PREFIX + env, kind, help, default_text)})
+def knob(env: str, kind: Kind, default: Any, help: str, default_text: str | None = None, secret: bool = False) -> Any:
+    return field(default=default, repr=not secret, metadata={"knob": Knob(PREFIX + env, kind, help, default_text)})
 
 
 def _positive() -> Int:
@@ -307,7 +307,7 @@ class Settings:
     api_keys: tuple[str, ...] = knob(
         "API_KEYS", Keys("comma-separated keys"), (),
         "keys rank 0's front asks of /v1 clients (`Authorization: Bearer` or `x-api-key`), besides --api-key's; "
-        "/health and /metrics stay open", "unset: none")
+        "/health and /metrics stay open", "unset: none", secret=True)
     mem_floor_mb: int = knob("MEM_FLOOR_MB", Int("an integer >= 0", 0), 4096,
                              "memory guard floor on every node: a rank whose node's available memory falls below "
                              "it stops the lane (exit 75); the launcher sets it from the cluster file's "
@@ -315,8 +315,6 @@ class Settings:
     meminfo: str = knob("MEMINFO", Text("a file"), "/proc/meminfo",
                         "tests: a file in /proc/meminfo's format that the memory guard, progress lines and probes "
                         "read instead")
-
-    SECRET: ClassVar[frozenset[str]] = frozenset({"api_keys"})  # never printed
 
     def __post_init__(self) -> None:
         for name, k in knobs().items():

@@ -54,6 +54,7 @@ def test_values_parse_to_their_types() -> None:
     assert (s.prefix_cache, s.draft_relaxed_top2, s.dcp) == (False, True, False)
     assert (s.draft_ewma, s.heartbeat_s, s.kv_dtype, s.log_level) == (1.0, 0.25, "fp8", "DEBUG")
     assert (s.api_keys, s.disk_cache, s.mem_floor_mb) == (("a", "b"), "/tmp/x", 0)
+    assert "api_keys" not in repr(s)  # a logged Settings shows no keys
     assert parse_bytes("4kb") == 4096 and parse_bytes("1048576") == 1 << 20
 
 
