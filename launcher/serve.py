@@ -14,6 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
 
+from glm53.settings import env_name
 from launcher import commands
 from launcher.config import API_KEYS_ENV, KIT_DIR, LaneConfig, from_dict, to_dict
 from launcher.memplan import MemoryPlan, config_dict, kv_function, kv_per_token, plan_memory, weights_per_rank
@@ -151,7 +152,7 @@ def check(config: LaneConfig, model: str, out: TextIO, freed: dict[str, int] | N
     return config, plan, problems
 
 
-KV_POOL_ENV = "TF_GLM53_KV_POOL_BYTES"
+KV_POOL_ENV = env_name("kv_pool_bytes")
 
 
 def kv_pool_env(env: dict[str, str], plan: MemoryPlan, share: float = 1.0) -> dict[str, str]:

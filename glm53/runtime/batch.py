@@ -42,10 +42,10 @@ class BatchEngine:
         if engine.plan.world != 1 and not lockstep:
             raise ValueError("over several ranks the batched runtime runs in lockstep on every rank "
                              "(glm53.dist.rank_batch.RankBatch)")
-        self.engine = engine
-        self.eos = frozenset(engine.eos)
         from glm53.engine import with_options
 
+        self.engine = engine
+        self.eos = frozenset(engine.eos)
         s = with_options(engine.settings, max_seqs=max_seqs, max_waiting=max_waiting, step_tokens=step_tokens,
                          kv_pool_bytes=pool_bytes)
         budget = s.kv_pool_bytes if s.kv_pool_bytes is not None else default_pool_bytes(engine.device)
