@@ -527,7 +527,7 @@ def draft_sources_batched(spec_rank: int, world: int, port: int, out: Path) -> N
                      master_port=port, rendezvous_timeout_s=60, serve_features=True, **SOURCE_OPTIONS)
     inner = eng.engine
     results: dict[str, object] = {"rank": eng.rank}
-    batch = eng.batch_engine(max_seqs=8, max_waiting=1 << 20) if eng.rank == 0 else None
+    batch = eng.batch_engine(max_seqs=32, max_waiting=1 << 20, step_tokens=64) if eng.rank == 0 else None
     if eng.rank != 0:
         assert eng.follow_one()  # BATCH_START
     for source in DRAFT_SOURCES:

@@ -29,7 +29,6 @@ from glm53.runtime.scheduler import Work
 from glm53.runtime.sequence import Sequence
 
 
-
 class RankBatch:
     """BatchEngine's interface (submit, cancel, step, idle, stats, pool) over R ranks. Rank 0 holds
     one as the front's runtime (RankEngine.batch_engine); followers build theirs when rank 0's
