@@ -299,7 +299,8 @@ class Settings:
         "batched runtime: rows a step while sequences decode (their windows first, then prefill pieces); with "
         "none decoding, prefill takes a wave", "the prefill chunk C")
     kv_pool_bytes: int | None = knob("KV_POOL_BYTES", Bytes("a positive byte count like 8G or 1048576", low=1), None,
-                                     "batched runtime: the KV pool's budget", "90% of free GPU memory; 4G on a CPU")
+                                     "batched runtime: the KV pool's budget (serve.sh sets it to the memory plan's KV of the tightest rank)",
+                                     "90% of free GPU memory; 4G on a CPU")
     # ---- serving (front/, launcher/) ----------------------------------------------------------
     log_level: str = knob("LOG_LEVEL", _choice(LOG_LEVELS, str.upper), "INFO",
                           "log level of the ranks' stderr (the per-request line, kv_cache hits, misses and "
