@@ -281,7 +281,31 @@ def with_environment(config: LaneConfig, environ: dict[str, str] | None = None) 
             changes[attr] = _coerce(name, environ[name], getattr(config, attr))
     forwarded = {k: v for k, v in environ.items() if k.startswith(FORWARDED_PREFIXES)}
     changes["env"] = {**config.env, **forwarded}
+    changes.update(_cache_layout(config, changes))
     return _validated(replace(config, **changes))
+
+
+def _cache_layout(config: LaneConfig, changes: dict[str, Any]) -> dict[str, Any]:
+    """kv_dtype and dcp as the ranks will run them: a TF_GLM53_KV_DTYPE / TF_GLM53_DCP they get wins
+    over the cluster file's field, so the memory plan describes the cache the ranks allocate. One that
+    contradicts TENSORFOLD_KV_DTYPE is refused (two answers to one question)."""
+    env = changes["env"]
+    knobs = {k: v for k, v in env.items() if k.startswith(PREFIX)}
+    try:
+        ranks_see = Settings.from_env(knobs)
+    except SettingsError:
+        return {}  # check_knobs reports it, naming where it came from
+    out: dict[str, Any] = {}
+    for field_name in ("kv_dtype", "dcp"):
+        name = env_name(field_name)
+        if not (env.get(name) or "").strip():
+            continue
+        value = getattr(ranks_see, field_name)
+        if field_name in changes and changes[field_name] != value:
+            raise ConfigError(f"environment: {name}={env[name]!r} and TENSORFOLD_KV_DTYPE="
+                              f"{env.get('TENSORFOLD_KV_DTYPE')!r} disagree; set one")
+        out[field_name] = value
+    return out
 
 
 def with_flags(config: LaneConfig, **flags: Any) -> LaneConfig:

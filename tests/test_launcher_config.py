@@ -106,3 +106,16 @@ def test_image_runtime_commands_run_in_the_container(tmp_path: Path) -> None:
     # rank 0 drains before it stops: the supervisor gives its container the drain's time
     assert "docker stop -t 30 glm53-rank0-9000" in commands.stop_command(config, config.nodes[0], "TERM", 30)
     assert "glm53.runtime-key" in commands.prepare_command(config, "k")
+
+
+def test_the_ranks_cache_knobs_set_the_planned_layout(tmp_path: Path) -> None:
+    """TF_GLM53_KV_DTYPE / TF_GLM53_DCP reach the ranks; the lane's kv_dtype and dcp (what the memory
+    plan sizes) follow them, so the plan describes the cache the ranks allocate; a TENSORFOLD_KV_DTYPE
+    that says otherwise is refused naming both."""
+    config = with_environment(load_cluster(write(tmp_path, BASE)), {"TF_GLM53_KV_DTYPE": "FP8", "TF_GLM53_DCP": "0"})
+    assert (config.kv_dtype, config.dcp) == ("fp8", False)
+    cmd = commands.rank_command(config, config.nodes[0], config.model)
+    assert "kv_dtype=fp8" in cmd and "TF_GLM53_DCP=0" in cmd
+    assert with_environment(load_cluster(write(tmp_path, BASE)), {}).dcp is True  # the file's default stands
+    with pytest.raises(ConfigError, match="TF_GLM53_KV_DTYPE='fp8' and TENSORFOLD_KV_DTYPE='bf16' disagree"):
+        with_environment(load_cluster(write(tmp_path, BASE)), {"TF_GLM53_KV_DTYPE": "fp8", "TENSORFOLD_KV_DTYPE": "bf16"})
