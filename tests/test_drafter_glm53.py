@@ -14,7 +14,7 @@ import torch
 from drafter.glm53_target import DraftPlan, Glm53MtpAdapter
 from drafter.sources import MtpSource
 from drafter.tiny_dflash import write_tiny_dflash2
-from drafter_fixtures import one_thread  # noqa: F401  (autouse fixture)
+from drafter_fixtures import OracleDrafts, one_thread  # noqa: F401  (autouse fixture)
 from drafter.verify import verify_window
 from glm53.engine import Glm53Engine, Glm53Target
 from glm53.sampling import SamplingParams, sample
@@ -40,32 +40,6 @@ def new_engine(model_dir, drafter=None) -> Glm53Engine:
                        prefix_cache=PrefixCache(key, host_bytes=1 << 26))
 
 
-class OracleFactory:
-    """Per request: proposes the serial reply (set before each request) with corruptions."""
-
-    def __init__(self) -> None:
-        self.truth: list[int] = []
-        self.rng = random.Random(0)
-
-    def new_source(self, target):
-        factory = self
-
-        class Oracle:
-            name, taps, needs_hidden, max_depth = "oracle", (), False, 13
-
-            def commit(self, tokens, out, kept_rows):
-                pass
-
-            def propose(self, tokens, depth, sample_fn=None):
-                at = len(tokens)
-                drafts = list(factory.truth[at:at + depth]) + [5] * max(0, depth - len(factory.truth[at:]))
-                if drafts and factory.rng.random() < 0.3:
-                    i = factory.rng.randrange(len(drafts))
-                    drafts[i] = (drafts[i] + 1) % 2000
-                return drafts[:depth]
-        return Oracle()
-
-
 def conversation(rng: random.Random, n: int, vocab: int):
     """Prompts where about half continue the previous prompt (+ its reply, filled in later)."""
     for i in range(n):
@@ -79,7 +53,7 @@ def conversation(rng: random.Random, n: int, vocab: int):
 def test_drafted_equals_serial_on_the_engine(kind, tiny, tmp_path):
     serial = new_engine(tiny)
     drafted = new_engine(tiny)
-    oracle = OracleFactory()
+    oracle = OracleDrafts()
     if kind == "oracle":
         drafted.drafter = oracle
     elif kind == "dflash2":
@@ -111,7 +85,7 @@ def test_drafted_equals_serial_on_the_engine(kind, tiny, tmp_path):
 
 def test_verification_rows_never_reused(tiny):
     engine = new_engine(tiny)
-    oracle = OracleFactory()
+    oracle = OracleDrafts()
     oracle.rng = random.Random(3)
     engine.drafter = oracle
     prompt = [11, 12, 13, 14, 15, 16, 17, 18, 19]                     # frontier ends at 9 (chunks of 4)
@@ -213,7 +187,7 @@ def test_windows_past_the_indexer_topk_equal_serial(tiny):
     """Contexts longer than index_topk (32 in the tiny config), oracle drafts with rejections: the
     tokens of drafted and serial decoding agree, greedy and seeded."""
     serial, drafted = new_engine(tiny), new_engine(tiny)
-    oracle = OracleFactory()
+    oracle = OracleDrafts()
     drafted.drafter = oracle
     rng = random.Random(11)
     for i in range(4):
@@ -233,7 +207,7 @@ def test_drafted_equals_serial_on_cuda(tiny, dtype):
     def engine():
         return Glm53Engine(tiny, device="cuda", dtype=dtype, prefill_chunk=CHUNK)
     serial, drafted = engine(), engine()
-    oracle = OracleFactory()
+    oracle = OracleDrafts()
     drafted.drafter = oracle
     rng = random.Random(7)
     mismatches = []

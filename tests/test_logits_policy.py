@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from drafter.glm53_target import DraftPlan
-from drafter_fixtures import one_thread  # noqa: F401  (autouse fixture)
+from drafter_fixtures import OracleDrafts, one_thread  # noqa: F401  (autouse fixture)
 from glm53.engine import Glm53Engine
 from glm53.grammar import GrammarMatcher, grammar_for
 from glm53.logits_policy import LogitsPolicy
@@ -18,7 +18,7 @@ from glm53.sampling import SamplingError, SamplingParams
 from glm53.settings import Settings
 from kv_cache.cache import PrefixCache
 from kv_cache.keys import CacheKey
-from tests.fixtures_tiny import tiny_dirs  # noqa: F401  (the session's one tiny checkpoint)
+from tests.fixtures_tiny import tiny_dirs  # noqa: F401  (one tiny checkpoint for the whole test run)
 
 CHUNK = 8
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
@@ -126,32 +126,6 @@ def engine(model_dir, *, cache: bool, drafter=None) -> Glm53Engine:
                        prefix_cache=PrefixCache(key, host_bytes=1 << 26) if cache else None)
 
 
-class Oracle:
-    """Proposes the serial reply (set before each request) with corruptions: deep acceptance and rejections."""
-
-    def __init__(self) -> None:
-        self.truth: list[int] = []
-        self.rng = random.Random(0)
-
-    def new_source(self, target):
-        oracle = self
-
-        class Source:
-            name, taps, needs_hidden, max_depth = "oracle", (), False, 8
-
-            def commit(self, tokens, out, kept_rows):
-                pass
-
-            def propose(self, tokens, depth, sample_fn=None):
-                at = len(tokens)
-                drafts = (oracle.truth[at:at + depth] + [7] * depth)[:depth]
-                if drafts and oracle.rng.random() < 0.4:
-                    i = oracle.rng.randrange(len(drafts))
-                    drafts[i] = (drafts[i] + 1) % 2000
-                return drafts
-        return Source()
-
-
 EVERY_FIELD = {"presence_penalty": 0.7, "frequency_penalty": 0.4, "repetition_penalty": 1.3,
                "logit_bias": {"17": 4.0, "40": -3.0, "99": 2.5}, "logprobs": 3}
 
@@ -178,7 +152,7 @@ def run(engine_, prompt, max_tokens, fields):
 def test_every_field_drafted_equals_serial_and_cache_on_equals_off(tiny_dirs, source) -> None:  # noqa: F811
     serial = engine(tiny_dirs.model, cache=True)
     cold = engine(tiny_dirs.model, cache=False)
-    oracle = Oracle()
+    oracle = OracleDrafts(max_depth=8, corrupt=0.4, pad=7)
     drafted = engine(tiny_dirs.model, cache=True)
     drafted.drafter = oracle if source == "oracle" else DraftPlan.from_contract(drafted, settings=Settings())
     rng = random.Random(7)
