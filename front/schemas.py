@@ -150,7 +150,7 @@ class GenerationBody(BaseModel):
     @classmethod
     def _no_echo(cls, value: Any) -> Any:
         if value:
-            raise refusal("'echo' is not supported by this front")
+            raise refusal("'echo' is not supported by this front: drop it (a reply never repeats its prompt)")
         return value
 
     @model_validator(mode="after")
@@ -279,7 +279,8 @@ class CompletionRequest(GenerationBody):
     @classmethod
     def _no_suffix(cls, value: Any) -> Any:
         if value:
-            raise refusal("'suffix' is not supported by this server")
+            raise refusal("'suffix' is not supported by this server: drop it (completions continue the prompt "
+                          "at its end; no insertion)")
         return value
 
     @field_validator("top_logprobs")

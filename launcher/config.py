@@ -295,16 +295,11 @@ def _cache_layout(config: LaneConfig, changes: dict[str, Any]) -> dict[str, Any]
         ranks_see = Settings.from_env(knobs)
     except SettingsError:
         return {}  # check_knobs reports it, naming where it came from
-    out: dict[str, Any] = {}
-    for field_name in ("kv_dtype", "dcp"):
-        name = env_name(field_name)
-        if not (env.get(name) or "").strip():
-            continue
-        value = getattr(ranks_see, field_name)
-        if field_name in changes and changes[field_name] != value:
-            raise ConfigError(f"environment: {name}={env[name]!r} and TENSORFOLD_KV_DTYPE="
-                              f"{env.get('TENSORFOLD_KV_DTYPE')!r} disagree; set one")
-        out[field_name] = value
+    out = {f: getattr(ranks_see, f) for f in ("kv_dtype", "dcp") if (env.get(env_name(f)) or "").strip()}
+    if "kv_dtype" in out and "kv_dtype" in changes and changes["kv_dtype"] != out["kv_dtype"]:
+        name = env_name("kv_dtype")
+        raise ConfigError(f"environment: {name}={env[name]!r} and TENSORFOLD_KV_DTYPE="
+                          f"{env.get('TENSORFOLD_KV_DTYPE')!r} disagree; unset one of them")
     return out
 
 

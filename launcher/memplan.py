@@ -85,11 +85,12 @@ def _gib(n: int) -> str:
     return f"{n / GIB:.2f}G" if abs(n) >= GIB // 10 else f"{n / MIB:.1f}M"
 
 
-def kv_per_token(model_dir: str | Path, kv_dtype: str) -> int:
-    """Cached bytes for one position over all layers (glm53.layout.kv: latent + full-indexer keys)."""
+def kv_per_token(model_dir: str | Path, kv_dtype: str, include_mtp: bool = True) -> int:
+    """Cached bytes for one position over all layers (glm53.layout.kv: latent + full-indexer keys);
+    include_mtp=False: the model's layers alone (what a sequence's KVState holds)."""
     from glm53.layout.kv import kv_token_bytes
 
-    return kv_token_bytes(Glm53Config.from_dir(model_dir), kv_dtype).per_token
+    return kv_token_bytes(Glm53Config.from_dir(model_dir), kv_dtype, include_mtp).per_token
 
 
 def kv_function(model_dir: str | Path, ranks: int, dcp: bool, kv_dtype: str) -> Callable[[int], list[int]]:

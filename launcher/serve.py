@@ -167,11 +167,7 @@ def kv_pool_env(env: dict[str, str], plan: MemoryPlan, share: float = 1.0) -> di
 
 def sequence_kv_share(model: str, kv_dtype: str) -> float:
     """The planned KV's part that the model's layers hold (the plan also counts the MTP layer's)."""
-    from glm53.config import Glm53Config
-    from glm53.layout.kv import kv_token_bytes
-
-    cfg = Glm53Config.from_dir(model)
-    return kv_token_bytes(cfg, kv_dtype, include_mtp=False).per_token / kv_token_bytes(cfg, kv_dtype).per_token
+    return kv_per_token(model, kv_dtype, include_mtp=False) / kv_per_token(model, kv_dtype)
 
 
 # ---- start -------------------------------------------------------------------------------------

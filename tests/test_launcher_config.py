@@ -117,5 +117,5 @@ def test_the_ranks_cache_knobs_set_the_planned_layout(tmp_path: Path) -> None:
     cmd = commands.rank_command(config, config.nodes[0], config.model)
     assert "kv_dtype=fp8" in cmd and "TF_GLM53_DCP=0" in cmd
     assert with_environment(load_cluster(write(tmp_path, BASE)), {}).dcp is True  # the file's default stands
-    with pytest.raises(ConfigError, match="TF_GLM53_KV_DTYPE='fp8' and TENSORFOLD_KV_DTYPE='bf16' disagree"):
+    with pytest.raises(ConfigError, match="TF_GLM53_KV_DTYPE=.fp8. and TENSORFOLD_KV_DTYPE=.bf16. disagree; unset one"):
         with_environment(load_cluster(write(tmp_path, BASE)), {"TF_GLM53_KV_DTYPE": "fp8", "TENSORFOLD_KV_DTYPE": "bf16"})
