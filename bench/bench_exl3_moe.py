@@ -12,10 +12,12 @@ loader packs them (glm53.exl3.packing, block-major) into one bank. Measured:
   window's best case), captured in a CUDA graph; input sets rotated (--sets, each on other experts, so
   weights come from HBM, not L2). Bytes: the trellis of every expert the call touches (+ shared); the
   floor: bytes / the device-to-device copy bandwidth measured in the same run.
-- prefill: --prefill tokens through the expert-sorted form (CUDA events, eager; the sort included).
-- --forms: other tilings of the decode form side by side (BM,warps,stages,lanes,subk), each checked
+- prefill: --prefill tokens through the expert-sorted form (CUDA events, eager; the sort included); the
+  default form stages the matrices with stage_rows rows or more (each decoded once into the stage,
+  --stage-mb its bound, read by every row tile); --prefill-forms others, each checked bitwise.
+- --forms: other tilings of the decode form side by side (BM,warps,stages,lanes,subk,...), each checked
   bitwise against the default.
-- one linear (6144 -> 2048, K 3) at 1 and 2048 rows.
+- one linear (6144 -> 2048, K 3) at 1 and 2048 rows (at 2048: staged, and unstaged beside it).
 - --exllamav3: the same layer (and linear) through exllamav3's MoE kernels (tests/gpu/exllamav3_ref.py:
   its mixed-width layer runs one launch per width group, which exllamav3 itself cannot load: labelled),
   and a uniform 3-bit layer both ways (exllamav3's own path); outputs compared (fp16 activations).
@@ -25,6 +27,7 @@ Prints a table last; the JSON holds every sample.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -208,6 +211,14 @@ def linear_rows(tx, reps: int, bw: float, exl) -> list[dict]:
                              [(x.to(torch.bfloat16), bank, m) for x, (bank, m, _) in zip(xs, sets)])
         row = {"kind": "linear", "rows": rows_m, "shape": [6144, 2048], "bits": 3, "us": ours["median_us"],
                "floor_us": sets[0][0].layouts[0].trellis_bytes / bw * 1e6, "mode": ours["mode"]}
+        full = tx.prefill_form(sets[0][0], torch.bfloat16)
+        if 0 < full.stage_rows <= rows_m:  # the same rows with each row tile decoding the matrix itself
+            plain = dataclasses.replace(full, stage_rows=0)
+            unstaged = graph_time_us(lambda x, bank, m: tx.linear(x, bank, m, form=plain), reps,
+                                     [(x.to(torch.bfloat16), bank, m) for x, (bank, m, _) in zip(xs, sets)])
+            x0, (bank0, m0, _) = xs[0].to(torch.bfloat16), sets[0]
+            row.update(unstaged_us=unstaged["median_us"], staged_bits_equal=bool(
+                torch.equal(tx.linear(x0, bank0, m0), tx.linear(x0, bank0, m0, form=plain))))
         if exl is not None:
             lins = [ExlLinear(p) for _, _, p in sets]
             theirs = graph_time_us(lambda x, lin: lin(x), reps, [(x.half(), lin) for x, lin in zip(xs, lins)])
@@ -216,6 +227,8 @@ def linear_rows(tx, reps: int, bw: float, exl) -> list[dict]:
                        error_vs_exllamav3=error_stats(tx.linear(xs[0].half(), sets[0][0], sets[0][1]), ref))
         rows.append(row)
         print(f"linear 6144x2048 K3 M={rows_m}: {row['us']:.1f} us (floor {row['floor_us']:.1f})"
+              + (f", unstaged {row['unstaged_us']:.1f} us (bits equal {row['staged_bits_equal']})"
+                 if "unstaged_us" in row else "")
               + (f", exllamav3 {row['exllamav3_us']:.1f} us" if "exllamav3_us" in row else ""), flush=True)
     return rows
 
@@ -251,13 +264,15 @@ def exllamav3_rows(tx, bank, mats, parts, shared, tokens: list[int], sets: int, 
 def parse_form(text: str):
     from glm53.ops.triton_exl3 import Form
 
-    bm, warps, stages, lanes, subk, parallel, *ptx = (int(v) for v in text.split(","))
-    return Form(bm, warps, stages, bool(lanes), subk, bool(parallel), bool(ptx and ptx[0]))
+    bm, warps, stages, lanes, subk, parallel, *rest = (int(v) for v in text.split(","))
+    ptx, stage_rows = (rest + [0, 0])[:2]
+    return Form(bm, warps, stages, bool(lanes), subk, bool(parallel), bool(ptx), stage_rows)
 
 
 def form_label(form: dict) -> str:
     decoder = "lanes" if form["lanes"] else "elements ptx" if form.get("ptx") else "elements"
-    return f"bm{form['bm']} w{form['warps']} s{form['stages']} {decoder} k{form['subk']}"
+    staged = f" staged>={form['stage_rows']}" if form.get("stage_rows") else ""
+    return f"bm{form['bm']} w{form['warps']} s{form['stages']} {decoder} k{form['subk']}{staged}"
 
 
 def main() -> None:
@@ -271,9 +286,11 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, nargs="*", default=[2048])
     ap.add_argument("--sets", type=int, default=8)
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--forms", nargs="*", default=[], help="extra decode tilings BM,warps,stages,lanes,subk,parallel[,ptx]")
-    ap.add_argument("--prefill-forms", nargs="*", default=[], help="extra prefill tilings BM,warps,stages,lanes,subk,parallel[,ptx]")
+    ap.add_argument("--forms", nargs="*", default=[], help="extra decode tilings BM,warps,stages,lanes,subk,parallel[,ptx[,stage_rows]]")
+    ap.add_argument("--prefill-forms", nargs="*", default=[], help="extra prefill tilings BM,warps,stages,lanes,subk,parallel[,ptx[,stage_rows]]")
     ap.add_argument("--exllamav3", action="store_true", help="compare with exllamav3 1.6.5 (carried in .whl)")
+    ap.add_argument("--stage-mb", type=int, default=None,
+                    help="the prefill stage's bound in MiB (default triton_exl3.STAGE_BYTES)")
     ap.add_argument("--split-steps", type=int, default=None,
                     help="128-row steps a split (default triton_exl3.SPLIT_STEPS): another summation grouping, "
                          "every form alike")
@@ -286,6 +303,8 @@ def main() -> None:
 
     if args.split_steps is not None:  # before any kernel compiles: the kernels read it as a constant
         tx.SPLIT_STEPS, tx._SPLIT = args.split_steps, triton.language.constexpr(args.split_steps)
+    if args.stage_mb is not None:
+        tx.STAGE_BYTES = args.stage_mb << 20
 
     dtype = torch.bfloat16
     bw = copy_bandwidth()
@@ -299,7 +318,7 @@ def main() -> None:
     prefill_forms = [tx.prefill_form(bank, dtype)] + [parse_form(f) for f in args.prefill_forms]
     header = result_header("bench_exl3_moe", {"experts": args.experts, "hidden": args.hidden, "width": args.width,
                                              "top_k": 8, "codebook": args.codebook, "dtype": "bf16",
-                                             "split_steps": tx.SPLIT_STEPS,
+                                             "split_steps": tx.SPLIT_STEPS, "stage_bytes": tx.STAGE_BYTES,
                                              "mix": "default_expert_bits (2/3/4: 10/50/40 %)"}, device="cuda")
     result: dict[str, Any] = {**header, "copy_bandwidth_Bps": bw, "bank_bytes": bank.nbytes, "allocated_bytes": allocated,
                               "results": []}
@@ -353,6 +372,8 @@ def main() -> None:
         elif r.get("kind") == "linear":
             print(f"| linear | {r['rows']} | 6144x2048 K3 | {r['us']:.1f} us | {r['floor_us']:.1f} us | "
                   f"{r['us'] / r['floor_us']:.2f} |")
+            if "unstaged_us" in r:
+                print(f"| linear | {r['rows']} | 6144x2048 K3 unstaged | {r['unstaged_us']:.1f} us | | |")
         elif r.get("kind") == "exllamav3" and "ours_us" in r:
             print(f"| vs exllamav3 | {r['tokens']} | {r['layer']} | ours {r['ours_us']:.1f} / theirs "
                   f"{r['exllamav3_us']:.1f} us | | |")

@@ -251,6 +251,7 @@ def _exl3_signature(kernel: str) -> dict[str, str]:
     """The EXL3 kernels' arguments as a bf16 model launches them (glm53/ops/triton_exl3.py)."""
     i32 = lambda *names: {n: "i32" for n in names}  # noqa: E731
     bank = {"table_ptr": "*i64", "words_ptr": "*i32", "scales_ptr": "*fp16"}
+    stage = {"stage_ptr": "*fp16", "stage_off_ptr": "*i64"}
     routing = {"ids_ptr": "*i64", **i32("stride_ids", "T", "K", "shared"), "tile_mat_ptr": "*i32",
                "tile_first_ptr": "*i64", "tile_rows_ptr": "*i32"}
     return {
@@ -258,35 +259,43 @@ def _exl3_signature(kernel: str) -> dict[str, str]:
                    **i32("R", "width", "in_start", "in_width"), "ids_ptr": "*i64", **i32("stride_ids", "T", "K", "shared"),
                    "token_ptr": "*i32", "expert_ptr": "*i32", **i32("m_gate", "m_up", "shared_gate", "shared_up")},
         "linear": {"xr_ptr": "*fp16", "out_ptr": "*bf16", "table_ptr": "*i64", "m": "i32", "words_ptr": "*i32",
-                   "scales_ptr": "*fp16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", **i32("M", "stride_om", "out_start", "out_width")},
-        "gate_up": {"xr_ptr": "*fp16", "xd_ptr": "*fp16", **bank, "ws_ptr": "*fp32", "cnt_ptr": "*i32", **routing,
+                   "scales_ptr": "*fp16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", **stage,
+                   **i32("M", "stride_om", "out_start", "out_width")},
+        "gate_up": {"xr_ptr": "*fp16", "xd_ptr": "*fp16", **bank, "ws_ptr": "*fp32", "cnt_ptr": "*i32", **stage,
+                    **routing,
                     **i32("gate0", "up0", "down0", "shared_gate", "shared_up", "shared_down", "S", "hidden", "width")},
         "down": {"xd_ptr": "*fp16", "parts_ptr": "*bf16", "out_ptr": "*bf16", **bank, "ws_ptr": "*fp32", "cnt_ptr": "*i32",
-                 "tok_cnt_ptr": "*i32", "ids_ptr": "*i64", "stride_ids": "i32", "weights_ptr": "*fp32",
+                 "tok_cnt_ptr": "*i32", **stage, "ids_ptr": "*i64", "stride_ids": "i32", "weights_ptr": "*fp32",
                  **i32("stride_w", "T", "K", "shared"), "tile_mat_ptr": "*i32", "tile_first_ptr": "*i64",
                  "tile_rows_ptr": "*i32", "slot_weight_ptr": "*fp32", **i32("down0", "shared_down", "width", "hidden")},
+        "stage": {"words_ptr": "*i32", "table_ptr": "*i64", "mats_ptr": "*i32", **stage},
     }[kernel]
 
 
 @pytest.mark.parametrize("capability,limit", [(90, H200_SHARED), (121, GB10_SHARED)], ids=["h200-sm90", "gb10-sm121"])
 @pytest.mark.parametrize("kernel,form", [("linear", "decode"), ("linear", "prefill"), ("gate_up", "decode"),
-                                         ("down", "prefill"), ("gate_up", "elements-ptx")])
+                                         ("down", "prefill"), ("gate_up", "elements-ptx"), ("linear", "staged"),
+                                         ("gate_up", "staged")])
 def test_exl3_kernels_compile_and_fit(capability: int, limit: int, form: str, kernel: str) -> None:
     """The EXL3 products (glm53/ops/triton_exl3.py) as a bf16 model launches them with one codebook: they
     compile, fit the device's shared memory, and decode in PTX (the funnel shifts and the f16x2 codebook
     of _decode_asm) where the form says so (the lane form, the element form with ptx), not the
-    interpreter's fallback. Every kernel once, each form's branches in two
+    interpreter's fallback; staged, the main loop reads the stage and decodes nothing. Every kernel once,
+    each form's branches in two
     (their shared helpers are the main loop; ~3 s a compile here, so not every kernel x form)."""
     import triton.language as tl
 
     from glm53.ops import triton_exl3 as tx
 
     f = {"decode": tx.DECODE, "prefill": tx.PREFILL,
-         "elements-ptx": tx.Form(16, 4, 1, False, 32, parallel=True, ptx=True)}[form]
+         "elements-ptx": tx.Form(16, 4, 1, False, 32, parallel=True, ptx=True), "staged": tx.PREFILL}[form]
+    staged = form == "staged"
     constexprs = {"ACT": tl.float16, "CB": 1, "LANES": f.decoder, "BM": f.bm, "BN": 128, "SUBK": f.subk,
                   "PARALLEL": f.parallel}
-    if kernel != "linear":
-        constexprs.update(TOKENS=f.parallel, HAS_SHARED=True, KPB=16)
+    if kernel == "linear":
+        constexprs["STAGED"] = staged
+    else:
+        constexprs.update(TOKENS=f.parallel, HAS_SHARED=True, KPB=16, STAGE=int(staged))
     if kernel == "gate_up":
         constexprs["C_TY"] = tl.bfloat16
     if kernel == "down":
@@ -296,11 +305,12 @@ def test_exl3_kernels_compile_and_fit(capability: int, limit: int, form: str, ke
     assert compiled.metadata.shared <= limit, (kernel, form, compiled.metadata.shared)
     ptx = compiled.asm["ptx"]
     in_ptx = "shf.r.clamp.b32" in ptx and "add.rn.f16x2" in ptx
-    assert in_ptx == (f.lanes or f.ptx), f"{form}: the decoder's PTX path {'missing' if not in_ptx else 'unexpected'}"
+    assert in_ptx == ((f.lanes or f.ptx) and not staged), (
+        f"{form}: the decoder's PTX path {'missing' if not in_ptx else 'unexpected'}")
 
 
 @pytest.mark.parametrize("capability", [90, 121])
-def test_exl3_rotation_compiles(capability: int) -> None:
+def test_exl3_rotation_and_stage_compile(capability: int) -> None:
     import triton.language as tl
 
     from glm53.ops import triton_exl3 as tx
@@ -308,3 +318,6 @@ def test_exl3_rotation_compiles(capability: int) -> None:
     compiled = _compile(tx._rotate_kernel, _exl3_signature("rotate"),
                         {"ROWS": 1, "HAS_SHARED": True, "ACT": tl.float16, "BM": tx.ROTATE_ROWS}, 4, capability)
     assert compiled.metadata.shared <= GB10_SHARED
+    staged = _compile(tx._stage_kernel, _exl3_signature("stage"), {"CB": 1, "LANES": tx.PREFILL.decoder,
+                      "SUBK": tx.PREFILL.subk, "BN": 128}, 4, capability)
+    assert staged.metadata.shared <= GB10_SHARED

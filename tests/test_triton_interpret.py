@@ -438,9 +438,10 @@ def _worker(names: list[str]) -> dict[str, list]:
                  f"decoder {codebook} K{bits} {'lanes' if lanes else 'elements'}")
 
     def check_exl3_linear() -> None:
-        """One linear: the parallel split form (partial sums in a workspace, the last program adds them)
-        and the full form give a row the same bits at one tile; both agree with exl3_torch; padded outputs
-        trimmed and a widened input placed; the arrival counters end at zero."""
+        """One linear: the parallel split form (partial sums in a workspace, the last program adds them),
+        the full form and the staged full form (the matrix decoded once, read by every row tile) give a row
+        the same bits; they agree with exl3_torch; padded outputs trimmed and a widened input placed; the
+        arrival counters end at zero."""
         from glm53.exl3.bank import BankBuilder
 
         group = exl3_group(1280, 256, 3.0, "mcg")  # 10 steps: two splits, the second partial
@@ -451,6 +452,8 @@ def _worker(names: list[str]) -> dict[str, list]:
         parallel = triton_exl3.linear(x, bank, m)
         same(triton_exl3.linear(x, bank, m, form=triton_exl3.Form(16, 4, 1, True, 32)), parallel,
              "full form vs parallel form")
+        same(triton_exl3.linear(x, bank, m, form=triton_exl3.Form(16, 4, 1, False, 32, stage_rows=1)), parallel,
+             "staged full form vs parallel form")
         close(parallel, exl3_torch.linear(x, bank, m), "exl3 linear vs torch")
         close(triton_exl3.linear(x[:, :1000], bank, m, in_start=128, out_start=16, out_features=200),
               exl3_torch.linear(x[:, :1000], bank, m, 128, 16, 200), "widened input, trimmed output")
@@ -459,7 +462,8 @@ def _worker(names: list[str]) -> dict[str, list]:
     def check_exl3_mlp() -> None:
         """Routed experts of mixed K with the shared expert folded in: the token-grouped decode form (each
         token's sum by the last expert to finish) and the expert-sorted prefill form against exl3_torch;
-        the dense MLP; the counters end at zero."""
+        the prefill form with every expert staged (over several passes of a small stage) and with the shared
+        expert alone staged gives its unstaged bits; the dense MLP; the counters end at zero."""
         from glm53.exl3.bank import BankBuilder, MlpMatrices
 
         hidden, width, experts = 256, 256, 4
@@ -475,8 +479,14 @@ def _worker(names: list[str]) -> dict[str, list]:
         w = torch.rand(3, 2, generator=g)
         want = exl3_torch.mlp(x, bank, mats, ids, w)
         close(triton_exl3.mlp(x, bank, mats, ids, w), want, "mlp decode form vs torch")
-        close(triton_exl3.mlp(x, bank, mats, ids, w, form=triton_exl3.Form(16, 4, 1, True, 32)), want,
-              "mlp prefill form vs torch")
+        prefill = triton_exl3.mlp(x, bank, mats, ids, w, form=triton_exl3.Form(16, 4, 1, True, 32))
+        close(prefill, want, "mlp prefill form vs torch")
+        expert_bytes = 2 * 3 * hidden * width
+        for stage_rows, stage_bytes, passes in ((1, 2 * expert_bytes, 3), (3, expert_bytes, 1)):
+            form = triton_exl3.Form(16, 4, 1, True, 32, stage_rows=stage_rows)
+            assert len(triton_exl3.stage_passes(bank, mats, 3, 2, stage_rows, stage_bytes)) == passes
+            same(triton_exl3.mlp(x, bank, mats, ids, w, form=form, stage_bytes=stage_bytes), prefill,
+                 f"mlp prefill staged from {stage_rows} rows in {passes} passes vs unstaged")
         dense = MlpMatrices(0, 0, 0, 0, shared, width, hidden)
         none = torch.zeros(3, 0, dtype=torch.int64)
         close(triton_exl3.mlp(x, bank, dense, none, None), exl3_torch.mlp(x, bank, dense, none, None), "dense mlp")

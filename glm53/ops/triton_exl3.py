@@ -282,11 +282,15 @@ def _layout(bits2, stride_r, LANES: tl.constexpr, SUBK: tl.constexpr, BN: tl.con
 
 
 @triton.jit
-def _chunk(acc, xrow, row_ok, c, words_ptr, block, lay0, lay1, lay2, lay3, lay4, cb, CB: tl.constexpr,
-           LANES: tl.constexpr, ACT: tl.constexpr, SUBK: tl.constexpr, BN: tl.constexpr):
-    """acc += (rotated input columns c) @ (the SUBK x BN trellis block at int32 word `block`, decoded)."""
+def _chunk(acc, xrow, row_ok, c, words_ptr, block, lay0, lay1, lay2, lay3, lay4, cb, stage, out_read,
+           STAGED: tl.constexpr, CB: tl.constexpr, LANES: tl.constexpr, ACT: tl.constexpr, SUBK: tl.constexpr,
+           BN: tl.constexpr):
+    """acc += (rotated input columns c) @ (the SUBK x BN trellis block at int32 word `block`, decoded; STAGED:
+    the same block's values read from the stage at `stage`, rows out_read apart)."""
     xr = tl.load(xrow[:, None] + c[None, :], mask=row_ok[:, None], other=0.0)
-    if LANES == 1:
+    if STAGED:
+        w = tl.load(stage + tl.arange(0, SUBK)[:, None].to(tl.int64) * out_read + tl.arange(0, BN)[None, :])
+    elif LANES == 1:
         w = _decode_lanes(words_ptr, block, lay0, lay1, lay2, lay3, lay4, cb, CB, SUBK, BN)
     else:
         w = _decode_elements(words_ptr, block, lay0, lay1, lay2, cb, CB, LANES == 2)
@@ -298,11 +302,13 @@ def _chunk(acc, xrow, row_ok, c, words_ptr, block, lay0, lay1, lay2, lay3, lay4,
 
 
 @triton.jit
-def _split_sum(table_ptr, m, nb, first, last, xrow, row_ok, words_ptr, CB: tl.constexpr, LANES: tl.constexpr,
-               ACT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SUBK: tl.constexpr):
+def _split_sum(table_ptr, m, nb, first, last, xrow, row_ok, words_ptr, stage_ptr, stage_off_ptr, STAGED: tl.constexpr,
+               CB: tl.constexpr, LANES: tl.constexpr, ACT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+               SUBK: tl.constexpr):
     """fp32 [BM, BN]: matrix m's output block nb over the steps [first, last): the sum, from zero, of
     (rotated input block) @ (decoded trellis block) a step, SUBK rows of the block a dot (the same k16
-    steps in the same order whatever SUBK). xrow: [BM] pointers to the rows' rotated inputs."""
+    steps in the same order whatever SUBK). xrow: [BM] pointers to the rows' rotated inputs. STAGED: the
+    decoded values come from the stage (matrix m's W_hat at stage_ptr + stage_off_ptr[m], [in_read, out_read])."""
     row = table_ptr + m * _NF
     base = tl.load(row + 0)
     stride_r = tl.load(row + 1).to(tl.int32)
@@ -310,16 +316,21 @@ def _split_sum(table_ptr, m, nb, first, last, xrow, row_ok, words_ptr, CB: tl.co
     step_nb = tl.load(row + 3)
     bits2 = tl.load(row + 4).to(tl.int32)
     cb = tl.load(row + 5).to(tl.int32)
+    out_read = tl.load(row + 11)
     lay0, lay1, lay2, lay3, lay4 = _layout(bits2, stride_r, LANES, SUBK, BN)
     sub = (SUBK // 16) * (stride_r // 2)  # int32 words between SUBK-row chunks of a block
     block0 = base // 2 + nb * (step_nb // 2)
+    stage0 = stage_ptr + nb * BN
+    if STAGED:
+        stage0 += tl.load(stage_off_ptr + m)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     sc = tl.arange(0, SUBK)
     for step in range(first, last):
         block = block0 + step * (step_kb // 2)
         for j in tl.static_range(_HAD // SUBK):
             acc = _chunk(acc, xrow, row_ok, sc + (step * _HAD + j * SUBK), words_ptr, block + j * sub, lay0, lay1,
-                         lay2, lay3, lay4, cb, CB, LANES, ACT, SUBK, BN)
+                         lay2, lay3, lay4, cb, stage0 + (step * _HAD + j * SUBK) * out_read, out_read, STAGED, CB,
+                         LANES, ACT, SUBK, BN)
     return acc
 
 
@@ -331,14 +342,15 @@ def _steps(table_ptr, m):
 
 
 @triton.jit
-def _full_sum(table_ptr, m, nb, n_steps, n_sp, xrow, row_ok, words_ptr, CB: tl.constexpr, LANES: tl.constexpr,
-              ACT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SUBK: tl.constexpr):
+def _full_sum(table_ptr, m, nb, n_steps, n_sp, xrow, row_ok, words_ptr, stage_ptr, stage_off_ptr,
+              STAGED: tl.constexpr, CB: tl.constexpr, LANES: tl.constexpr, ACT: tl.constexpr, BM: tl.constexpr,
+              BN: tl.constexpr, SUBK: tl.constexpr):
     """The full form's sum of matrix m's block nb: each split's sum from zero, added in split order from zero."""
-    total = 0.0 + _split_sum(table_ptr, m, nb, 0, tl.minimum(n_steps, _SPLIT), xrow, row_ok, words_ptr, CB, LANES,
-                             ACT, BM, BN, SUBK)
+    total = 0.0 + _split_sum(table_ptr, m, nb, 0, tl.minimum(n_steps, _SPLIT), xrow, row_ok, words_ptr, stage_ptr,
+                             stage_off_ptr, STAGED, CB, LANES, ACT, BM, BN, SUBK)
     for s in range(1, n_sp):
         total = total + _split_sum(table_ptr, m, nb, s * _SPLIT, tl.minimum(n_steps, (s + 1) * _SPLIT), xrow, row_ok,
-                                   words_ptr, CB, LANES, ACT, BM, BN, SUBK)
+                                   words_ptr, stage_ptr, stage_off_ptr, STAGED, CB, LANES, ACT, BM, BN, SUBK)
     return total
 
 
@@ -347,7 +359,7 @@ def _one_split(table_ptr, m, nb, split, n_steps, xrow, row_ok, words_ptr, CB: tl
                ACT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SUBK: tl.constexpr):
     """The parallel form's part: split `split` of matrix m's block nb."""
     return _split_sum(table_ptr, m, nb, split * _SPLIT, tl.minimum(n_steps, (split + 1) * _SPLIT), xrow, row_ok,
-                      words_ptr, CB, LANES, ACT, BM, BN, SUBK)
+                      words_ptr, words_ptr, words_ptr, False, CB, LANES, ACT, BM, BN, SUBK)
 
 
 @triton.jit
@@ -376,8 +388,8 @@ def _parts(ws_rows, split_stride, row_ok, n_sp, BN: tl.constexpr):
 
 
 @triton.jit
-def _block_sum(table_ptr, m, nb, n_steps, n_sp, xrow, row_ok, words_ptr, ws_rows, split_stride, cnt,
-               PARALLEL: tl.constexpr, CB: tl.constexpr, LANES: tl.constexpr, ACT: tl.constexpr, BM: tl.constexpr,
+def _block_sum(table_ptr, m, nb, n_steps, n_sp, xrow, row_ok, words_ptr, ws_rows, split_stride, cnt, stage_ptr,
+               stage_off_ptr, PARALLEL: tl.constexpr, STAGED: tl.constexpr, CB: tl.constexpr, LANES: tl.constexpr, ACT: tl.constexpr, BM: tl.constexpr,
                BN: tl.constexpr, SUBK: tl.constexpr):
     """(done, sum) of matrix m's output block nb. Full form: every split here, done. Parallel form: this
     program's split (program_id 2) stored at ws_rows + split * split_stride; done in the last of the
@@ -394,7 +406,8 @@ def _block_sum(table_ptr, m, nb, n_steps, n_sp, xrow, row_ok, words_ptr, ws_rows
             tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
     else:
         done = True
-        acc = _full_sum(table_ptr, m, nb, n_steps, n_sp, xrow, row_ok, words_ptr, CB, LANES, ACT, BM, BN, SUBK)
+        acc = _full_sum(table_ptr, m, nb, n_steps, n_sp, xrow, row_ok, words_ptr, stage_ptr, stage_off_ptr, STAGED,
+                        CB, LANES, ACT, BM, BN, SUBK)
     return done, acc
 
 
@@ -454,12 +467,12 @@ def _rotate_kernel(x_ptr, stride_xm, xr_ptr, table_ptr, scales_ptr, R, width, in
 
 # ---- one EXL3 linear ------------------------------------------------------------------------------
 @triton.jit
-def _linear_kernel(xr_ptr, out_ptr, table_ptr, m, words_ptr, scales_ptr, ws_ptr, cnt_ptr, M, stride_om, out_start,
-                   out_width, PARALLEL: tl.constexpr, ACT: tl.constexpr, CB: tl.constexpr, LANES: tl.constexpr,
+def _linear_kernel(xr_ptr, out_ptr, table_ptr, m, words_ptr, scales_ptr, ws_ptr, cnt_ptr, stage_ptr, stage_off_ptr, M,
+                   stride_om, out_start, out_width, PARALLEL: tl.constexpr, STAGED: tl.constexpr, ACT: tl.constexpr, CB: tl.constexpr, LANES: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, SUBK: tl.constexpr):
     """Program (row tile, output block nb[, split]): rows [tile * BM, +BM) of x @ W from their rotated
     inputs xr [M, in_read]; the matrix's output columns of block nb that fall inside
-    [out_start, out_start + out_width), stored from column 0."""
+    [out_start, out_start + out_width), stored from column 0. STAGED: the matrix's values from the stage."""
     tile = tl.program_id(0)
     nb = tl.program_id(1)
     rows = tile * BM + tl.arange(0, BM)
@@ -469,8 +482,8 @@ def _linear_kernel(xr_ptr, out_ptr, table_ptr, m, words_ptr, scales_ptr, ws_ptr,
     n_blocks = tl.num_programs(1)
     ws_rows = ws_ptr + ((tile * n_blocks + nb) * BM + tl.arange(0, BM)).to(tl.int64) * BN
     done, acc = _block_sum(table_ptr, m, nb, n_steps, n_sp, xrow, row_ok, words_ptr, ws_rows,
-                           tl.num_programs(0) * n_blocks * BM * BN, cnt_ptr + tile * n_blocks + nb, PARALLEL, CB,
-                           LANES, ACT, BM, BN, SUBK)
+                           tl.num_programs(0) * n_blocks * BM * BN, cnt_ptr + tile * n_blocks + nb, stage_ptr,
+                           stage_off_ptr, PARALLEL, STAGED, CB, LANES, ACT, BM, BN, SUBK)
     if done:
         y = _out_block(acc, table_ptr, m, nb, scales_ptr, ACT, BN)
         oc = nb * _HAD + tl.arange(0, BN) - out_start
@@ -519,24 +532,38 @@ def _group_rows(ids_ptr, stride_ids, g, T, K, shared, tile_mat_ptr, tile_first_p
 
 
 @triton.jit
-def _gate_up_kernel(xr_ptr, xd_ptr, table_ptr, words_ptr, scales_ptr, ws_ptr, cnt_ptr,
+def _staged(active, stage_off_ptr, m, STAGE: tl.constexpr):
+    """Whether an active group runs in this launch: STAGE 0 always, 1 when matrix m is in the stage (its
+    offset >= 0), 2 when it is not."""
+    if STAGE == 0:
+        return active
+    elif STAGE == 1:
+        return active & (tl.load(stage_off_ptr + m, mask=active, other=-1) >= 0)
+    else:
+        return active & (tl.load(stage_off_ptr + m, mask=active, other=0) < 0)
+
+
+@triton.jit
+def _gate_up_kernel(xr_ptr, xd_ptr, table_ptr, words_ptr, scales_ptr, ws_ptr, cnt_ptr, stage_ptr, stage_off_ptr,
                     ids_ptr, stride_ids, T, K, shared, tile_mat_ptr, tile_first_ptr, tile_rows_ptr,
                     gate0, up0, down0, shared_gate, shared_up, shared_down, S, hidden, width,
-                    TOKENS: tl.constexpr, HAS_SHARED: tl.constexpr, PARALLEL: tl.constexpr, C_TY: tl.constexpr,
+                    TOKENS: tl.constexpr, HAS_SHARED: tl.constexpr, PARALLEL: tl.constexpr, STAGE: tl.constexpr,
+                    C_TY: tl.constexpr,
                     ACT: tl.constexpr, CB: tl.constexpr, LANES: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                     KPB: tl.constexpr, SUBK: tl.constexpr):
     """Program (group, width block nb[, split]): gate and up of the group's expert over its slot rows
     (rotated inputs xr [2, S, hidden]), then act = C(silu(g) * u) and down's input rotation of block nb
-    -> xd [S, width] (ACT)."""
+    -> xd [S, width] (ACT). STAGE: 0 every group; 1 only groups whose matrices are in the stage (read
+    from there), 2 only the others (see _staged)."""
     g = tl.program_id(0)
     nb = tl.program_id(1)
     e, active, row_ok, slots, _ = _group_rows(ids_ptr, stride_ids, g, T, K, shared, tile_mat_ptr, tile_first_ptr,
                                               tile_rows_ptr, TOKENS, HAS_SHARED, BM, KPB)
-    if active:
-        is_shared = e == shared
-        mg = tl.where(is_shared, shared_gate, gate0 + e)
-        mu = tl.where(is_shared, shared_up, up0 + e)
-        md = tl.where(is_shared, shared_down, down0 + e)
+    is_shared = e == shared
+    mg = tl.where(is_shared, shared_gate, gate0 + e)
+    mu = tl.where(is_shared, shared_up, up0 + e)
+    md = tl.where(is_shared, shared_down, down0 + e)
+    if _staged(active, stage_off_ptr, mg, STAGE):
         xg = xr_ptr + slots.to(tl.int64) * hidden
         xu = xg + S * hidden
         n_steps, n_sp = _steps(table_ptr, mg)
@@ -562,10 +589,12 @@ def _gate_up_kernel(xr_ptr, xd_ptr, table_ptr, words_ptr, scales_ptr, ws_ptr, cn
                 tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
         else:
             done = True
-            gv = _out_block(_full_sum(table_ptr, mg, nb, n_steps, n_sp, xg, row_ok, words_ptr, CB, LANES, ACT, BM, BN,
-                                      SUBK), table_ptr, mg, nb, scales_ptr, ACT, BN).to(C_TY)
-            uv = _out_block(_full_sum(table_ptr, mu, nb, n_steps, n_sp, xu, row_ok, words_ptr, CB, LANES, ACT, BM, BN,
-                                      SUBK), table_ptr, mu, nb, scales_ptr, ACT, BN).to(C_TY)
+            gv = _out_block(_full_sum(table_ptr, mg, nb, n_steps, n_sp, xg, row_ok, words_ptr, stage_ptr, stage_off_ptr,
+                                      STAGE == 1, CB, LANES, ACT, BM, BN, SUBK), table_ptr, mg, nb, scales_ptr, ACT,
+                            BN).to(C_TY)
+            uv = _out_block(_full_sum(table_ptr, mu, nb, n_steps, n_sp, xu, row_ok, words_ptr, stage_ptr, stage_off_ptr,
+                                      STAGE == 1, CB, LANES, ACT, BM, BN, SUBK), table_ptr, mu, nb, scales_ptr, ACT,
+                            BN).to(C_TY)
         if done:
             g32 = gv.to(tl.float32)
             act = (g32 / (1.0 + tl.exp(-g32)) * uv.to(tl.float32)).to(C_TY).to(tl.float32)
@@ -578,26 +607,28 @@ def _gate_up_kernel(xr_ptr, xd_ptr, table_ptr, words_ptr, scales_ptr, ws_ptr, cn
 
 @triton.jit
 def _down_kernel(xd_ptr, parts_ptr, out_ptr, table_ptr, words_ptr, scales_ptr, ws_ptr, cnt_ptr, tok_cnt_ptr,
-                 ids_ptr, stride_ids, weights_ptr, stride_w, T, K, shared, tile_mat_ptr, tile_first_ptr,
-                 tile_rows_ptr, slot_weight_ptr, down0, shared_down, width, hidden,
+                 stage_ptr, stage_off_ptr, ids_ptr, stride_ids, weights_ptr, stride_w, T, K, shared, tile_mat_ptr,
+                 tile_first_ptr, tile_rows_ptr, slot_weight_ptr, down0, shared_down, width, hidden,
                  TOKENS: tl.constexpr, HAS_SHARED: tl.constexpr, WEIGHTED: tl.constexpr, PARALLEL: tl.constexpr,
+                 STAGE: tl.constexpr,
                  ACT: tl.constexpr, CB: tl.constexpr, LANES: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                  KPB: tl.constexpr, SUBK: tl.constexpr):
     """Program (group, output block nb[, split]): down of the group's expert over its rotated rows, each
     output C(y * w) (w: the routing weight; 1 for the shared expert, or when not WEIGHTED) -> parts
     [slot rows, hidden]. TOKENS: the last of a token's experts to finish block nb sums that token's
-    parts in ascending expert order into out[token] (a counter per token and block)."""
+    parts in ascending expert order into out[token] (a counter per token and block). STAGE: as gate/up's."""
     g = tl.program_id(0)
     nb = tl.program_id(1)
     e, active, row_ok, slots, tokens = _group_rows(ids_ptr, stride_ids, g, T, K, shared, tile_mat_ptr, tile_first_ptr,
                                                    tile_rows_ptr, TOKENS, HAS_SHARED, BM, KPB)
-    if active:
-        md = tl.where(e == shared, shared_down, down0 + e)
+    md = tl.where(e == shared, shared_down, down0 + e)
+    if _staged(active, stage_off_ptr, md, STAGE):
         xrow = xd_ptr + slots.to(tl.int64) * width
         n_steps, n_sp = _steps(table_ptr, md)
         done, acc = _block_sum(table_ptr, md, nb, n_steps, n_sp, xrow, row_ok, words_ptr,
                                ws_ptr + slots.to(tl.int64) * hidden + nb * BN, tl.num_programs(0) * hidden,
-                               cnt_ptr + g * tl.num_programs(1) + nb, PARALLEL, CB, LANES, ACT, BM, BN, SUBK)
+                               cnt_ptr + g * tl.num_programs(1) + nb, stage_ptr, stage_off_ptr, PARALLEL, STAGE == 1, CB,
+                               LANES, ACT, BM, BN, SUBK)
         if done:
             c_ty = out_ptr.dtype.element_ty
             y = _out_block(acc, table_ptr, md, nb, scales_ptr, ACT, BN).to(c_ty).to(tl.float32)
@@ -644,48 +675,72 @@ def _combine_tokens(parts_ptr, out_ptr, tok_cnt_ptr, ids_ptr, stride_ids, T, K, 
         tl.atomic_xchg(cnt, 0, mask=last, sem="relaxed", scope="gpu")
 
 
-# ---- the decoder alone (tests: its values against glm53.exl3.decode, bit for bit) ------------------------
+# ---- the stage: matrices decoded once (prefill); the decoder alone (tests) -------------------------------
 @triton.jit
-def _dequant_kernel(words_ptr, table_ptr, m, out_ptr, out_read, CB: tl.constexpr, LANES: tl.constexpr,
-                    SUBK: tl.constexpr, BN: tl.constexpr):
-    """Program (input block kb, output block nb): W_hat [128, 128] of matrix m at (kb, nb) -> out fp16 [in, out]."""
+def _stage_kernel(words_ptr, table_ptr, mats_ptr, stage_ptr, stage_off_ptr, CB: tl.constexpr, LANES: tl.constexpr,
+                  SUBK: tl.constexpr, BN: tl.constexpr):
+    """Program (input block kb, output block nb, i): the 128 x 128 block (kb, nb) of matrix m = mats[i], decoded
+    -> its W_hat at stage_ptr + stage_off_ptr[m] (fp16 [in_read, out_read]); blocks past m's shape idle."""
     kb = tl.program_id(0)
     nb = tl.program_id(1)
+    m = tl.load(mats_ptr + tl.program_id(2))
     row = table_ptr + m * _NF
-    stride_r = tl.load(row + 1).to(tl.int32)
-    bits2 = tl.load(row + 4).to(tl.int32)
-    cb = tl.load(row + 5).to(tl.int32)
-    lay0, lay1, lay2, lay3, lay4 = _layout(bits2, stride_r, LANES, SUBK, BN)
-    block = tl.load(row + 0) // 2 + nb * (tl.load(row + 3) // 2) + kb * (tl.load(row + 2) // 2)
-    r = tl.arange(0, SUBK)[:, None]
-    c = nb * BN + tl.arange(0, BN)[None, :]
-    for j in tl.static_range(_HAD // SUBK):
-        if LANES == 1:
-            w = _decode_lanes(words_ptr, block + j * (SUBK // 16) * (stride_r // 2), lay0, lay1, lay2, lay3, lay4, cb,
-                              CB, SUBK, BN)
-        else:
-            w = _decode_elements(words_ptr, block + j * (SUBK // 16) * (stride_r // 2), lay0, lay1, lay2, cb, CB,
-                                 LANES == 2)
-        tl.store(out_ptr + (kb * _HAD + j * SUBK + r).to(tl.int64) * out_read + c, w)
+    out_read = tl.load(row + 11)
+    if (kb * _HAD < tl.load(row + 10)) & (nb * _HAD < out_read):
+        stride_r = tl.load(row + 1).to(tl.int32)
+        bits2 = tl.load(row + 4).to(tl.int32)
+        cb = tl.load(row + 5).to(tl.int32)
+        lay0, lay1, lay2, lay3, lay4 = _layout(bits2, stride_r, LANES, SUBK, BN)
+        block = tl.load(row + 0) // 2 + nb * (tl.load(row + 3) // 2) + kb * (tl.load(row + 2) // 2)
+        r = tl.arange(0, SUBK)[:, None]
+        c = nb * BN + tl.arange(0, BN)[None, :]
+        out = stage_ptr + tl.load(stage_off_ptr + m)
+        for j in tl.static_range(_HAD // SUBK):
+            if LANES == 1:
+                w = _decode_lanes(words_ptr, block + j * (SUBK // 16) * (stride_r // 2), lay0, lay1, lay2, lay3, lay4,
+                                  cb, CB, SUBK, BN)
+            else:
+                w = _decode_elements(words_ptr, block + j * (SUBK // 16) * (stride_r // 2), lay0, lay1, lay2, cb, CB,
+                                     LANES == 2)
+            tl.store(out + (kb * _HAD + j * SUBK + r).to(tl.int64) * out_read + c, w)
 
 
 def dequant(bank: Exl3Bank, m: int, form: Form | None = None) -> torch.Tensor:
     """Matrix m's W_hat, fp16 [in_read, out_read], through the kernels' own decoder (tests)."""
-    form = form or DECODE
     lay = bank.layouts[m]
     out = torch.empty(lay.in_read, lay.out_read, dtype=torch.float16, device=bank.device)
-    _dequant_kernel[(lay.in_read // HAD, lay.out_read // HAD)](
-        bank.words.view(torch.int32), bank.table, m, out, lay.out_read, CB=_codebook_arg(bank), LANES=form.decoder,
-        SUBK=form.subk, BN=HAD, num_warps=4, **OPTIONS)
+    _stage_into(bank, [m], out, form or DECODE)
     return out
+
+
+def _stage_into(bank: Exl3Bank, mats: list[int], stage: torch.Tensor, form: Form) -> torch.Tensor:
+    """Decode matrices `mats` one after another into `stage` (fp16, flat); returns the offsets table the
+    kernels read (int64 per matrix of the bank: its W_hat's first element in the stage, -1 if absent)."""
+    offsets, at = [], 0
+    for m in mats:
+        offsets.append(at)
+        at += bank.layouts[m].in_read * bank.layouts[m].out_read
+    if at > stage.numel():
+        raise ValueError(f"EXL3 stage holds {stage.numel()} values, matrices {mats} need {at}")
+    table = torch.full((len(bank.layouts),), -1, dtype=torch.int64)
+    table[mats] = torch.tensor(offsets, dtype=torch.int64)
+    table = table.to(bank.device)
+    blocks = max(bank.layouts[m].in_read for m in mats) // HAD, max(bank.layouts[m].out_read for m in mats) // HAD
+    _stage_kernel[(*blocks, len(mats))](
+        bank.words.view(torch.int32), bank.table, torch.tensor(mats, dtype=torch.int32).to(bank.device), stage, table,
+        CB=_codebook_arg(bank), LANES=form.decoder, SUBK=form.subk, BN=HAD, num_warps=4, **OPTIONS)
+    return table
 
 
 # ---- launches ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Form:
     """How a product is tiled: BM rows a program, warps, pipeline stages, lane or element decode, SUBK
-    trellis rows decoded for one dot (32, 64 or 128: the same k16 steps in the same order), and whether
-    the splits run as programs of their own (the parallel form; rows <= BM) or in one program (full)."""
+    trellis rows decoded for one dot (32, 64 or 128: the same k16 steps in the same order), whether
+    the splits run as programs of their own (the parallel form; rows <= BM) or in one program (full),
+    and from how many rows of one matrix (stage_rows; 0 never) the full form decodes that matrix once
+    into the stage and its row tiles read it from there instead of each decoding it (the same values
+    into the same dots: the same bits)."""
 
     bm: int
     warps: int
@@ -694,6 +749,7 @@ class Form:
     subk: int = 32
     parallel: bool = False
     ptx: bool = False  # the element form's windows and codebook in PTX (the lane form's always are)
+    stage_rows: int = 0
 
     @property
     def decoder(self) -> int:
@@ -706,7 +762,10 @@ DECODE_ROWS = 16  # up to this many rows (tokens): the parallel form (decode ste
 # the lane decode's 851 us for one token's experts; 4 warps 35 ms against 8 warps' 59 ms for a 2048-token
 # prefill; bench/results/exl3_moe_h200.json); every tiling gives a row the same bits
 DECODE = Form(16, 4, 1, False, 32, parallel=True)
-PREFILL = Form(64, 4, 1, True, 32)
+PREFILL = Form(64, 4, 1, True, 32, stage_rows=128)
+# the stage's bound for a prefill's experts (fp16 W_hat of as many whole experts as fit, one pass each;
+# one GLM-5.3 expert is 75 MB): more passes cost launches, a larger stage costs memory
+STAGE_BYTES = 512 << 20
 ROTATE_ROWS = 16  # rows a program of the input rotation (one tile for every form: the same bits)
 _AGREE: dict[tuple, bool] = {}
 
@@ -823,14 +882,20 @@ def linear(x: torch.Tensor, bank: Exl3Bank, m: int, in_start: int = 0, out_start
     need = linear_scratch(lay.in_read, lay.out_read, rows if parallel else 0)
     ws = SCRATCH.get("parts", need["parts"], torch.float32, x.device)
     cnt = SCRATCH.get("count", need["count"], torch.int32, x.device)
+    staged = not parallel and 0 < form.stage_rows <= rows
+    stage, stage_off = ws, cnt
+    if staged:
+        stage = SCRATCH.get("stage", lay.in_read * lay.out_read, torch.float16, x.device)
+        stage_off = _stage_into(bank, [m], stage, form)
     _linear_kernel[(tiles, n_blocks, splits)](
-        xr, out, bank.table, m, bank.words.view(torch.int32), bank.scales, ws, cnt, rows, out.stride(0), out_start,
-        n_out, PARALLEL=parallel, ACT=_act(x.dtype), CB=_codebook_arg(bank), **_tiling(form), **OPTIONS)
+        xr, out, bank.table, m, bank.words.view(torch.int32), bank.scales, ws, cnt, stage, stage_off, rows,
+        out.stride(0), out_start, n_out, PARALLEL=parallel, STAGED=staged, ACT=_act(x.dtype), CB=_codebook_arg(bank),
+        **_tiling(form), **OPTIONS)
     return out
 
 
 def mlp(x: torch.Tensor, bank: Exl3Bank, mats: MlpMatrices, ids: torch.Tensor, weights: torch.Tensor | None,
-        form: Form | None = None) -> torch.Tensor:
+        form: Form | None = None, stage_bytes: int | None = None) -> torch.Tensor:
     """Routed experts (ids [T, K] into 0..n_experts-1, each token's distinct; weights fp32 [T, K]) plus
     the shared expert, or the dense MLP (K = 0, mats.shared its matrices): [T, hidden] in x's dtype,
     exl3_torch.experts' arithmetic. T <= DECODE_ROWS: three launches (input rotation, gate/up, down with
@@ -872,14 +937,14 @@ def mlp(x: torch.Tensor, bank: Exl3Bank, mats: MlpMatrices, ids: torch.Tensor, w
             ACT=_act(x.dtype), BM=ROTATE_ROWS, num_warps=4, **OPTIONS)
         tiles = dict(tile_mat_ptr=dummy, tile_first_ptr=dummy, tile_rows_ptr=dummy)
         _gate_up_kernel[(s, nb_w, sp_gu)](
-            xr, xd, bank.table, words, bank.scales, ws_gu, cnt, ids, ids.stride(0), t, k, mats.n_experts, **tiles,
-            **mat_args, S=s, hidden=mats.hidden, width=mats.width, TOKENS=True, PARALLEL=True,
+            xr, xd, bank.table, words, bank.scales, ws_gu, cnt, dummy, dummy, ids, ids.stride(0), t, k, mats.n_experts,
+            **tiles, **mat_args, S=s, hidden=mats.hidden, width=mats.width, TOKENS=True, PARALLEL=True, STAGE=0,
             C_TY=_TL_DTYPES[x.dtype], **common, **OPTIONS)
         _down_kernel[(s, nb_h, sp_d)](
-            xd, parts, out, bank.table, words, bank.scales, ws_d, cnt, tok_cnt, ids, ids.stride(0), wts, wts.stride(0),
-            t, k, mats.n_experts, **tiles, slot_weight_ptr=dummy, down0=mats.down0, shared_down=shared[2],
-            width=mats.width, hidden=mats.hidden, TOKENS=True, WEIGHTED=weights is not None, PARALLEL=True,
-            **common, **OPTIONS)
+            xd, parts, out, bank.table, words, bank.scales, ws_d, cnt, tok_cnt, dummy, dummy, ids, ids.stride(0), wts,
+            wts.stride(0), t, k, mats.n_experts, **tiles, slot_weight_ptr=dummy, down0=mats.down0,
+            shared_down=shared[2], width=mats.width, hidden=mats.hidden, TOKENS=True, WEIGHTED=weights is not None,
+            PARALLEL=True, STAGE=0, **common, **OPTIONS)
         return out
     # many tokens: the slots sorted by expert (the shared expert as id n_experts, last), tiles of bm rows
     cols = [ids[:, :k]] if k else []
@@ -903,14 +968,30 @@ def mlp(x: torch.Tensor, bank: Exl3Bank, mats: MlpMatrices, ids: torch.Tensor, w
         mats.n_experts, token, expert, mats.gate0, mats.up0, shared[0], shared[1], ROWS=2, HAS_SHARED=has_shared,
         ACT=_act(x.dtype), BM=ROTATE_ROWS, num_warps=4, **OPTIONS)
     tiles = dict(tile_mat_ptr=tile_mat, tile_first_ptr=tile_first, tile_rows_ptr=tile_rows)
-    _gate_up_kernel[(n_tiles, nb_w, 1)](
-        xr, xd, bank.table, words, bank.scales, x, x, ids, ids.stride(0), t, k, mats.n_experts, **tiles, **mat_args,
-        S=s, hidden=mats.hidden, width=mats.width, TOKENS=False, PARALLEL=False, C_TY=_TL_DTYPES[x.dtype],
-        **common, **OPTIONS)
-    _down_kernel[(n_tiles, nb_h, 1)](
-        xd, parts, out, bank.table, words, bank.scales, x, x, x, ids, ids.stride(0), wts, wts.stride(0), t, k,
-        mats.n_experts, **tiles, slot_weight_ptr=slot_w, down0=mats.down0, shared_down=shared[2], width=mats.width,
-        hidden=mats.hidden, TOKENS=False, WEIGHTED=weights is not None, PARALLEL=False, **common, **OPTIONS)
+
+    def launch(stage: torch.Tensor, stage_off: torch.Tensor, mode: int) -> None:
+        _gate_up_kernel[(n_tiles, nb_w, 1)](
+            xr, xd, bank.table, words, bank.scales, x, x, stage, stage_off, ids, ids.stride(0), t, k, mats.n_experts,
+            **tiles, **mat_args, S=s, hidden=mats.hidden, width=mats.width, TOKENS=False, PARALLEL=False,
+            STAGE=mode, C_TY=_TL_DTYPES[x.dtype], **common, **OPTIONS)
+        _down_kernel[(n_tiles, nb_h, 1)](
+            xd, parts, out, bank.table, words, bank.scales, x, x, x, stage, stage_off, ids, ids.stride(0), wts,
+            wts.stride(0), t, k, mats.n_experts, **tiles, slot_weight_ptr=slot_w, down0=mats.down0,
+            shared_down=shared[2], width=mats.width, hidden=mats.hidden, TOKENS=False, WEIGHTED=weights is not None,
+            PARALLEL=False, STAGE=mode, **common, **OPTIONS)
+
+    passes = stage_passes(bank, mats, t, k, form.stage_rows, STAGE_BYTES if stage_bytes is None else stage_bytes)
+    if not passes:
+        launch(x, x, 0)
+    else:
+        stage = SCRATCH.get("stage", max(sum(_values(bank, m) for m in p) for p in passes), torch.float16, x.device)
+        for p in passes:  # each pass: its experts decoded into the stage, then their tiles from there
+            launch(stage, _stage_into(bank, p, stage, form), 1)
+        every = [m for p in passes for m in p]
+        if len(every) < 3 * (mats.n_experts * int(k > 0) + int(has_shared)):  # the tiles of experts never staged
+            off = torch.full((len(bank.layouts),), -1, dtype=torch.int64)
+            off[every] = 0
+            launch(stage, off.to(x.device), 2)
     # each token's parts in ascending expert order (a stable sort keeps a token's slots in that order)
     rank = all_ids.argsort(dim=1, stable=True).argsort(dim=1)
     place = order // kp * kp + rank.reshape(-1)[order]
@@ -919,6 +1000,37 @@ def mlp(x: torch.Tensor, bank: Exl3Bank, mats: MlpMatrices, ids: torch.Tensor, w
     for j in range(kp):
         total = total + ordered[:, j]
     return total
+
+
+def _values(bank: Exl3Bank, m: int) -> int:
+    return bank.layouts[m].in_read * bank.layouts[m].out_read
+
+
+def stage_passes(bank: Exl3Bank, mats: MlpMatrices, tokens: int, k: int, stage_rows: int,
+                 stage_bytes: int) -> list[list[int]]:
+    """The matrices a prefill of `tokens` tokens decodes once, grouped in passes of whole experts that fit
+    `stage_bytes` (fp16): the shared expert (every token's) from stage_rows tokens on; the routed experts
+    when a routed expert's expected rows (tokens * k / n_experts: the host has no counts without a sync)
+    reach stage_rows. An expert larger than the stage is not staged."""
+    if stage_rows <= 0:
+        return []
+    experts = []
+    if mats.shared is not None and tokens >= stage_rows:
+        experts.append(list(mats.shared))
+    if k and tokens * k >= stage_rows * mats.n_experts:
+        experts += [[mats.gate0 + e, mats.up0 + e, mats.down0 + e] for e in range(mats.n_experts)]
+    passes: list[list[int]] = []
+    used = stage_bytes
+    for group in experts:
+        size = 2 * sum(_values(bank, m) for m in group)
+        if size > stage_bytes:
+            continue
+        if used + size > stage_bytes:
+            passes.append([])
+            used = 0
+        passes[-1] += group
+        used += size
+    return passes
 
 
 def prefill_form(bank: Exl3Bank, dtype: torch.dtype) -> Form:

@@ -105,6 +105,10 @@ def test_linear_forms_agree_bitwise_and_match_the_reference(tx, shape):
     full = tx.linear(x, bank, m)  # 150 rows: the full form at the prefill tile (or the decode tile, see forms_agree)
     for a, n in ((0, 1), (1, 1), (149, 1), (3, 7), (20, 16), (64, 13)):
         assert torch.equal(tx.linear(x[a:a + n], bank, m), full[a:a + n]), f"rows [{a}, {a + n})"
+    prefill = tx.prefill_form(bank, x.dtype)
+    assert 0 < prefill.stage_rows <= 150, "150 rows: the staged full form"
+    for form in (tx.dataclasses.replace(prefill, stage_rows=0), tx.dataclasses.replace(prefill, bm=16, stage_rows=1)):
+        assert torch.equal(tx.linear(x, bank, m, form=form), full), f"{form} vs the staged prefill form"
     assert torch.equal(tx.linear(x, bank, m), full), "the same call twice"
     ref = x.float() @ decode_weight(group, "cuda").float()
     assert_close(full, ref, TOL, f"linear {in_f}x{out_f} bf16")
@@ -180,6 +184,24 @@ def test_mlp_decode_form_equals_prefill_form_bitwise(tx, layer):
     assert_close(full[:8], ref, dict(max_rel=4e-2, rms_rel=1.5e-2), "mlp bf16 vs the fp32 torch path")
     for name in ("count", "count_tokens"):
         assert int(tx.SCRATCH.buffers[(name, x.device)].abs().sum()) == 0, f"{name} counters left non-zero"
+
+
+def test_mlp_staged_prefill_equals_unstaged_bitwise(tx, layer):
+    """300 tokens (300 * 8 / 16 = 150 rows an expert): every expert decoded once into the stage, over
+    several passes of a two-expert stage; and the shared expert alone staged: the unstaged form's bits."""
+    bank, mats = layer
+    t = 300
+    x = torch.randn(t, mats.hidden, generator=torch.Generator(device="cuda").manual_seed(12), device="cuda")
+    x = x.to(torch.bfloat16)
+    ids, w = _routing(t, mats.n_experts, 13)
+    prefill = tx.prefill_form(bank, x.dtype)
+    plain = tx.mlp(x, bank, mats, ids, w, form=tx.dataclasses.replace(prefill, stage_rows=0))
+    expert_bytes = 2 * 3 * mats.hidden * mats.width
+    for stage_rows, passes in ((128, 9), (200, 1)):
+        form = tx.dataclasses.replace(prefill, stage_rows=stage_rows)
+        assert len(tx.stage_passes(bank, mats, t, 8, stage_rows, 2 * expert_bytes)) == passes
+        got = tx.mlp(x, bank, mats, ids, w, form=form, stage_bytes=2 * expert_bytes)
+        assert torch.equal(got, plain), f"staged from {stage_rows} rows in {passes} passes"
 
 
 def test_dense_mlp_is_the_shared_expert_alone(tx, layer):
