@@ -191,7 +191,7 @@ def prefill_rows(tx, bank, mats, tokens: list[int], reps: int, dtype, forms) -> 
     return rows
 
 
-def linear_rows(tx, reps: int, bw: float, exl) -> list[dict]:
+def linear_rows(tx, reps: int, bw: float, exl, forms) -> list[dict]:
     ref = exllamav3_reference()
     ExlLinear, graph_time_us = ref.ExlLinear, ref.graph_time_us
 
@@ -219,6 +219,14 @@ def linear_rows(tx, reps: int, bw: float, exl) -> list[dict]:
             x0, (bank0, m0, _) = xs[0].to(torch.bfloat16), sets[0]
             row.update(unstaged_us=unstaged["median_us"], staged_bits_equal=bool(
                 torch.equal(tx.linear(x0, bank0, m0), tx.linear(x0, bank0, m0, form=plain))))
+            row["forms"] = []
+            for form in forms:  # --prefill-forms on the same rows
+                timing = graph_time_us(lambda x, bank, m, f=form: tx.linear(x, bank, m, form=f), reps,
+                                       [(x.to(torch.bfloat16), bank, m) for x, (bank, m, _) in zip(xs, sets)])
+                same = bool(torch.equal(tx.linear(x0, bank0, m0), tx.linear(x0, bank0, m0, form=form)))
+                row["forms"].append({"form": form.__dict__, "us": timing["median_us"], "bits_equal": same})
+                print(f"linear 6144x2048 K3 M={rows_m} {form}: {timing['median_us']:.1f} us, bits equal {same}",
+                      flush=True)
         if exl is not None:
             lins = [ExlLinear(p) for _, _, p in sets]
             theirs = graph_time_us(lambda x, lin: lin(x), reps, [(x.half(), lin) for x, lin in zip(xs, lins)])
@@ -347,7 +355,7 @@ def main() -> None:
         except Exception as exc:  # noqa: BLE001 - the kit's own numbers still stand; the JSON says why
             print(f"exllamav3 unavailable: {type(exc).__name__}: {exc}", flush=True)
             rows.append({"kind": "exllamav3", "skipped": f"{type(exc).__name__}: {exc}"})
-    section("linear", lambda: linear_rows(tx, args.reps, bw, exl))
+    section("linear", lambda: linear_rows(tx, args.reps, bw, exl, prefill_forms[1:]))
     if exl is not None:
         section("exllamav3", lambda: exllamav3_rows(
             tx, bank, mats, parts, shared, [t for t in args.tokens if t <= 16], args.sets, args.reps,
