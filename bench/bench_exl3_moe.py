@@ -167,7 +167,7 @@ def decode_rows(tx, bank, mats, tokens: list[int], sets: int, reps: int, bw: flo
                                        inputs)
                 floor = nbytes / bw * 1e6
                 rows.append({"kind": "decode", "tokens": t, "routing": "same 8 experts" if same else "random",
-                             "form": form.__dict__, "bits_equal_default": same_bits, "bytes": nbytes,
+                             "form": dataclasses.asdict(form), "bits_equal_default": same_bits, "bytes": nbytes,
                              "floor_us": floor, "us": timing["median_us"], "min_us": timing["min_us"],
                              "max_us": timing["max_us"], "x_floor": timing["median_us"] / floor, "mode": timing["mode"],
                              "samples_us": timing["samples_us"]})
@@ -185,7 +185,7 @@ def prefill_rows(tx, bank, mats, tokens: list[int], reps: int, dtype, forms) -> 
             got = tx.mlp(x, bank, mats, ids, w, form=form)
             want = got if want is None else want
             samples = event_time_ms(lambda f=form: tx.mlp(x, bank, mats, ids, w, form=f), reps)
-            rows.append({"kind": "prefill", "tokens": t, "form": form.__dict__, "ms": stats(samples),
+            rows.append({"kind": "prefill", "tokens": t, "form": dataclasses.asdict(form), "ms": stats(samples),
                          "bits_equal_first": bool(torch.equal(got, want)), "samples_ms": samples})
             print(f"prefill T={t} {form}: {statistics.median(samples):.2f} ms (min {min(samples):.2f})", flush=True)
     return rows
@@ -224,7 +224,7 @@ def linear_rows(tx, reps: int, bw: float, exl, forms) -> list[dict]:
                 timing = graph_time_us(lambda x, bank, m, f=form: tx.linear(x, bank, m, form=f), reps,
                                        [(x.to(torch.bfloat16), bank, m) for x, (bank, m, _) in zip(xs, sets)])
                 same = bool(torch.equal(tx.linear(x0, bank0, m0), tx.linear(x0, bank0, m0, form=form)))
-                row["forms"].append({"form": form.__dict__, "us": timing["median_us"], "bits_equal": same})
+                row["forms"].append({"form": dataclasses.asdict(form), "us": timing["median_us"], "bits_equal": same})
                 print(f"linear 6144x2048 K3 M={rows_m} {form}: {timing['median_us']:.1f} us, bits equal {same}",
                       flush=True)
         if exl is not None:

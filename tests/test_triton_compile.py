@@ -288,7 +288,7 @@ def test_exl3_kernels_compile_and_fit(capability: int, limit: int, form: str, ke
     from glm53.ops import triton_exl3 as tx
 
     f = {"decode": tx.DECODE, "prefill": tx.PREFILL,
-         "elements-ptx": tx.Form(16, 4, 1, False, 32, parallel=True, ptx=True), "staged": tx.PREFILL}[form]
+         "elements-ptx": tx.Form(16, 4, 1, False, 32, parallel=True, ptx=True), "staged": tx.PREFILL.stage_tiling}[form]
     staged = form == "staged"
     constexprs = {"ACT": tl.float16, "CB": 1, "LANES": f.decoder, "BM": f.bm, "BN": 128, "SUBK": f.subk,
                   "PARALLEL": f.parallel}

@@ -740,7 +740,7 @@ class Form:
     the splits run as programs of their own (the parallel form; rows <= BM) or in one program (full),
     and from how many rows of one matrix (stage_rows; 0 never) the full form decodes that matrix once
     into the stage and its row tiles read it from there instead of each decoding it (the same values
-    into the same dots: the same bits)."""
+    into the same dots: the same bits), tiled as `staged` (None: as this form)."""
 
     bm: int
     warps: int
@@ -750,6 +750,11 @@ class Form:
     parallel: bool = False
     ptx: bool = False  # the element form's windows and codebook in PTX (the lane form's always are)
     stage_rows: int = 0
+    staged: Form | None = None
+
+    @property
+    def stage_tiling(self) -> Form:
+        return self.staged or self
 
     @property
     def decoder(self) -> int:
@@ -762,7 +767,10 @@ DECODE_ROWS = 16  # up to this many rows (tokens): the parallel form (decode ste
 # the lane decode's 851 us for one token's experts; 4 warps 35 ms against 8 warps' 59 ms for a 2048-token
 # prefill; bench/results/exl3_moe_h200.json); every tiling gives a row the same bits
 DECODE = Form(16, 4, 1, False, 32, parallel=True)
-PREFILL = Form(64, 4, 1, True, 32, stage_rows=128)
+# staged tiles decode nothing: a GEMM's tiling (128 rows, 8 warps, 3 pipeline stages, 64-row chunks: 51 ms
+# against 71 ms at PREFILL's own tiling for 8192 tokens through 64 experts, all staged; H100,
+# bench/results/exl3_moe_stage_h100.json)
+PREFILL = Form(64, 4, 1, True, 32, stage_rows=128, staged=Form(128, 8, 3, True, 64))
 # the stage's bound for a prefill's experts (fp16 W_hat of as many whole experts as fit, one pass each;
 # one GLM-5.3 expert is 75 MB): more passes cost launches, a larger stage costs memory
 STAGE_BYTES = 512 << 20
@@ -876,21 +884,20 @@ def linear(x: torch.Tensor, bank: Exl3Bank, m: int, in_start: int = 0, out_start
     _rotate_kernel[(triton.cdiv(rows, ROTATE_ROWS), lay.in_read // HAD, 1)](
         x, x.stride(0), xr, bank.table, bank.scales, rows, lay.in_read, in_start, x.shape[1], x, 0, 0, 0, 0, x, x,
         m, m, m, m, ROWS=0, HAS_SHARED=False, ACT=_act(x.dtype), BM=ROTATE_ROWS, num_warps=4, **OPTIONS)
-    tiles = triton.cdiv(rows, form.bm)
     n_blocks = lay.out_read // HAD
     splits = n_splits(lay.in_read) if parallel else 1
     need = linear_scratch(lay.in_read, lay.out_read, rows if parallel else 0)
     ws = SCRATCH.get("parts", need["parts"], torch.float32, x.device)
     cnt = SCRATCH.get("count", need["count"], torch.int32, x.device)
     staged = not parallel and 0 < form.stage_rows <= rows
-    stage, stage_off = ws, cnt
+    stage, stage_off, tiling = ws, cnt, form
     if staged:
         stage = SCRATCH.get("stage", lay.in_read * lay.out_read, torch.float16, x.device)
-        stage_off = _stage_into(bank, [m], stage, form)
-    _linear_kernel[(tiles, n_blocks, splits)](
+        stage_off, tiling = _stage_into(bank, [m], stage, form), form.stage_tiling
+    _linear_kernel[(triton.cdiv(rows, tiling.bm), n_blocks, splits)](
         xr, out, bank.table, m, bank.words.view(torch.int32), bank.scales, ws, cnt, stage, stage_off, rows,
         out.stride(0), out_start, n_out, PARALLEL=parallel, STAGED=staged, ACT=_act(x.dtype), CB=_codebook_arg(bank),
-        **_tiling(form), **OPTIONS)
+        **_tiling(tiling), **OPTIONS)
     return out
 
 
@@ -912,8 +919,7 @@ def mlp(x: torch.Tensor, bank: Exl3Bank, mats: MlpMatrices, ids: torch.Tensor, w
     form = form or (DECODE if parallel else prefill_form(bank, x.dtype))
     s = t * kp
     act = _torch_act(x.dtype)
-    common = dict(ACT=_act(x.dtype), CB=_codebook_arg(bank), KPB=triton.next_power_of_2(kp), HAS_SHARED=has_shared,
-                  **_tiling(form))
+    common = dict(ACT=_act(x.dtype), CB=_codebook_arg(bank), KPB=triton.next_power_of_2(kp), HAS_SHARED=has_shared)
     xr = torch.empty(2, s, mats.hidden, dtype=act, device=x.device)
     xd = torch.empty(s, mats.width, dtype=act, device=x.device)
     parts = torch.empty(s, mats.hidden, dtype=x.dtype, device=x.device)
@@ -939,12 +945,12 @@ def mlp(x: torch.Tensor, bank: Exl3Bank, mats: MlpMatrices, ids: torch.Tensor, w
         _gate_up_kernel[(s, nb_w, sp_gu)](
             xr, xd, bank.table, words, bank.scales, ws_gu, cnt, dummy, dummy, ids, ids.stride(0), t, k, mats.n_experts,
             **tiles, **mat_args, S=s, hidden=mats.hidden, width=mats.width, TOKENS=True, PARALLEL=True, STAGE=0,
-            C_TY=_TL_DTYPES[x.dtype], **common, **OPTIONS)
+            C_TY=_TL_DTYPES[x.dtype], **common, **_tiling(form), **OPTIONS)
         _down_kernel[(s, nb_h, sp_d)](
             xd, parts, out, bank.table, words, bank.scales, ws_d, cnt, tok_cnt, dummy, dummy, ids, ids.stride(0), wts,
             wts.stride(0), t, k, mats.n_experts, **tiles, slot_weight_ptr=dummy, down0=mats.down0,
             shared_down=shared[2], width=mats.width, hidden=mats.hidden, TOKENS=True, WEIGHTED=weights is not None,
-            PARALLEL=True, STAGE=0, **common, **OPTIONS)
+            PARALLEL=True, STAGE=0, **common, **_tiling(form), **OPTIONS)
         return out
     # many tokens: the slots sorted by expert (the shared expert as id n_experts, last), tiles of bm rows
     cols = [ids[:, :k]] if k else []
@@ -957,28 +963,29 @@ def mlp(x: torch.Tensor, bank: Exl3Bank, mats: MlpMatrices, ids: torch.Tensor, w
     counts = torch.bincount(all_ids.reshape(-1), minlength=mats.n_experts + int(has_shared))
     from glm53.ops.triton_linear import _tile_table
 
-    tile_mat, tile_first, tile_rows = _tile_table(counts, form.bm, triton.cdiv(s, form.bm) + counts.shape[0])
     slot_w = wts
     if weights is not None:
         w_cols = [weights[:, :k].to(torch.float32)] + ([torch.ones(t, 1, device=x.device)] if has_shared else [])
         slot_w = torch.cat(w_cols, dim=1).reshape(-1)[order].contiguous()
-    n_tiles = tile_mat.shape[0]
     _rotate_kernel[(triton.cdiv(s, ROTATE_ROWS), nb_h, 2)](
         x, x.stride(0), xr, bank.table, bank.scales, s, mats.hidden, 0, mats.hidden, ids, ids.stride(0), t, k,
         mats.n_experts, token, expert, mats.gate0, mats.up0, shared[0], shared[1], ROWS=2, HAS_SHARED=has_shared,
         ACT=_act(x.dtype), BM=ROTATE_ROWS, num_warps=4, **OPTIONS)
-    tiles = dict(tile_mat_ptr=tile_mat, tile_first_ptr=tile_first, tile_rows_ptr=tile_rows)
 
     def launch(stage: torch.Tensor, stage_off: torch.Tensor, mode: int) -> None:
+        tiling = form.stage_tiling if mode == 1 else form
+        tile_mat, tile_first, tile_rows = _tile_table(counts, tiling.bm, triton.cdiv(s, tiling.bm) + counts.shape[0])
+        n_tiles = tile_mat.shape[0]
+        tiles = dict(tile_mat_ptr=tile_mat, tile_first_ptr=tile_first, tile_rows_ptr=tile_rows)
         _gate_up_kernel[(n_tiles, nb_w, 1)](
             xr, xd, bank.table, words, bank.scales, x, x, stage, stage_off, ids, ids.stride(0), t, k, mats.n_experts,
             **tiles, **mat_args, S=s, hidden=mats.hidden, width=mats.width, TOKENS=False, PARALLEL=False,
-            STAGE=mode, C_TY=_TL_DTYPES[x.dtype], **common, **OPTIONS)
+            STAGE=mode, C_TY=_TL_DTYPES[x.dtype], **common, **_tiling(tiling), **OPTIONS)
         _down_kernel[(n_tiles, nb_h, 1)](
             xd, parts, out, bank.table, words, bank.scales, x, x, x, stage, stage_off, ids, ids.stride(0), wts,
             wts.stride(0), t, k, mats.n_experts, **tiles, slot_weight_ptr=slot_w, down0=mats.down0,
             shared_down=shared[2], width=mats.width, hidden=mats.hidden, TOKENS=False, WEIGHTED=weights is not None,
-            PARALLEL=False, STAGE=mode, **common, **OPTIONS)
+            PARALLEL=False, STAGE=mode, **common, **_tiling(tiling), **OPTIONS)
 
     passes = stage_passes(bank, mats, t, k, form.stage_rows, STAGE_BYTES if stage_bytes is None else stage_bytes)
     if not passes:
@@ -1034,16 +1041,17 @@ def stage_passes(bank: Exl3Bank, mats: MlpMatrices, tokens: int, k: int, stage_r
 
 
 def prefill_form(bank: Exl3Bank, dtype: torch.dtype) -> Form:
-    """PREFILL where this device gives a row the decode form's bits under it, else the decode tile."""
+    """PREFILL where this device gives a row the decode form's bits under its tilings, else its tilings
+    at the decode tile's rows."""
     if forms_agree(bank, dtype):
         return PREFILL
-    return dataclasses.replace(PREFILL, bm=DECODE.bm)
+    return dataclasses.replace(PREFILL, bm=DECODE.bm, staged=dataclasses.replace(PREFILL.stage_tiling, bm=DECODE.bm))
 
 
 def forms_agree(bank: Exl3Bank, dtype: torch.dtype) -> bool:
-    """Whether the full form at PREFILL's tile gives rows the parallel form's bits on this device, for
-    matrix 0 of this bank's shape: checked once per (shape, dtype, codebook set, device) on random rows;
-    inside a graph capture an unchecked key answers False (the decode tile is exact)."""
+    """Whether the full form at PREFILL's tilings (unstaged and staged) gives rows the parallel form's bits
+    on this device, for matrix 0 of this bank's shape: checked once per (shape, dtype, codebook set, device)
+    on random rows; inside a graph capture an unchecked key answers False (the decode tile is exact)."""
     lay = bank.layouts[0]
     key = (lay.in_read, lay.out_read, dtype, bank.codebooks, bank.device, PREFILL, DECODE)
     found = _AGREE.get(key)
@@ -1054,13 +1062,15 @@ def forms_agree(bank: Exl3Bank, dtype: torch.dtype) -> bool:
     if torch.cuda.is_current_stream_capturing():
         return False
     g = torch.Generator(device=bank.device).manual_seed(20261205)
-    x = torch.randn(2 * PREFILL.bm + 3, lay.in_read, generator=g, device=bank.device).to(dtype)
-    full = linear(x, bank, 0, form=PREFILL)
-    same = all(torch.equal(linear(x[a:a + n], bank, 0, form=DECODE), full[a:a + n])
-               for a, n in ((0, 1), (5, 16), (PREFILL.bm + 1, 7)))
+    bm = max(PREFILL.bm, PREFILL.stage_tiling.bm)
+    x = torch.randn(2 * bm + 3, lay.in_read, generator=g, device=bank.device).to(dtype)
+    full = linear(x, bank, 0, form=dataclasses.replace(PREFILL, stage_rows=0))
+    staged = linear(x, bank, 0, form=dataclasses.replace(PREFILL, stage_rows=1))
+    same = torch.equal(staged, full) and all(torch.equal(linear(x[a:a + n], bank, 0, form=DECODE), full[a:a + n])
+                                             for a, n in ((0, 1), (5, 16), (bm + 1, 7)))
     _AGREE[key] = same
     if not same:
-        print(f"glm53: EXL3 full form at {PREFILL.bm} rows differs from the decode form's bits on "
+        print(f"glm53: EXL3 full form at {PREFILL.bm} / {PREFILL.stage_tiling.bm} rows differs from the decode form's bits on "
               f"{torch.cuda.get_device_name(bank.device)}; every row count runs the decode tile (exact, slower)",
               file=sys.stderr)
     return same
