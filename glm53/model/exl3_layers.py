@@ -70,9 +70,10 @@ def _linears_of(layer) -> list:  # noqa: ANN001 - a LayerWeights
 
 
 def decode_scratch_needs(weights, window: int, top_k: int) -> list[dict[str, int]]:  # noqa: ANN001
-    """What the CUDA kernels' parallel form needs for windows of up to `window` tokens, for every EXL3
-    linear and MLP of `weights` (glm53.model.transformer.ModelWeights): reserved at load, before any
-    CUDA graph is captured (glm53.ops.triton_exl3.reserve)."""
+    """What the CUDA kernels need for every EXL3 linear and MLP of `weights`
+    (glm53.model.transformer.ModelWeights): the parallel form's scratch for windows of up to `window`
+    tokens and the prefill stage; reserved at load, before any CUDA graph is captured
+    (glm53.ops.triton_exl3.reserve)."""
     from glm53.ops.triton_exl3 import linear_scratch, mlp_scratch
 
     layers = list(weights.layers) + ([weights.mtp.layer] if weights.mtp is not None else [])

@@ -769,7 +769,7 @@ DECODE_ROWS = 16  # up to this many rows (tokens): the parallel form (decode ste
 DECODE = Form(16, 4, 1, False, 32, parallel=True)
 # staged tiles decode nothing: a GEMM's tiling (128 rows, 8 warps, 3 pipeline stages, 64-row chunks: 51 ms
 # against 71 ms at PREFILL's own tiling for 8192 tokens through 64 experts, all staged; H100,
-# bench/results/exl3_moe_stage_h100.json)
+# bench/results/exl3_moe_stage_tilings_h100.json; docs/decisions/exl3-prefill-stage.md)
 PREFILL = Form(64, 4, 1, True, 32, stage_rows=128, staged=Form(128, 8, 3, True, 64))
 # the stage's bound for a prefill's experts (fp16 W_hat of as many whole experts as fit, one pass each;
 # one GLM-5.3 expert is 75 MB): more passes cost launches, a larger stage costs memory
@@ -820,27 +820,34 @@ class _Scratch:
 
 SCRATCH = _Scratch()
 SCRATCH_DTYPES = {"parts": torch.float32, "parts_down": torch.float32, "count": torch.int32,
-                  "count_tokens": torch.int32}
+                  "count_tokens": torch.int32, "stage": torch.float16}
 
 
 def linear_scratch(in_read: int, out_read: int, rows: int) -> dict[str, int]:
-    """Elements of each scratch buffer the parallel form of one linear needs for `rows` rows (0: none)."""
+    """Elements of each scratch buffer one linear needs: the parallel form's for `rows` rows (0: none),
+    and the stage for a prefill."""
     tiles = triton.cdiv(rows, DECODE.bm)
     n_blocks = out_read // HAD
-    return {"parts": n_splits(in_read) * tiles * n_blocks * DECODE.bm * HAD, "count": tiles * n_blocks}
+    return {"parts": n_splits(in_read) * tiles * n_blocks * DECODE.bm * HAD, "count": tiles * n_blocks,
+            "stage": in_read * out_read if PREFILL.stage_rows else 0}
 
 
 def mlp_scratch(mats: MlpMatrices, tokens: int, slots_per_token: int) -> dict[str, int]:
-    """Elements of each scratch buffer the parallel form of an MLP needs for `tokens` tokens."""
+    """Elements of each scratch buffer an MLP needs: the parallel form's for `tokens` tokens, and the
+    stage of a prefill's largest pass (stage_passes)."""
     s = tokens * slots_per_token
     nb_w, nb_h = mats.width // HAD, mats.hidden // HAD
+    expert = 3 * mats.hidden * mats.width
+    per_pass = min(STAGE_BYTES // (2 * expert), mats.n_experts + int(mats.shared is not None))
     return {"parts": n_splits(mats.hidden) * s * 2 * mats.width, "parts_down": n_splits(mats.width) * s * mats.hidden,
-            "count": s * max(nb_w, nb_h), "count_tokens": tokens * nb_h}
+            "count": s * max(nb_w, nb_h), "count_tokens": tokens * nb_h,
+            "stage": per_pass * expert if PREFILL.stage_rows else 0}
 
 
 def reserve(needs: list[dict[str, int]], device: torch.device) -> int:
     """Allocate the scratch every listed need fits, before any CUDA graph is captured (a graph keeps the
-    buffers it was captured with: they must never be replaced after); returns the scratch bytes."""
+    buffers it was captured with: they must never be replaced after), and the prefill stage, so that the
+    load reports every byte the kernels take; returns the scratch bytes."""
     for name, dtype in SCRATCH_DTYPES.items():
         SCRATCH.get(name, max((n.get(name, 0) for n in needs), default=0), dtype, device)
     return SCRATCH.nbytes
