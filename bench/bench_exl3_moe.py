@@ -273,12 +273,13 @@ def parse_form(text: str):
     from glm53.ops.triton_exl3 import Form
 
     bm, warps, stages, lanes, subk, parallel, *rest = (int(v) for v in text.split(","))
-    ptx, stage_rows = (rest + [0, 0])[:2]
-    return Form(bm, warps, stages, bool(lanes), subk, bool(parallel), bool(ptx), stage_rows)
+    ptx, stage_rows, prefetch = (rest + [0, 0, 0])[:3]
+    return Form(bm, warps, stages, bool(lanes), subk, bool(parallel), bool(ptx), stage_rows, prefetch=bool(prefetch))
 
 
 def form_label(form: dict) -> str:
     decoder = "lanes" if form["lanes"] else "elements ptx" if form.get("ptx") else "elements"
+    decoder += " prefetch" if form.get("prefetch") else ""
     staged = f" staged>={form['stage_rows']}" if form.get("stage_rows") else ""
     return f"bm{form['bm']} w{form['warps']} s{form['stages']} {decoder} k{form['subk']}{staged}"
 
@@ -294,8 +295,8 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, nargs="*", default=[2048])
     ap.add_argument("--sets", type=int, default=8)
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--forms", nargs="*", default=[], help="extra decode tilings BM,warps,stages,lanes,subk,parallel[,ptx[,stage_rows]]")
-    ap.add_argument("--prefill-forms", nargs="*", default=[], help="extra prefill tilings BM,warps,stages,lanes,subk,parallel[,ptx[,stage_rows]]")
+    ap.add_argument("--forms", nargs="*", default=[], help="extra decode tilings BM,warps,stages,lanes,subk,parallel[,ptx[,stage_rows[,prefetch]]]")
+    ap.add_argument("--prefill-forms", nargs="*", default=[], help="extra prefill tilings BM,warps,stages,lanes,subk,parallel[,ptx[,stage_rows[,prefetch]]]")
     ap.add_argument("--exllamav3", action="store_true", help="compare with exllamav3 1.6.5 (carried in .whl)")
     ap.add_argument("--stage-mb", type=int, default=None,
                     help="the prefill stage's bound in MiB (default triton_exl3.STAGE_BYTES)")

@@ -275,7 +275,7 @@ def _exl3_signature(kernel: str) -> dict[str, str]:
 @pytest.mark.parametrize("capability,limit", [(90, H200_SHARED), (121, GB10_SHARED)], ids=["h200-sm90", "gb10-sm121"])
 @pytest.mark.parametrize("kernel,form", [("linear", "decode"), ("linear", "prefill"), ("gate_up", "decode"),
                                          ("down", "prefill"), ("gate_up", "elements-ptx"), ("linear", "staged"),
-                                         ("gate_up", "staged")])
+                                         ("gate_up", "staged"), ("down", "prefetch-ptx")])
 def test_exl3_kernels_compile_and_fit(capability: int, limit: int, form: str, kernel: str) -> None:
     """The EXL3 products (glm53/ops/triton_exl3.py) as a bf16 model launches them with one codebook: they
     compile, fit the device's shared memory, and decode in PTX (the funnel shifts and the f16x2 codebook
@@ -288,7 +288,8 @@ def test_exl3_kernels_compile_and_fit(capability: int, limit: int, form: str, ke
     from glm53.ops import triton_exl3 as tx
 
     f = {"decode": tx.DECODE, "prefill": tx.PREFILL,
-         "elements-ptx": tx.Form(16, 4, 1, False, 32, parallel=True, ptx=True), "staged": tx.PREFILL.stage_tiling}[form]
+         "elements-ptx": tx.Form(16, 4, 1, False, 32, parallel=True, ptx=True), "staged": tx.PREFILL.stage_tiling,
+         "prefetch-ptx": tx.Form(16, 4, 1, False, 32, parallel=True, ptx=True, prefetch=True)}[form]
     staged = form == "staged"
     constexprs = {"ACT": tl.float16, "CB": 1, "LANES": f.decoder, "BM": f.bm, "BN": 128, "SUBK": f.subk,
                   "PARALLEL": f.parallel}

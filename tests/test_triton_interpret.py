@@ -439,8 +439,8 @@ def _worker(names: list[str]) -> dict[str, list]:
 
     def check_exl3_linear() -> None:
         """One linear: the parallel split form (partial sums in a workspace, the last program adds them),
-        the full form and the staged full form (the matrix decoded once, read by every row tile) give a row
-        the same bits; they agree with exl3_torch; padded outputs trimmed and a widened input placed; the
+        the full form, the staged full form (the matrix decoded once, read by every row tile) and the
+        element decoder with its words prefetched (split and full) give a row the same bits; they agree with exl3_torch; padded outputs trimmed and a widened input placed; the
         arrival counters end at zero."""
         from glm53.exl3.bank import BankBuilder
 
@@ -454,6 +454,9 @@ def _worker(names: list[str]) -> dict[str, list]:
              "full form vs parallel form")
         same(triton_exl3.linear(x, bank, m, form=triton_exl3.Form(16, 4, 1, False, 32, stage_rows=1)), parallel,
              "staged full form vs parallel form")
+        for form in (triton_exl3.Form(16, 4, 1, False, 32, parallel=True, prefetch=True),
+                     triton_exl3.Form(16, 4, 1, False, 32, prefetch=True)):
+            same(triton_exl3.linear(x, bank, m, form=form), parallel, f"{form} vs the parallel form")
         close(parallel, exl3_torch.linear(x, bank, m), "exl3 linear vs torch")
         close(triton_exl3.linear(x[:, :1000], bank, m, in_start=128, out_start=16, out_features=200),
               exl3_torch.linear(x[:, :1000], bank, m, 128, 16, 200), "widened input, trimmed output")

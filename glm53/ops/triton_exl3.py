@@ -121,11 +121,17 @@ def _element_layout(bits2, stride_r, SUBK: tl.constexpr, BN: tl.constexpr):
 
 @triton.jit
 def _decode_elements(words_ptr, block, off0, off1, offset, cb, CB: tl.constexpr, PTX: tl.constexpr):
-    """The SUBK x BN fp16 block whose first tile starts at int32 word `block`: each value from its two words.
+    """The SUBK x BN fp16 block whose first tile starts at int32 word `block`: each value from its two words."""
+    return _decode_words(tl.load(words_ptr + block + off0), tl.load(words_ptr + block + off1), offset, cb, CB, PTX)
+
+
+@triton.jit
+def _decode_words(w0, w1, offset, cb, CB: tl.constexpr, PTX: tl.constexpr):
+    """Values from their two int32 words (_element_layout) and the window's first bit in the first.
     PTX: the window and codebook two values at a time (_decode_asm, as the lane form), from w0:w1 >> 16
     (the window lies in its low 48 bits, `32 - offset` up from the bottom); else in Triton's own ops."""
-    w0 = tl.load(words_ptr + block + off0).to(tl.uint32, bitcast=True)
-    w1 = tl.load(words_ptr + block + off1).to(tl.uint32, bitcast=True)
+    w0 = w0.to(tl.uint32, bitcast=True)
+    w1 = w1.to(tl.uint32, bitcast=True)
     if PTX and not _INTERPRETED and CB >= 0:
         return _decode_asm((w0 << 16) | (w1 >> 16), w0 >> 16, 32 - offset, CB)
     return _codebook(_window(w0, w1, offset), cb, CB)
@@ -271,7 +277,7 @@ def _unrotate(acc, svh32, ACT: tl.constexpr):
 # ---- one matrix of the bank: its table row, its main loop ------------------------------------------
 @triton.jit
 def _layout(bits2, stride_r, LANES: tl.constexpr, SUBK: tl.constexpr, BN: tl.constexpr):
-    """LANES (the decoder): 1 the lane form, 0 the element form, 2 the element form in PTX."""
+    """LANES (the decoder, Form.decoder): 1 the lane form, else an element form."""
     if LANES == 1:
         a, b, c, d, e = _lane_layout(bits2, stride_r, SUBK, BN)
     else:
@@ -293,11 +299,47 @@ def _chunk(acc, xrow, row_ok, c, words_ptr, block, lay0, lay1, lay2, lay3, lay4,
     elif LANES == 1:
         w = _decode_lanes(words_ptr, block, lay0, lay1, lay2, lay3, lay4, cb, CB, SUBK, BN)
     else:
-        w = _decode_elements(words_ptr, block, lay0, lay1, lay2, cb, CB, LANES == 2)
+        w = _decode_elements(words_ptr, block, lay0, lay1, lay2, cb, CB, _ptx(LANES))
+    return _dot(acc, xr, w, ACT)
+
+
+@triton.jit
+def _dot(acc, xr, w, ACT: tl.constexpr):
     if ACT == tl.float32:
-        acc = tl.dot(xr, w.to(tl.float32), acc, input_precision="ieee")
-    else:
-        acc = tl.dot(xr, w, acc)
+        return tl.dot(xr, w.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(xr, w, acc)
+
+
+@triton.jit
+def _ptx(LANES: tl.constexpr):
+    """Whether an element decoder (LANES != 1) works in PTX: Form.decoder 2 and 4."""
+    return (LANES == 2) or (LANES == 4)
+
+
+@triton.jit
+def _prefetched_sum(acc, first, last, block0, step_kb, sub, xrow, row_ok, words_ptr, lay0, lay1, lay2, cb,
+                    CB: tl.constexpr, LANES: tl.constexpr, ACT: tl.constexpr, SUBK: tl.constexpr):
+    """_split_sum's loop for the element decoder with the next chunk's words loaded before this chunk is
+    decoded (registers carried across the loop), so their latency overlaps the decode and the dot; the
+    same chunks, values and dots in the same order."""
+    n_ch: tl.constexpr = _HAD // SUBK
+    sc = tl.arange(0, SUBK)
+    start = block0 + first * (step_kb // 2)
+    nw0 = tl.load(words_ptr + start + lay0)
+    nw1 = tl.load(words_ptr + start + lay1)
+    for step in range(first, last):
+        block = block0 + step * (step_kb // 2)
+        for j in tl.static_range(n_ch):
+            w0 = nw0
+            w1 = nw1
+            if j + 1 < n_ch:
+                nxt = block + (j + 1) * sub
+            else:  # the next step's first chunk; after the last step this chunk again (read, unused)
+                nxt = tl.where(step + 1 < last, block + step_kb // 2, block + j * sub)
+            nw0 = tl.load(words_ptr + nxt + lay0)
+            nw1 = tl.load(words_ptr + nxt + lay1)
+            xr = tl.load(xrow[:, None] + (sc + (step * _HAD + j * SUBK))[None, :], mask=row_ok[:, None], other=0.0)
+            acc = _dot(acc, xr, _decode_words(w0, w1, lay2, cb, CB, _ptx(LANES)), ACT)
     return acc
 
 
@@ -324,6 +366,9 @@ def _split_sum(table_ptr, m, nb, first, last, xrow, row_ok, words_ptr, stage_ptr
     if STAGED:
         stage0 += tl.load(stage_off_ptr + m)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if LANES >= 3 and not STAGED:
+        return _prefetched_sum(acc, first, last, block0, step_kb, sub, xrow, row_ok, words_ptr, lay0, lay1, lay2, cb,
+                               CB, LANES, ACT, SUBK)
     sc = tl.arange(0, SUBK)
     for step in range(first, last):
         block = block0 + step * (step_kb // 2)
@@ -701,7 +746,7 @@ def _stage_kernel(words_ptr, table_ptr, mats_ptr, stage_ptr, stage_off_ptr, CB: 
                                   cb, CB, SUBK, BN)
             else:
                 w = _decode_elements(words_ptr, block + j * (SUBK // 16) * (stride_r // 2), lay0, lay1, lay2, cb, CB,
-                                     LANES == 2)
+                                     _ptx(LANES))
             tl.store(out + (kb * _HAD + j * SUBK + r).to(tl.int64) * out_read + c, w)
 
 
@@ -751,6 +796,11 @@ class Form:
     ptx: bool = False  # the element form's windows and codebook in PTX (the lane form's always are)
     stage_rows: int = 0
     staged: Form | None = None
+    prefetch: bool = False  # the element form loads the next chunk's words before decoding this one
+
+    def __post_init__(self) -> None:
+        if self.prefetch and self.lanes:
+            raise ValueError("prefetch is a form of the element decoder (lanes=False)")
 
     @property
     def stage_tiling(self) -> Form:
@@ -758,8 +808,13 @@ class Form:
 
     @property
     def decoder(self) -> int:
-        """The kernels' LANES constant: 1 the lane form, 2 the element form in PTX, 0 in Triton's ops."""
-        return 1 if self.lanes else 2 if self.ptx else 0
+        """The kernels' LANES constant: 1 the lane form; the element form 0 in Triton's ops, 2 in PTX, and
+        3 / 4 the same with the next chunk's words prefetched."""
+        if self.lanes:
+            return 1
+        if self.prefetch:
+            return 4 if self.ptx else 3
+        return 2 if self.ptx else 0
 
 
 DECODE_ROWS = 16  # up to this many rows (tokens): the parallel form (decode steps, verification windows)

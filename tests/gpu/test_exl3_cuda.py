@@ -105,6 +105,9 @@ def test_linear_forms_agree_bitwise_and_match_the_reference(tx, shape):
     full = tx.linear(x, bank, m)  # 150 rows: the full form at the prefill tile (or the decode tile, see forms_agree)
     for a, n in ((0, 1), (1, 1), (149, 1), (3, 7), (20, 16), (64, 13)):
         assert torch.equal(tx.linear(x[a:a + n], bank, m), full[a:a + n]), f"rows [{a}, {a + n})"
+    for form in (tx.Form(16, 4, 1, False, 32, parallel=True, prefetch=True),
+                 tx.Form(16, 4, 1, False, 32, parallel=True, ptx=True, prefetch=True)):
+        assert torch.equal(tx.linear(x[:16], bank, m, form=form), full[:16]), f"{form}"
     prefill = tx.prefill_form(bank, x.dtype)
     assert 0 < prefill.stage_rows <= 150, "150 rows: the staged full form"
     for form in (tx.dataclasses.replace(prefill, stage_rows=0), tx.dataclasses.replace(prefill, bm=16, stage_rows=1)):
