@@ -299,7 +299,7 @@ def _chunk(acc, xrow, row_ok, c, words_ptr, block, lay0, lay1, lay2, lay3, lay4,
     elif LANES == 1:
         w = _decode_lanes(words_ptr, block, lay0, lay1, lay2, lay3, lay4, cb, CB, SUBK, BN)
     else:
-        w = _decode_elements(words_ptr, block, lay0, lay1, lay2, cb, CB, _ptx(LANES))
+        w = _decode_elements(words_ptr, block, lay0, lay1, lay2, cb, CB, (LANES == 2) or (LANES == 4))
     return _dot(acc, xr, w, ACT)
 
 
@@ -308,12 +308,6 @@ def _dot(acc, xr, w, ACT: tl.constexpr):
     if ACT == tl.float32:
         return tl.dot(xr, w.to(tl.float32), acc, input_precision="ieee")
     return tl.dot(xr, w, acc)
-
-
-@triton.jit
-def _ptx(LANES: tl.constexpr):
-    """Whether an element decoder (LANES != 1) works in PTX: Form.decoder 2 and 4."""
-    return (LANES == 2) or (LANES == 4)
 
 
 @triton.jit
@@ -339,7 +333,7 @@ def _prefetched_sum(acc, first, last, block0, step_kb, sub, xrow, row_ok, words_
             nw0 = tl.load(words_ptr + nxt + lay0)
             nw1 = tl.load(words_ptr + nxt + lay1)
             xr = tl.load(xrow[:, None] + (sc + (step * _HAD + j * SUBK))[None, :], mask=row_ok[:, None], other=0.0)
-            acc = _dot(acc, xr, _decode_words(w0, w1, lay2, cb, CB, _ptx(LANES)), ACT)
+            acc = _dot(acc, xr, _decode_words(w0, w1, lay2, cb, CB, (LANES == 2) or (LANES == 4)), ACT)
     return acc
 
 
@@ -746,7 +740,7 @@ def _stage_kernel(words_ptr, table_ptr, mats_ptr, stage_ptr, stage_off_ptr, CB: 
                                   cb, CB, SUBK, BN)
             else:
                 w = _decode_elements(words_ptr, block + j * (SUBK // 16) * (stride_r // 2), lay0, lay1, lay2, cb, CB,
-                                     _ptx(LANES))
+                                     (LANES == 2) or (LANES == 4))
             tl.store(out + (kb * _HAD + j * SUBK + r).to(tl.int64) * out_read + c, w)
 
 
