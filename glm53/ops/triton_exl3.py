@@ -814,7 +814,7 @@ class Form:
 DECODE_ROWS = 16  # up to this many rows (tokens): the parallel form (decode steps, verification windows)
 # the fastest tilings measured on the H200 by bench/bench_exl3_moe.py (the element decode 567 us against
 # the lane decode's 851 us for one token's experts; 4 warps 35 ms against 8 warps' 59 ms for a 2048-token
-# prefill; bench/results/exl3_moe_h200.json); every tiling gives a row the same bits
+# prefill; docs/decisions/exl3-decode-form.md); every tiling gives a row the same bits
 DECODE = Form(16, 4, 1, False, 32, parallel=True)
 # staged tiles decode nothing: a GEMM's tiling (128 rows, 8 warps, 3 pipeline stages, 64-row chunks: 51 ms
 # against 71 ms at PREFILL's own tiling for 8192 tokens through 64 experts, all staged; H100,
