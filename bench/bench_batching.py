@@ -17,6 +17,13 @@ so batching shares only the expert reads and the Python of a step: the tiny CPU 
 runtime's overhead, not the GPU's batching gain. With --ranks R the runtime steps on R processes in
 lockstep (glm53.dist.rank_batch; this process is rank 0, each follower pinned to its own CPU where
 there are enough): a step's collectives then serve every stream in it.
+
+--long-prompt L: a prompt of L tokens arrives while --long-streams streams decode (each has decoded
+a few tokens first). Its prefill runs in pieces under the step's token budget (--step-tokens) beside
+the streams' decode rows. Per repeat: the streams' normal gap between tokens (the median before it
+arrived), their worst gap from its arrival until its first token, the ratio (goal: <= 3 on a GPU,
+where a step costs about its weight reads; on the CPU a step costs about its rows, so the ratio
+follows the budget), and its time to first token; the streams' replies equal their replies alone.
 """
 from __future__ import annotations
 
@@ -66,6 +73,42 @@ def one_round(batch, prompts: list[list[int]], tokens: int) -> dict:
             "replies": [s.reply for s in seqs]}
 
 
+def long_prompt_round(batch, prompts: list[list[int]], tokens: int, long_prompt: list[int], warm: int = 3) -> dict:
+    """Streams decoding, then a long prompt submitted once each has `warm` tokens: the streams' gaps
+    between tokens before and while it is prefilled, and its time to first token."""
+    times: list[list[float]] = [[] for _ in prompts]
+
+    def stamp(i: int):
+        def on_tokens(new: list[int]) -> bool:
+            times[i].extend([time.perf_counter()] * len(new))
+            return True
+        return on_tokens
+
+    seqs = [batch.submit(p, tokens, {"draft": False, "ignore_eos": True}, on_tokens=stamp(i))
+            for i, p in enumerate(prompts)]
+    while min(len(t) for t in times) < warm:
+        batch.step()
+    first_token: list[float] = []
+    arrival = time.perf_counter()
+    batch.submit(long_prompt, 2, {"draft": False, "ignore_eos": True},
+                 on_tokens=lambda new: first_token.append(time.perf_counter()) or True)
+    while not first_token:
+        if not batch.step():
+            raise SystemExit("the long prompt finished no prefill: is the pool large enough for it?")
+    ttft = first_token[0] - arrival
+    batch.run()
+    if min(len(t) for t in times) < tokens:
+        raise SystemExit(f"streams ended before decoding {tokens} tokens")
+    before = [b - a for t in times for a, b in zip(t, t[1:]) if b <= arrival]
+    during = [b - a for t in times for a, b in zip(t, t[1:]) if b > arrival and a < arrival + ttft]
+    if not during:
+        raise SystemExit("no stream token fell inside the long prompt's prefill: raise --tokens")
+    normal, worst = statistics.median(before), max(during)
+    return {"streams": len(prompts), "long_prompt": len(long_prompt), "normal_gap_s": normal,
+            "worst_gap_s": worst, "worst_vs_normal": worst / normal, "long_ttft_s": ttft,
+            "replies": [s.reply for s in seqs]}
+
+
 def engine_options(device: str) -> dict:
     cpu = device == "cpu"
     return {"device": device, "dtype": "fp32" if cpu else None, "kv_dtype": "fp32" if cpu else None,
@@ -107,6 +150,10 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=24, help="decoded tokens a stream")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch threads (CPU)")
+    p.add_argument("--long-prompt", type=int, default=0, help="tokens of a prompt arriving while streams decode")
+    p.add_argument("--long-streams", type=int, default=4)
+    p.add_argument("--step-tokens", type=int, default=0,
+                   help="the scheduler's token budget a step (default: streams x --prompt)")
     p.add_argument("--ranks", type=int, default=1, help="TP + DCP ranks (gloo processes on this machine)")
     p.add_argument("--out", type=Path, help="default bench/results/batching_cpu_tiny[_R<ranks>].json")
     p.add_argument("--follower", type=int, default=0, help=argparse.SUPPRESS)  # rank r of --ranks (internal)
@@ -125,18 +172,20 @@ def main() -> int:
     model = args.model or checkpoint(args.work)
     out = args.out or RESULTS / f"batching_cpu_tiny{'' if args.ranks == 1 else f'_R{args.ranks}'}.json"
     followers: list[subprocess.Popen] = []
+    budget = args.step_tokens or max(counts) * args.prompt
+    seats = max(counts + [args.long_streams + 1 if args.long_prompt else 0])
     if args.ranks > 1:
         port, followers = start_followers(model, args.ranks, args.device, args.threads)
         lead = rank_engine(model, 0, args.ranks, port, args.device)
         engine = lead.engine
-        batch = lead.batch_engine(max_seqs=max(counts), step_tokens=max(counts) * args.prompt)
+        batch = lead.batch_engine(max_seqs=seats, step_tokens=budget)
     else:
         engine = Glm53Engine(model, **{k: v for k, v in engine_options(args.device).items() if v is not None})
-        batch = engine.batch_engine(max_seqs=max(counts), step_tokens=max(counts) * args.prompt)
+        batch = engine.batch_engine(max_seqs=seats, step_tokens=budget)
     vocab = engine.vocab_size
-    prompts = [[(7 + 31 * i + 17 * j) % vocab for j in range(args.prompt)] for i in range(max(counts))]
+    prompts = [[(7 + 31 * i + 17 * j) % vocab for j in range(args.prompt)] for i in range(max(counts + [args.long_streams]))]
     one_round(batch, prompts[:2], 4)  # warm-up, discarded
-    rows, alone_replies = [], {}
+    rows, alone_replies, long_rows = [], {}, []
     for r in range(args.repeats):
         for n in counts:
             row = one_round(batch, prompts[:n], args.tokens)
@@ -148,6 +197,15 @@ def main() -> int:
             rows.append({"repeat": r, **row})
             log(f"repeat {r} streams {n}: {row['aggregate_tok_s']:.1f} tok/s, "
                 f"{1e3 * row['per_stream_s_per_token']:.1f} ms/token a stream")
+        if args.long_prompt:
+            long = [(3 + 11 * j) % vocab for j in range(args.long_prompt)]
+            row = long_prompt_round(batch, prompts[:args.long_streams], args.tokens, long)
+            if any(alone_replies.get(i, reply) != reply for i, reply in enumerate(row.pop("replies"))):
+                raise SystemExit("a stream's reply beside the long prompt differs from its reply alone")
+            long_rows.append({"repeat": r, **row})
+            log(f"repeat {r} long prompt {args.long_prompt}: streams' worst gap {1e3 * row['worst_gap_s']:.1f} ms "
+                f"against {1e3 * row['normal_gap_s']:.1f} ms ({row['worst_vs_normal']:.2f}x), "
+                f"its first token after {row['long_ttft_s']:.2f} s")
     table = []
     for n in counts:
         agg = [x["aggregate_tok_s"] for x in rows if x["streams"] == n]
@@ -163,13 +221,21 @@ def main() -> int:
             proc.wait(timeout=120)
     settings = {"device": args.device, "streams": counts, "prompt": args.prompt, "tokens": args.tokens,
                 "repeats": args.repeats, "threads": args.threads, "model": str(model),
-                "layers": engine.cfg.num_hidden_layers, "ranks": args.ranks}
+                "layers": engine.cfg.num_hidden_layers, "ranks": args.ranks, "step_tokens": budget,
+                "long_prompt": args.long_prompt, "long_streams": args.long_streams}
+    long_summary = {k: summary([x[k] for x in long_rows]) for k in ("normal_gap_s", "worst_gap_s", "worst_vs_normal",
+                                                                     "long_ttft_s")} if long_rows else None
     write_json(out, {**result_header("bench_batching", settings, device=args.device), "table": table,
-                     "rounds": rows})
+                     "rounds": rows, "long_prompt": long_summary, "long_rounds": long_rows})
     print(f"{'streams':>8} {'agg tok/s':>10} {'x one':>7} {'ms/token/stream':>16} {'x alone':>8}")
     for t in table:
         print(f"{t['streams']:>8} {t['aggregate_tok_s']['median']:>10.1f} {t['aggregate_vs_one']:>7.2f} "
               f"{1e3 * t['per_stream_s_per_token']['median']:>16.2f} {t['per_token_vs_one']:>8.2f}")
+    if long_summary:
+        print(f"long prompt {args.long_prompt} beside {args.long_streams} streams: worst gap "
+              f"{1e3 * long_summary['worst_gap_s']['median']:.1f} ms against a normal "
+              f"{1e3 * long_summary['normal_gap_s']['median']:.1f} ms ({long_summary['worst_vs_normal']['median']:.2f}x), "
+              f"its first token {long_summary['long_ttft_s']['median']:.2f} s")
     print(f"full results: {out}")
     return 0
 

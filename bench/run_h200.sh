@@ -2,7 +2,7 @@
 # One call on a lent GPU: the CUDA tests of the row-invariant forward, the CUDA graphs and the prefix
 # cache, then the prefix-cache and decode (graphs vs eager) benchmarks at GLM-5.3 layer dimensions. Logs and JSON go to $OUT (the device tool's
 # folder) or ./gpu_out. The copy on the GPU machine has no .git: pass the commit as the first argument.
-#   bash bench/run_h200.sh <commit> [tests|bench|all|depth|disk|moe-prefill|moe|exl3]
+#   bash bench/run_h200.sh <commit> [tests|bench|all|depth|disk|moe-prefill|moe|exl3|batching]
 # depth: the prefix cache (turns, one-word) and decode at GLM-5.3's 78 layers (4 distinct layers
 # repeated, bench.lib.checkpoints.deepen); disk: the disk resume at 78 layers and at 4, each also
 # from the page cache (both ~5 minutes); moe-prefill: the routed experts' sorted form against the
@@ -10,10 +10,12 @@
 # GLM-5.3's layer mix (a checkpoint of one dense and two MoE layers of 256 experts, 40 GB, run as
 # 3 dense + 75 MoE layers; ~8 minutes); exl3: the packed-EXL3 kernels' GPU tests and bench_exl3_moe with
 # exllamav3 1.6.5 side by side (carry .whl: tests/gpu/prepare_wheels.sh; exllamav3 compiles in the
-# background, in its own session, while the kit's tests run; ~9 minutes).
+# background, in its own session, while the kit's tests run; ~9 minutes); batching: 1, 4 and 16 decode
+# streams through the batched runtime and a 19k prompt arriving beside 4 of them (bench_batching,
+# GLM-5.3's layer dimensions, 4 layers; ~5 minutes).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-commit="${1:?usage: bash bench/run_h200.sh <commit> [tests|bench|all|depth|disk|moe-prefill|moe|exl3]}"
+commit="${1:?usage: bash bench/run_h200.sh <commit> [tests|bench|all|depth|disk|moe-prefill|moe|exl3|batching]}"
 what="${2:-all}"
 out="${OUT:-gpu_out}"
 mkdir -p "$out"
@@ -34,7 +36,7 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
         | tee "$out/decode_graphs_h200.log"
     status=$(( status | ${PIPESTATUS[0]} ))
 fi
-if [ "$what" = depth ] || [ "$what" = disk ]; then  # one 4-layer checkpoint for every run below
+if [ "$what" = depth ] || [ "$what" = disk ] || [ "$what" = batching ]; then  # one 4-layer checkpoint for every run below
     ckpt="$(mktemp -d)"
     python3 -m bench.lib.checkpoints "$ckpt" --layers 4 --vocab 32768
     real=(--real-dims --model-dir "$ckpt/real_dims" --device cuda)
@@ -77,6 +79,11 @@ exllamav3_reference().build_in_background('$out/exllamav3_build.log')"
     status=$(( status | ${PIPESTATUS[0]} ))
     python3 -m bench.bench_exl3_moe --exllamav3 ${EXL3_BENCH_ARGS:-} --out "$out/exl3_moe_h200.json" 2>&1 \
         | tee "$out/exl3_moe_h200.log"
+    status=$(( status | ${PIPESTATUS[0]} ))
+fi
+if [ "$what" = batching ]; then
+    python3 -m bench.bench_batching --device cuda --model "$ckpt/real_dims" --streams 1,4,16 --tokens 64 \
+        --repeats 3 --long-prompt 19000 --step-tokens 512 --out "$out/batching_h200.json" 2>&1 | tee "$out/batching_h200.log"
     status=$(( status | ${PIPESTATUS[0]} ))
 fi
 [ -n "${ckpt:-}" ] && rm -rf "$ckpt"
