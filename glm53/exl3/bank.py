@@ -72,6 +72,9 @@ class Exl3Bank:
     _rotated: "OrderedDict[tuple[int, torch.dtype], torch.Tensor]" = field(default_factory=OrderedDict, repr=False)
     _rotated_bytes: int = 0
     _signs: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
+    # small device tables the CUDA kernels derive from the layouts (the stage's offsets), built once: a
+    # host-to-device copy in every prefill call would wait for the stream
+    derived: dict[tuple, tuple] = field(default_factory=dict, repr=False)
 
     @property
     def device(self) -> torch.device:

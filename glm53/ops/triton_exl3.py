@@ -755,20 +755,33 @@ def dequant(bank: Exl3Bank, m: int, form: Form | None = None) -> torch.Tensor:
 def _stage_into(bank: Exl3Bank, mats: list[int], stage: torch.Tensor, form: Form) -> torch.Tensor:
     """Decode matrices `mats` one after another into `stage` (fp16, flat); returns the offsets table the
     kernels read (int64 per matrix of the bank: its W_hat's first element in the stage, -1 if absent)."""
-    offsets, at = [], 0
-    for m in mats:
-        offsets.append(at)
-        at += bank.layouts[m].in_read * bank.layouts[m].out_read
-    if at > stage.numel():
-        raise ValueError(f"EXL3 stage holds {stage.numel()} values, matrices {mats} need {at}")
-    table = torch.full((len(bank.layouts),), -1, dtype=torch.int64)
-    table[mats] = torch.tensor(offsets, dtype=torch.int64)
-    table = table.to(bank.device)
+    key = ("stage", tuple(mats))
+    if key not in bank.derived:
+        offsets, at = [], 0
+        for m in mats:
+            offsets.append(at)
+            at += bank.layouts[m].in_read * bank.layouts[m].out_read
+        table = torch.full((len(bank.layouts),), -1, dtype=torch.int64)
+        table[mats] = torch.tensor(offsets, dtype=torch.int64)
+        bank.derived[key] = (table.to(bank.device), torch.tensor(mats, dtype=torch.int32).to(bank.device), at)
+    table, mats_dev, needed = bank.derived[key]
+    if needed > stage.numel():
+        raise ValueError(f"EXL3 stage holds {stage.numel()} values, matrices {mats} need {needed}")
     blocks = max(bank.layouts[m].in_read for m in mats) // HAD, max(bank.layouts[m].out_read for m in mats) // HAD
     _stage_kernel[(*blocks, len(mats))](
-        bank.words.view(torch.int32), bank.table, torch.tensor(mats, dtype=torch.int32).to(bank.device), stage, table,
-        CB=_codebook_arg(bank), LANES=form.decoder, SUBK=form.subk, BN=HAD, num_warps=4, **OPTIONS)
+        bank.words.view(torch.int32), bank.table, mats_dev, stage, table, CB=_codebook_arg(bank), LANES=form.decoder,
+        SUBK=form.subk, BN=HAD, num_warps=4, **OPTIONS)
     return table
+
+
+def _unstaged_table(bank: Exl3Bank, staged: list[int]) -> torch.Tensor:
+    """The table of a launch that runs the matrices not in `staged` (>= 0 marks the staged ones)."""
+    key = ("unstaged", tuple(staged))
+    if key not in bank.derived:
+        table = torch.full((len(bank.layouts),), -1, dtype=torch.int64)
+        table[staged] = 0
+        bank.derived[key] = (table.to(bank.device),)
+    return bank.derived[key][0]
 
 
 # ---- launches ---------------------------------------------------------------------------------------
@@ -1052,9 +1065,7 @@ def mlp(x: torch.Tensor, bank: Exl3Bank, mats: MlpMatrices, ids: torch.Tensor, w
             launch(stage, _stage_into(bank, p, stage, form), 1)
         every = [m for p in passes for m in p]
         if len(every) < 3 * (mats.n_experts * int(k > 0) + int(has_shared)):  # the tiles of experts never staged
-            off = torch.full((len(bank.layouts),), -1, dtype=torch.int64)
-            off[every] = 0
-            launch(stage, off.to(x.device), 2)
+            launch(stage, _unstaged_table(bank, every), 2)
     # each token's parts in ascending expert order (a stable sort keeps a token's slots in that order)
     rank = all_ids.argsort(dim=1, stable=True).argsort(dim=1)
     place = order // kp * kp + rank.reshape(-1)[order]
