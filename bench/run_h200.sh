@@ -2,7 +2,7 @@
 # One call on a lent GPU: the CUDA tests of the row-invariant forward, the CUDA graphs and the prefix
 # cache, then the prefix-cache and decode (graphs vs eager) benchmarks at GLM-5.3 layer dimensions. Logs and JSON go to $OUT (the device tool's
 # folder) or ./gpu_out. The copy on the GPU machine has no .git: pass the commit as the first argument.
-#   bash bench/run_h200.sh <commit> [tests|bench|all|depth|disk|moe-prefill|moe|exl3|batching]
+#   bash bench/run_h200.sh <commit> [tests|tests-kernels|tests-engine|bench|all|depth|disk|moe-prefill|moe|exl3|batching]
 # depth: the prefix cache (turns, one-word) and decode at GLM-5.3's 78 layers (4 distinct layers
 # repeated, bench.lib.checkpoints.deepen); disk: the disk resume at 78 layers and at 4, each also
 # from the page cache (both ~5 minutes); moe-prefill: the routed experts' sorted form against the
@@ -15,19 +15,26 @@
 # GLM-5.3's layer dimensions, 4 layers; ~5 minutes).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-commit="${1:?usage: bash bench/run_h200.sh <commit> [tests|bench|all|depth|disk|moe-prefill|moe|exl3|batching]}"
+commit="${1:?usage: bash bench/run_h200.sh <commit> [tests|tests-kernels|tests-engine|bench|all|depth|disk|moe-prefill|moe|exl3|batching]}"
 what="${2:-all}"
 out="${OUT:-gpu_out}"
 mkdir -p "$out"
 export GLM53_KIT_COMMIT="$commit" PYTHONUNBUFFERED=1
 status=0
-if [ "$what" = tests ] || [ "$what" = all ]; then
-    python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_graph_replays_cuda.py tests/gpu/test_triton_cuda.py \
-        tests/gpu/test_select_topk_cuda.py tests/test_row_invariance.py tests/test_kv_cache_engine.py \
-        tests/test_drafter_glm53.py tests/test_serve_gpu.py \
-        2>&1 | tee "$out/gpu_tests.log"
+# the engine's CUDA tests in two halves that each fit one device call (~10 minutes on a fresh machine,
+# Triton compiling every kernel): tests-kernels, tests-engine; tests runs both
+kernels=(tests/gpu/test_graph_replays_cuda.py tests/gpu/test_triton_cuda.py tests/gpu/test_select_topk_cuda.py)
+engine=(tests/test_row_invariance.py tests/test_kv_cache_engine.py tests/test_drafter_glm53.py tests/test_serve_gpu.py)
+gpu_tests() {  # name, files...: each test's result and the slowest durations in $out/gpu_<name>.log
+    local name=$1; shift
+    python3 -m pytest -v -m gpu -p no:cacheprovider --durations=20 "$@" 2>&1 | tee "$out/gpu_$name.log"
     status=$(( status | ${PIPESTATUS[0]} ))
-fi
+}
+case "$what" in
+    tests|all) gpu_tests kernels "${kernels[@]}"; gpu_tests engine "${engine[@]}" ;;
+    tests-kernels) gpu_tests kernels "${kernels[@]}" ;;
+    tests-engine) gpu_tests engine "${engine[@]}" ;;
+esac
 if [ "$what" = bench ] || [ "$what" = all ]; then
     python3 -m bench.bench_prefix_cache --real-dims --device cuda --repeats 3 --profile \
         --out "$out/prefix_cache_h200.json" 2>&1 | tee "$out/prefix_cache_h200.log"
