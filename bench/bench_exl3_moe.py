@@ -34,7 +34,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import triton
 import triton.language  # noqa: F401  (constexpr for --split-steps)
@@ -50,10 +49,17 @@ MARKERS = {"mcg": 0xCBAC1FED - (1 << 32), "mul1": 0x83DCD12D - (1 << 32)}
 PROJ = ("gate_proj", "up_proj", "down_proj")
 
 
-def random_parts(rng: np.random.Generator, in_f: int, out_f: int, bits: float, codebook: str) -> dict[str, torch.Tensor]:
-    words = int(16 * bits)
-    trellis = torch.from_numpy(rng.integers(-(1 << 15), 1 << 15, size=(in_f // 16, out_f // 16, words), dtype=np.int16))
-    signs = lambda n, s: torch.from_numpy(((rng.random(n) + 0.5) * s * (rng.integers(0, 2, n) * 2 - 1)).astype(np.float16))  # noqa: E731
+def random_parts(gen: torch.Generator, in_f: int, out_f: int, bits: float, codebook: str) -> dict[str, torch.Tensor]:
+    """One EXL3 linear's tensors with random trellis bits, made on gen's device (a 256-expert layer is
+    4 GB of trellis: made and packed on the GPU in seconds, where the host took minutes)."""
+    dev, words = gen.device, int(16 * bits)
+    trellis = torch.randint(-(1 << 15), 1 << 15, (in_f // 16, out_f // 16, words), generator=gen, device=dev,
+                            dtype=torch.int32).to(torch.int16)
+
+    def signs(n: int, scale: float) -> torch.Tensor:
+        sign = torch.randint(0, 2, (n,), generator=gen, device=dev) * 2 - 1
+        return ((torch.rand(n, generator=gen, device=dev) + 0.5) * scale * sign).half()
+
     parts = {"trellis": trellis, "suh": signs(in_f, 1.0), "svh": signs(out_f, in_f ** -0.5)}
     if codebook in MARKERS:
         parts[codebook] = torch.tensor(MARKERS[codebook], dtype=torch.int32)
@@ -64,19 +70,19 @@ def build_layer(experts: int, hidden: int, width: int, codebook: str, uniform: f
     """(bank, mats, parts) of one layer: parts[proj][e] the per-expert tensors (for exllamav3)."""
     from glm53.ops.triton_exl3 import MlpMatrices
 
-    rng = np.random.default_rng(seed)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
     parts: dict[str, list[dict[str, torch.Tensor]]] = {p: [] for p in PROJ}
     for e in range(experts):
         for p in PROJ:
             bits = uniform or default_expert_bits(3, e, p)
             i, o = (hidden, width) if p != "down_proj" else (width, hidden)
-            one = random_parts(rng, i, o, bits, codebook)
+            one = random_parts(gen, i, o, bits, codebook)
             parts[p].append(one)
             for k, v in one.items():
                 tensors[f"model.layers.3.mlp.experts.{e}.{p}.{k}"] = v
     packed = pack_layer_experts(tensors, 3, experts)
-    shared = {p: random_parts(rng, *((hidden, width) if p != "down_proj" else (width, hidden)), b, codebook)
+    shared = {p: random_parts(gen, *((hidden, width) if p != "down_proj" else (width, hidden)), b, codebook)
               for p, b in zip(PROJ, (4.0, 4.0, 3.0))}
     builder = BankBuilder()
     index = builder.add_experts(packed)
@@ -195,10 +201,10 @@ def linear_rows(tx, reps: int, bw: float, exl, forms) -> list[dict]:
     ref = exllamav3_reference()
     ExlLinear, graph_time_us = ref.ExlLinear, ref.graph_time_us
 
-    rng = np.random.default_rng(5)
+    gen = torch.Generator(device="cuda").manual_seed(5)
     sets = []
     for _ in range(8):  # 8 matrices: 42 MB of trellis, rotated
-        parts = random_parts(rng, 6144, 2048, 3.0, "mcg")
+        parts = random_parts(gen, 6144, 2048, 3.0, "mcg")
         group = read_group({f"g.{k}": v for k, v in parts.items()}, "g")
         b = BankBuilder()
         m = b.add_group(group)

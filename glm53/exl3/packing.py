@@ -210,9 +210,12 @@ def pack_layer_experts(
             shared_offset += hidden
     block_words, block_scale_len = offset, scale_offset
 
-    trellis = torch.empty(len(held) * block_words, dtype=torch.int16)
-    block_scales = torch.empty(len(held) * block_scale_len, dtype=torch.float16)
-    shared = torch.empty(shared_offset, dtype=torch.float16)
+    # packed where the sources are (a loader's CPU tensors: one copy to the device after; a bench's
+    # device tensors: no host round trip), then moved to `device`
+    src = groups[(0, "gate_proj")].trellis.device
+    trellis = torch.empty(len(held) * block_words, dtype=torch.int16, device=src)
+    block_scales = torch.empty(len(held) * block_scale_len, dtype=torch.float16, device=src)
+    shared = torch.empty(shared_offset, dtype=torch.float16, device=src)
     for (e, p), slot in table.items():
         g = groups[(e, p)]
         full_side = g.suh if p != "down_proj" else g.svh
@@ -226,7 +229,7 @@ def pack_layer_experts(
             trellis[base : base + slot.words] = part.reshape(-1)
             sbase = i * block_scale_len + slot.scale_offset
             block_scales[sbase : sbase + BLOCK] = side
-    dev = torch.device(device) if device is not None else torch.device("cpu")
+    dev = torch.device(device) if device is not None else src
     return PackedExperts(
         layer=layer, hidden=hidden, intermediate=intermediate, blocks=held, block_words=block_words,
         block_scale_len=block_scale_len, trellis=trellis.to(dev), block_scales=block_scales.to(dev),
