@@ -183,7 +183,8 @@ def main() -> int:
         engine = Glm53Engine(model, **{k: v for k, v in engine_options(args.device).items() if v is not None})
         batch = engine.batch_engine(max_seqs=seats, step_tokens=budget)
     vocab = engine.vocab_size
-    prompts = [[(7 + 31 * i + 17 * j) % vocab for j in range(args.prompt)] for i in range(max(counts + [args.long_streams]))]
+    prompts = [[(7 + 31 * i + 17 * j) % vocab for j in range(args.prompt)]
+               for i in range(max(counts + [args.long_streams]))]
     one_round(batch, prompts[:2], 4)  # warm-up, discarded
     rows, alone_replies, long_rows = [], {}, []
     for r in range(args.repeats):
@@ -232,10 +233,10 @@ def main() -> int:
         print(f"{t['streams']:>8} {t['aggregate_tok_s']['median']:>10.1f} {t['aggregate_vs_one']:>7.2f} "
               f"{1e3 * t['per_stream_s_per_token']['median']:>16.2f} {t['per_token_vs_one']:>8.2f}")
     if long_summary:
+        med = {k: v["median"] for k, v in long_summary.items()}
         print(f"long prompt {args.long_prompt} beside {args.long_streams} streams: worst gap "
-              f"{1e3 * long_summary['worst_gap_s']['median']:.1f} ms against a normal "
-              f"{1e3 * long_summary['normal_gap_s']['median']:.1f} ms ({long_summary['worst_vs_normal']['median']:.2f}x), "
-              f"its first token {long_summary['long_ttft_s']['median']:.2f} s")
+              f"{1e3 * med['worst_gap_s']:.1f} ms against a normal {1e3 * med['normal_gap_s']:.1f} ms "
+              f"({med['worst_vs_normal']:.2f}x), its first token {med['long_ttft_s']:.2f} s")
     print(f"full results: {out}")
     return 0
 

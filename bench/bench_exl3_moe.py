@@ -301,8 +301,9 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, nargs="*", default=[2048])
     ap.add_argument("--sets", type=int, default=8)
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--forms", nargs="*", default=[], help="extra decode tilings BM,warps,stages,lanes,subk,parallel[,ptx[,stage_rows[,prefetch]]]")
-    ap.add_argument("--prefill-forms", nargs="*", default=[], help="extra prefill tilings BM,warps,stages,lanes,subk,parallel[,ptx[,stage_rows[,prefetch]]]")
+    fields = "BM,warps,stages,lanes,subk,parallel[,ptx[,stage_rows[,prefetch]]]"
+    ap.add_argument("--forms", nargs="*", default=[], help=f"extra decode tilings {fields}")
+    ap.add_argument("--prefill-forms", nargs="*", default=[], help=f"extra prefill tilings {fields}")
     ap.add_argument("--exllamav3", action="store_true", help="compare with exllamav3 1.6.5 (carried in .whl)")
     ap.add_argument("--stage-mb", type=int, default=None,
                     help="the prefill stage's bound in MiB (default triton_exl3.STAGE_BYTES)")

@@ -428,8 +428,8 @@ def _parts(ws_rows, split_stride, row_ok, n_sp, BN: tl.constexpr):
 
 @triton.jit
 def _block_sum(table_ptr, m, nb, n_steps, n_sp, xrow, row_ok, words_ptr, ws_rows, split_stride, cnt, stage_ptr,
-               stage_off_ptr, PARALLEL: tl.constexpr, STAGED: tl.constexpr, CB: tl.constexpr, LANES: tl.constexpr, ACT: tl.constexpr, BM: tl.constexpr,
-               BN: tl.constexpr, SUBK: tl.constexpr):
+               stage_off_ptr, PARALLEL: tl.constexpr, STAGED: tl.constexpr, CB: tl.constexpr, LANES: tl.constexpr,
+               ACT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SUBK: tl.constexpr):
     """(done, sum) of matrix m's output block nb. Full form: every split here, done. Parallel form: this
     program's split (program_id 2) stored at ws_rows + split * split_stride; done in the last of the
     block's programs to arrive at `cnt`, which then holds the splits' ordered sum and resets the counter."""
@@ -507,8 +507,8 @@ def _rotate_kernel(x_ptr, stride_xm, xr_ptr, table_ptr, scales_ptr, R, width, in
 # ---- one EXL3 linear ------------------------------------------------------------------------------
 @triton.jit
 def _linear_kernel(xr_ptr, out_ptr, table_ptr, m, words_ptr, scales_ptr, ws_ptr, cnt_ptr, stage_ptr, stage_off_ptr, M,
-                   stride_om, out_start, out_width, PARALLEL: tl.constexpr, STAGED: tl.constexpr, ACT: tl.constexpr, CB: tl.constexpr, LANES: tl.constexpr,
-                   BM: tl.constexpr, BN: tl.constexpr, SUBK: tl.constexpr):
+                   stride_om, out_start, out_width, PARALLEL: tl.constexpr, STAGED: tl.constexpr, ACT: tl.constexpr,
+                   CB: tl.constexpr, LANES: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SUBK: tl.constexpr):
     """Program (row tile, output block nb[, split]): rows [tile * BM, +BM) of x @ W from their rotated
     inputs xr [M, in_read]; the matrix's output columns of block nb that fall inside
     [out_start, out_start + out_width), stored from column 0. STAGED: the matrix's values from the stage."""
@@ -666,8 +666,8 @@ def _down_kernel(xd_ptr, parts_ptr, out_ptr, table_ptr, words_ptr, scales_ptr, w
         n_steps, n_sp = _steps(table_ptr, md)
         done, acc = _block_sum(table_ptr, md, nb, n_steps, n_sp, xrow, row_ok, words_ptr,
                                ws_ptr + slots.to(tl.int64) * hidden + nb * BN, tl.num_programs(0) * hidden,
-                               cnt_ptr + g * tl.num_programs(1) + nb, stage_ptr, stage_off_ptr, PARALLEL, STAGE == 1, CB,
-                               LANES, ACT, BM, BN, SUBK)
+                               cnt_ptr + g * tl.num_programs(1) + nb, stage_ptr, stage_off_ptr, PARALLEL, STAGE == 1,
+                               CB, LANES, ACT, BM, BN, SUBK)
         if done:
             c_ty = out_ptr.dtype.element_ty
             y = _out_block(acc, table_ptr, md, nb, scales_ptr, ACT, BN).to(c_ty).to(tl.float32)
@@ -1137,7 +1137,8 @@ def forms_agree(bank: Exl3Bank, dtype: torch.dtype) -> bool:
                                              for a, n in ((0, 1), (5, 16), (bm + 1, 7)))
     _AGREE[key] = same
     if not same:
-        print(f"glm53: EXL3 full form at {PREFILL.bm} / {PREFILL.stage_tiling.bm} rows differs from the decode form's bits on "
-              f"{torch.cuda.get_device_name(bank.device)}; every row count runs the decode tile (exact, slower)",
+        print(f"glm53: EXL3 full form at {PREFILL.bm} / {PREFILL.stage_tiling.bm} rows differs from the decode "
+              f"form's bits on {torch.cuda.get_device_name(bank.device)}; every row count runs the decode tile "
+              "(exact, slower)",
               file=sys.stderr)
     return same
