@@ -82,7 +82,7 @@ fi
 if [ "$what" = exl3 ]; then
     python3 -c "from bench.lib.exllamav3 import exllamav3_reference; \
 exllamav3_reference().build_in_background('$out/exllamav3_build.log')"
-    python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_exl3_cuda.py 2>&1 | tee "$out/exl3_tests.log"
+    python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_exl3_cuda.py tests/gpu/test_exl3_engine_cuda.py 2>&1 | tee "$out/exl3_tests.log"
     status=$(( status | ${PIPESTATUS[0]} ))
     python3 -m bench.bench_exl3_moe --exllamav3 ${EXL3_BENCH_ARGS:-} --out "$out/exl3_moe_h200.json" 2>&1 \
         | tee "$out/exl3_moe_h200.log"
