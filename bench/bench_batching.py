@@ -90,7 +90,7 @@ def start_followers(model: Path, ranks: int, device: str, threads: int) -> tuple
 
 
 def rank_engine(model: Path, rank: int, ranks: int, port: int, device: str):
-    from glm53.dist.parallel_engine import RankEngine
+    from glm53.dist.rank_engine import RankEngine
 
     return RankEngine(str(model), tp=ranks, rank=rank, master="127.0.0.1", master_port=port,
                       rendezvous_timeout_s=120, **{k: v for k, v in engine_options(device).items() if v is not None})
@@ -115,7 +115,7 @@ def main() -> int:
 
     import torch
 
-    from glm53.engine import Glm53Engine
+    from glm53.runtime.engine import Glm53Engine
 
     torch.set_num_threads(args.threads)
     if args.follower:

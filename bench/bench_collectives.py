@@ -56,7 +56,7 @@ def record_collectives(comm: Any, log_to: list[dict]) -> None:
 
 
 def worker(rank: int, world: int, port: int, model: str, prompt_len: int, tokens: int, dtype: str, out: Path) -> None:
-    from glm53.dist.parallel_engine import RankEngine
+    from glm53.dist.rank_engine import RankEngine
 
     torch.set_num_threads(1)
     eng = RankEngine(model, tp=world, rank=rank, master="127.0.0.1", master_port=port, device="cpu",

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from bench.lib.meta import RESULTS, result_header, summary, write_json
-from glm53.token_log import TokenLog
+from glm53.model.token_log import TokenLog
 from kv_cache import CacheKey, PrefixCache
 
 BLOCK = 256

@@ -22,7 +22,7 @@ import torch
 
 from bench.lib.kvstate import new_kv_state
 from bench.lib.meta import RESULTS, result_header, summary, write_json
-from glm53.kv_state import KVState
+from glm53.model.kv_state import KVState
 
 BLOCK = 256
 

@@ -126,7 +126,7 @@ def engine_turns(args: argparse.Namespace) -> int:
     import tempfile
 
     import glm53.model.indexer as indexer
-    from glm53.engine import Glm53Engine
+    from glm53.runtime.engine import Glm53Engine
 
     work = Path(tempfile.mkdtemp(prefix="bench_select_topk."))
     try:

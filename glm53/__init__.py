@@ -26,7 +26,7 @@ QUANT_METHODS = ("exl3",)  # config.json quantization_config.quant_method values
 def check(model_dir: str | Path) -> None:
     """None when this family can serve `model_dir`; otherwise raises ValueError (ConfigError,
     CheckpointError) whose message names the file and the field or tensor."""
-    from glm53.weights_loader import check_checkpoint
+    from glm53.loading.loader import check_checkpoint
 
     check_checkpoint(model_dir)
 
@@ -38,21 +38,21 @@ def cuda_engine(model_dir: str | Path, *, drafter: Any = None, tp: int = 1, rank
     One rank: a Glm53Engine. Several: glm53.dist's RankEngine (rendezvous at master:master_port,
     then every rank runs the same Glm53Engine under a DistRankPlan). `settings`: a
     glm53.settings.Settings (default: the environment's, parsed here); `options` win over it."""
-    from glm53.engine import EngineError
+    from glm53.runtime.engine import EngineError
     from glm53.settings import Settings
 
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or not isinstance(rank, int) or not 0 <= rank < tp:
         raise EngineError(f"--tp {tp} --rank {rank}: ranks run 0..tp-1")
     settings = Settings.from_env() if settings is None else settings
     if tp > 1:
-        from glm53.dist.parallel_engine import RankEngine
+        from glm53.dist.rank_engine import RankEngine
 
         # every rank: its own prefix cache (agreeing on the minimum) and the draft plan (copy drafts:
         # rank 0 drafts, the others replay its verification windows)
         return RankEngine(str(model_dir), tp=tp, rank=rank, master=master or "127.0.0.1", master_port=master_port,
                           drafter=drafter, no_drafts=no_drafts, mtp_drafts=mtp_drafts, serve_features=True,
                           settings=settings, **options)
-    from glm53.engine import Glm53Engine
+    from glm53.runtime.engine import Glm53Engine
 
     engine = Glm53Engine(model_dir, drafter=None, tp=tp, rank=rank, master=master, master_port=master_port,
                          no_drafts=no_drafts, mtp_drafts=mtp_drafts, settings=settings, **options)

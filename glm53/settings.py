@@ -4,7 +4,7 @@
     engine = glm53.cuda_engine(model_dir, settings=settings)
     settings.override(max_seqs=4)                   # explicit arguments win; None leaves a field as it is
 
-The entry points (front.rank, glm53.cuda_engine, Glm53Engine and RankEngine when built without
+The entry points (glm53.serving.rank, glm53.cuda_engine, Glm53Engine and RankEngine when built without
 settings, the launcher's commands) call `Settings.from_env()`; what they build takes the Settings or
 the fields it needs, so nothing reads these variables again. Rules of the parse:
 - a value that is empty or blank counts as unset (the default), as in a shell's `TF_GLM53_MAX_SEQS= cmd`;
@@ -213,7 +213,7 @@ _BYTES = Bytes("a byte count like 8G, 512M or 1048576", low=0)
 class Settings:
     """One field per TF_GLM53_* knob; the field's metadata holds its variable, kind and description."""
 
-    # ---- the engine (glm53/engine.py) ---------------------------------------------------------
+    # ---- the engine (glm53/runtime/engine.py) ---------------------------------------------------------
     device: str | None = knob("DEVICE", _choice(DEVICES), None, "the device the engine runs on",
                               "cuda when available, else cpu")
     dtype: str | None = knob("DTYPE", _choice(DTYPES), None, "compute dtype", "bf16 on cuda, fp32 on cpu")
@@ -301,7 +301,7 @@ class Settings:
     kv_pool_bytes: int | None = knob("KV_POOL_BYTES", Bytes("a positive byte count like 8G or 1048576", low=1), None,
                                      "batched runtime: the KV pool's budget (serve.sh sets it to the memory plan's KV of the tightest rank)",
                                      "90% of free GPU memory; 4G on a CPU")
-    # ---- serving (front/, launcher/) ----------------------------------------------------------
+    # ---- serving (glm53/serving/front/, launcher/) ----------------------------------------------------------
     log_level: str = knob("LOG_LEVEL", _choice(LOG_LEVELS, str.upper), "INFO",
                           "log level of the ranks' stderr (the per-request line, kv_cache hits, misses and "
                           "evictions, drafter acceptance); DEBUG adds cache stores")

@@ -1,6 +1,6 @@
 """Wiring the prefix cache into the glm53 engine through its plug point, without editing glm53.
 
-The engine (glm53/engine.py) takes a `prefix_cache` object and calls, per request,
+The engine (glm53/runtime/engine.py) takes a `prefix_cache` object and calls, per request,
 `lookup(prompt, live_tokens=state.tokens, live_frontier=state.frontier)`, truncates its state to
 `hit.live_tokens`, `Hit.restore` into `KVState.import_rows` (disk files are read there; it
 returns the reused length, less where a file failed verification), prefills from that length,

@@ -14,7 +14,7 @@ from typing import Callable
 
 from glm53.config import Glm53Config
 from launcher.config import MemorySettings
-from launcher.meminfo import GIB, MIB
+from glm53.serving.meminfo import GIB, MIB
 
 @dataclass(frozen=True)
 class RankNeed:

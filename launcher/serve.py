@@ -14,6 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
 
+from glm53.serving.rank import DRAIN_TIMEOUT_S
 from glm53.settings import env_name
 from launcher import commands
 from launcher.config import API_KEYS_ENV, KIT_DIR, LaneConfig, from_dict, to_dict
@@ -133,7 +134,7 @@ def check(config: LaneConfig, model: str, out: TextIO, freed: dict[str, int] | N
     if len(checks.probes) == config.ranks and not checks.failures:
         if tiny_pending:
             print(f"memory plan: the tiny checkpoint {model} does not exist yet (generated on first start: "
-                  f"{sys.executable} -m glm53.tiny {model})", file=out)
+                  f"{sys.executable} -m glm53.synthetic.tiny {model})", file=out)
         elif not (Path(model) / "config.json").is_file():
             problems.append(f"memory plan: {model}/config.json is not on this machine; the plan reads the "
                             f"checkpoint's headers here: start serve.sh on a node that holds the weights")
@@ -274,7 +275,7 @@ def follow(run_dir: Path, proc: subprocess.Popen, out: TextIO) -> int:
 
 
 # ---- stop / restart / status ---------------------------------------------------------------------
-def stop(run_dir: Path, out: TextIO = sys.stderr, timeout: float = commands.DRAIN_TIMEOUT_S + 60) -> int:
+def stop(run_dir: Path, out: TextIO = sys.stderr, timeout: float = DRAIN_TIMEOUT_S + 60) -> int:
     """SIGTERM to the supervisor, which stops the ranks (rank 0 drains first); SIGKILL after `timeout`."""
     state = read_json(run_dir / "lane.json")
     saved = read_json(run_dir / "config.json")

@@ -6,7 +6,7 @@
     kv_state -> token_log                             (the KV cache of one sequence)
     drafter  -> glm53's settings and atomic_json only (drafting sees its Target protocol, not the engine)
     kv_cache -> glm53 only through kv_cache/engine_adapter.py (the prefix cache sees its engine adapter)
-    nothing below the front imports front/ or launcher/
+    nothing below the front imports glm53/serving/front/ or launcher/
 
 A new import across these lines fails here with the file, the line and the rule.
 """
@@ -38,9 +38,9 @@ def imports(path: Path) -> list[tuple[int, str]]:
 
 RULES = [  # (files, the modules they may import from the product packages, why)
     ("glm53/ops", ("glm53.ops", "glm53.exl3", "glm53.settings"), "ops sit below the model"),
-    ("glm53/model", ("glm53.model", "glm53.ops", "glm53.exl3", "glm53.kv_state", "glm53.config", "glm53.settings"),
+    ("glm53/model", ("glm53.model", "glm53.ops", "glm53.exl3", "glm53.model.kv_state", "glm53.config", "glm53.settings"),
      "the model sees ops, EXL3, its config and the KV state"),
-    ("glm53/kv_state.py", ("glm53.token_log",), "the KV state is storage"),
+    ("glm53/model/kv_state.py", ("glm53.model.token_log",), "the KV state is storage"),
     ("drafter", ("drafter", "glm53.settings", "glm53.atomic_json"),
      "drafting sees its Target protocol (drafter/target.py), not the engine"),
 ]
@@ -81,5 +81,5 @@ def test_nothing_below_the_front_imports_the_front_or_the_launcher() -> None:
 
 def test_the_scan_sees_function_local_and_package_imports(tmp_path: Path) -> None:
     src = tmp_path / "m.py"
-    src.write_text("import os\nfrom glm53 import ops\n\ndef f():\n    from front.app import build\n    import drafter.policy\n")
-    assert imports(src) == [(2, "glm53.ops"), (5, "front.app"), (6, "drafter.policy")]
+    src.write_text("import os\nfrom glm53 import ops\n\ndef f():\n    from glm53.serving.front.app import build\n    import drafter.policy\n")
+    assert imports(src) == [(2, "glm53.ops"), (5, "glm53.serving.front.app"), (6, "drafter.policy")]

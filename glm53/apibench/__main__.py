@@ -1,3 +1,3 @@
-from apibench.cli import main
+from glm53.apibench.cli import main
 
-main(prog_name="python -m apibench")
+main(prog_name="python -m glm53.apibench")

@@ -1,4 +1,4 @@
-"""glm53-bench (python -m apibench): benchmark any OpenAI-compatible server through
+"""glm53-bench (python -m glm53.apibench): benchmark any OpenAI-compatible server through
 /v1/chat/completions with the suites decode, agent, extend and concurrency; write every sample as
 JSON, plots beside it, and print a table per suite.
 
@@ -14,10 +14,10 @@ from pathlib import Path
 
 import click
 
-from apibench.endpoint import api_base
-from apibench.runner import SUITES, run, show
-from apibench.schema import Report, Settings
-from apibench.texts import DECODE_KINDS
+from glm53.apibench.endpoint import api_base
+from glm53.apibench.runner import SUITES, run, show
+from glm53.apibench.schema import Report, Settings
+from glm53.apibench.texts import DECODE_KINDS
 
 
 def _names(allowed: tuple[str, ...]):

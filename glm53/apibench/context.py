@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from apibench.endpoint import BenchError, Endpoint
-from apibench.progress import Display
-from apibench.schema import ServerInfo, Settings
-from apibench.streaming import Reply, chat
-from apibench.texts import tool_output
+from glm53.apibench.endpoint import BenchError, Endpoint
+from glm53.apibench.progress import Display
+from glm53.apibench.schema import ServerInfo, Settings
+from glm53.apibench.streaming import Reply, chat
+from glm53.apibench.texts import tool_output
 
 WARMUP_PROMPT = "Say hello."
 

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import openai
 
-from apibench.schema import ServerInfo
+from glm53.apibench.schema import ServerInfo
 
 
 class BenchError(Exception):

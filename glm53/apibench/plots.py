@@ -11,7 +11,7 @@ matplotlib.use("Agg")  # files only: no display on a server or in CI
 
 import matplotlib.pyplot as plt  # noqa: E402
 
-from apibench.schema import AgentSuite, ConcurrencySuite, Summary  # noqa: E402
+from glm53.apibench.schema import AgentSuite, ConcurrencySuite, Summary  # noqa: E402
 
 
 def _bars(summaries: list[Summary]) -> tuple[list[float], list[list[float]]]:

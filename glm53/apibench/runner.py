@@ -13,12 +13,12 @@ from typing import Any
 
 from rich.console import Console
 
-from apibench.context import RunContext
-from apibench.endpoint import BenchError, Endpoint
-from apibench.progress import Display
-from apibench.schema import Failure, Report, ServerInfo, Settings, Suites
-from apibench.suites import agent, concurrency, decode, extend
-from apibench.tables import print_tables
+from glm53.apibench.context import RunContext
+from glm53.apibench.endpoint import BenchError, Endpoint
+from glm53.apibench.progress import Display
+from glm53.apibench.schema import Failure, Report, ServerInfo, Settings, Suites
+from glm53.apibench.suites import agent, concurrency, decode, extend
+from glm53.apibench.tables import print_tables
 from bench.lib.meta import device_description, git_commit, versions, write_json
 
 SUITES: dict[str, Callable[[RunContext], Any]] = {"decode": decode.run, "agent": agent.run, "extend": extend.run,
@@ -59,7 +59,7 @@ def save(report: Report, out: Path) -> None:
 
 
 def plot(name: str, report: Report, out: Path) -> Path:
-    from apibench import plots  # matplotlib takes about a second to import: only when a plot is made
+    from glm53.apibench import plots  # matplotlib takes about a second to import: only when a plot is made
 
     make = {"agent": plots.plot_agent, "concurrency": plots.plot_concurrency}[name]
     title = f"{name}: {report.server.model}" + (f" ({report.label})" if report.label else "")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from apibench.schema import Latency, Summary
+from glm53.apibench.schema import Latency, Summary
 from bench.lib.meta import summary
 
 

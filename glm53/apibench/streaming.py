@@ -7,8 +7,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from apibench.endpoint import BenchError, Endpoint, named_failures
-from apibench.schema import RequestTiming
+from glm53.apibench.endpoint import BenchError, Endpoint, named_failures
+from glm53.apibench.schema import RequestTiming
 
 
 @dataclass

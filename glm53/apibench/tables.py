@@ -4,7 +4,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from apibench.schema import AgentSuite, ConcurrencySuite, DecodeSuite, ExtendSuite, Report, Summary
+from glm53.apibench.schema import AgentSuite, ConcurrencySuite, DecodeSuite, ExtendSuite, Report, Summary
 
 
 def _num(value: float | None, digits: int = 3) -> str:

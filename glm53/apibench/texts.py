@@ -1,4 +1,4 @@
-"""The texts the suites send, shipped in apibench/texts/: the decode prompts, the agent's system
+"""The texts the suites send, shipped in glm53/apibench/texts/: the decode prompts, the agent's system
 prompt and six turns, and a corpus of tool-like lines (code, test runs, logs, listings) from which
 tool outputs and long documents of any size are cut, in an order fixed by a seed."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ DECODE_KINDS = ("prose", "code", "structured")
 
 @cache
 def _read(name: str) -> str:
-    return resources.files("apibench").joinpath("texts", name).read_text(encoding="utf-8")
+    return resources.files("glm53.apibench").joinpath("texts", name).read_text(encoding="utf-8")
 
 
 def decode_prompt(kind: str) -> str:

@@ -1,6 +1,6 @@
-"""`python -m glm53.weights`: fetch a GLM-5.3 checkpoint (or find it offline) and prove it complete.
+"""`python -m glm53.checkpoints`: fetch a GLM-5.3 checkpoint (or find it offline) and prove it complete.
 
-fetch_weights.sh is a thin front over this. Exit codes: see glm53/weights/report.py and docs/weights.md.
+fetch_weights.sh is a thin front over this. Exit codes: see glm53/checkpoints/report.py and docs/weights.md.
 """
 from __future__ import annotations
 
@@ -119,7 +119,7 @@ def _run(repo: str, revision: str | None, local_dir: str | None, offline: bool, 
         report = _verify(obtained, deep, workers, check_model=True)
     except (FetchError, ManifestError) as exc:
         click.echo(f"error: {exc}", err=True)
-        report = {"tool": "glm53.weights verify", "model_dir": local_dir, "status": "no_checkpoint",
+        report = {"tool": "glm53.checkpoints verify", "model_dir": local_dir, "status": "no_checkpoint",
                   "exit_code": EXIT_NO_CHECKPOINT, "source": {"repo": repo, "revision": revision}, "error": str(exc)}
         if json_path:
             write_json_atomic(json_path, report)
@@ -156,7 +156,7 @@ def licence_accepted(manifest: Any, flag: bool, interactive: bool) -> bool:
 
 
 def _drafter_report(got: DrafterFetched | None, manifest: Any, code: int, status: str, error: str | None = None) -> dict[str, Any]:
-    report: dict[str, Any] = {"tool": "glm53.weights drafter", "status": status, "exit_code": code,
+    report: dict[str, Any] = {"tool": "glm53.checkpoints drafter", "status": status, "exit_code": code,
                               "repository": manifest.repository, "licence": manifest.licence_spdx,
                               "licence_url": manifest.licence_url}
     if got is not None:
@@ -211,4 +211,4 @@ def _run_drafter(revision: str | None, local_dir: str | None, offline: bool, jso
 
 
 if __name__ == "__main__":
-    main(prog_name=os.environ.get("GLM53_WEIGHTS_PROG", "python -m glm53.weights"))
+    main(prog_name=os.environ.get("GLM53_WEIGHTS_PROG", "python -m glm53.checkpoints"))

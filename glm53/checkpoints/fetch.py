@@ -15,7 +15,7 @@ the other machines to get identical files).
 The DFlash2 drafter (`fetch_drafter`) is driven by drafter/MANIFEST.json instead: its repository,
 revision and allow_patterns; after the download its files are pinned against the hub's metadata
 (drafter.manifest.pin) and re-hashed (drafter.manifest.verify). Accepting its licence is the
-caller's job (glm53/weights/__main__.py asks), before this is called.
+caller's job (glm53/checkpoints/__main__.py asks), before this is called.
 """
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def resolve_revision(repo: str, revision: str | None, warn: Callable[[str], None
     pinned = PINNED_REVISIONS.get(repo)
     if pinned:
         return pinned
-    warn(f"no pinned revision for {repo} (placeholder in glm53/weights/fetch.py): using 'main'; "
+    warn(f"no pinned revision for {repo} (placeholder in glm53/checkpoints/fetch.py): using 'main'; "
          "the commit it resolves to is recorded in the manifest; pass --revision <commit> to pin")
     return "main"
 

@@ -16,8 +16,8 @@ import re
 from collections import Counter
 from typing import Any
 
-from ..checkpoint_rules import mtp_layers
-from ..layout.plan import PlanError, plan_layouts
+from glm53.loading.checkpoint_rules import mtp_layers
+from glm53.layout.plan import PlanError, plan_layouts
 from .verify import VerifyResult
 
 EXIT_OK = 0
@@ -100,7 +100,7 @@ def build_report(result: VerifyResult, *, source: dict[str, Any] | None = None) 
     code = exit_code(result)
     status = {EXIT_OK: "ok", EXIT_FILES: "file_errors", EXIT_MODEL: "model_errors"}[code]
     return {
-        "tool": "glm53.weights verify",
+        "tool": "glm53.checkpoints verify",
         "model_dir": result.model_dir,
         "status": status,
         "exit_code": code,

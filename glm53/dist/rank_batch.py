@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from glm53.dist.parallel_engine import BATCH_START, BATCH_WAKE
+from glm53.dist.rank_engine import BATCH_START, BATCH_WAKE
 from glm53.runtime import BatchEngine
 from glm53.runtime.scheduler import Work
 from glm53.runtime.sequence import Sequence

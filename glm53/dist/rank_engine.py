@@ -34,7 +34,7 @@ import torch
 
 from glm53.dist import dcp, tp
 from glm53.dist.collectives import Comm
-from glm53.kv_state import KVState
+from glm53.model.kv_state import KVState
 from glm53.model.indexer import Selection, select_topk
 from glm53.model.mla import AttentionWeights
 from glm53.model.parallel import RankPlan
@@ -243,7 +243,7 @@ class WindowChannel:
         return LeadingTarget(target, self)
 
     def follow_windows(self, target: object) -> None:
-        """Run rank 0's calls on this rank's `target` (a glm53.engine.Glm53Target) until END. The MTP
+        """Run rank 0's calls on this rank's `target` (a glm53.runtime.engine.Glm53Target) until END. The MTP
         layer's cache of this request is created at its first call (a fresh one per request, as on
         rank 0)."""
         from drafter.glm53_target import Glm53MtpAdapter
@@ -369,7 +369,7 @@ class RankEngine:
         from glm53.config import Glm53Config
         from glm53.dist.guard import GuardSettings
         from glm53.dist.rendezvous import RendezvousSpec, rendezvous
-        from glm53.engine import Glm53Engine
+        from glm53.runtime.engine import Glm53Engine
 
         settings = Settings.from_env() if settings is None else settings
         dev = device or settings.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -508,7 +508,7 @@ class RankEngine:
         try:
             self.engine.generate(prompt, max_tokens, params, agreed)
         except Exception as exc:  # a request rank 0 rejected the same way: stay in step
-            from glm53.engine import EngineError
+            from glm53.runtime.engine import EngineError
 
             if not isinstance(exc, EngineError):
                 raise

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ..safetensors_header import DTYPE_BITS, TensorInfo
+from glm53.loading.safetensors_header import DTYPE_BITS, TensorInfo
 from .plan import LayoutPlan, PlanError, SliceSpec, TensorLocation
 
 TORCH_DTYPES: dict[str, torch.dtype] = {

@@ -2,14 +2,14 @@
 (names, dtypes, shapes; no tensor data is read).
 
 One rule for every judge: `glm53.check()` (weights_loader.check_checkpoint) raises the first
-problem, `fetch_weights.sh` (glm53/weights/verify.py) reports them all as model-level findings
+problem, `fetch_weights.sh` (glm53/checkpoints/verify.py) reports them all as model-level findings
 (exit 3), and the loader serves what the rule accepts.
 
 Linears. A linear P whose config gives (in_f, out_f) is stored either plain, `P.weight`
 [out_f, in_f] in bf16/fp16/fp32, or, where the rule lets it, as an EXL3 group
-(glm53/exl3/format.py, glm53/exl3_storage.py):
+(glm53/exl3/format.py, glm53/loading/exl3_storage.py):
 
-    P.trellis         int16 [pad(in_f)/16, pad(out_f)/16, 16*K], K in SERVED_BITS (glm53/exl3_storage.py)
+    P.trellis         int16 [pad(in_f)/16, pad(out_f)/16, 16*K], K in SERVED_BITS (glm53/loading/exl3_storage.py)
     P.suh | P.su      fp16 [pad(in_f)] | packed int16 [pad(in_f)/16]
     P.svh | P.sv      fp16 [pad(out_f)] | packed int16 [pad(out_f)/16]
     P.mcg | P.mul1    at most one, an int32 scalar (shape []); half-integer K needs mul1
@@ -25,7 +25,7 @@ qmap: architecture/glm_moe_dsa.py, glm_moe_dsa_mtp.py, modules/mla_attn.py, bloc
 q_a_proj, q_b_proj, kv_a_proj_with_mqa, o_proj, the indexer's wq_b, the dense MLP, the shared and
 the routed experts, and MTP's eh_proj. exllamav3 keeps kv_b_proj in fp16 (its attention absorbs
 kv_b into the query and output); the rule still lets kv_b_proj be EXL3, as the kit's synthetic pack
-stores it (glm53/weights/synthetic.py), since the kit decodes it like any other linear. Plain only:
+stores it (glm53/synthetic/checkpoints.py), since the kit decodes it like any other linear. Plain only:
 the router (mlp.gate), the indexer's wk and weights_proj (exllamav3 builds them with qmap None),
 the embeddings and lm_head (exllamav3 quantizes lm_head unless converted with --head_bits 16; the
 kit serves a 16-bit head).
@@ -41,8 +41,8 @@ from pathlib import Path
 from typing import Union
 
 from glm53.config import Glm53Config
-from glm53.exl3_storage import HADAMARD_BLOCK, KNOWN_PARTS, SERVED_BITS
-from glm53.safetensors_header import ShardError, ShardHeader, read_header
+from glm53.loading.exl3_storage import HADAMARD_BLOCK, KNOWN_PARTS, SERVED_BITS
+from glm53.loading.safetensors_header import ShardError, ShardHeader, read_header
 
 PLAIN_DTYPES = ("BF16", "F16", "F32")
 EXL3_PAD = 128  # exllamav3's pad_to for an EXL3 linear's in and out features

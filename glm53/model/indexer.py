@@ -106,7 +106,7 @@ def select_topk(scores: torch.Tensor, k: int, nan_flag: torch.Tensor | None = No
     torch form below (`select_topk_torch`), which the kernels are tested against.
 
     NaN scores leave the selection undefined: raised here (a host sync), or, given `nan_flag` (a
-    device bool), or-ed into it for the caller to check after the forward (glm53.cuda_graphs)."""
+    device bool), or-ed into it for the caller to check after the forward (glm53.runtime.cuda_graphs)."""
     _check_scores(scores, k)
     if scores.shape[1] and ops.triton_topk_for(scores):
         from glm53.ops import triton_topk

@@ -25,7 +25,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from glm53.token_log import TokenLog
+from glm53.model.token_log import TokenLog
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 KV_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
@@ -72,7 +72,7 @@ class KVState:
         return len(self.tokens)
 
     def token_ids(self) -> np.ndarray:
-        """The held tokens as a read-only int64 array, converted incrementally (glm53/token_log.py)."""
+        """The held tokens as a read-only int64 array, converted incrementally (glm53/model/token_log.py)."""
         toks = self.tokens
         return toks.array() if isinstance(toks, TokenLog) else np.asarray(toks, dtype=np.int64)
 
@@ -162,7 +162,7 @@ class KVState:
 
     def owned_positions(self, stop: int) -> torch.Tensor | None:
         """Positions in [0, stop) whose rows reads return, ascending; None: all of them (this class).
-        A cache split by position (glm53.dist.parallel_engine.DcpKVState) returns its own."""
+        A cache split by position (glm53.dist.rank_engine.DcpKVState) returns its own."""
         return None
 
     def read_latent(self, layer: int, stop: int, dtype: torch.dtype) -> torch.Tensor:

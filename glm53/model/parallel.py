@@ -89,7 +89,7 @@ class RankPlan:
     # ---- the cache ------------------------------------------------------------------------
     def new_state(self, model, kv_dtype: str = "bf16"):  # noqa: ANN001, ANN201 - (Glm53Model) -> KVState
         """The cache for one sequence on this rank (a DCP layout keeps only its owned positions)."""
-        from glm53.kv_state import KVState
+        from glm53.model.kv_state import KVState
 
         indexed = frozenset(l.index for l in model.w.layers if l.indexer is not None)
         return KVState(n_layers=len(model.w.layers), latent_dim=model.cfg.latent_dim,

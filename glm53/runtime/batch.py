@@ -42,7 +42,7 @@ class BatchEngine:
         if engine.plan.world != 1 and not lockstep:
             raise ValueError("over several ranks the batched runtime runs in lockstep on every rank "
                              "(glm53.dist.rank_batch.RankBatch)")
-        from glm53.engine import with_options
+        from glm53.runtime.engine import with_options
 
         self.engine = engine
         self.eos = frozenset(engine.eos)

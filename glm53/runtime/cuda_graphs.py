@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from glm53 import ops
-from glm53.kv_state import KVState
+from glm53.model.kv_state import KVState
 from glm53.model.indexer import SMALL_WINDOW_ROWS
 from glm53.model.transformer import ForwardOutput, Glm53Model, Span
 

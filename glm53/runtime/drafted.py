@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from glm53.model.transformer import ForwardOutput
-from glm53.state_target import StateTarget
+from glm53.runtime.state_target import StateTarget
 
 
 class Preempted(Exception):

@@ -26,15 +26,15 @@ import torch
 
 from glm53 import ops
 from glm53.config import Glm53Config
-from glm53.cuda_graphs import WindowGraphs
-from glm53.kv_state import KVState
+from glm53.runtime.cuda_graphs import WindowGraphs
+from glm53.model.kv_state import KVState
 from glm53.model.parallel import RankPlan
 from glm53.model.transformer import ForwardOutput, Glm53Model
-from glm53.logits_policy import LogitsPolicy, policy_for
-from glm53.sampling import SamplingParams
+from glm53.runtime.logits_policy import LogitsPolicy, policy_for
+from glm53.runtime.sampling import SamplingParams
 from glm53.settings import Settings, SettingsError
-from glm53.state_target import StateTarget
-from glm53.weights_loader import load_weights
+from glm53.runtime.state_target import StateTarget
+from glm53.loading.loader import load_weights
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 OnTokens = Callable[[list[int]], Any]
@@ -161,7 +161,7 @@ class Glm53Engine:
         self.state: KVState | None = None  # the retained conversation
         self.last_stats: dict[str, Any] = {}
         self.trace: list[tuple[int, torch.Tensor]] | None = None  # tests: set to [] to record (position, logits)
-        # over several ranks (glm53.dist.parallel_engine.WindowChannel): rank 0 announces its draft
+        # over several ranks (glm53.dist.rank_engine.WindowChannel): rank 0 announces its draft
         # windows, the other ranks replay them; None at one rank
         self.window_channel: Any = None
 
@@ -340,9 +340,9 @@ class Glm53Engine:
         return reply
 
     def _policy(self, params: SamplingParams, prompt: list[int]) -> LogitsPolicy:
-        """The request's logits processing (glm53/logits_policy.py): the one sampler of both loops."""
+        """The request's logits processing (glm53/runtime/logits_policy.py): the one sampler of both loops."""
         def grammar(text: str) -> Any:
-            from glm53.grammar import GrammarMatcher
+            from glm53.runtime.grammar import GrammarMatcher
 
             return GrammarMatcher(text, self.model_dir, self.vocab_size, tuple(self.eos))
 
@@ -471,4 +471,4 @@ class Glm53Engine:
         if self.plan.world == 1:
             return
         raise EngineError(f"this engine holds one rank of {self.plan.world} alone; several ranks run "
-                          "glm53.dist.parallel_engine.RankEngine (glm53.cuda_engine builds it with tp > 1)")
+                          "glm53.dist.rank_engine.RankEngine (glm53.cuda_engine builds it with tp > 1)")

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from glm53.sampling import SamplingError
+from glm53.runtime.sampling import SamplingError
 
 JSON_OPTIONS = {"whitespace_flexible": False}
 # json_object: any JSON object (OpenAI's JSON mode)

@@ -18,7 +18,7 @@ state back to p (dropping tokens at p and later), then processes the row with th
 
 Order: repetition penalty, frequency and presence penalties (on the model's logits), logit_bias,
 grammar mask (-inf where the grammar forbids), then sampling's temperature and filters
-(glm53/sampling.py). Log-probabilities are the model's: log_softmax of the raw row, before
+(glm53/runtime/sampling.py). Log-probabilities are the model's: log_softmax of the raw row, before
 temperature, penalties, bias and grammar (vLLM's default, and what a client can compare across
 requests).
 """
@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from glm53.sampling import SamplingParams, sample
+from glm53.runtime.sampling import SamplingParams, sample
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """Token choice: greedy, or temperature / top-k / top-p / min-p sampling keyed by (seed, position).
-A request's penalties, logit_bias and grammar change the row before this (glm53/logits_policy.py).
+A request's penalties, logit_bias and grammar change the row before this (glm53/runtime/logits_policy.py).
 
 The randomness for the token at absolute position p depends only on the request's seed and p
 (Gumbel noise from a generator seeded by a hash of both, drawn on the CPU so every device draws the
@@ -37,15 +37,15 @@ class SamplingParams:
     seed: int | None = None
     draft: bool = True
     ignore_eos: bool = False
-    # per-request logits processing (glm53/logits_policy.py), applied before the filters above
+    # per-request logits processing (glm53/runtime/logits_policy.py), applied before the filters above
     presence_penalty: float = 0.0  # OpenAI's: minus this for every token the reply already holds
     frequency_penalty: float = 0.0  # OpenAI's: minus this times the token's count in the reply
     repetition_penalty: float = 1.0  # CTRL / transformers: tokens of the prompt or reply, logit / p if > 0 else * p
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
-    grammar: str | None = None  # an llguidance grammar (glm53/grammar.py), from response_format
+    grammar: str | None = None  # an llguidance grammar (glm53/runtime/grammar.py), from response_format
     logprobs: int | None = None  # None: none; k: the chosen token's log-probability and the k most likely
     # where the reply began when the prompt already holds part of it (a steered reply's later engine
-    # calls, front/steer.py): presence and frequency penalties count the reply from there
+    # calls, glm53/serving/front/steer.py): presence and frequency penalties count the reply from there
     reply_start: int | None = None
 
     def __post_init__(self) -> None:
@@ -96,7 +96,7 @@ class SamplingParams:
         if isinstance(kwargs.get("logit_bias"), dict):  # JSON object keys are strings: "123" -> 123
             kwargs["logit_bias"] = {_token_key(k): v for k, v in kwargs["logit_bias"].items()} or None
         if request.get("response_format") is not None:
-            from glm53.grammar import grammar_for
+            from glm53.runtime.grammar import grammar_for
 
             kwargs["grammar"] = grammar_for(request["response_format"])
         return cls(**kwargs)

@@ -1,5 +1,5 @@
 """What the drafter's Target protocol (drafter/target.py) reads of one sequence's KV state and the
-model, shared by the one-request engine (glm53.engine.Glm53Target) and the batched runtime
+model, shared by the one-request engine (glm53.runtime.engine.Glm53Target) and the batched runtime
 (glm53.runtime.drafted.WindowTarget); they differ only in how a window's forward runs."""
 from __future__ import annotations
 

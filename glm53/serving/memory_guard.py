@@ -12,7 +12,7 @@ import sys
 import threading
 from typing import Callable
 
-from launcher.meminfo import MIB, PROC_MEMINFO, available_bytes
+from glm53.serving.meminfo import MIB, PROC_MEMINFO, available_bytes
 
 EXIT_MEMORY_GUARD = 75
 DEFAULT_INTERVAL_S = 1.0

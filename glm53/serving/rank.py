@@ -1,12 +1,12 @@
 """One rank of the lane: load the glm53 engine; rank 0 serves HTTP, every other rank follows.
 
-`python -m front.rank --model DIR --rank R --ranks N [...]`. Progress goes to stdout as
+`python -m glm53.serving.rank --model DIR --rank R --ranks N [...]`. Progress goes to stdout as
 `@state {json}` lines (the launcher shows them); errors go to stderr. On SIGTERM/SIGINT rank 0
 drains: new requests get 503 with Retry-After, those in flight finish (up to --drain-timeout s).
 The TF_GLM53_* knobs are parsed once at start (glm53.settings.Settings; `args.settings`, which the
 engine factory passes on); a bad value ends the rank at once with exit 2 and the variable named.
 Exit codes: 0 stopped by SIGTERM/SIGINT; 2 bad arguments or settings; 70 the engine failed; 75 the memory
-guard stopped the lane (launcher.guard.EXIT_MEMORY_GUARD); 98 the HTTP port is taken. glm53.dist's guard may end a
+guard stopped the lane (glm53.serving.memory_guard.EXIT_MEMORY_GUARD); 98 the HTTP port is taken. glm53.dist's guard may end a
 rank with 3 (a peer died), 4 (a collective timed out) or 5 (rank 0's store unreachable).
 """
 from __future__ import annotations
@@ -22,11 +22,14 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from glm53.settings import Settings, SettingsError
-from launcher.commands import DRAIN_TIMEOUT_S
-from launcher.config import API_KEYS_ENV
-from launcher.guard import MemoryGuard
-from launcher.meminfo import MIB, PROC_MEMINFO, available_bytes
+from glm53.serving.meminfo import MIB, PROC_MEMINFO, available_bytes
+from glm53.serving.memory_guard import MemoryGuard
+from glm53.settings import Settings, SettingsError, env_name
+
+# What a stopping rank 0 gives the requests in flight (--drain-timeout's default); the launcher's
+# supervisor waits that long and a margin before it kills rank 0.
+DRAIN_TIMEOUT_S = 20.0
+API_KEYS_ENV = env_name("api_keys")  # the keys rank 0's front asks of clients (comma-separated)
 
 EXIT_PORT_IN_USE = 98
 EXIT_ENGINE_FAILED = 70
@@ -60,7 +63,7 @@ class Progress(threading.Thread):
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m front.rank", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m glm53.serving.rank", description=__doc__)
     p.add_argument("--model", required=True, help="checkpoint directory")
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--ranks", type=int, default=1, help="tensor-parallel ranks in the lane")
@@ -116,7 +119,7 @@ def engine_options(pairs: list[str]) -> dict[str, Any]:
     for pair in pairs:
         key, sep, raw = pair.partition("=")
         if not sep or not key:
-            raise SystemExit(f"front.rank: --option {pair!r} must be KEY=VALUE")
+            raise SystemExit(f"glm53.serving.rank: --option {pair!r} must be KEY=VALUE")
         try:
             options[key] = json.loads(raw)
         except json.JSONDecodeError:
@@ -133,7 +136,7 @@ def glm53_engine(args: argparse.Namespace) -> Any:
 
 
 def glm53_sampling(request: dict[str, Any]) -> Any:
-    from glm53.sampling import SamplingParams
+    from glm53.runtime.sampling import SamplingParams
 
     return SamplingParams.from_request(request)
 
@@ -170,8 +173,8 @@ def main(argv: list[str] | None = None, engine_factory: Callable[[argparse.Names
 
     server = None
     if args.rank == 0:  # bind first: a taken port fails in a second, not after the load
-        from front.auth import configured_keys
-        from front.server import FrontServer
+        from glm53.serving.front.auth import configured_keys
+        from glm53.serving.front.server import FrontServer
         try:
             server = FrontServer(args.host, args.port, configured_keys(args.api_key, settings))
         except OSError as exc:
@@ -207,9 +210,9 @@ def main(argv: list[str] | None = None, engine_factory: Callable[[argparse.Names
         progress.set("stopped")
         return 0
 
-    from front.chat import ChatText
-    from front.service import Service
-    from front.settings import FrontSettings, drafting_state, prefix_cache_state
+    from glm53.serving.front.chat import ChatText
+    from glm53.serving.front.service import Service
+    from glm53.serving.front.settings import FrontSettings, drafting_state, prefix_cache_state
     context = args.context or model_context(Path(args.model))
     if not context:
         print(f"rank 0: cannot read max_position_embeddings from {args.model}/config.json; pass --context",
@@ -223,7 +226,7 @@ def main(argv: list[str] | None = None, engine_factory: Callable[[argparse.Names
     assert server is not None
     server.attach(service)
     progress.set("serving")
-    print(f"rank 0: serving {front.served_model} on http://{args.host}:{args.port} "
+    print(f"rank 0: serving {glm53.serving.front.served_model} on http://{args.host}:{args.port} "
           f"(context {context}, ranks {args.ranks}{', API keys required' if server.state.api_keys else ''})",
           flush=True)
     while not stop.wait(0.1):

@@ -1,5 +1,5 @@
 """The tiny checkpoint's tokenizer: a byte-level BPE built offline with `tokenizers`, plus GLM's chat
-special tokens and a chat template with GLM-5.3's conventions (front/glm_markup.py lists them and their
+special tokens and a chat template with GLM-5.3's conventions (glm53/serving/front/glm_markup.py lists them and their
 sources). Deterministic: the merges are trained on a fixed built-in corpus, and the added tokens sit at
 fixed ids at the top of the vocabulary (as in GLM).
 """
@@ -33,14 +33,14 @@ def special_id(token: str) -> int:
 EOS_TOKENS = ("<|endoftext|>", "<|user|>", "<|observation|>")  # GLM stops at these
 PAD_TOKEN = "<|endoftext|>"
 
-# GLM-5.3's conventions (front/glm_markup.py has the facts and sources): [gMASK]<sop>, the reasoning
+# GLM-5.3's conventions (glm53/serving/front/glm_markup.py has the facts and sources): [gMASK]<sop>, the reasoning
 # effort line, the tools block, then <|role|>content turns with no separator; an assistant turn replays
 # its reasoning as <think>...</think> (empty when it has none), its content stripped, then its tool calls
 # as <tool_call>name<arg_key>k</arg_key><arg_value>v</arg_value>...</tool_call> (strings raw, other
 # values as JSON); a run of tool results is one <|observation|> with a <tool_response> each. The reply
 # opens with <|assistant|><think>. One addition of the kit's: enable_thinking=false opens it closed,
 # <think></think>, the same ids glm_markup appends to the stock template's prompt for thinking off.
-# Messages come in as front/glm_markup.render_messages gives them (tool results already in call order).
+# Messages come in as glm53/serving/front/glm_markup.render_messages gives them (tool results already in call order).
 CHAT_TEMPLATE = (
     "[gMASK]<sop>"
     "{%- set effort = reasoning_effort if reasoning_effort is defined and reasoning_effort in ['low', 'high']"

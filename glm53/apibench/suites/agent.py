@@ -8,12 +8,12 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
-from apibench.context import RunContext
-from apibench.endpoint import Endpoint
-from apibench.schema import AgentRequest, AgentSuite, AgentTurnRow, CacheOff
-from apibench.stats import ratio, summarize
-from apibench.streaming import chat
-from apibench.texts import AgentTurn, agent_system, agent_turns, tool_output
+from glm53.apibench.context import RunContext
+from glm53.apibench.endpoint import Endpoint
+from glm53.apibench.schema import AgentRequest, AgentSuite, AgentTurnRow, CacheOff
+from glm53.apibench.stats import ratio, summarize
+from glm53.apibench.streaming import chat
+from glm53.apibench.texts import AgentTurn, agent_system, agent_turns, tool_output
 
 
 def cache_off(ctx: RunContext) -> CacheOff:

@@ -8,12 +8,12 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from apibench.context import RunContext
-from apibench.progress import SuiteProgress
-from apibench.schema import ConcurrencySuite, Level, Stream
-from apibench.stats import latency, summarize
-from apibench.streaming import Reply, chat
-from apibench.texts import decode_prompt
+from glm53.apibench.context import RunContext
+from glm53.apibench.progress import SuiteProgress
+from glm53.apibench.schema import ConcurrencySuite, Level, Stream
+from glm53.apibench.stats import latency, summarize
+from glm53.apibench.streaming import Reply, chat
+from glm53.apibench.texts import decode_prompt
 
 
 def run(ctx: RunContext) -> ConcurrencySuite:

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import openai
 
-from apibench.context import RunContext
-from apibench.endpoint import BenchError
-from apibench.schema import DecodeCase, DecodeSample, DecodeSuite, DraftField
-from apibench.stats import ratio, summarize
-from apibench.streaming import chat
-from apibench.texts import decode_prompt
+from glm53.apibench.context import RunContext
+from glm53.apibench.endpoint import BenchError
+from glm53.apibench.schema import DecodeCase, DecodeSample, DecodeSuite, DraftField
+from glm53.apibench.stats import ratio, summarize
+from glm53.apibench.streaming import chat
+from glm53.apibench.texts import decode_prompt
 
 
 def draft_field(ctx: RunContext) -> DraftField:

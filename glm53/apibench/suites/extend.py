@@ -3,11 +3,11 @@ once the same prompt extended by one word: what reusing a long prefix saves. Eac
 with its own session line, so its cold request finds nothing cached."""
 from __future__ import annotations
 
-from apibench.context import RunContext
-from apibench.schema import ExtendLeg, ExtendRequest, ExtendSuite
-from apibench.stats import ratio, summarize
-from apibench.streaming import chat
-from apibench.texts import tool_output
+from glm53.apibench.context import RunContext
+from glm53.apibench.schema import ExtendLeg, ExtendRequest, ExtendSuite
+from glm53.apibench.stats import ratio, summarize
+from glm53.apibench.streaming import chat
+from glm53.apibench.texts import tool_output
 
 QUESTION = "\n\nWhich problems does the output above show? Answer in one line each."
 ONE_WORD = " Briefly."

@@ -1,7 +1,7 @@
 """ASGI middleware around every HTTP request: its id (x-request-id), the count of requests in flight
 (what a drain waits for), the glm53_requests_total counter, the duration histogram of the generation
 routes, and one access-log line: client, request line, status, duration, id. The log's formatter
-adds the timestamp (front.rank.configure_logging)."""
+adds the timestamp (glm53.serving.rank.configure_logging)."""
 from __future__ import annotations
 
 import logging
@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 if TYPE_CHECKING:
-    from front.app import FrontState
+    from glm53.serving.front.app import FrontState
 
-log = logging.getLogger("front.access")
+log = logging.getLogger("glm53.serving.front.access")
 GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages")
 CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")  # a client's own x-request-id, kept when it is this tame
 

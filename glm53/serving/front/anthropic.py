@@ -1,5 +1,5 @@
 """Anthropic's Messages API, POST /v1/messages: the body is translated into the chat request the OpenAI
-route serves (front/anthropic_schemas.py) and runs through the same generation path (front/app.py:
+route serves (glm53/serving/front/anthropic_schemas.py) and runs through the same generation path (glm53/serving/front/app.py:
 prompt, job, worker, cancellation, metrics); this module writes the reply as Anthropic sends it.
 
 A reply is content blocks: `thinking` (the reasoning; `signature` empty: there is nothing to verify),
@@ -20,22 +20,22 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from front import glm_markup
-from front.access import record_of
-from front.anthropic_schemas import chat_error, parse_messages
-from front.errors import ApiError
-from front.glm_markup import ContentDelta, Event, ReasoningDelta, ToolCallArguments, ToolCallBegin, ToolCallEnd
+from glm53.serving.front import glm_markup
+from glm53.serving.front.access import record_of
+from glm53.serving.front.anthropic_schemas import chat_error, parse_messages
+from glm53.serving.front.errors import ApiError
+from glm53.serving.front.glm_markup import ContentDelta, Event, ReasoningDelta, ToolCallArguments, ToolCallBegin, ToolCallEnd
 
 if TYPE_CHECKING:
-    from front.app import FrontState, Generation
+    from glm53.serving.front.app import FrontState, Generation
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
 async def messages(front: FrontState, request: Request) -> Response:
-    from front.app import read_body, start_generation
+    from glm53.serving.front.app import read_body, start_generation
 
-    service = front.serving()
+    service = glm53.serving.front.serving()
     raw = await read_body(request, service.settings.max_body_bytes)
     record = record_of(request.scope)
     try:

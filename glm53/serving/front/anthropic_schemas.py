@@ -20,7 +20,7 @@ Translation (the decisions are in docs/decisions/chat-markup.md):
   thinking off (Anthropic's default); adaptive -> thinking on, no budget. `display` "summarized" is the
   full reasoning here; "omitted" is refused. `output_config.effort` -> reasoning_effort (GLM-5.3's
   rungs, glm_markup.EFFORT_RUNGS). `output_config.format` (json_schema) -> response_format json_schema
-  (thinking must be off: front/combos.py).
+  (thinking must be off: glm53/serving/front/combos.py).
 - stop_sequences -> stop (the same limits); the matched string comes back as `stop_sequence`.
 """
 from __future__ import annotations
@@ -29,8 +29,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from front.errors import ApiError, bad_request
-from front.schemas import MAX_STOP_CHARS, MAX_STOPS, ChatCompletionRequest, validated, validation_error
+from glm53.serving.front.errors import ApiError, bad_request
+from glm53.serving.front.schemas import MAX_STOP_CHARS, MAX_STOPS, ChatCompletionRequest, validated, validation_error
 
 ERROR_PREFIX = "Error: "  # a tool_result with is_error: true
 

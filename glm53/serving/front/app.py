@@ -1,5 +1,5 @@
 """The front's routes on FastAPI: POST /v1/chat/completions and /v1/completions (JSON or SSE),
-POST /v1/messages (Anthropic's Messages API, front/anthropic.py), GET /v1/models and /v1/models/{id}, GET /health and /v1/health, GET /metrics.
+POST /v1/messages (Anthropic's Messages API, glm53/serving/front/anthropic.py), GET /v1/models and /v1/models/{id}, GET /health and /v1/health, GET /metrics.
 
 A generation request goes: API key, lane state (503 while loading, draining or failed), body under
 its limit, then on the service's thread pool the validation and the prompt (template, tokenizer,
@@ -19,18 +19,18 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from front import anthropic, glm_markup, observe, replies
-from front.access import AccessLog, AccessRecord, record_of
-from front.auth import check_key
-from front.choice import Choice
-from front.errors import ApiError, error_body, on_api_error, on_http_exception, on_request_validation, on_unexpected
-from front.metrics import CONTENT_TYPE, Metrics
-from front.observe import Timing
-from front.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest, parse
-from front.logprobs import LogprobsShaper
-from front.service import Prepared, Service
-from front.stop import StopScanner
-from front.worker import Job
+from glm53.serving.front import anthropic, glm_markup, observe, replies
+from glm53.serving.front.access import AccessLog, AccessRecord, record_of
+from glm53.serving.front.auth import check_key
+from glm53.serving.front.choice import Choice
+from glm53.serving.front.errors import ApiError, error_body, on_api_error, on_http_exception, on_request_validation, on_unexpected
+from glm53.serving.front.metrics import CONTENT_TYPE, Metrics
+from glm53.serving.front.observe import Timing
+from glm53.serving.front.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest, parse
+from glm53.serving.front.logprobs import LogprobsShaper
+from glm53.serving.front.service import Prepared, Service
+from glm53.serving.front.stop import StopScanner
+from glm53.serving.front.worker import Job
 
 # what a JSON body may be labelled; curl -d sends form-urlencoded unless told otherwise
 JSON_TYPES = ("", "application/json", "text/plain", "application/x-www-form-urlencoded")
@@ -91,33 +91,33 @@ def create_app(front: FrontState) -> FastAPI:
     app.add_middleware(AccessLog, front=front)
 
     async def authorized(request: Request) -> None:  # async: FastAPI would run a plain def on a thread
-        check_key(request.headers, front.api_keys)
+        check_key(request.headers, glm53.serving.front.api_keys)
 
     @app.get("/health")
     @app.get("/v1/health")
     async def health() -> JSONResponse:
-        if front.service is None:
+        if glm53.serving.front.service is None:
             return JSONResponse({"status": "loading", **error_body(503, "the engine is still loading", code="loading")},
                                 503)
-        body = front.service.health()
-        if front.draining and body["status"] == "ok":
+        body = glm53.serving.front.service.health()
+        if glm53.serving.front.draining and body["status"] == "ok":
             body["status"] = "draining"
         return JSONResponse(body, 200 if body["status"] == "ok" else 503)
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        text = front.metrics.render()
-        if front.service is not None:  # the cache's and drafter's counters: read off the loop, not behind prompts
-            text += await asyncio.get_running_loop().run_in_executor(None, observe.render, front.service.engine)
+        text = glm53.serving.front.metrics.render()
+        if glm53.serving.front.service is not None:  # the cache's and drafter's counters: read off the loop, not behind prompts
+            text += await asyncio.get_running_loop().run_in_executor(None, observe.render, glm53.serving.front.service.engine)
         return PlainTextResponse(text, media_type=CONTENT_TYPE)
 
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card(front.serving())]}
+        return {"object": "list", "data": [model_card(glm53.serving.front.serving())]}
 
     @app.get("/v1/models/{model_id:path}", dependencies=[Depends(authorized)])
     async def model(model_id: str) -> dict[str, Any]:
-        service = front.serving()
+        service = glm53.serving.front.serving()
         if model_id != service.settings.served_model:
             raise unknown_model(model_id, service, "model")
         return model_card(service)
@@ -174,7 +174,7 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 async def generate(front: FrontState, request: Request,
                    model: type[ChatCompletionRequest] | type[CompletionRequest]) -> Response:
-    service = front.serving()
+    service = glm53.serving.front.serving()
     raw = await read_body(request, service.settings.max_body_bytes)
     body: GenerationRequest = await asyncio.get_running_loop().run_in_executor(service.pool, parse, raw, model)
     chat = isinstance(body, ChatCompletionRequest)
@@ -199,7 +199,7 @@ async def start_generation(front: FrontState, service: Service, body: Generation
     choices: list[Choice] = []
     for i, sampling in enumerate(prepared.samplings):
         suffix = "" if i == 0 else f"-{i}"
-        events = JobEvents(lambda result, i=i: record_job(front.metrics, choices[i].job, result))
+        events = JobEvents(lambda result, i=i: record_job(glm53.serving.front.metrics, choices[i].job, result))
         job = Job(prompt=prepared.prompt, max_tokens=prepared.max_tokens, sampling=sampling, events=events,
                   rid=head.id + suffix, timing=Timing(time.perf_counter(), arrived=record.start),
                   steer=prepared.steer(i))
@@ -220,7 +220,7 @@ def record_job(metrics: Metrics, job: Job, result: dict[str, Any]) -> None:
 class Generation:
     """The submitted jobs of one reply (one per choice) and the reply: awaited whole, or streamed as SSE
     chunks, choice after choice. The OpenAI bodies and chunks are built here (`complete`, `stream`);
-    other APIs read choice 0 through `result` and `events_of` (front/anthropic.py)."""
+    other APIs read choice 0 through `result` and `events_of` (glm53/serving/front/anthropic.py)."""
 
     def __init__(self, service: Service, body: GenerationRequest, choices: list[Choice], record: AccessRecord,
                  head: replies.ReplyHead) -> None:

@@ -1,6 +1,6 @@
 """API keys: a request to /v1 carries one as `Authorization: Bearer KEY` or `x-api-key: KEY`.
 
-Keys come from `--api-key` (front.rank) and TF_GLM53_API_KEYS (comma-separated; Settings.api_keys);
+Keys come from `--api-key` (glm53.serving.rank) and TF_GLM53_API_KEYS (comma-separated; Settings.api_keys);
 none configured means none needed. /health and /metrics stay open (probes and scrapers carry no key).
 """
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import hmac
 from collections.abc import Iterable, Mapping
 
-from front.errors import ApiError
+from glm53.serving.front.errors import ApiError
 from glm53.settings import Settings
 
 

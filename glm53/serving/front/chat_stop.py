@@ -1,6 +1,6 @@
 """A chat choice's markup events under stop strings.
 
-The StopScanner (front/stop.py) runs over the whole generated text, thinking and tool-call text
+The StopScanner (glm53/serving/front/stop.py) runs over the whole generated text, thinking and tool-call text
 included (markup tokens decode to nothing). Tokens reach the markup parser only once the scanner
 knows their text cannot be part of a stop string, so a stop string never goes out in a delta. At a
 stop, the tokens up to the one that completed it are parsed and the characters from the stop string
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from front.glm_markup import ContentDelta, Event, ReasoningDelta, ReplyParser
-from front.stop import StopScanner
+from glm53.serving.front.glm_markup import ContentDelta, Event, ReasoningDelta, ReplyParser
+from glm53.serving.front.stop import StopScanner
 
 
 class StoppedParse:

@@ -1,6 +1,6 @@
 """One choice of a reply (n choices are n jobs): its job, the job's events, the stop strings' cut
-(front/stop.py) and, for a chat reply, the markup parser that reads its tokens (front/glm_markup.py;
-under stop strings through front/chat_stop.py).
+(glm53/serving/front/stop.py) and, for a chat reply, the markup parser that reads its tokens (glm53/serving/front/glm_markup.py;
+under stop strings through glm53/serving/front/chat_stop.py).
 
 Per batch: `take` first (the scanner; a stop string stops the engine), then `markup` (the parser's
 events for the tokens now settled). Once the job is done: `end`, then `markup_end`.
@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from front.chat_stop import StoppedParse
-from front.glm_markup import Event, ReplyParser
-from front.stop import StopScanner
-from front.worker import Job
+from glm53.serving.front.chat_stop import StoppedParse
+from glm53.serving.front.glm_markup import Event, ReplyParser
+from glm53.serving.front.stop import StopScanner
+from glm53.serving.front.worker import Job
 
 
 class Choice:

@@ -5,8 +5,8 @@
   thinking block. A request that explicitly asks for thinking as well is refused (400 naming
   response_format).
 - A steered reply (thinking_budget, a forced tool call, parallel_tool_calls false) runs as several
-  engine calls (front/steer.py) and the logits policy lives for one call. Presence and frequency
-  penalties hold across them: the sampling's `reply_start` (front/service.py) makes each call count
+  engine calls (glm53/serving/front/steer.py) and the logits policy lives for one call. Presence and frequency
+  penalties hold across them: the sampling's `reply_start` (glm53/serving/front/service.py) makes each call count
   the reply's tokens its prompt already holds. A grammar cannot: it would restart at each call and
   cannot hold the ids the front appends; nor can logprobs: those ids have no model log-probability.
   Those two are refused with steering.
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from front.errors import bad_request
-from front.schemas import ChatCompletionRequest
+from glm53.serving.front.errors import bad_request
+from glm53.serving.front.schemas import ChatCompletionRequest
 
 
 def wants_json(request: ChatCompletionRequest) -> bool:

@@ -1,4 +1,4 @@
-"""`logprobs` in the replies: the engine's records (glm53.logits_policy.TokenLogprob: the model's
+"""`logprobs` in the replies: the engine's records (glm53.runtime.logits_policy.TokenLogprob: the model's
 log_softmax of the raw logits) in OpenAI's two shapes, chat (`content`: token, logprob, bytes,
 top_logprobs) and legacy completions (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`).
 
@@ -12,7 +12,7 @@ import math
 import threading
 from typing import Any, Sequence
 
-from front.chat import ChatText
+from glm53.serving.front.chat import ChatText
 
 _lock = threading.Lock()
 _views: dict[int, Any] = {}

@@ -1,6 +1,6 @@
 """Response bodies and SSE chunks of the OpenAI routes, built from the engine's tokens.
 
-A chat reply's ids are read by GLM's markup parser (front/glm_markup.ReplyParser, set up by a
+A chat reply's ids are read by GLM's markup parser (glm53/serving/front/glm_markup.ReplyParser, set up by a
 `ReplySpec`): reasoning, content and tool calls, whole (`chat_message`) or as OpenAI deltas
 (`ChoiceDeltas`); /v1/completions' text is the plain decode (`MessageDeltas`). Every SSE event
 is built by `chunk`.
@@ -12,11 +12,11 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from front.chat import ChatText, IncrementalDecoder
-from front.glm_markup import Event, Reply, ReplyParser, ToolCallBegin, openai_delta
+from glm53.serving.front.chat import ChatText, IncrementalDecoder
+from glm53.serving.front.glm_markup import Event, Reply, ReplyParser, ToolCallBegin, openai_delta
 
 if TYPE_CHECKING:
-    from front.choice import Choice
+    from glm53.serving.front.choice import Choice
 
 Delta = dict[str, Any]  # a chat delta: {"role"?, "content"?, ...}
 

@@ -13,7 +13,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from front.errors import ApiError, bad_request, param_of
+from glm53.serving.front.errors import ApiError, bad_request, param_of
 
 MODEL_CONFIG = ConfigDict(strict=True, extra="allow")
 
@@ -106,7 +106,7 @@ class GenerationBody(BaseModel):
     n: int | None = Field(None, ge=1, le=MAX_CHOICES)
     stop: str | list[str] | None = None
     echo: Any = None
-    # the per-request logits processing (glm53/logits_policy.py); docs/API.md
+    # the per-request logits processing (glm53/runtime/logits_policy.py); docs/API.md
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0, le=10)
@@ -197,7 +197,7 @@ class ChatCompletionRequest(GenerationBody):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    # tools, tool_choice and the thinking controls are checked by front/glm_markup.py (plan_tools,
+    # tools, tool_choice and the thinking controls are checked by glm53/serving/front/glm_markup.py (plan_tools,
     # thinking_controls, render_messages), which names the offending field
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None

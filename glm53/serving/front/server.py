@@ -1,4 +1,4 @@
-"""The front's HTTP server: uvicorn (h11) on a socket bound at once, serving front.app in a thread.
+"""The front's HTTP server: uvicorn (h11) on a socket bound at once, serving glm53.serving.front.app in a thread.
 
 A taken port fails at construction, before any loading; until a Service is attached every
 generation route answers 503 "loading". `drain` stops taking new work (503 with Retry-After) and
@@ -13,10 +13,10 @@ import time
 
 import uvicorn
 
-from front.app import FrontState, create_app
-from front.errors import JsonErrorH11Protocol
-from front.service import Service
-from front.settings import DEFAULT_PORT
+from glm53.serving.front.app import FrontState, create_app
+from glm53.serving.front.errors import JsonErrorH11Protocol
+from glm53.serving.front.service import Service
+from glm53.serving.front.settings import DEFAULT_PORT
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -33,7 +33,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 class FrontServer:
-    """The bound socket, the uvicorn server over front.app, and the state its routes read."""
+    """The bound socket, the uvicorn server over glm53.serving.front.app, and the state its routes read."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT, api_keys: tuple[str, ...] = ()) -> None:
         self.socket = bind(host, port)

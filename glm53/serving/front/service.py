@@ -14,16 +14,16 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable
 
-from front import combos, glm_markup
-from front.chat import ChatText, TemplateArgumentError, TemplateError
-from front.errors import ApiError, bad_request
-from front.replies import ReplySpec
-from front.schemas import ChatCompletionRequest, GenerationRequest
-from front.settings import FrontSettings
-from front.steer import Steer
-from front.worker import EngineWorker
+from glm53.serving.front import combos, glm_markup
+from glm53.serving.front.chat import ChatText, TemplateArgumentError, TemplateError
+from glm53.serving.front.errors import ApiError, bad_request
+from glm53.serving.front.replies import ReplySpec
+from glm53.serving.front.schemas import ChatCompletionRequest, GenerationRequest
+from glm53.serving.front.settings import FrontSettings
+from glm53.serving.front.steer import Steer
+from glm53.serving.front.worker import EngineWorker
 
-log = logging.getLogger("front.service")
+log = logging.getLogger("glm53.serving.front.service")
 POOL_THREADS = 2
 
 
@@ -40,7 +40,7 @@ class Prepared:
     max_tokens: int
     samplings: list[Any]  # per choice (n): what sampling_factory made of the request's sampling fields
     reply: ReplySpec | None = None  # chat: how to read the reply; None: plain text (/v1/completions)
-    steers: list[Steer | None] = field(default_factory=list)  # per choice: front/steer.py (None: not steered)
+    steers: list[Steer | None] = field(default_factory=list)  # per choice: glm53/serving/front/steer.py (None: not steered)
 
     @property
     def sampling(self) -> Any:
@@ -108,7 +108,7 @@ class Service:
                                   f"logit_bias.{key}")
 
     def chat_prompt(self, request: ChatCompletionRequest) -> ChatPrompt:
-        """The prompt of a chat request through GLM's markup (front/glm_markup.py): messages, tools and
+        """The prompt of a chat request through GLM's markup (glm53/serving/front/glm_markup.py): messages, tools and
         tool_choice, thinking controls; then how to read the reply and how to steer it."""
         tok = self.text.tokenizer
         try:

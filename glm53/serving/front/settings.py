@@ -1,6 +1,6 @@
 """What the front serves and its limits (FrontSettings), and what it reads of the engine for /health.
 
-The HTTP front's own limits, apart from glm53.settings.Settings (the TF_GLM53_* knobs): front.rank
+The HTTP front's own limits, apart from glm53.settings.Settings (the TF_GLM53_* knobs): glm53.serving.rank
 builds FrontSettings from its flags and takes max_waiting from those knobs."""
 from __future__ import annotations
 

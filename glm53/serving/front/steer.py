@@ -7,7 +7,7 @@ false).
 The worker generates a steered reply in bursts, each one `engine.generate` call inside the same job:
 a burst ends at a stop id (the worker keeps the batch up to it and tells the engine to stop), at its cap
 (the thinking budget left), at the model's end or at max_tokens. The next burst's prompt is the
-request's prompt and the reply so far, appended ids included (batched, front/worker.py: a sequence a
+request's prompt and the reply so far, appended ids included (batched, glm53/serving/front/worker.py: a sequence a
 burst, submitted when the previous one finishes). The prompt's rows are reused (the engine's retained
 rows, or the prefix cache) and the reply's rows computed again in one prefill (decode rows are never
 offered for reuse), which with row-invariant ops gives the bits serial decoding would. Sampling is keyed
@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
-from front.glm_markup import MarkupIds, Steering, TokenizerLike, parse_reply
+from glm53.serving.front.glm_markup import MarkupIds, Steering, TokenizerLike, parse_reply
 
 
 class Steer:

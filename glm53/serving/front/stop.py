@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import bisect
 
-from front.chat import ChatText, IncrementalDecoder
+from glm53.serving.front.chat import ChatText, IncrementalDecoder
 
 
 class StopScanner:

@@ -9,7 +9,7 @@ Two ways, chosen by what the engine offers:
 Either way a job that is over (its client went away, or a stop string appeared: `Job.over`) stops
 at the engine's next step; batched, its rows are released before the next step.
 
-A steered job (front/steer.py: a thinking budget, a forced tool call, one call only) runs as several
+A steered job (glm53/serving/front/steer.py: a thinking budget, a forced tool call, one call only) runs as several
 engine calls, bursts, inside the one job, each burst's prompt the job's prompt and the reply so far
 (`_bursts`): one at a time, each burst is an `engine.generate`; batched, each burst is a sequence,
 the next submitted when the previous one finishes. The queue, cancellation, drain and metrics see
@@ -24,10 +24,10 @@ from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
-from front.errors import ApiError
-from front.observe import Snapshot, Timing, cache_stats, holder, log, request_drafts, request_line
-from front.settings import DEFAULT_MAX_WAITING
-from front.steer import Steer
+from glm53.serving.front.errors import ApiError
+from glm53.serving.front.observe import Snapshot, Timing, cache_stats, holder, log, request_drafts, request_line
+from glm53.serving.front.settings import DEFAULT_MAX_WAITING
+from glm53.serving.front.steer import Steer
 
 # one burst of a steered reply: (prompt, cap, on_tokens) out, (the burst's tokens, its stats) back
 Burst = tuple[list[int], int, Callable[[list[int]], bool]]
@@ -47,7 +47,7 @@ class Job:
     sampling: Any
     events: EventSink = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
-    stopped: threading.Event = field(default_factory=threading.Event)  # a stop string appeared (front/stop.py)
+    stopped: threading.Event = field(default_factory=threading.Event)  # a stop string appeared (glm53/serving/front/stop.py)
     logprobs: list[Any] = field(default_factory=list)  # the engine's records of the tokens handed over
     generated: int = 0  # tokens the engine handed over, read by the metrics
     rid: str = "-"  # the response id, named in the log line
@@ -99,7 +99,7 @@ class _Stream:
 
 def _bursts(job: Job, steer: Steer, on_tokens: Callable[[list[int]], bool],
             appended: Callable[[list[int]], None]) -> Bursts:
-    """A steered reply (front/steer.py) as the bursts it needs: yields each burst's (prompt, cap,
+    """A steered reply (glm53/serving/front/steer.py) as the bursts it needs: yields each burst's (prompt, cap,
     on_tokens) and is sent the burst's tokens and stats; returns (reply, stats). Stats: the first
     burst's (its prompt and cached tokens are the request's), prefill summed over the bursts,
     `bursts` counted. The one rule of both ways the worker runs jobs."""
