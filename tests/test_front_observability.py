@@ -63,8 +63,8 @@ def lane(tiny_dirs, tiny_engine):  # noqa: F811
 @pytest.fixture
 def lines(caplog: pytest.LogCaptureFixture):
     """lines() -> the front's per-request log lines so far in this test (logged by the worker thread)."""
-    caplog.set_level(logging.INFO, logger="glm53.serving.front.requests")
-    return lambda: [r.getMessage() for r in caplog.records if r.name == "glm53.serving.front.requests"]
+    caplog.set_level(logging.INFO, logger="front.requests")
+    return lambda: [r.getMessage() for r in caplog.records if r.name == "front.requests"]
 
 
 def metrics(url: str) -> dict:
@@ -209,7 +209,7 @@ def test_rank_logging_goes_to_stderr(tmp_path) -> None:
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
                          env={"PATH": ""})
     assert run.returncode == 0 and run.stdout == ""
-    assert "glm53.serving.front.requests: request x done: prompt=3" in run.stderr and "hidden" not in run.stderr
+    assert "front.requests: request x done: prompt=3" in run.stderr and "hidden" not in run.stderr
     debug = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
                            env={"TF_GLM53_LOG_LEVEL": "debug", "PATH": ""})
     assert debug.returncode == 0 and "hidden" in debug.stderr

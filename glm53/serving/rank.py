@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None, engine_factory: Callable[[argparse.Names
     assert server is not None
     server.attach(service)
     progress.set("serving")
-    print(f"rank 0: serving {glm53.serving.front.served_model} on http://{args.host}:{args.port} "
+    print(f"rank 0: serving {front.served_model} on http://{args.host}:{args.port} "
           f"(context {context}, ranks {args.ranks}{', API keys required' if server.state.api_keys else ''})",
           flush=True)
     while not stop.wait(0.1):

@@ -16,7 +16,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 if TYPE_CHECKING:
     from glm53.serving.front.app import FrontState
 
-log = logging.getLogger("glm53.serving.front.access")
+log = logging.getLogger("front.access")
 GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages")
 CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")  # a client's own x-request-id, kept when it is this tame
 

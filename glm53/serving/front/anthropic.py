@@ -35,7 +35,7 @@ STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_
 async def messages(front: FrontState, request: Request) -> Response:
     from glm53.serving.front.app import read_body, start_generation
 
-    service = glm53.serving.front.serving()
+    service = front.serving()
     raw = await read_body(request, service.settings.max_body_bytes)
     record = record_of(request.scope)
     try:

@@ -91,33 +91,33 @@ def create_app(front: FrontState) -> FastAPI:
     app.add_middleware(AccessLog, front=front)
 
     async def authorized(request: Request) -> None:  # async: FastAPI would run a plain def on a thread
-        check_key(request.headers, glm53.serving.front.api_keys)
+        check_key(request.headers, front.api_keys)
 
     @app.get("/health")
     @app.get("/v1/health")
     async def health() -> JSONResponse:
-        if glm53.serving.front.service is None:
+        if front.service is None:
             return JSONResponse({"status": "loading", **error_body(503, "the engine is still loading", code="loading")},
                                 503)
-        body = glm53.serving.front.service.health()
-        if glm53.serving.front.draining and body["status"] == "ok":
+        body = front.service.health()
+        if front.draining and body["status"] == "ok":
             body["status"] = "draining"
         return JSONResponse(body, 200 if body["status"] == "ok" else 503)
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        text = glm53.serving.front.metrics.render()
-        if glm53.serving.front.service is not None:  # the cache's and drafter's counters: read off the loop, not behind prompts
-            text += await asyncio.get_running_loop().run_in_executor(None, observe.render, glm53.serving.front.service.engine)
+        text = front.metrics.render()
+        if front.service is not None:  # the cache's and drafter's counters: read off the loop, not behind prompts
+            text += await asyncio.get_running_loop().run_in_executor(None, observe.render, front.service.engine)
         return PlainTextResponse(text, media_type=CONTENT_TYPE)
 
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card(glm53.serving.front.serving())]}
+        return {"object": "list", "data": [model_card(front.serving())]}
 
     @app.get("/v1/models/{model_id:path}", dependencies=[Depends(authorized)])
     async def model(model_id: str) -> dict[str, Any]:
-        service = glm53.serving.front.serving()
+        service = front.serving()
         if model_id != service.settings.served_model:
             raise unknown_model(model_id, service, "model")
         return model_card(service)
@@ -174,7 +174,7 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 async def generate(front: FrontState, request: Request,
                    model: type[ChatCompletionRequest] | type[CompletionRequest]) -> Response:
-    service = glm53.serving.front.serving()
+    service = front.serving()
     raw = await read_body(request, service.settings.max_body_bytes)
     body: GenerationRequest = await asyncio.get_running_loop().run_in_executor(service.pool, parse, raw, model)
     chat = isinstance(body, ChatCompletionRequest)
@@ -199,7 +199,7 @@ async def start_generation(front: FrontState, service: Service, body: Generation
     choices: list[Choice] = []
     for i, sampling in enumerate(prepared.samplings):
         suffix = "" if i == 0 else f"-{i}"
-        events = JobEvents(lambda result, i=i: record_job(glm53.serving.front.metrics, choices[i].job, result))
+        events = JobEvents(lambda result, i=i: record_job(front.metrics, choices[i].job, result))
         job = Job(prompt=prepared.prompt, max_tokens=prepared.max_tokens, sampling=sampling, events=events,
                   rid=head.id + suffix, timing=Timing(time.perf_counter(), arrived=record.start),
                   steer=prepared.steer(i))

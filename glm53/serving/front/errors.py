@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-log = logging.getLogger("glm53.serving.front.errors")
+log = logging.getLogger("front.errors")
 
 # OpenAI's error type for a status; "invalid_request_error" for any other 4xx
 TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 429: "rate_limit_error",

@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-log = logging.getLogger("glm53.serving.front.requests")
+log = logging.getLogger("front.requests")
 
 # stats_dict keys that are sizes now (gauges); every other known key only grows (a counter)
 CACHE_GAUGES = {"host_bytes": "Bytes of prefix-cache rows in host memory.",

@@ -23,7 +23,7 @@ from glm53.serving.front.settings import FrontSettings
 from glm53.serving.front.steer import Steer
 from glm53.serving.front.worker import EngineWorker
 
-log = logging.getLogger("glm53.serving.front.service")
+log = logging.getLogger("front.service")
 POOL_THREADS = 2
 
 
