@@ -24,17 +24,27 @@ from typing import Any
 import numpy as np
 import torch
 
+from drafter.decode_loop import StopRule, drafted_decode
+from drafter.policy import AdaptiveDepth, PolicyConfig
+from drafter.target import WindowOutput
 from glm53 import ops
 from glm53.config import Glm53Config
-from glm53.runtime.cuda_graphs import WindowGraphs
+from glm53.layout.plan import plan_layout
+from glm53.loading.loader import load_weights
+from glm53.model.exl3_layers import decode_scratch_needs
 from glm53.model.kv_state import KVState
+from glm53.model.memory import report_line, weights_report
 from glm53.model.parallel import RankPlan
 from glm53.model.transformer import ForwardOutput, Glm53Model
+from glm53.runtime.batch import BatchEngine
+from glm53.runtime.cuda_graphs import WindowGraphs
+from glm53.runtime.features import Drafting, DraftWindows, EngineFeatures, PrefixCache
+from glm53.runtime.grammar import GrammarMatcher
 from glm53.runtime.logits_policy import LogitsPolicy, policy_for
+from glm53.runtime.options import EngineError, with_options
 from glm53.runtime.sampling import SamplingParams
-from glm53.settings import Settings, SettingsError
 from glm53.runtime.state_target import StateTarget
-from glm53.loading.loader import load_weights
+from glm53.settings import Settings
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 OnTokens = Callable[[list[int]], Any]
@@ -45,19 +55,6 @@ def _wait_for(t: torch.Tensor) -> None:
     would time the launches, not the work; sampling waits for it next anyway)."""
     if t.is_cuda:
         torch.cuda.current_stream(t.device).synchronize()
-
-
-class EngineError(ValueError):
-    """A request or option the engine cannot take; the message names the field and the remedy."""
-
-
-def with_options(settings: Settings, **options: Any) -> Settings:
-    """`settings` with the options given (not None) in place of their fields; a bad option is an
-    EngineError naming the field's variable (the environment's bad values are SettingsErrors)."""
-    try:
-        return settings.override(**options)
-    except SettingsError as exc:
-        raise EngineError(str(exc)) from None
 
 
 def prefill_pieces(start: int, stop: int, chunk: int, aligned: bool = True) -> list[tuple[int, int]]:
@@ -100,9 +97,7 @@ class Glm53Target(StateTarget):
         self.prompt_length = prompt_length
         self.forwards = 0
 
-    def forward(self, tokens: Sequence[int], start: int, *, taps: Sequence[int] = ()):  # -> drafter WindowOutput
-        from drafter.target import WindowOutput
-
+    def forward(self, tokens: Sequence[int], start: int, *, taps: Sequence[int] = ()) -> WindowOutput:
         outs = self.engine.run(self.state, list(tokens), start, self.prompt_length, taps=tuple(taps), all_logits=True)
         self.forwards += 1
         hidden = torch.cat([o.hidden for o in outs])
@@ -111,14 +106,15 @@ class Glm53Target(StateTarget):
 
 
 class Glm53Engine:
-    def __init__(self, model_dir: str | Path, *, drafter: Any = None, tp: int = 1, rank: int = 0,
+    def __init__(self, model_dir: str | Path, *, drafter: Drafting | None = None, tp: int = 1, rank: int = 0,
                  master: str = "127.0.0.1", master_port: int = 29551, no_drafts: bool = False,
                  mtp_drafts: int | None = None, device: str | None = None, dtype: str | None = None,
                  kv_dtype: str | None = None, prefill_chunk: int | None = None, prefill_wave: int | None = None,
                  cache_block: int | None = None,
-                 prefix_reuse_boundary: str | None = None, prefix_cache: Any = None,
+                 prefix_reuse_boundary: str | None = None, prefix_cache: PrefixCache | None = None,
                  plan: RankPlan | None = None, reuse_live: bool = True, cuda_graphs: str | None = None,
                  progress: Callable[[str], None] | None = None, settings: Settings | None = None,
+                 features: EngineFeatures | None = None, window_channel: DraftWindows | None = None,
                  **unknown: Any) -> None:
         if unknown:
             raise EngineError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
@@ -148,8 +144,9 @@ class Glm53Engine:
         self.wave = wave if self.reuse_boundary is None else self.chunk
         self.plan = plan or RankPlan(world=tp, rank=rank)
         self.master, self.master_port = master, master_port
-        self.drafter, self.no_drafts, self.mtp_drafts = drafter, no_drafts, mtp_drafts
-        self.prefix_cache = prefix_cache
+        self.drafter: Drafting | None = drafter
+        self.no_drafts, self.mtp_drafts = no_drafts, mtp_drafts
+        self.prefix_cache: PrefixCache | None = prefix_cache
         self.reuse_live = reuse_live
         weights = load_weights(model_dir, self.cfg, plan=self.plan, dtype=DTYPES[self.dtype_name],
                                device=self.device, progress=progress or (lambda s: None))
@@ -161,20 +158,21 @@ class Glm53Engine:
         self.state: KVState | None = None  # the retained conversation
         self.last_stats: dict[str, Any] = {}
         self.trace: list[tuple[int, torch.Tensor]] | None = None  # tests: set to [] to record (position, logits)
-        # over several ranks (glm53.dist.rank_engine.WindowChannel): rank 0 announces its draft
+        # over several ranks (glm53.dist.window_channel.WindowChannel): rank 0 announces its draft
         # windows, the other ranks replay them; None at one rank
-        self.window_channel: Any = None
+        self.window_channel = window_channel
+        if features is not None:  # the composition root's drafts and prefix cache, built on the loaded model
+            if drafter is None:
+                self.drafter = features.drafting(self)
+            if prefix_cache is None:
+                self.prefix_cache = features.prefix_cache(self)
 
     def _memory_report(self, weights: Any, say: Callable[[str], None]) -> dict[str, Any]:
         """Reserve the EXL3 kernels' workspace for decode windows (before any graph is captured) and
         report what the rank holds against the layout plan's bytes for it (logged; /health shows it)."""
-        from glm53.layout.plan import plan_layout
-        from glm53.model.exl3_layers import decode_scratch_needs
-        from glm53.model.memory import report_line, weights_report
-
         workspace = 0
         if self.device.type == "cuda" and ops.kernel_choice() != "torch":
-            from glm53.ops import triton_exl3
+            from glm53.ops import triton_exl3  # heavy optional dependency: Triton, on CUDA only
 
             needs = decode_scratch_needs(weights, triton_exl3.DECODE_ROWS, self.cfg.num_experts_per_tok)
             workspace = triton_exl3.reserve(needs, self.device) if needs else 0
@@ -342,8 +340,6 @@ class Glm53Engine:
     def _policy(self, params: SamplingParams, prompt: list[int]) -> LogitsPolicy:
         """The request's logits processing (glm53/runtime/logits_policy.py): the one sampler of both loops."""
         def grammar(text: str) -> Any:
-            from glm53.runtime.grammar import GrammarMatcher
-
             return GrammarMatcher(text, self.model_dir, self.vocab_size, tuple(self.eos))
 
         for token in params.logit_bias or ():
@@ -394,8 +390,6 @@ class Glm53Engine:
         only the last row is computed, the others are a stride-0 view of it, since the loop reads only
         the last). `self.drafter` is a DraftSource or a factory (drafter.glm53_target.DraftPlan).
         Over several ranks (`window_channel`) rank 0 runs the loop and the others replay its windows."""
-        from drafter.target import WindowOutput
-
         reply: list[int] = []
 
         def forward_tokens(new: list[int]) -> None:
@@ -426,8 +420,6 @@ class Glm53Engine:
     def _drafted_loop(self, target: Any, state: KVState, prompt: list[int], prefilled: Any, policy: LogitsPolicy,
                       max_tokens: int, eos: frozenset[int], forward_tokens: Callable[[list[int]], None],
                       reply: list[int], stats: dict) -> list[int]:
-        from drafter.decode_loop import StopRule, drafted_decode
-
         params = policy.params
         try:
             result = drafted_decode(target, prompt, policy.choose, StopRule(max_tokens, eos, params.ignore_eos),
@@ -442,19 +434,17 @@ class Glm53Engine:
             state.truncate(min(state.length, len(prompt) + len(reply) - 1))
             return reply
 
-    def depth_policy(self, params: SamplingParams) -> Any:
+    def depth_policy(self, params: SamplingParams) -> AdaptiveDepth:
         """The drafter's depth policy for a request, from the engine's settings (TF_GLM53_DRAFT_MAX_DEPTH,
         _EWMA, _RELAXED_TOP2), with relaxed top-2 off where the request processes logits or asks for
         logprobs (it keeps drafts the processed row may forbid, a grammar's, and that the policy's state
         and records never saw). The one rule of both drafted loops (here and glm53/runtime/drafted.py)."""
-        from drafter.policy import AdaptiveDepth, PolicyConfig
-
         config = PolicyConfig.from_settings(self.settings)
         if config.relaxed_top2 and (params.processes_logits or params.logprobs is not None):
             config = dataclasses.replace(config, relaxed_top2=False)
         return AdaptiveDepth(config)
 
-    def batch_engine(self, **options: Any) -> Any:
+    def batch_engine(self, **options: Any) -> BatchEngine | None:
         """The batched runtime over this engine's model (glm53.runtime.BatchEngine: several requests
         at once over one KV pool, each reply the bits `generate` gives it alone), or None where it
         does not run: one rank of several (RankEngine.batch_engine serves them), or ops that are not
@@ -462,8 +452,6 @@ class Glm53Engine:
         run one at a time through `generate`."""
         if self.plan.world != 1 or self.reuse_boundary is not None:
             return None
-        from glm53.runtime import BatchEngine
-
         return BatchEngine(self, **options)
 
     def follow(self) -> None:
@@ -471,4 +459,4 @@ class Glm53Engine:
         if self.plan.world == 1:
             return
         raise EngineError(f"this engine holds one rank of {self.plan.world} alone; several ranks run "
-                          "glm53.dist.rank_engine.RankEngine (glm53.cuda_engine builds it with tp > 1)")
+                          "glm53.dist.rank_engine.RankEngine (glm53.serving.compose.build_engine builds it with tp > 1)")
