@@ -1,2 +1,2 @@
-"""Loading a GLM-5.3 checkpoint: safetensors headers, the rule of what is servable, EXL3 storage
-and the loader that gives a rank its slices."""
+"""Loading a rank's weights: the slices the layout plan gives it (slices.py), read and built into
+the model's weights (loader.py)."""
