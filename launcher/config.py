@@ -22,7 +22,6 @@ DEFAULT_PORT = 8300
 DEFAULT_MODEL_ID = "glm-5.3-exl3"
 DEFAULT_MASTER_PORT = 29551
 FORWARDED_PREFIXES = (PREFIX, "TENSORFOLD_")
-API_KEYS_ENV = env_name("api_keys")  # keys rank 0's front asks of clients (comma-separated; glm53.serving.front.auth)
 KV_DTYPES = ("bf16", "fp8")
 
 # Environment variables that override the cluster file (flags override both).

@@ -14,10 +14,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
 
-from glm53.serving.rank import DRAIN_TIMEOUT_S
+from glm53.serving.lane import API_KEYS_ENV, DRAIN_TIMEOUT_S
 from glm53.settings import env_name
 from launcher import commands
-from launcher.config import API_KEYS_ENV, KIT_DIR, LaneConfig, from_dict, to_dict
+from launcher.config import KIT_DIR, LaneConfig, from_dict, to_dict
 from launcher.memplan import MemoryPlan, config_dict, kv_function, kv_per_token, plan_memory, weights_per_rank
 from launcher.nodes import display, node_argv, run
 from launcher.preflight import Preflight, preflight

@@ -19,7 +19,7 @@ from typing import IO, Any
 
 import httpx
 
-from glm53.serving.rank import DRAIN_TIMEOUT_S
+from glm53.serving.lane import DRAIN_TIMEOUT_S
 from launcher.commands import alive_command, rank_command, stop_command
 from launcher.config import LaneConfig, Node, api_keys
 from launcher.nodes import node_argv, run, ssh_argv

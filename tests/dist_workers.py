@@ -447,10 +447,11 @@ def cache_draft(spec_rank: int, world: int, port: int, out: Path) -> None:
     the cases warm (one cache, requests in order), then again with TF_GLM53_PREFIX_CACHE=0 (cold: no
     reuse at all). Every rank saves, per case, its rows, its serial logits and its cache stats."""
     from glm53.dist.rank_engine import RankEngine
+    from glm53.serving.compose import ServeFeatures
     from kv_cache.engine_adapter import attach_prefix_cache
 
     eng = RankEngine(os.environ["GLM53_TEST_MODEL"], tp=world, rank=spec_rank, master="127.0.0.1",
-                     master_port=port, rendezvous_timeout_s=60, serve_features=True, **ENGINE_OPTIONS)
+                     master_port=port, rendezvous_timeout_s=60, features=ServeFeatures(), **ENGINE_OPTIONS)
     inner = eng.engine
     results: dict[str, object] = {"rank": eng.rank, "drafter": getattr(inner.drafter, "kind", None),
                                   "health": (eng.prefix_cache_enabled, eng.drafting_enabled),
@@ -521,10 +522,11 @@ def draft_sources_batched(spec_rank: int, world: int, port: int, out: Path) -> N
     reuse stats; every rank saves its step count. A follower runs each wave as one follow_one()."""
     from drafter.glm53_target import DraftPlan
     from glm53.dist.rank_engine import RankEngine
+    from glm53.serving.compose import ServeFeatures
 
     per_source = int(os.environ["GLM53_TEST_PER_SOURCE"])
     eng = RankEngine(os.environ["GLM53_TEST_MODEL"], tp=world, rank=spec_rank, master="127.0.0.1",
-                     master_port=port, rendezvous_timeout_s=60, serve_features=True, **SOURCE_OPTIONS)
+                     master_port=port, rendezvous_timeout_s=60, features=ServeFeatures(), **SOURCE_OPTIONS)
     inner = eng.engine
     results: dict[str, object] = {"rank": eng.rank}
     batch = eng.batch_engine(max_seqs=32, max_waiting=1 << 20, step_tokens=64) if eng.rank == 0 else None
@@ -568,10 +570,11 @@ def draft_sources(spec_rank: int, world: int, port: int, out: Path) -> None:
     drafted, and saves both replies, the drafting and reuse stats; every rank saves its row count."""
     from drafter.glm53_target import DraftPlan
     from glm53.dist.rank_engine import RankEngine
+    from glm53.serving.compose import ServeFeatures
 
     per_source = int(os.environ["GLM53_TEST_PER_SOURCE"])
     eng = RankEngine(os.environ["GLM53_TEST_MODEL"], tp=world, rank=spec_rank, master="127.0.0.1",
-                     master_port=port, rendezvous_timeout_s=60, serve_features=True, **SOURCE_OPTIONS)
+                     master_port=port, rendezvous_timeout_s=60, features=ServeFeatures(), **SOURCE_OPTIONS)
     inner = eng.engine
     results: dict[str, object] = {"rank": eng.rank}
     for source in DRAFT_SOURCES:
@@ -628,9 +631,10 @@ def batch_ranks(spec_rank: int, world: int, port: int, out: Path) -> None:
     runtime (batch_engine) in their arrival schedule with a small pool (preemptions); each client
     that leaves does so after the same tokens. Rank 0 saves both replies; every rank its step count."""
     from glm53.dist.rank_engine import RankEngine
+    from glm53.serving.compose import ServeFeatures
 
     eng = RankEngine(os.environ["GLM53_TEST_MODEL"], tp=world, rank=spec_rank, master="127.0.0.1",
-                     master_port=port, rendezvous_timeout_s=60, serve_features=True, **BATCH_OPTIONS)
+                     master_port=port, rendezvous_timeout_s=60, features=ServeFeatures(), **BATCH_OPTIONS)
     if eng.rank != 0:
         eng.follow()
         batch = eng._batch.batch

@@ -13,8 +13,8 @@ from safetensors import safe_open
 from glm53.config import Glm53Config
 from glm53.layout.kv import kv_bytes_per_rank, kv_token_bytes, positions_per_rank
 from glm53.layout.plan import PlanError, SliceSpec, TensorLocation, plan_layout, split_units
-from glm53.layout.slices import SliceReader, read_rank_tensors
-from glm53.loading.safetensors_header import TensorInfo
+from glm53.loading.slices import SliceReader, read_rank_tensors
+from glm53.formats.safetensors_header import TensorInfo
 from glm53.synthetic.checkpoints import glm53_tensor_specs, real_config, tiny_config, write_checkpoint, write_shard, TensorSpec
 
 

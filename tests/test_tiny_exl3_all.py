@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from safetensors import safe_open
 
 import glm53.synthetic.tiny
-from glm53.loading.checkpoint_rules import pad_features
+from glm53.formats.checkpoint_rules import pad_features
 from glm53.synthetic.tiny import linear_features
 from tests.fixtures_tiny import tiny_dirs, tiny_exl3_all_dirs  # noqa: F401
 

@@ -16,7 +16,7 @@ import re
 from collections import Counter
 from typing import Any
 
-from glm53.loading.checkpoint_rules import mtp_layers
+from glm53.formats.checkpoint_rules import mtp_layers
 from glm53.layout.plan import PlanError, plan_layouts
 from .verify import VerifyResult
 

@@ -3,7 +3,7 @@
 File-level problems (errors): index unreadable, a shard missing / truncated / an LFS pointer /
 an invalid header, a size differing from the manifest, a tensor the index maps absent from its
 shard, a tensor in two shards, a hash mismatch. Model-level problems: the tensors are not what the
-config implies, by the rule of glm53/loading/checkpoint_rules.py (the one glm53.check() applies).
+config implies, by the rule of glm53/formats/checkpoint_rules.py (the one glm53.check() applies).
 Warnings: shards or tensors the index does not know, index total_size off.
 """
 from __future__ import annotations
@@ -18,9 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from glm53.loading.checkpoint_rules import MISMATCH, check_tensors, tensor_table
+from glm53.formats.checkpoint_rules import MISMATCH, check_tensors, tensor_table
 from glm53.config import ConfigError, Glm53Config
-from glm53.loading.safetensors_header import ShardError, ShardHeader, TensorInfo, read_header
+from glm53.formats.safetensors_header import ShardError, ShardHeader, TensorInfo, read_header
 from .manifest import MANIFEST_NAME, Manifest
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -200,7 +200,7 @@ _LISTED_PER_KIND = 20  # findings of one kind listed one by one; the rest counte
 
 
 def _check_model_tensors(cfg: Glm53Config, root: Path, result: VerifyResult) -> None:
-    """The shared rule (glm53/loading/checkpoint_rules.py) over the index's tensors: absent tensors grouped
+    """The shared rule (glm53/formats/checkpoint_rules.py) over the index's tensors: absent tensors grouped
     per layer, every other problem (shape, width, placement, parts) named with its shard."""
     where = result.weight_map or {n: shard for shard, h in result.headers.items() for n in h.tensors}
     headers = {str(root / shard): h for shard, h in result.headers.items()}

@@ -7,9 +7,9 @@ problem, `fetch_weights.sh` (glm53/checkpoints/verify.py) reports them all as mo
 
 Linears. A linear P whose config gives (in_f, out_f) is stored either plain, `P.weight`
 [out_f, in_f] in bf16/fp16/fp32, or, where the rule lets it, as an EXL3 group
-(glm53/exl3/format.py, glm53/loading/exl3_storage.py):
+(glm53/exl3/format.py, glm53/formats/exl3_storage.py):
 
-    P.trellis         int16 [pad(in_f)/16, pad(out_f)/16, 16*K], K in SERVED_BITS (glm53/loading/exl3_storage.py)
+    P.trellis         int16 [pad(in_f)/16, pad(out_f)/16, 16*K], K in SERVED_BITS (glm53/formats/exl3_storage.py)
     P.suh | P.su      fp16 [pad(in_f)] | packed int16 [pad(in_f)/16]
     P.svh | P.sv      fp16 [pad(out_f)] | packed int16 [pad(out_f)/16]
     P.mcg | P.mul1    at most one, an int32 scalar (shape []); half-integer K needs mul1
@@ -41,8 +41,8 @@ from pathlib import Path
 from typing import Union
 
 from glm53.config import Glm53Config
-from glm53.loading.exl3_storage import HADAMARD_BLOCK, KNOWN_PARTS, SERVED_BITS
-from glm53.loading.safetensors_header import ShardError, ShardHeader, read_header
+from glm53.formats.exl3_storage import HADAMARD_BLOCK, KNOWN_PARTS, SERVED_BITS
+from glm53.formats.safetensors_header import ShardError, ShardHeader, read_header
 
 PLAIN_DTYPES = ("BF16", "F16", "F32")
 EXL3_PAD = 128  # exllamav3's pad_to for an EXL3 linear's in and out features

@@ -1,6 +1,6 @@
 """How an EXL3 linear is stored, as names and numbers only: its parts, the Hadamard block and the
 widths the kit serves. Torch-free (outside the glm53.exl3 package, whose import loads torch), so the
-header-only checks (glm53/loading/checkpoint_rules.py, fetch_weights.sh) use the same facts as the reader
+header-only checks (glm53/formats/checkpoint_rules.py, fetch_weights.sh) use the same facts as the reader
 (glm53/exl3/format.py re-exports them)."""
 from __future__ import annotations
 

@@ -31,9 +31,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from glm53.loading.checkpoint_rules import LINEAR_PARTS
+from glm53.formats.checkpoint_rules import LINEAR_PARTS
 from glm53.config import Glm53Config
-from glm53.loading.safetensors_header import TensorInfo, read_header
+from glm53.formats.safetensors_header import TensorInfo, read_header
 
 BLOCK = 128  # expert/MLP intermediate block, and the EXL3 Hadamard block
 TILE = 16  # EXL3 tile edge

@@ -1,7 +1,7 @@
 """Load a GLM-5.3 checkpoint (safetensors shards) into `ModelWeights` for one rank.
 
 Tensor names are the Hugging Face ones (`model.layers.{i}.self_attn.q_a_proj.weight`, ...). Every
-linear glm53/loading/checkpoint_rules.py lets be EXL3 may be (`P.trellis` + suh/svh/..., each with its own
+linear glm53/formats/checkpoint_rules.py lets be EXL3 may be (`P.trellis` + suh/svh/..., each with its own
 width): such linears stay packed, one Exl3Bank a layer on the device (glm53/exl3/bank.py), computed
 from the trellis by glm53.ops; kv_b_proj alone is decoded (the absorbed attention reads it per head).
 Plain weights load in the compute dtype. Every slice a rank owns comes from its `RankPlan` (heads,
@@ -25,6 +25,9 @@ from glm53.exl3.bank import BankBuilder, MlpMatrices
 from glm53.exl3.decode import dequantize_exact
 from glm53.exl3.format import Exl3Error, Exl3Group, read_group
 from glm53.exl3.packing import PROJECTIONS, pack_layer_experts
+from glm53.formats.checkpoint_rules import first_refusal
+from glm53.layout.plan import plan_layout
+from glm53.loading.slices import SliceReader
 from glm53.model.exl3_layers import Exl3Linear, Exl3Mlp, Exl3Experts
 from glm53.model.indexer import IndexerWeights
 from glm53.model.mla import AttentionWeights
@@ -121,9 +124,6 @@ class RankTensorFiles(TensorFiles):
 
     def __init__(self, model_dir: str | Path, cfg: Glm53Config, ranks: int, rank: int) -> None:
         super().__init__(model_dir)
-        from glm53.layout.plan import plan_layout
-        from glm53.layout.slices import SliceReader
-
         self.layout = plan_layout(model_dir, ranks, cfg)
         self.slices = self.layout.slices(rank)
         self.features = self.layout.features(rank)
@@ -424,10 +424,8 @@ def _load(cfg: Glm53Config, files: TensorFiles, plan: RankPlan, dtype: torch.dty
 
 # ---- check: refuse what cannot be served, from headers only (no tensor data is read) -----------
 def refuse_unservable(cfg: Glm53Config, files: TensorFiles) -> None:
-    """Raise CheckpointError for what glm53/loading/checkpoint_rules.py refuses (headers only): the loader serves
+    """Raise CheckpointError for what glm53/formats/checkpoint_rules.py refuses (headers only): the loader serves
     exactly what check() and fetch_weights.sh accept."""
-    from glm53.loading.checkpoint_rules import first_refusal
-
     refusal = first_refusal(cfg, files.where, files.dir)
     if refusal is not None:
         raise CheckpointError(refusal)
@@ -436,5 +434,5 @@ def refuse_unservable(cfg: Glm53Config, files: TensorFiles) -> None:
 def check_checkpoint(model_dir: str | Path) -> None:
     """Raise ConfigError / CheckpointError naming the file and field or tensor for anything this
     family cannot serve; return None when the checkpoint looks servable. Reads headers only; the
-    rule is glm53/loading/checkpoint_rules.py, the one fetch_weights.sh applies too."""
+    rule is glm53/formats/checkpoint_rules.py, the one fetch_weights.sh applies too."""
     refuse_unservable(Glm53Config.from_dir(model_dir), TensorFiles(model_dir))

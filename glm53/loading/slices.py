@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from glm53.loading.safetensors_header import DTYPE_BITS, TensorInfo
-from .plan import LayoutPlan, PlanError, SliceSpec, TensorLocation
+from glm53.formats.safetensors_header import DTYPE_BITS, TensorInfo
+from glm53.layout.plan import LayoutPlan, PlanError, SliceSpec, TensorLocation, read_tensor_table
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16,
@@ -93,8 +93,6 @@ def read_rank_tensors(
     The plan must have been built from a checkpoint folder (it records where each tensor lives).
     Pass a `reader` to keep its `bytes_read` count or to reuse open files across calls."""
     if not plan.locations:
-        from .plan import read_tensor_table
-
         _, locations = read_tensor_table(model_dir)
         plan.locations.update(locations)
     slices = plan.slices(rank)

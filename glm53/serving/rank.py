@@ -22,14 +22,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from glm53.config import Glm53Config
+from glm53.runtime.sampling import SamplingParams
+from glm53.serving.compose import build_engine
+from glm53.serving.lane import API_KEYS_ENV, DRAIN_TIMEOUT_S
 from glm53.serving.meminfo import MIB, PROC_MEMINFO, available_bytes
 from glm53.serving.memory_guard import MemoryGuard
-from glm53.settings import Settings, SettingsError, env_name
-
-# What a stopping rank 0 gives the requests in flight (--drain-timeout's default); the launcher's
-# supervisor waits that long and a margin before it kills rank 0.
-DRAIN_TIMEOUT_S = 20.0
-API_KEYS_ENV = env_name("api_keys")  # the keys rank 0's front asks of clients (comma-separated)
+from glm53.settings import Settings, SettingsError
 
 EXIT_PORT_IN_USE = 98
 EXIT_ENGINE_FAILED = 70
@@ -105,8 +104,6 @@ def model_context(model: Path) -> int | None:
     except (OSError, ValueError):
         return None
     if "max_position_embeddings" not in raw:
-        from glm53.config import Glm53Config
-
         return Glm53Config.max_position_embeddings
     try:
         return int(raw["max_position_embeddings"])
@@ -128,16 +125,12 @@ def engine_options(pairs: list[str]) -> dict[str, Any]:
 
 
 def glm53_engine(args: argparse.Namespace) -> Any:
-    import glm53
-
-    return glm53.cuda_engine(args.model, drafter=args.drafter, tp=args.ranks, rank=args.rank, master=args.master,
-                             master_port=args.master_port, no_drafts=args.no_drafts, mtp_drafts=None,
-                             settings=getattr(args, "settings", None), **engine_options(args.option))
+    return build_engine(args.model, drafter=args.drafter, tp=args.ranks, rank=args.rank, master=args.master,
+                        master_port=args.master_port, no_drafts=args.no_drafts, mtp_drafts=None,
+                        settings=getattr(args, "settings", None), **engine_options(args.option))
 
 
 def glm53_sampling(request: dict[str, Any]) -> Any:
-    from glm53.runtime.sampling import SamplingParams
-
     return SamplingParams.from_request(request)
 
 
@@ -173,8 +166,10 @@ def main(argv: list[str] | None = None, engine_factory: Callable[[argparse.Names
 
     server = None
     if args.rank == 0:  # bind first: a taken port fails in a second, not after the load
+        # rank 0 alone serves HTTP: the followers never import the front (FastAPI, uvicorn, pydantic)
         from glm53.serving.front.auth import configured_keys
         from glm53.serving.front.server import FrontServer
+
         try:
             server = FrontServer(args.host, args.port, configured_keys(args.api_key, settings))
         except OSError as exc:
@@ -210,9 +205,11 @@ def main(argv: list[str] | None = None, engine_factory: Callable[[argparse.Names
         progress.set("stopped")
         return 0
 
+    # rank 0 alone serves HTTP: the followers never import the front (FastAPI, uvicorn, pydantic)
     from glm53.serving.front.chat import ChatText
     from glm53.serving.front.service import Service
     from glm53.serving.front.settings import FrontSettings, drafting_state, prefix_cache_state
+
     context = args.context or model_context(Path(args.model))
     if not context:
         print(f"rank 0: cannot read max_position_embeddings from {args.model}/config.json; pass --context",

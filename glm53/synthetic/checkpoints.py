@@ -9,7 +9,7 @@ with weights that run); this one exists to exercise file handling at any size.
 Which linears the real 3.38 bpw pack quantizes is not known here; by default every attention
 projection and MLP linear of the decoder layers is EXL3 (routed experts at mixed widths), stored as
 exllamav3 stores it (features padded to multiples of 128), while embeddings, norms, the router and the
-indexer stay in 16/32-bit. glm53/loading/checkpoint_rules.py says which linears may be EXL3 and why (exllamav3
+indexer stay in 16/32-bit. glm53/formats/checkpoint_rules.py says which linears may be EXL3 and why (exllamav3
 keeps kv_b_proj in fp16 and quantizes the indexer's wq_b; the rule accepts either form of both).
 """
 from __future__ import annotations
@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from glm53.loading.checkpoint_rules import pad_features
+from glm53.formats.checkpoint_rules import pad_features
 from glm53.config import Glm53Config
-from glm53.loading.safetensors_header import DTYPE_BITS
+from glm53.formats.safetensors_header import DTYPE_BITS
 
 INDEX_NAME = "model.safetensors.index.json"
 

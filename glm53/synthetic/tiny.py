@@ -11,7 +11,7 @@ bf16. Several shards with model.safetensors.index.json; quantization_config (con
 quantization_config.json with per-module `tensor_storage`; a byte-level BPE tokenizer with GLM's
 chat special tokens and template; generation_config.json. Same seed, same bytes.
 
-`--exl3-all` also stores as EXL3 every linear that glm53/loading/checkpoint_rules.py lets be EXL3 (the
+`--exl3-all` also stores as EXL3 every linear that glm53/formats/checkpoint_rules.py lets be EXL3 (the
 attention projections, the indexer's wq_b, the dense MLP, the shared expert, MTP's eh_proj: the
 layout of an exllamav3 pack), each zero-padded to multiples of 128 as exllamav3 pads it before
 encoding (kv_a's 80 outputs and kv_b's 64 inputs become 128).
@@ -47,7 +47,7 @@ import click
 import torch
 from safetensors.torch import save_file
 
-from glm53.loading.checkpoint_rules import LinearRule, linear_dims
+from glm53.formats.checkpoint_rules import LinearRule, linear_dims
 from glm53.config import Glm53Config
 from glm53.exl3.decode import dequantize_exact
 from glm53.exl3.encode import encode_weights, single_threaded
@@ -225,7 +225,7 @@ def _experts_exl3(seed: int) -> Mapping[str, torch.Tensor]:
 
 
 def _linears_exl3(plain: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
-    """Every plain linear the rule lets be EXL3 (glm53/loading/checkpoint_rules.py), encoded at ALL_LINEARS_QUANT
+    """Every plain linear the rule lets be EXL3 (glm53/formats/checkpoint_rules.py), encoded at ALL_LINEARS_QUANT
     from its fp32 weight zero-padded to multiples of 128 as exllamav3 pads it: trellis
     [pad(in)/16, pad(out)/16, 16K], the padded inputs' rows and outputs' columns zero."""
     items = []
