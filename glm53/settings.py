@@ -24,14 +24,17 @@ This module imports nothing beyond the standard library: the launcher uses it on
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import functools
 import math
 import os
 import re
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 PREFIX = "TF_GLM53_"
@@ -435,10 +438,6 @@ def with_table(readme: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-    import sys
-    from pathlib import Path
-
     p = argparse.ArgumentParser(prog="python -m glm53.settings", description="The TF_GLM53_* knobs.")
     p.add_argument("--markdown", action="store_true", help="print README.md's knob table")
     p.add_argument("--update-readme", metavar="PATH", nargs="?", const="README.md",

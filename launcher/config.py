@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -125,8 +126,6 @@ def local_lane(ranks: int = 1, **settings: Any) -> LaneConfig:
 
 
 def free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -309,8 +308,6 @@ def with_flags(config: LaneConfig, **flags: Any) -> LaneConfig:
 
 
 def to_dict(config: LaneConfig) -> dict[str, Any]:
-    from dataclasses import asdict
-
     return asdict(config)
 
 

@@ -23,7 +23,8 @@ from launcher.nodes import display, node_argv, run
 from launcher.preflight import Preflight, preflight
 from launcher.probe import git_commit, gpus
 from launcher.state import pid_alive, read_json, write_json
-from launcher.supervisor import tail
+from launcher.supervisor import http_base, tail
+from launcher.tiny_cache import ensure_tiny, tiny_dir
 
 EXIT_OK = 0
 EXIT_START_FAILED = 1
@@ -62,8 +63,6 @@ def local_device() -> str:
 def model_path(config: LaneConfig, dry_run: bool) -> str:
     if config.model:
         return config.model
-    from launcher.tiny_cache import ensure_tiny, tiny_dir
-
     if dry_run:
         return str(tiny_dir())
     return str(ensure_tiny())
@@ -191,8 +190,6 @@ def print_commands(config: LaneConfig, model: str, out: TextIO) -> None:
         print(f"    stop {node.label}: {display(node_argv(node, config, commands.stop_command(config, node)))}", file=out)
     print(f"  supervisor: {sys.executable} -m launcher supervise {lane_dir(config)} (detached; logs and state there)",
           file=out)
-    from launcher.supervisor import http_base
-
     where = "" if config.nodes[0].is_local else f" on {config.nodes[0].host}, through an ssh tunnel"
     print(f"  readiness: GET {http_base(config)}/health{where}; then a smoke chat completion", file=out)
 

@@ -45,7 +45,7 @@ def ensure_tiny(quiet: bool = False) -> Path:
         if not quiet:
             print(f"serve: generating the tiny checkpoint into {target} (first use only; a minute or two)",
                   file=sys.stderr, flush=True)
-        from glm53.synthetic.tiny import write_tiny_checkpoint
+        from glm53.synthetic.tiny import write_tiny_checkpoint  # torch (~3 s): only when generating
 
         t0 = time.monotonic()
         write_tiny_checkpoint(target, seed=0)

@@ -339,7 +339,7 @@ def engine_requests(spec_rank: int, world: int, port: int, out: Path) -> None:
     """RankEngine: rank 0 serves ENGINE_REQUESTS, the others follow; rank 0 saves replies and seeds."""
     from glm53.dist.rank_engine import RankEngine
 
-    from glm53.runtime.options import EngineError
+    from glm53.runtime.errors import EngineError
 
     eng = RankEngine(os.environ["GLM53_TEST_MODEL"], tp=world, rank=spec_rank, master="127.0.0.1",
                      master_port=port, rendezvous_timeout_s=60, **ENGINE_OPTIONS)

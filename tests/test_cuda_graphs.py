@@ -16,7 +16,7 @@ import torch
 from glm53 import cuda_graphs
 from glm53.runtime.cuda_graphs import WindowGraphs, cache_addresses, key_bound
 from glm53.runtime.engine import Glm53Engine
-from glm53.runtime.options import EngineError
+from glm53.runtime.errors import EngineError
 from glm53.model.indexer import SMALL_WINDOW_ROWS, select_topk
 from glm53.model.transformer import Span
 from tests.fixtures_tiny import tiny_dirs, tiny_engine  # noqa: F401

@@ -10,7 +10,7 @@ import random
 import torch
 
 from glm53.runtime.engine import prefill_pieces, prefill_waves
-from glm53.runtime.options import EngineError
+from glm53.runtime.errors import EngineError
 from glm53.runtime.sampling import SamplingParams
 from glm53.settings import SettingsError
 from tests.fixtures_tiny import TINY_CHUNK, fresh_engine_state, tiny_dirs, tiny_engine  # noqa: F401

@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 import glm53
 from glm53.config import ConfigError
-from glm53.runtime.options import EngineError
+from glm53.runtime.errors import EngineError
 from glm53.loading.loader import CheckpointError
 from tests.fixtures_tiny import fresh_engine_state, tiny_dirs, tiny_engine  # noqa: F401
 

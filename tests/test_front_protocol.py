@@ -189,7 +189,8 @@ def test_routing_and_parameter_errors_are_openai_shaped() -> None:
     a route (500) in OpenAI's shape too, through the app itself (Starlette's TestClient)."""
     from starlette.testclient import TestClient
 
-    from glm53.serving.front.app import FrontState, create_app
+    from glm53.serving.front.app import create_app
+    from glm53.serving.front.state import FrontState
 
     app = create_app(FrontState())
 

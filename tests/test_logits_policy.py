@@ -14,7 +14,8 @@ from drafter_fixtures import OracleDrafts, one_thread  # noqa: F401  (autouse fi
 from glm53.runtime.engine import Glm53Engine
 from glm53.runtime.grammar import GrammarMatcher, grammar_for
 from glm53.runtime.logits_policy import LogitsPolicy
-from glm53.runtime.sampling import SamplingError, SamplingParams
+from glm53.runtime.errors import SamplingError
+from glm53.runtime.sampling import SamplingParams
 from glm53.settings import Settings
 from kv_cache.cache import PrefixCache
 from kv_cache.keys import CacheKey

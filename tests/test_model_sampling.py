@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from glm53.runtime.sampling import SamplingError, SamplingParams, filtered_logprobs, sample
+from glm53.runtime.errors import SamplingError
+from glm53.runtime.sampling import SamplingParams, filtered_logprobs, sample
 
 
 @pytest.mark.parametrize("field, value, message", [

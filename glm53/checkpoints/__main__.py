@@ -11,6 +11,9 @@ from typing import Any
 
 import click
 
+from drafter.manifest import LOCK_NAME
+from drafter.manifest import ManifestError as DrafterManifestError
+from drafter.manifest import load_manifest as load_drafter_manifest
 from glm53.atomic_json import write_json_atomic
 
 from .fetch import DEFAULT_REPO, DrafterFetched, FetchError, fetch, fetch_drafter
@@ -169,10 +172,6 @@ def _drafter_report(got: DrafterFetched | None, manifest: Any, code: int, status
 
 def _run_drafter(revision: str | None, local_dir: str | None, offline: bool, json_path: str | None,
                  accept_flag: bool) -> int:
-    from drafter.manifest import LOCK_NAME
-    from drafter.manifest import ManifestError as DrafterManifestError
-    from drafter.manifest import load_manifest as load_drafter_manifest
-
     def finish(report: dict[str, Any]) -> int:
         if json_path:
             write_json_atomic(json_path, report)

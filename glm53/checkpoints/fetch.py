@@ -19,10 +19,14 @@ caller's job (glm53/checkpoints/__main__.py asks), before this is called.
 """
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
+
+from drafter.manifest import LOCK_NAME, HubFile, PinRefused, pin, verify
+from drafter.manifest import load_manifest as load_drafter_manifest
 
 from .manifest import Manifest, load_manifest, manifest_from_model_info, save_manifest
 
@@ -59,6 +63,7 @@ def resolve_revision(repo: str, revision: str | None, warn: Callable[[str], None
 
 
 def _connectivity_errors() -> tuple[type[BaseException], ...]:
+    # on use: offline verification never loads huggingface_hub (~0.4 s)
     from huggingface_hub.errors import OfflineModeIsEnabled
 
     errors: list[type[BaseException]] = [OfflineModeIsEnabled, ConnectionError, TimeoutError]
@@ -83,6 +88,7 @@ def find_local_copy(repo: str, revision: str, local_dir: str | Path | None,
     if local_dir is not None:
         path = Path(local_dir)
         return path if _has_weights(path) else None
+    # on use: offline verification never loads huggingface_hub (~0.4 s)
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
@@ -107,12 +113,14 @@ def use_local_copy(repo: str, revision: str, local_dir: str | Path | None, why: 
 
 
 def _cache_dir() -> str:
+    # on use: offline verification never loads huggingface_hub (~0.4 s)
     from huggingface_hub import constants
 
     return str(constants.HF_HUB_CACHE)
 
 
 def _snapshot_dir(repo: str, commit: str) -> Path:
+    # on use: offline verification never loads huggingface_hub (~0.4 s)
     from huggingface_hub.file_download import repo_folder_name
 
     return Path(_cache_dir()) / repo_folder_name(repo_id=repo, repo_type="model") / "snapshots" / commit
@@ -121,6 +129,7 @@ def _snapshot_dir(repo: str, commit: str) -> Path:
 def hub_info(repo: str, revision: str, warn: Callable[[str], None]) -> tuple[Any, str]:
     """(`model_info(files_metadata=True)`, endpoint); FetchError for a request the hub refuses,
     HubDown when it cannot be reached or answers 5xx."""
+    # on use: offline verification never loads huggingface_hub (~0.4 s)
     from huggingface_hub import HfApi, constants
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 
@@ -147,6 +156,7 @@ def hub_info(repo: str, revision: str, warn: Callable[[str], None]) -> tuple[Any
 def download(repo: str, revision: str, commit: str, local_dir: str | Path | None, endpoint: str, *,
              max_workers: int = 8, allow_patterns: list[str] | None = None) -> Path:
     """snapshot_download with errors turned into FetchError; in the cache, insists on `commit`."""
+    # on use: offline verification never loads huggingface_hub (~0.4 s)
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError
 
@@ -210,9 +220,8 @@ class DrafterFetched:
 
 def drafter_hub_files(info: Any, allow_patterns: tuple[str, ...]) -> dict[str, Any]:
     """The hub's metadata for the files the manifest's allow_patterns select (what snapshot_download fetches)."""
+    # on use: offline verification never loads huggingface_hub (~0.4 s)
     from huggingface_hub.utils import filter_repo_objects
-
-    from drafter.manifest import HubFile
 
     files = manifest_from_model_info(info, "", "", "").files
     chosen = filter_repo_objects(list(files), allow_patterns=list(allow_patterns) or None)
@@ -231,8 +240,6 @@ def fetch_drafter(
     """Download the DFlash2 drafter named by drafter/MANIFEST.json (the licence already accepted),
     pin it against the hub's metadata and verify it; offline (or with the hub down), verify the
     copy at `local_dir` / in the cache against its lock. FetchError when there is nothing to check."""
-    from drafter.manifest import LOCK_NAME, PinRefused, load_manifest as load_drafter_manifest, pin, verify
-
     manifest = manifest or load_drafter_manifest()
     repo = manifest.repository
     if revision is None:
@@ -273,10 +280,6 @@ def fetch_drafter(
 
 
 def _read_lock(directory: Path) -> dict[str, Any] | None:
-    import json
-
-    from drafter.manifest import LOCK_NAME
-
     try:
         return json.loads((directory / LOCK_NAME).read_text())
     except (OSError, ValueError):

@@ -16,7 +16,7 @@ from glm53.dist.rendezvous import RendezvousSpec, rendezvous
 from glm53.dist.request_channel import BATCH_START, BATCH_WAKE, STOP, RequestChannel
 from glm53.dist.window_channel import WindowChannel
 from glm53.runtime.engine import Glm53Engine
-from glm53.runtime.options import EngineError
+from glm53.runtime.errors import EngineError
 from glm53.runtime.features import Drafting, EngineFeatures, PrefixCache
 from glm53.settings import Settings
 

@@ -41,7 +41,8 @@ from glm53.runtime.cuda_graphs import WindowGraphs
 from glm53.runtime.features import Drafting, DraftWindows, EngineFeatures, PrefixCache
 from glm53.runtime.grammar import GrammarMatcher
 from glm53.runtime.logits_policy import LogitsPolicy, policy_for
-from glm53.runtime.options import EngineError, with_options
+from glm53.runtime.errors import EngineError
+from glm53.runtime.options import with_options
 from glm53.runtime.sampling import SamplingParams
 from glm53.runtime.state_target import StateTarget
 from glm53.settings import Settings

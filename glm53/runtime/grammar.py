@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from glm53.runtime.sampling import SamplingError
+from glm53.runtime.errors import SamplingError
 
 JSON_OPTIONS = {"whitespace_flexible": False}
 # json_object: any JSON object (OpenAI's JSON mode)
@@ -27,7 +27,7 @@ ANY_OBJECT = {"type": "object"}
 def grammar_for(response_format: Any) -> str | None:
     """The llguidance grammar for OpenAI's `response_format` (None for {"type": "text"}); raises
     SamplingError naming `response_format` for anything it cannot serve."""
-    import llguidance
+    import llguidance  # native library (~80 ms to load): only requests with a grammar load it
 
     if not isinstance(response_format, dict):
         raise SamplingError(f"'response_format' must be an object, got {response_format!r}", "response_format")
@@ -58,7 +58,7 @@ def grammar_for(response_format: Any) -> str | None:
 @functools.lru_cache(maxsize=4)
 def _tokenizer(tokenizer_json: str, vocab_size: int, eos: tuple[int, ...]) -> Any:
     """llguidance's view of the checkpoint's tokenizer (built once a process: ~1 s at GLM's vocabulary)."""
-    import llguidance
+    import llguidance  # native library (~80 ms to load): only requests with a grammar load it
 
     return llguidance.LLTokenizer(Path(tokenizer_json).read_text(), n_vocab=vocab_size, eos_token=list(eos))
 
@@ -68,7 +68,7 @@ class GrammarMatcher:
     grammar may end (and only them once it must)."""
 
     def __init__(self, grammar: str, model_dir: str | Path, vocab_size: int, eos: tuple[int, ...]) -> None:
-        import llguidance
+        import llguidance  # native library (~80 ms to load): only requests with a grammar load it
 
         tok_file = Path(model_dir) / "tokenizer.json"
         if not tok_file.is_file():

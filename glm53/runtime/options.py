@@ -1,13 +1,10 @@
-"""The engine's options over its settings, and the error for a request or option it cannot take."""
+"""The engine's options over its settings."""
 from __future__ import annotations
 
 from typing import Any
 
+from glm53.runtime.errors import EngineError
 from glm53.settings import Settings, SettingsError
-
-
-class EngineError(ValueError):
-    """A request or option the engine cannot take; the message names the field and the remedy."""
 
 
 def with_options(settings: Settings, **options: Any) -> Settings:

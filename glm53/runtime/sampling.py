@@ -16,13 +16,8 @@ from typing import Any
 
 import torch
 
-
-class SamplingError(ValueError):
-    """A request field that cannot be used for sampling; the message names the field, `param` holds it."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
+from glm53.runtime.errors import SamplingError
+from glm53.runtime.grammar import grammar_for
 
 
 MAX_TOP_LOGPROBS = 20
@@ -96,8 +91,6 @@ class SamplingParams:
         if isinstance(kwargs.get("logit_bias"), dict):  # JSON object keys are strings: "123" -> 123
             kwargs["logit_bias"] = {_token_key(k): v for k, v in kwargs["logit_bias"].items()} or None
         if request.get("response_format") is not None:
-            from glm53.runtime.grammar import grammar_for
-
             kwargs["grammar"] = grammar_for(request["response_format"])
         return cls(**kwargs)
 

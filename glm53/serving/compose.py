@@ -18,7 +18,7 @@ from drafter.glm53_target import DraftPlan
 from glm53.dist.rank_engine import RankEngine
 from glm53.runtime.engine import Glm53Engine
 from glm53.runtime.features import Drafting, PrefixCache
-from glm53.runtime.options import EngineError
+from glm53.runtime.errors import EngineError
 from glm53.settings import Settings
 from kv_cache.engine_adapter import prefix_cache_for
 

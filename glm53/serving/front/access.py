@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 if TYPE_CHECKING:
-    from glm53.serving.front.app import FrontState
+    from glm53.serving.front.state import FrontState
 
 log = logging.getLogger("front.access")
 GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -26,15 +26,13 @@ from glm53.serving.front.anthropic_schemas import chat_error, parse_messages
 from glm53.serving.front.errors import ApiError
 from glm53.serving.front.glm_markup import ContentDelta, Event, ReasoningDelta, ToolCallArguments, ToolCallBegin, ToolCallEnd
 
-if TYPE_CHECKING:
-    from glm53.serving.front.app import FrontState, Generation
+from glm53.serving.front.generation import Generation, read_body, start_generation
+from glm53.serving.front.state import FrontState
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
 async def messages(front: FrontState, request: Request) -> Response:
-    from glm53.serving.front.app import read_body, start_generation
-
     service = front.serving()
     raw = await read_body(request, service.settings.max_body_bytes)
     record = record_of(request.scope)

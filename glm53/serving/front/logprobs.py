@@ -22,7 +22,7 @@ def _bytes_view(text: ChatText) -> Any:
     with _lock:
         view = _views.get(id(text))
         if view is None:
-            import llguidance
+            import llguidance  # native library (~80 ms to load): only requests with a grammar load it
 
             view = _views[id(text)] = llguidance.LLTokenizer(text.tokenizer.to_str())
         return view

@@ -13,7 +13,8 @@ import time
 
 import uvicorn
 
-from glm53.serving.front.app import FrontState, create_app
+from glm53.serving.front.app import create_app
+from glm53.serving.front.state import FrontState
 from glm53.serving.front.errors import JsonErrorH11Protocol
 from glm53.serving.front.service import Service
 from glm53.serving.front.settings import DEFAULT_PORT
