@@ -30,7 +30,8 @@ import time
 from pathlib import Path
 
 from bench.lib.log import log
-from bench.lib.meta import KIT_ROOT, RESULTS, result_header, summary, write_json
+from bench.lib.meta import KIT_ROOT, RESULTS, result_header
+from glm53.measurement import summary, write_json
 
 
 def checkpoint(work: Path) -> Path:

@@ -31,7 +31,8 @@ import torch
 
 from bench.lib.checkpoints import real_dims_checkpoint, tiny_checkpoint
 from bench.lib.log import log
-from bench.lib.meta import KIT_ROOT, RESULTS, result_header, write_json
+from bench.lib.meta import KIT_ROOT, RESULTS, result_header
+from glm53.measurement import write_json
 
 WRAPPED = ("all_gather", "all_to_all", "broadcast")  # every other collective goes through these
 

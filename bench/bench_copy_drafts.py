@@ -37,7 +37,8 @@ from pathlib import Path
 
 import torch
 
-from bench.lib.meta import KIT_ROOT, result_header, write_json
+from bench.lib.meta import KIT_ROOT, result_header
+from glm53.measurement import write_json
 from drafter.decode_loop import StopRule, drafted_decode, serial_decode
 from drafter.policy import AdaptiveDepth, PolicyConfig
 from drafter.sources import CopySource

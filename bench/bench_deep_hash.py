@@ -22,7 +22,8 @@ import time
 from pathlib import Path
 
 from bench.lib.meta import RESULTS, cpu_environment
-from bench.lib.meta import result_header, summary, write_json
+from bench.lib.meta import result_header
+from glm53.measurement import summary, write_json
 from glm53.checkpoints.manifest import FileRecord, Manifest
 from glm53.checkpoints.verify import VerifyResult, _deep_check
 

@@ -27,7 +27,8 @@ import torch
 from bench.lib.decode import decode, graph_bench_args
 from bench.lib.checkpoints import deepen, real_dims_checkpoint, tiny_checkpoint
 from bench.lib.log import log
-from bench.lib.meta import result_header, summary, write_json
+from bench.lib.meta import result_header
+from glm53.measurement import summary, write_json
 from glm53.runtime.cuda_graphs import WindowGraphs
 from glm53.runtime.engine import Glm53Engine
 

@@ -24,7 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.lib.meta import RESULTS, result_header, summary, write_json
+from bench.lib.meta import RESULTS, result_header
+from glm53.measurement import summary, write_json
 from glm53.model.token_log import TokenLog
 from kv_cache import CacheKey, PrefixCache
 

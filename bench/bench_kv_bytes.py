@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from bench.lib.meta import KIT_ROOT, result_header, write_json
+from bench.lib.meta import KIT_ROOT, result_header
+from glm53.measurement import write_json
 from glm53.config import Glm53Config
 from glm53.dist import dcp, tp
 from glm53.model.kv_state import KVState

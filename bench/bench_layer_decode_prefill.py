@@ -33,7 +33,8 @@ from dataclasses import replace
 
 import torch
 
-from bench.lib.meta import RESULTS, device_description, result_header, summary, write_json
+from bench.lib.meta import RESULTS, result_header
+from glm53.measurement import device_description, summary, write_json
 from bench.lib.timing import call_timer
 from glm53.config import Glm53Config
 from glm53.runtime.engine import prefill_pieces

@@ -57,7 +57,8 @@ import torch
 
 from bench.lib.checkpoints import deepen, real_dims_checkpoint, tiny_checkpoint
 from bench.lib.log import log
-from bench.lib.meta import RESULTS, result_header, summary, write_json
+from bench.lib.meta import RESULTS, result_header
+from glm53.measurement import summary, write_json
 from bench.lib.pagecache import drop_page_cache
 from glm53.runtime.cuda_graphs import WindowGraphs
 from glm53.runtime.engine import Glm53Engine

@@ -19,7 +19,7 @@ from glm53.apibench.progress import Display
 from glm53.apibench.schema import Failure, Report, ServerInfo, Settings, Suites
 from glm53.apibench.suites import agent, concurrency, decode, extend
 from glm53.apibench.tables import print_tables
-from bench.lib.meta import device_description, git_commit, versions, write_json
+from glm53.measurement import device_description, git_commit, versions, write_json
 
 SUITES: dict[str, Callable[[RunContext], Any]] = {"decode": decode.run, "agent": agent.run, "extend": extend.run,
                                                    "concurrency": concurrency.run}

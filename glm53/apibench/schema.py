@@ -203,7 +203,7 @@ class Report(Strict):
     bench: Literal["api_bench"] = "api_bench"
     schema_version: Literal[1] = 1
     label: str | None
-    git_commit: str  # the kit's commit (bench.lib.meta.git_commit)
+    git_commit: str  # the kit's commit (glm53.measurement.git_commit)
     client_device: str  # where the client ran; the server's device is what `server` says
     cpu_cores: int | None
     versions: dict[str, str]

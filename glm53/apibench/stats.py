@@ -1,4 +1,4 @@
-"""Summaries of samples as the report keeps them (bench.lib.meta.summary plus the spread), and
+"""Summaries of samples as the report keeps them (glm53.measurement.summary plus the spread), and
 nearest-rank percentiles."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 from collections.abc import Iterable
 
 from glm53.apibench.schema import Latency, Summary
-from bench.lib.meta import summary
+from glm53.measurement import summary
 
 
 def summarize(values: Iterable[float | None]) -> Summary | None:
