@@ -163,6 +163,28 @@ def test_nothing_below_serving_imports_serving_and_nothing_in_the_product_import
     assert not bad, "\n".join(bad)
 
 
+INSTALLED = ("glm53", "kv_cache", "drafter", "launcher")  # pyproject's packages; apply.py, seriestool/, bench/ run from the checkout
+
+
+def test_installed_packages_import_only_installed_packages() -> None:
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert 'include = ["glm53*", "kv_cache*", "drafter*", "launcher*"]' in pyproject
+    bad = [f"{p.relative_to(ROOT)}:{line} imports {mod}" for pkg in INSTALLED for p in files(pkg)
+           for line, mod in scan_all(p) if mod.split(".")[0] in ("bench", "seriestool", "tests", "apply")]
+    assert not bad, "an installed package imports what is not installed:\n" + "\n".join(bad)
+
+
+def scan_all(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every absolute import in the file, of any package."""
+    out = []
+    for n in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(n, ast.Import):
+            out += [(n.lineno, a.name) for a in n.names]
+        elif isinstance(n, ast.ImportFrom) and not n.level and n.module:
+            out.append((n.lineno, n.module))
+    return out
+
+
 # ---- no package cycles ----------------------------------------------------------------------------
 def node(module: str) -> str:
     """A module's node in the package graph: kv_cache, drafter, launcher and seriestool whole; in glm53

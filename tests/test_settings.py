@@ -22,7 +22,7 @@ SETTINGS_MODULE = Path("glm53/settings.py")
 # caller uses without settings (each passes what it parsed down to everything it builds)
 ENTRY_POINTS = {
     "glm53/serving/rank.py",  # a rank of the lane, at start
-    "glm53/__init__.py",  # cuda_engine, the family contract TensorFold's CLI calls
+    "glm53/serving/compose.py",  # build_engine: glm53.cuda_engine, the family contract TensorFold's CLI calls
     "glm53/runtime/engine.py",  # Glm53Engine(settings=None)
     "glm53/dist/rank_engine.py",  # RankEngine(settings=None)
     "launcher/config.py",  # serve.sh: checks the variables it forwards before any node is touched

@@ -201,8 +201,8 @@ def _run_drafter(revision: str | None, local_dir: str | None, offline: bool, jso
         return finish(_drafter_report(got, manifest, EXIT_FILES, "files"))
     n = len((got.lock or {}).get("files", {}))
     click.echo(f"verify      ok: {n} files, sizes and SHA-256 match {got.directory / LOCK_NAME} (the hub's record)")
-    # the engine takes the drafter as the family contract's `drafter` argument (glm53.cuda_engine ->
-    # drafter.glm53_target.DraftPlan.from_contract); the launcher passes the cluster file's `drafter:` as --drafter
+    # the engine takes the drafter as the family contract's `drafter` argument (glm53.cuda_engine, the composition
+    # root -> drafter.glm53_target.DraftPlan.from_contract); the launcher passes the cluster file's `drafter:` as --drafter
     click.echo(f"use it      cluster file (bash serve.sh):   drafter: {got.directory}")
     click.echo(f"            rank / TensorFold CLI:          --drafter {got.directory}")
     click.echo("            TF_GLM53_DRAFT_SOURCE=dflash2 makes it the only draft source (default auto: it wins when given)")

@@ -162,7 +162,7 @@ class KVState:
 
     def owned_positions(self, stop: int) -> torch.Tensor | None:
         """Positions in [0, stop) whose rows reads return, ascending; None: all of them (this class).
-        A cache split by position (glm53.dist.rank_engine.DcpKVState) returns its own."""
+        A cache split by position (glm53.dist.dcp_state.DcpKVState) returns its own."""
         return None
 
     def read_latent(self, layer: int, stop: int, dtype: torch.dtype) -> torch.Tensor:

@@ -76,7 +76,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--drafter", default=None, help="drafter checkpoint directory")
     p.add_argument("--no-drafts", action="store_true")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra engine option passed to glm53.cuda_engine (JSON value or string)")
+                   help="extra engine option passed to the engine (JSON value or string)")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help=f"a key clients must send to /v1 (Authorization: Bearer KEY or x-api-key: KEY); repeatable, "
                         f"added to {API_KEYS_ENV} (comma-separated). None: no key needed")

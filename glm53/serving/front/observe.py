@@ -4,7 +4,7 @@ glm53_prefix_cache_* / glm53_draft_* families of /metrics.
 Found on the engine by attribute, never imported (the front also runs stand-in engines):
   engine.last_stats          dict of the last request (glm53: prompt/cached/prefill/completion tokens,
                              "drafted", "draft" = that request's drafter counters)
-  engine.prefix_cache        an object with stats_dict(settle=False) (kv_cache.PrefixCache; attach_prefix_cache)
+  engine.prefix_cache        an object with stats_dict(settle=False) (kv_cache.PrefixCache)
   engine.drafter.stats       cumulative acceptance counters (drafter.policy.AcceptanceStats on a
                              drafter.glm53_target.DraftPlan): steps, proposed, accepted, committed,
                              lossy_steps, histogram[n] (verify steps that kept n drafts), per_source
