@@ -152,7 +152,7 @@ def suite(comm: Comm, out: Path) -> None:
     results["mla_topk_shared_collectives"] = comm.guard._seq - seq
 
     # rank 0's draft-window calls as the followers receive them, and what each costs
-    from glm53.dist.rank_engine import WindowChannel
+    from glm53.dist.window_channel import WindowChannel
 
     channel, received, costs = WindowChannel(comm), [], []
     for op, value, tokens, rows in window_messages():
@@ -169,7 +169,7 @@ def suite(comm: Comm, out: Path) -> None:
 def window_messages() -> list[tuple[int, int, list[int], torch.Tensor | None]]:
     """(op, value, tokens, rows): no tokens, a verification window, exactly the inline capacity,
     one past it, a long list, rows in bf16 with tokens."""
-    from glm53.dist.rank_engine import WindowChannel as C
+    from glm53.dist.window_channel import WindowChannel as C
 
     g = torch.Generator().manual_seed(5)
     return [(C.TRUNCATE, 41, [], None), (C.FORWARD, 40, list(range(100, 115)), None),
@@ -271,7 +271,7 @@ def model(comm: Comm, out: Path) -> None:
     """One group, one load of this rank's slices (heads, columns and vocabulary do not depend on
     DCP), then DCP off and on (and, at R = 4, the same request twice) through two plans."""
     from glm53.config import Glm53Config
-    from glm53.dist.rank_engine import DistRankPlan
+    from glm53.dist.rank_plan import DistRankPlan
     from glm53.model.transformer import Glm53Model
 
     model_dir = Path(os.environ["GLM53_TEST_MODEL"])

@@ -14,7 +14,8 @@ import torch
 
 from glm53.config import Glm53Config
 from glm53.dist import dcp, tp
-from glm53.dist.rank_engine import DcpKVState, DistRankPlan
+from glm53.dist.dcp_state import DcpKVState
+from glm53.dist.rank_plan import DistRankPlan
 from glm53.model.kv_state import KVState
 from glm53.layout.kv import kv_bytes_per_rank, kv_token_bytes
 from glm53.layout.plan import plan_layout

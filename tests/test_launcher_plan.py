@@ -119,7 +119,7 @@ def test_the_ranks_kv_pool_is_the_kv_the_plan_holds_room_for(tiny_model: Path) -
     free; a value the user set is kept."""
     from glm53.config import Glm53Config
     from glm53.dist.dcp import Ownership
-    from glm53.dist.rank_engine import DcpKVState
+    from glm53.dist.dcp_state import DcpKVState
     from glm53.layout.kv import kv_bytes_per_rank
     from glm53.runtime.kv_pool import KVPool
     from launcher.config import local_lane

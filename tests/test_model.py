@@ -176,7 +176,7 @@ def test_stacked_rows_land_in_one_copy_per_kind_exactly_as_tensor_by_tensor(monk
     bit. A stack in another order (a file written before layer_order: "latent.10" before
     "latent.2") takes the tensor-by-tensor path; a bad stack is refused with nothing written."""
     from glm53.dist.dcp import Ownership
-    from glm53.dist.rank_engine import DcpKVState
+    from glm53.dist.dcp_state import DcpKVState
     from kv_cache import diskfile
     from kv_cache.rows import StackedRows
 

@@ -185,7 +185,7 @@ def test_each_draft_source_over_ranks_equals_serial(tmp_path: Path, tiny_dirs, s
 # ---- the pieces, in one process --------------------------------------------------------------------
 def _dcp_state(rank: int, ranks: int):
     from glm53.dist.dcp import Ownership
-    from glm53.dist.rank_engine import DcpKVState
+    from glm53.dist.dcp_state import DcpKVState
 
     return DcpKVState(n_layers=2, latent_dim=6, index_dim=3, indexed_layers=frozenset({1}), kv_dtype="fp32",
                       own=Ownership(rank, ranks))

@@ -460,4 +460,4 @@ class Glm53Engine:
         if self.plan.world == 1:
             return
         raise EngineError(f"this engine holds one rank of {self.plan.world} alone; several ranks run "
-                          "glm53.dist.rank_engine.RankEngine (glm53.serving.compose.build_engine builds it with tp > 1)")
+                          "glm53.dist.rank_engine.RankEngine (glm53.cuda_engine builds it with tp > 1)")
