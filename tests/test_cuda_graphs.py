@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from glm53 import cuda_graphs
+from glm53.runtime import cuda_graphs
 from glm53.runtime.cuda_graphs import WindowGraphs, cache_addresses, key_bound
 from glm53.runtime.engine import Glm53Engine
 from glm53.runtime.errors import EngineError
