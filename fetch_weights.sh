@@ -5,7 +5,7 @@
 #                         [--workers N] [--json FILE]
 #   bash fetch_weights.sh --drafter [--dir PATH] [--revision REV] [--accept-licence] [--offline] [--json FILE]
 #
-# A thin front over `python -m glm53.weights` (run `bash fetch_weights.sh --help` for the flags).
+# A thin front over `python -m glm53.checkpoints` (run `bash fetch_weights.sh --help` for the flags).
 # --drafter fetches the DFlash2 drafter named by drafter/MANIFEST.json (CC BY-NC-ND 4.0: asks you to
 # accept the licence, or --accept-licence when stdin is not a terminal), pins it against the hub's
 # sizes and SHA-256 (PATH/drafter.lock.json) and verifies it; with --offline it re-verifies it.
@@ -22,4 +22,4 @@ if [[ -z "${PYTHON:-}" ]]; then
 fi
 export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
 export GLM53_WEIGHTS_PROG="bash fetch_weights.sh"
-exec "$PYTHON" -m glm53.weights "$@"
+exec "$PYTHON" -m glm53.checkpoints "$@"

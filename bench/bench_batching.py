@@ -37,7 +37,8 @@ import time
 from pathlib import Path
 
 from bench.lib.log import log
-from bench.lib.meta import KIT_ROOT, RESULTS, result_header, summary, write_json
+from bench.lib.meta import KIT_ROOT, RESULTS, result_header
+from glm53.measurement import summary, write_json
 
 
 def checkpoint(work: Path) -> Path:
@@ -133,7 +134,7 @@ def start_followers(model: Path, ranks: int, device: str, threads: int) -> tuple
 
 
 def rank_engine(model: Path, rank: int, ranks: int, port: int, device: str):
-    from glm53.dist.parallel_engine import RankEngine
+    from glm53.dist.rank_engine import RankEngine
 
     return RankEngine(str(model), tp=ranks, rank=rank, master="127.0.0.1", master_port=port,
                       rendezvous_timeout_s=120, **{k: v for k, v in engine_options(device).items() if v is not None})
@@ -162,7 +163,7 @@ def main() -> int:
 
     import torch
 
-    from glm53.engine import Glm53Engine
+    from glm53.runtime.engine import Glm53Engine
 
     torch.set_num_threads(args.threads)
     if args.follower:

@@ -31,7 +31,8 @@ import torch
 
 from bench.lib.checkpoints import real_dims_checkpoint, tiny_checkpoint
 from bench.lib.log import log
-from bench.lib.meta import KIT_ROOT, RESULTS, result_header, write_json
+from bench.lib.meta import KIT_ROOT, RESULTS, result_header
+from glm53.measurement import write_json
 
 WRAPPED = ("all_gather", "all_to_all", "broadcast")  # every other collective goes through these
 
@@ -56,7 +57,7 @@ def record_collectives(comm: Any, log_to: list[dict]) -> None:
 
 
 def worker(rank: int, world: int, port: int, model: str, prompt_len: int, tokens: int, dtype: str, out: Path) -> None:
-    from glm53.dist.parallel_engine import RankEngine
+    from glm53.dist.rank_engine import RankEngine
 
     torch.set_num_threads(1)
     eng = RankEngine(model, tp=world, rank=rank, master="127.0.0.1", master_port=port, device="cpu",

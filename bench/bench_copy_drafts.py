@@ -7,7 +7,7 @@ tokens per verify step and end-to-end decode tokens/s, drafted against serial.
 
 Texts are real: the kit's own Python sources (code), a JSON-lines log with repeated keys built
 from the kit's files (structured), and the kit's docs/prefix-cache.md (prose). They are tokenized with the
-tiny checkpoint's byte-level BPE (glm53.tiny_tokenizer). Each sample takes a prompt of P tokens
+tiny checkpoint's byte-level BPE (glm53.synthetic.tiny_tokenizer). Each sample takes a prompt of P tokens
 and decodes the next N tokens of the text.
 
 A model with random weights does not write code, so the target is FORCED to follow the text: the
@@ -37,7 +37,8 @@ from pathlib import Path
 
 import torch
 
-from bench.lib.meta import KIT_ROOT, result_header, write_json
+from bench.lib.meta import KIT_ROOT, result_header
+from glm53.measurement import write_json
 from drafter.decode_loop import StopRule, drafted_decode, serial_decode
 from drafter.policy import AdaptiveDepth, PolicyConfig
 from drafter.sources import CopySource
@@ -96,8 +97,8 @@ def make_targets(kind: str, device: str, vocab_needed: int):
         from drafter.reference_lm import ReferenceLM, ReferenceLMConfig
         model = ReferenceLM(ReferenceLMConfig(vocab_size=max(vocab_needed, 96)))
         return (lambda prompt_len: model.session()), "drafter.reference_lm (integer LM, CPU)"
-    from glm53.engine import Glm53Engine, Glm53Target
-    from glm53.tiny import write_tiny_checkpoint
+    from glm53.runtime.engine import Glm53Engine, Glm53Target
+    from glm53.synthetic.tiny import write_tiny_checkpoint
     tmp = Path(tempfile.mkdtemp(prefix="bench_copy_tiny_"))
     print(f"[bench_copy_drafts] writing the tiny checkpoint to {tmp}", file=sys.stderr, flush=True)
     write_tiny_checkpoint(tmp / "tiny")
@@ -154,7 +155,7 @@ def main() -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_copy_drafts: --device cuda but no CUDA device", file=sys.stderr)
         return 2
-    from glm53.tiny_tokenizer import build_tokenizer
+    from glm53.synthetic.tiny_tokenizer import build_tokenizer
     print("[bench_copy_drafts] building the tokenizer and encoding the texts", file=sys.stderr, flush=True)
     tok = build_tokenizer()
     encoded = {name: tok.encode(t).ids for name, t in texts().items()}
@@ -192,7 +193,7 @@ def main() -> int:
         }
     settings = {"prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "samples": args.samples,
                 "source": "copy (min_ngram 2, max_ngram 8)", "policy": "AdaptiveDepth default (max 13)",
-                "forced_to_text": True, "tokenizer": "glm53.tiny_tokenizer byte-level BPE", "ranks": 1,
+                "forced_to_text": True, "tokenizer": "glm53.synthetic.tiny_tokenizer byte-level BPE", "ranks": 1,
                 "prefix_cache": "off (each sample a fresh cache)"}
     result = {**result_header("copy_drafts", settings, device=args.device),
               "torch": torch.__version__, "target": target_desc, "results": results}

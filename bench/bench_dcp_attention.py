@@ -27,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-from bench.lib.meta import KIT_ROOT, result_header, summary, write_json
+from bench.lib.meta import KIT_ROOT, result_header
+from glm53.measurement import summary, write_json
 from glm53.dist import dcp, tp
 
 HEADS, KV_RANK, ROPE, IDX_HEADS, IDX_DIM, TOPK = 64, 512, 64, 32, 128, 2048

@@ -1,4 +1,4 @@
-"""Decode steps with CUDA graphs (glm53.cuda_graphs) against eager, through the real glm53 engine.
+"""Decode steps with CUDA graphs (glm53.runtime.cuda_graphs) against eager, through the real glm53 engine.
 
     python -m bench.bench_decode_graphs --real-dims      # H200: GLM-5.3 layer dimensions, 4 dense layers
     python -m bench.bench_decode_graphs --real-dims --depth 78   # the same 4 layers repeated to GLM-5.3's depth
@@ -26,8 +26,9 @@ import torch
 from bench.lib.decode import decode, graph_bench_args
 from bench.lib.checkpoints import deepen, real_dims_checkpoint, tiny_checkpoint
 from bench.lib.log import log
-from bench.lib.meta import result_header, summary, write_json
-from glm53.engine import Glm53Engine
+from bench.lib.meta import result_header
+from glm53.measurement import summary, write_json
+from glm53.runtime.engine import Glm53Engine
 
 
 def main() -> int:

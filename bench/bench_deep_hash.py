@@ -5,7 +5,7 @@
 Writes `--files` real shards of random data (`--mib` MiB each) with a manifest of their hashes,
 then measures, interleaved in each round (order rotated so no mode always goes first):
   read        sequential read of every file, nothing else (the disk/page-cache floor)
-  deep-wN     glm53.weights.verify's deep check with N hashing threads (hashlib releases the GIL)
+  deep-wN     glm53.checkpoints.verify's deep check with N hashing threads (hashlib releases the GIL)
 in two cache states: `warm` (files in the page cache: hashing-bound) and `cold` (each file's pages
 dropped first with posix_fadvise(DONTNEED), which evicts only these files' clean pages, not the
 machine's cache). Ratios are deep time / read time of the same round. Files are deleted at the end.
@@ -22,9 +22,10 @@ import time
 from pathlib import Path
 
 from bench.lib.meta import RESULTS, cpu_environment
-from bench.lib.meta import result_header, summary, write_json
-from glm53.weights.manifest import FileRecord, Manifest
-from glm53.weights.verify import VerifyResult, _deep_check
+from bench.lib.meta import result_header
+from glm53.measurement import summary, write_json
+from glm53.checkpoints.manifest import FileRecord, Manifest
+from glm53.checkpoints.verify import VerifyResult, _deep_check
 
 CHUNK = 8 << 20
 

@@ -32,9 +32,10 @@ from pathlib import Path
 import torch
 
 from bench.lib.kvstate import new_kv_state
-from bench.lib.meta import RESULTS, result_header, summary, write_json
+from bench.lib.meta import RESULTS, result_header
+from glm53.measurement import summary, write_json
 from bench.lib.pagecache import drop_page_cache
-from glm53.kv_state import KVState
+from glm53.model.kv_state import KVState
 from glm53.settings import Settings
 from kv_cache import CacheKey, PrefixCache
 

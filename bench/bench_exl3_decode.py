@@ -23,7 +23,8 @@ import time
 import torch
 
 from bench.lib.exllamav3 import exllamav3_reference
-from bench.lib.meta import device_description, installed_version, result_header, summary, write_json
+from bench.lib.meta import result_header
+from glm53.measurement import device_description, installed_version, summary, write_json
 from glm53.exl3.decode import decode_rotated, decode_weight
 from glm53.exl3.format import read_group
 

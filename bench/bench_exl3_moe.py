@@ -39,11 +39,12 @@ import triton
 import triton.language  # noqa: F401  (constexpr for --split-steps)
 
 from bench.lib.exllamav3 import exllamav3_reference
-from bench.lib.meta import result_header, write_json
+from bench.lib.meta import result_header
+from glm53.measurement import write_json
 from glm53.exl3.bank import BankBuilder
 from glm53.exl3.format import read_group
 from glm53.exl3.packing import pack_layer_experts
-from glm53.weights.synthetic import default_expert_bits
+from glm53.synthetic.checkpoints import default_expert_bits
 
 MARKERS = {"mcg": 0xCBAC1FED - (1 << 32), "mul1": 0x83DCD12D - (1 << 32)}
 PROJ = ("gate_proj", "up_proj", "down_proj")

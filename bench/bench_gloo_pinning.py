@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bench.lib.meta import RESULTS, result_header, summary, write_json
+from bench.lib.meta import RESULTS, result_header
+from glm53.measurement import summary, write_json
 
 ARMS = ("unpinned", "pinned")
 OPS = ("all_reduce", "all_gather")

@@ -3,7 +3,7 @@
     python -m bench.bench_graph_capture --real-dims      # H200: GLM-5.3 layer dimensions, 4 dense layers
 
 A window meets a new graph key (a new conversation's cache, a decode crossing a key bound) inside
-a request, and that request pays the capture. glm53.cuda_graphs captures with capture_begin/end on
+a request, and that request pays the capture. glm53.runtime.cuda_graphs captures with capture_begin/end on
 a side stream; torch.cuda.graph does the same after emptying the allocator's device and pinned
 caches, which the next allocations then pay again. Arms, interleaved sample by sample with the
 order alternating, on one engine (the same weights): "kit" (WindowGraphs as shipped) and
@@ -27,9 +27,10 @@ import torch
 from bench.lib.decode import decode, graph_bench_args
 from bench.lib.checkpoints import deepen, real_dims_checkpoint, tiny_checkpoint
 from bench.lib.log import log
-from bench.lib.meta import result_header, summary, write_json
-from glm53.cuda_graphs import WindowGraphs
-from glm53.engine import Glm53Engine
+from bench.lib.meta import result_header
+from glm53.measurement import summary, write_json
+from glm53.runtime.cuda_graphs import WindowGraphs
+from glm53.runtime.engine import Glm53Engine
 
 
 class TimedCaptures(WindowGraphs):

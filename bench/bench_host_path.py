@@ -24,8 +24,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.lib.meta import RESULTS, result_header, summary, write_json
-from glm53.token_log import TokenLog
+from bench.lib.meta import RESULTS, result_header
+from glm53.measurement import summary, write_json
+from glm53.model.token_log import TokenLog
 from kv_cache import CacheKey, PrefixCache
 
 BLOCK = 256

@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.lib.meta import RESULTS, result_header, summary, write_json
+from bench.lib.meta import RESULTS, result_header
+from glm53.measurement import summary, write_json
 from glm53.ops import torch_ops
 
 # (queries, keys, heads, head dim)

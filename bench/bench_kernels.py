@@ -30,7 +30,8 @@ from typing import Any, Callable
 
 import torch
 
-from bench.lib.meta import RESULTS, result_header, summary, write_json
+from bench.lib.meta import RESULTS, result_header
+from glm53.measurement import summary, write_json
 
 ROTATE_BYTES = 64 << 20  # more than the H200's 50-60 MB L2
 MAX_COPIES = 32

@@ -4,9 +4,9 @@
 
 1. KV bytes per rank (R = 1, 3, 4; DCP on and off; bf16 and fp8) from glm53.layout.kv (the plan's
    KV function), checked against an actual allocation at small scale: per rank, a real
-   glm53.kv_state.KVState with all 78 layers' tensors, sized to the positions that rank owns
+   glm53.model.kv_state.KVState with all 78 layers' tensors, sized to the positions that rank owns
    (glm53.dist.dcp.Ownership), whose tensor bytes must equal the formula exactly (bf16 and fp8:
-   fp8 is 576 e4m3 values plus one fp32 scale per row, as glm53.kv_state allocates).
+   fp8 is 576 e4m3 values plus one fp32 scale per row, as glm53.model.kv_state allocates).
 2. Bytes sent per decode step per rank (one token), from the real messages glm53.dist builds:
    the tensors are constructed at real size and their nbytes taken, then multiplied by what the
    collective sends per rank (all-gather of m bytes: (R-1) m; ring all-reduce: 2 (R-1)/R m).
@@ -24,10 +24,11 @@ from pathlib import Path
 
 import torch
 
-from bench.lib.meta import KIT_ROOT, result_header, write_json
+from bench.lib.meta import KIT_ROOT, result_header
+from glm53.measurement import write_json
 from glm53.config import Glm53Config
 from glm53.dist import dcp, tp
-from glm53.kv_state import KVState
+from glm53.model.kv_state import KVState
 from glm53.layout.kv import kv_bytes_per_rank
 
 RANKS = (1, 3, 4)

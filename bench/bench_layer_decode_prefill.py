@@ -33,11 +33,12 @@ from dataclasses import replace
 
 import torch
 
-from bench.lib.meta import RESULTS, device_description, result_header, summary, write_json
+from bench.lib.meta import RESULTS, result_header
+from glm53.measurement import device_description, summary, write_json
 from bench.lib.timing import call_timer
 from glm53.config import Glm53Config
-from glm53.engine import prefill_pieces
-from glm53.kv_state import KVState
+from glm53.runtime.engine import prefill_pieces
+from glm53.model.kv_state import KVState
 from glm53.model.indexer import IndexerWeights
 from glm53.model.mla import AttentionWeights
 from glm53.model.moe import DecodedExperts, MLPWeights, MoEWeights, RouterWeights

@@ -24,7 +24,8 @@ from typing import Any, Callable
 
 import torch
 
-from bench.lib.meta import RESULTS, result_header, write_json
+from bench.lib.meta import RESULTS, result_header
+from glm53.measurement import write_json
 
 
 def timed(fn: Callable[[], torch.Tensor]) -> tuple[float, torch.Tensor]:

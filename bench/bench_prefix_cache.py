@@ -57,10 +57,11 @@ import torch
 
 from bench.lib.checkpoints import deepen, real_dims_checkpoint, tiny_checkpoint
 from bench.lib.log import log
-from bench.lib.meta import RESULTS, result_header, summary, write_json
+from bench.lib.meta import RESULTS, result_header
+from glm53.measurement import summary, write_json
 from bench.lib.pagecache import drop_page_cache
-from glm53.cuda_graphs import WindowGraphs
-from glm53.engine import Glm53Engine
+from glm53.runtime.cuda_graphs import WindowGraphs
+from glm53.runtime.engine import Glm53Engine
 from glm53.settings import Settings
 from kv_cache.engine_adapter import attach_prefix_cache
 
@@ -398,7 +399,7 @@ TIMELINE_SAMPLES = 5
 def request_timeline(engine, side: Side, base: list[int], rng, reply: int) -> dict[str, tuple[float, float]]:
     """When each step of a reused one-word request starts and ends on the host (ms after the call;
     no sync added: the first sample() waits for the GPU's forward)."""
-    import glm53.engine as engine_module
+    import glm53.runtime.engine as engine_module
 
     stamps: list[dict[str, tuple[float, float]]] = []
     current: dict[str, tuple[float, float]] = {}

@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 
 from bench.lib.kvstate import new_kv_state
-from bench.lib.meta import RESULTS, result_header, summary, write_json
-from glm53.kv_state import KVState
+from bench.lib.meta import RESULTS, result_header
+from glm53.measurement import summary, write_json
+from glm53.model.kv_state import KVState
 
 BLOCK = 256
 

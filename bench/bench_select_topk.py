@@ -34,7 +34,8 @@ from pathlib import Path
 import torch
 
 from bench.lib.checkpoints import real_dims_checkpoint
-from bench.lib.meta import RESULTS, result_header, summary, write_json
+from bench.lib.meta import RESULTS, result_header
+from glm53.measurement import summary, write_json
 from bench.lib.timing import graph_time_us
 from glm53.model.indexer import Selection, select_topk, select_topk_torch
 
@@ -126,7 +127,7 @@ def engine_turns(args: argparse.Namespace) -> int:
     import tempfile
 
     import glm53.model.indexer as indexer
-    from glm53.engine import Glm53Engine
+    from glm53.runtime.engine import Glm53Engine
 
     work = Path(tempfile.mkdtemp(prefix="bench_select_topk."))
     try:

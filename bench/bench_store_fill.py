@@ -24,7 +24,8 @@ from types import ModuleType
 
 import torch
 
-from bench.lib.meta import RESULTS, result_header, summary, write_json
+from bench.lib.meta import RESULTS, result_header
+from glm53.measurement import summary, write_json
 
 BLOCK = 256
 LATENT, INDEX, LAYERS = 576, 128, 78

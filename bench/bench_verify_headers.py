@@ -19,11 +19,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.lib.meta import RESULTS, cpu_environment, result_header, summary, write_json
+from bench.lib.meta import RESULTS, cpu_environment, result_header
+from glm53.measurement import summary, write_json
 from glm53.config import Glm53Config
-from glm53.weights.report import build_report
-from glm53.weights.synthetic import apparent_and_allocated, glm53_tensor_specs, real_config, write_checkpoint
-from glm53.weights.verify import verify_checkpoint
+from glm53.checkpoints.report import build_report
+from glm53.synthetic.checkpoints import apparent_and_allocated, glm53_tensor_specs, real_config, write_checkpoint
+from glm53.checkpoints.verify import verify_checkpoint
 
 
 def main() -> int:

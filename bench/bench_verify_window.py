@@ -32,7 +32,8 @@ import sys
 
 import torch
 
-from bench.lib.meta import installed_version, result_header, summary, write_json
+from bench.lib.meta import result_header
+from glm53.measurement import installed_version, summary, write_json
 from bench.lib.timing import call_timer
 from glm53.config import Glm53Config
 from glm53.model.indexer import IndexerWeights

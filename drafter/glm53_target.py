@@ -1,12 +1,12 @@
 """The drafter over the real GLM-5.3 engine: the MTP adapter, and the draft plan built from the
 family contract's `drafter`, `no_drafts` and `mtp_drafts` arguments.
 
-The Target itself is `glm53.engine.Glm53Target` (the engine's own rows, prefill pieces and frontier
+The Target itself is `glm53.runtime.engine.Glm53Target` (the engine's own rows, prefill pieces and frontier
 bookkeeping, written to drafter/target.py's protocol). This module adds what the engine needs to
 *choose* and *build* a draft source per request:
 
     plan = DraftPlan.from_contract(engine, drafter=..., no_drafts=..., mtp_drafts=...)
-    engine.drafter = plan            # drafter.decode_loop.drafted_decode calls plan.new_source(target)
+    Glm53Engine(..., drafter=plan)   # drafter.decode_loop.drafted_decode calls plan.new_source(target)
 
 Choice (first that applies; the source is Settings.draft_source, TF_GLM53_DRAFT_SOURCE):
     no_drafts=True, or TF_GLM53_DRAFT_SOURCE=off          -> None (serial decoding)
@@ -18,7 +18,7 @@ Choice (first that applies; the source is Settings.draft_source, TF_GLM53_DRAFT_
 
 Over several ranks (`world` > 1, glm53.dist's RankEngine) the choice is the same as at one rank.
 Rank 0 drafts, verifies and samples; the followers replay every call that meets in collectives,
-through glm53.dist.parallel_engine.WindowChannel: the target's windows and truncations, each MTP
+through glm53.dist.window_channel.WindowChannel: the target's windows and truncations, each MTP
 layer call on every rank's own (TP-sharded) MTP cache (new_source wraps the adapter with the
 target's `lead_mtp`), and the embedding / LM head lookups DFlash2 borrows. DFlash2's own small model
 runs on rank 0 alone, on the tap layers' outputs of rank 0's forwards (replicated after TP's

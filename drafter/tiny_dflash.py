@@ -15,6 +15,7 @@ from pathlib import Path
 
 import click
 import torch
+from safetensors.torch import save_file
 
 from .sources.dflash2 import Dflash2Config
 
@@ -53,8 +54,6 @@ def tiny_dflash2_config(*, vocab_size: int, hidden_size: int, target_layer_ids: 
 def write_tiny_dflash2(out_dir: str | Path, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
                        **config_args) -> Path:
     """Write a tiny DFlash2 drafter into out_dir; returns out_dir."""
-    from safetensors.torch import save_file
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     raw = tiny_dflash2_config(**config_args)

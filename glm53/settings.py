@@ -4,7 +4,7 @@
     engine = glm53.cuda_engine(model_dir, settings=settings)
     settings.override(max_seqs=4)                   # explicit arguments win; None leaves a field as it is
 
-The entry points (front.rank, glm53.cuda_engine, Glm53Engine and RankEngine when built without
+The entry points (glm53.serving.rank, glm53.serving.compose.build_engine (glm53.cuda_engine), Glm53Engine and RankEngine when built without
 settings, the launcher's commands) call `Settings.from_env()`; what they build takes the Settings or
 the fields it needs, so nothing reads these variables again. Rules of the parse:
 - a value that is empty or blank counts as unset (the default), as in a shell's `TF_GLM53_MAX_SEQS= cmd`;
@@ -24,14 +24,17 @@ This module imports nothing beyond the standard library: the launcher uses it on
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import functools
 import math
 import os
 import re
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 PREFIX = "TF_GLM53_"
@@ -213,7 +216,7 @@ _BYTES = Bytes("a byte count like 8G, 512M or 1048576", low=0)
 class Settings:
     """One field per TF_GLM53_* knob; the field's metadata holds its variable, kind and description."""
 
-    # ---- the engine (glm53/engine.py) ---------------------------------------------------------
+    # ---- the engine (glm53/runtime/engine.py) ---------------------------------------------------------
     device: str | None = knob("DEVICE", _choice(DEVICES), None, "the device the engine runs on",
                               "cuda when available, else cpu")
     dtype: str | None = knob("DTYPE", _choice(DTYPES), None, "compute dtype", "bf16 on cuda, fp32 on cpu")
@@ -301,7 +304,7 @@ class Settings:
     kv_pool_bytes: int | None = knob("KV_POOL_BYTES", Bytes("a positive byte count like 8G or 1048576", low=1), None,
                                      "batched runtime: the KV pool's budget (serve.sh sets it to the memory plan's KV of the tightest rank)",
                                      "90% of free GPU memory; 4G on a CPU")
-    # ---- serving (front/, launcher/) ----------------------------------------------------------
+    # ---- serving (glm53/serving/front/, launcher/) ----------------------------------------------------------
     log_level: str = knob("LOG_LEVEL", _choice(LOG_LEVELS, str.upper), "INFO",
                           "log level of the ranks' stderr (the per-request line, kv_cache hits, misses and "
                           "evictions, drafter acceptance); DEBUG adds cache stores")
@@ -435,10 +438,6 @@ def with_table(readme: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-    import sys
-    from pathlib import Path
-
     p = argparse.ArgumentParser(prog="python -m glm53.settings", description="The TF_GLM53_* knobs.")
     p.add_argument("--markdown", action="store_true", help="print README.md's knob table")
     p.add_argument("--update-readme", metavar="PATH", nargs="?", const="README.md",

@@ -1,6 +1,6 @@
-"""Wiring the prefix cache into the glm53 engine through its plug point, without editing glm53.
-
-The engine (glm53/engine.py) takes a `prefix_cache` object and calls, per request,
+"""The prefix cache of a glm53 engine: its key (everything besides the tokens that decides a row's
+bits) and the cache built from the engine's settings. The composition root (glm53/serving/compose.py)
+passes it into the engine, which sees it as glm53.runtime.features.PrefixCache and calls, per request,
 `lookup(prompt, live_tokens=state.tokens, live_frontier=state.frontier)`, truncates its state to
 `hit.live_tokens`, `Hit.restore` into `KVState.import_rows` (disk files are read there; it
 returns the reused length, less where a file failed verification), prefills from that length,
@@ -10,6 +10,7 @@ builds that cache with the engine's cache block size (`engine.cache_block`) and 
 
     engine = Glm53Engine(model_dir, ...)
     cache = attach_prefix_cache(engine)     # engine.settings: prefix_cache, disk_cache, ... (glm53/settings.py)
+                                            # (prefix_cache_for(engine) builds one without plugging it in)
     engine.generate(prompt, max_tokens)     # engine.last_stats["cached_tokens"] = reused rows
     cache.stats_dict()
 
@@ -24,10 +25,12 @@ import hashlib
 import os
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
+import torch.distributed as dist
 
+from glm53 import ops
 from glm53.settings import Settings
 
 from .cache import CacheConfigError, PrefixCache
@@ -49,9 +52,7 @@ def numerics_source(root: Path | None = None) -> str:
     of it changes the key, so rows from the old code are never reused by the new one even where the
     manual numerics tag was not bumped (a miss costs one prefill; reuse of other bits breaks
     contract 1). Any edit counts, comments too: over-invalidation is the safe side."""
-    import glm53
-
-    root = Path(glm53.__file__).resolve().parent if root is None else Path(root)
+    root = Path(ops.__file__).resolve().parents[1] if root is None else Path(root)  # the glm53 package
     h = hashlib.blake2b(digest_size=8)
     for path in sorted(root.rglob("*.py")):
         if "__pycache__" in path.parts:
@@ -69,8 +70,6 @@ def kernel_stack(device: torch.device | str) -> tuple[tuple[str, str], ...]:
     MKL_CBWR: other kernels, other bits, on the same CPU)."""
     if torch.device(device).type != "cuda":
         return tuple((name.lower(), os.environ.get(name, "default")) for name in ("MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR"))
-    from glm53 import ops
-
     if ops.kernel_choice() == "torch":
         return (("kernels", "torch"),)
     version = "none"
@@ -84,7 +83,23 @@ def kernel_stack(device: torch.device | str) -> tuple[tuple[str, str], ...]:
             ("triton_fp_fusion", os.environ.get("TRITON_DEFAULT_FP_FUSION", "default")))
 
 
-def cache_key_for(engine: Any, revision: str | None = None) -> CacheKey:
+class CachedEngine(Protocol):
+    """What the cache reads of the engine it serves (glm53.runtime.engine.Glm53Engine)."""
+
+    model_dir: Path
+    plan: Any  # world, rank and (over several ranks) dcp
+    chunk: int
+    cache_block: int
+    reuse_boundary: int | None
+    device: torch.device
+    kv_dtype: str
+    dtype_name: str
+    settings: Settings
+    model: Any  # new_state(kv_dtype).position_bytes(): one position's bytes
+    prefix_cache: Any
+
+
+def cache_key_for(engine: CachedEngine, revision: str | None = None) -> CacheKey:
     """The key of everything in `engine` that changes its KV bits besides the tokens."""
     plan = engine.plan
     # "numerics": the arithmetic that writes a KV row (row-invariant kernels, sparse prefill past
@@ -110,8 +125,6 @@ def cache_key_for(engine: Any, revision: str | None = None) -> CacheKey:
 def min_over_ranks(group: Any = None) -> Callable[[int], int]:
     """A MIN all-reduce of one integer over torch.distributed (identity where not initialized
     or world 1). Every rank must call lookup for the same request, in the same order."""
-    import torch.distributed as dist
-
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return lambda n: n
 
@@ -155,16 +168,11 @@ def same_settings_over_comm(comm: Any, enabled: bool, disk: bool, boundary: int 
                                "file's env)")
 
 
-def attach_prefix_cache(engine: Any, *, revision: str | None = None, group: Any = None, comm: Any = None,
-                        settings: Settings | None = None) -> PrefixCache:
-    """Build the cache for `engine` from `settings` (default the engine's, `engine.settings`) and plug
-    it in. Over several ranks call it on every rank with the rank's `comm` (every rank then looks up
-    every request)."""
+def prefix_cache_for(engine: CachedEngine, *, revision: str | None = None, group: Any = None, comm: Any = None,
+                     settings: Settings | None = None) -> PrefixCache:
+    """The cache for `engine` from `settings` (default the engine's, `engine.settings`). Over several
+    ranks build it on every rank with the rank's `comm` (every rank then looks up every request)."""
     agree = min_over_comm(comm) if comm is not None else min_over_ranks(group)
-    previous = getattr(engine, "prefix_cache", None)
-    if previous is not None:  # its stores land and its writer thread ends, not at process exit
-        engine.prefix_cache = None
-        previous.close()
     settings = engine.settings if settings is None else settings
     cache = PrefixCache.from_settings(cache_key_for(engine, revision), settings, agree=agree,
                                       boundary=engine.reuse_boundary, on_gpu=torch.device(engine.device).type == "cuda",
@@ -175,5 +183,16 @@ def attach_prefix_cache(engine: Any, *, revision: str | None = None, group: Any 
         except CacheConfigError:
             cache.close()
             raise
-    engine.prefix_cache = cache
     return cache
+
+
+def attach_prefix_cache(engine: CachedEngine, *, revision: str | None = None, group: Any = None, comm: Any = None,
+                        settings: Settings | None = None) -> PrefixCache:
+    """A new cache for `engine` (prefix_cache_for) in place of the one it has: tests and benches that
+    switch an engine's cache settings."""
+    previous = getattr(engine, "prefix_cache", None)
+    if previous is not None:  # its stores land and its writer thread ends, not at process exit
+        engine.prefix_cache = None
+        previous.close()
+    engine.prefix_cache = prefix_cache_for(engine, revision=revision, group=group, comm=comm, settings=settings)
+    return engine.prefix_cache

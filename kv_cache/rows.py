@@ -10,7 +10,7 @@ Rows = dict[str, torch.Tensor]
 class StackedRows(dict):
     """Rows whose tensors are slices of a few stacks, as a node read into one buffer is:
     `stacks` holds (names, stack) with stack[i] the tensor named names[i]. A consumer may copy a
-    whole stack at once (glm53.kv_state.KVState.import_rows); to anyone else it is plain Rows."""
+    whole stack at once (glm53.model.kv_state.KVState.import_rows); to anyone else it is plain Rows."""
 
     stacks: tuple[tuple[tuple[str, ...], torch.Tensor], ...] = ()
 

@@ -16,7 +16,9 @@ import click
 from launcher import serve as lane
 from launcher.config import KIT_DIR, ConfigError, LaneConfig, check_knobs, from_dict, load_cluster, local_lane, \
     with_environment, with_flags
+from launcher.prepare import prepare
 from launcher.state import read_json
+from launcher.supervisor import Supervisor
 
 
 def lane_options(f):
@@ -132,8 +134,6 @@ def prepare_cmd(cluster: str) -> None:
     keyed by the series pin, the patches and the kit version), then check every node has the same key.
     A venv is filled on each node; an image is built on rank 0 and sent to the others
     (DRY_RUN=1: print every command, change nothing)."""
-    from launcher.prepare import prepare
-
     config = resolve(cluster, local=False, ranks=None)
     sys.exit(prepare(config, dry_run=os.environ.get("DRY_RUN", "0") not in ("", "0")))
 
@@ -142,8 +142,6 @@ def prepare_cmd(cluster: str) -> None:
 @click.argument("run_dir", type=click.Path(file_okay=False, path_type=Path))
 def supervise_cmd(run_dir: Path) -> None:
     """(internal) The detached supervisor that serve starts."""
-    from launcher.supervisor import Supervisor
-
     saved = read_json(run_dir / "config.json")
     supervisor = Supervisor(from_dict(saved["config"]), saved["model"], run_dir, saved["ready_timeout"])
     sys.exit(supervisor.serve())

@@ -12,9 +12,6 @@ from glm53.settings import env_name
 from launcher.config import KIT_DIR, LaneConfig, Node
 
 RUNTIME_STAMP = ".glm53-runtime-key"
-# What a stopping rank 0 gives the requests in flight (front.rank --drain-timeout's default); the
-# supervisor waits that long and a margin before it kills rank 0.
-DRAIN_TIMEOUT_S = 20.0
 
 
 def q(value: str) -> str:
@@ -52,7 +49,7 @@ def python_of(config: LaneConfig) -> str:
 def rank_module() -> str:
     """The rank entry point. GLM53_RANK_MODULE replaces it only in the launcher's own tests (a
     stand-in engine for multi-rank lanes while the glm53 engine serves one rank)."""
-    return os.environ.get("GLM53_RANK_MODULE", "front.rank")
+    return os.environ.get("GLM53_RANK_MODULE", "glm53.serving.rank")
 
 
 def rank_argv(config: LaneConfig, node: Node, model: str) -> list[str]:

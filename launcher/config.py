@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,6 @@ DEFAULT_PORT = 8300
 DEFAULT_MODEL_ID = "glm-5.3-exl3"
 DEFAULT_MASTER_PORT = 29551
 FORWARDED_PREFIXES = (PREFIX, "TENSORFOLD_")
-API_KEYS_ENV = env_name("api_keys")  # keys rank 0's front asks of clients (comma-separated; front.auth)
 KV_DTYPES = ("bf16", "fp8")
 
 # Environment variables that override the cluster file (flags override both).
@@ -126,8 +126,6 @@ def local_lane(ranks: int = 1, **settings: Any) -> LaneConfig:
 
 
 def free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -310,8 +308,6 @@ def with_flags(config: LaneConfig, **flags: Any) -> LaneConfig:
 
 
 def to_dict(config: LaneConfig) -> dict[str, Any]:
-    from dataclasses import asdict
-
     return asdict(config)
 
 

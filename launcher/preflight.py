@@ -9,7 +9,7 @@ from typing import Any
 
 from launcher.commands import probe_command, runtime_key
 from launcher.config import LaneConfig, Node
-from launcher.meminfo import GIB
+from glm53.serving.meminfo import GIB
 from launcher.nodes import run, ssh_failure
 
 MIN_DISK_FREE = 2 * GIB  # logs and pid files; the weights are checked by fetch_weights.sh

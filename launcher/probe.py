@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from glm53.settings import Settings, SettingsError
-from launcher.meminfo import PROC_MEMINFO, read_meminfo
+from glm53.serving.meminfo import PROC_MEMINFO, read_meminfo
 
 
 def gpus() -> list[dict[str, Any]]:

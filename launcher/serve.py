@@ -14,15 +14,17 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
 
+from glm53.serving.lane import API_KEYS_ENV, DRAIN_TIMEOUT_S
 from glm53.settings import env_name
 from launcher import commands
-from launcher.config import API_KEYS_ENV, KIT_DIR, LaneConfig, from_dict, to_dict
+from launcher.config import KIT_DIR, LaneConfig, from_dict, to_dict
 from launcher.memplan import MemoryPlan, config_dict, kv_function, kv_per_token, plan_memory, weights_per_rank
 from launcher.nodes import display, node_argv, run
 from launcher.preflight import Preflight, preflight
 from launcher.probe import git_commit, gpus
 from launcher.state import pid_alive, read_json, write_json
-from launcher.supervisor import tail
+from launcher.supervisor import http_base, tail
+from launcher.tiny_cache import ensure_tiny, tiny_dir
 
 EXIT_OK = 0
 EXIT_START_FAILED = 1
@@ -61,8 +63,6 @@ def local_device() -> str:
 def model_path(config: LaneConfig, dry_run: bool) -> str:
     if config.model:
         return config.model
-    from launcher.tiny_cache import ensure_tiny, tiny_dir
-
     if dry_run:
         return str(tiny_dir())
     return str(ensure_tiny())
@@ -133,7 +133,7 @@ def check(config: LaneConfig, model: str, out: TextIO, freed: dict[str, int] | N
     if len(checks.probes) == config.ranks and not checks.failures:
         if tiny_pending:
             print(f"memory plan: the tiny checkpoint {model} does not exist yet (generated on first start: "
-                  f"{sys.executable} -m glm53.tiny {model})", file=out)
+                  f"{sys.executable} -m glm53.synthetic.tiny {model})", file=out)
         elif not (Path(model) / "config.json").is_file():
             problems.append(f"memory plan: {model}/config.json is not on this machine; the plan reads the "
                             f"checkpoint's headers here: start serve.sh on a node that holds the weights")
@@ -190,8 +190,6 @@ def print_commands(config: LaneConfig, model: str, out: TextIO) -> None:
         print(f"    stop {node.label}: {display(node_argv(node, config, commands.stop_command(config, node)))}", file=out)
     print(f"  supervisor: {sys.executable} -m launcher supervise {lane_dir(config)} (detached; logs and state there)",
           file=out)
-    from launcher.supervisor import http_base
-
     where = "" if config.nodes[0].is_local else f" on {config.nodes[0].host}, through an ssh tunnel"
     print(f"  readiness: GET {http_base(config)}/health{where}; then a smoke chat completion", file=out)
 
@@ -274,7 +272,7 @@ def follow(run_dir: Path, proc: subprocess.Popen, out: TextIO) -> int:
 
 
 # ---- stop / restart / status ---------------------------------------------------------------------
-def stop(run_dir: Path, out: TextIO = sys.stderr, timeout: float = commands.DRAIN_TIMEOUT_S + 60) -> int:
+def stop(run_dir: Path, out: TextIO = sys.stderr, timeout: float = DRAIN_TIMEOUT_S + 60) -> int:
     """SIGTERM to the supervisor, which stops the ranks (rank 0 drains first); SIGKILL after `timeout`."""
     state = read_json(run_dir / "lane.json")
     saved = read_json(run_dir / "config.json")

@@ -19,7 +19,8 @@ from typing import IO, Any
 
 import httpx
 
-from launcher.commands import DRAIN_TIMEOUT_S, alive_command, rank_command, stop_command
+from glm53.serving.lane import DRAIN_TIMEOUT_S
+from launcher.commands import alive_command, rank_command, stop_command
 from launcher.config import LaneConfig, Node, api_keys
 from launcher.nodes import node_argv, run, ssh_argv
 from launcher.state import write_json

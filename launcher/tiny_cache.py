@@ -14,7 +14,7 @@ from pathlib import Path
 
 from launcher.config import KIT_DIR
 
-GENERATOR_SOURCES = ("glm53/tiny.py", "glm53/tiny_tokenizer.py", "glm53/exl3/encode.py", "glm53/exl3/format.py")
+GENERATOR_SOURCES = ("glm53/synthetic/tiny.py", "glm53/synthetic/tiny_tokenizer.py", "glm53/exl3/encode.py", "glm53/exl3/format.py")
 
 
 def cache_root() -> Path:
@@ -45,7 +45,7 @@ def ensure_tiny(quiet: bool = False) -> Path:
         if not quiet:
             print(f"serve: generating the tiny checkpoint into {target} (first use only; a minute or two)",
                   file=sys.stderr, flush=True)
-        from glm53.tiny import write_tiny_checkpoint
+        from glm53.synthetic.tiny import write_tiny_checkpoint  # torch (~3 s): only when generating
 
         t0 = time.monotonic()
         write_tiny_checkpoint(target, seed=0)

@@ -18,7 +18,8 @@ import click
 import httpx
 
 from glm53.settings import SettingsError
-from launcher.config import API_KEYS_ENV, api_keys
+from glm53.serving.lane import API_KEYS_ENV
+from launcher.config import api_keys
 
 PROMPT = "Write one sentence about the sea."
 SENTENCE = "The lighthouse keeper counted ships in the harbour every evening and wrote their names down. "

@@ -10,6 +10,7 @@ from .families import scan_families
 from .git_ops import BRANCH, GitResult, Workdir, sha256_file
 from .lint import require_structure
 from .patchfile import hunk_at, read_patch
+from .rebase_state import RebaseState
 from .series import Pin, Series
 from .transport import require_reachable
 
@@ -163,8 +164,6 @@ def run_apply(inv: Invocation, upstream_tag: str | None, fetch: bool) -> int:
 def run_status(inv: Invocation) -> int:
     """Pin against checkout, patches against series, dirty tree, work in flight. Always exit 0
     unless the series itself cannot be read."""
-    from .rebase_cmd import RebaseState
-
     series = inv.series()
     pin = series.pin
     say(f"series:  {series.path} ({len(series.names)} patches)")

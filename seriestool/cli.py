@@ -8,8 +8,12 @@ from pathlib import Path
 
 import click
 
+from . import rebase_cmd
+from .apply_cmd import run_apply, run_status
+from .check_cmd import run_check
 from .context import Invocation
 from .errors import ExitCode, SeriesToolError
+from .export import run_export, run_new
 
 
 def _handled(func):
@@ -79,8 +83,6 @@ def main(ctx: click.Context, series_file, workdir, repo, upstream, shallow, no_f
 def apply_command(ctx, series_file=None, workdir=None, repo=None, upstream=None, shallow=False,
                   no_fetch=False):
     """Fetch the pinned tag, verify it, and apply every patch with git am (no fuzz)."""
-    from .apply_cmd import run_apply
-
     return run_apply(_inv(ctx, series_file, workdir, repo, shallow), upstream, fetch=not no_fetch)
 
 
@@ -93,8 +95,6 @@ def apply_command(ctx, series_file=None, workdir=None, repo=None, upstream=None,
 @_handled
 def check_command(ctx, series_file, workdir, repo, offline, require_upstream):
     """Lint the series; against a reachable upstream also apply, export and compare bytes."""
-    from .check_cmd import run_check
-
     return run_check(_inv(ctx, series_file, workdir, repo), offline, require_upstream)
 
 
@@ -104,8 +104,6 @@ def check_command(ctx, series_file, workdir, repo, offline, require_upstream):
 @_handled
 def status_command(ctx, series_file, workdir, repo):
     """Pin vs checkout, applied vs series, dirty tree, work in progress (exit 0)."""
-    from .apply_cmd import run_status
-
     return run_status(_inv(ctx, series_file, workdir, repo))
 
 
@@ -115,8 +113,6 @@ def status_command(ctx, series_file, workdir, repo):
 @_handled
 def export_command(ctx, series_file, workdir, repo):
     """Write the workdir's commits on top of the pin as normalized patches + the series."""
-    from .export import run_export
-
     return run_export(_inv(ctx, series_file, workdir, repo))
 
 
@@ -135,8 +131,6 @@ def rebase_command(ctx, series_file, workdir, repo, onto, action, drop, shallow)
     """Carry the series onto another tag (3-way), stopping at conflicts (exit 3) and, after the
     last patch, at a model family clash (exit 9; nothing written, --continue folds a staged fix
     into the kit's registration patch)."""
-    from . import rebase_cmd
-
     if bool(onto) == bool(action):
         raise click.UsageError("give exactly one of --onto TAG, --continue, --skip, --abort")
     if drop and not onto:
@@ -159,8 +153,6 @@ def rebase_command(ctx, series_file, workdir, repo, onto, action, drop, shallow)
 @_handled
 def new_command(ctx, series_file, workdir, repo, name, message, message_file, author):
     """Turn the staged changes in the workdir into a new patch at the end of the series."""
-    from .export import run_new
-
     if message and message_file:
         raise click.UsageError("give -m or -F, not both")
     if message_file:

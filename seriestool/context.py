@@ -9,6 +9,7 @@ import click
 
 from .errors import ExitCode, SeriesToolError
 from .git_ops import Workdir
+from .rebase_state import RebaseState
 from .series import Series, parse_series
 from .transport import Source, validate_source
 
@@ -70,8 +71,6 @@ def note(text: str) -> None:
 
 def ensure_quiet(wd: Workdir, inv: Invocation, *, allow_dirty: bool = False) -> None:
     """Refuse to touch a workdir with work in flight: an am/rebase or uncommitted changes."""
-    from .rebase_cmd import RebaseState  # local: rebase_cmd imports this module
-
     if RebaseState.exists(wd):
         raise SeriesToolError(ExitCode.BAD_STATE, f"a series rebase is in progress in {wd.path}; "
                               f"finish it first:\n  {inv.command('rebase', '--continue')}\n  "

@@ -7,10 +7,6 @@ the series with its new pin last), so --abort has nothing of theirs to undo.
 """
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
-
 from .apply_cmd import LACKS_BLOBS, failure_report, guard_series_branch
 from .context import Invocation, ensure_quiet, say
 from .errors import ExitCode, SeriesToolError
@@ -19,46 +15,9 @@ from .family_check import REBASE, kit_families, require_no_clash
 from .export import record_stamp, write_export, report
 from .git_ops import BRANCH, REBASE_BRANCH, Workdir, sha256_file
 from .lint import require_structure
-from .series import Pin, Series, write_atomic
+from .series import Pin, Series
+from .rebase_state import RebaseState
 from .transport import require_reachable
-
-STATE_FILE = "glm53-kit-rebase.json"
-
-
-@dataclass
-class RebaseState:
-    series_path: str
-    onto_tag: str
-    onto_commit: str
-    old_pin: str
-    old_tip: str | None          # the applied series branch before, for range-diff
-    orig_ref: str                # branch name or commit to return to on --abort
-    names: list[str]
-    fingerprint: dict[str, str]  # series + patch file hashes at the start
-    index: int = 0               # next patch to apply
-    current: str | None = None   # the patch git am stopped at
-    head_before: str | None = None
-    outcomes: dict[str, str] = field(default_factory=dict)
-    commits: dict[str, str] = field(default_factory=dict)
-    dropped: list[str] = field(default_factory=list)   # --drop NAME: left out from the start
-    clash: bool = False          # stopped after the last patch: a model family clash (exit 9)
-    fold_into: str | None = None  # at a clash: the kit's registration patch staged fixes go into
-
-    @staticmethod
-    def path(wd: Workdir) -> Path:
-        return wd.git_dir / STATE_FILE
-
-    @classmethod
-    def exists(cls, wd: Workdir) -> bool:
-        return cls.path(wd).exists()
-
-    @classmethod
-    def load(cls, wd: Workdir) -> "RebaseState":
-        return cls(**json.loads(cls.path(wd).read_text()))
-
-    def save(self, wd: Workdir) -> None:
-        write_atomic(self.path(wd), (json.dumps(asdict(self), indent=1) + "\n").encode())
-
 
 def fingerprint(series: Series) -> dict[str, str]:
     prints = {"series": sha256_file(series.path)}

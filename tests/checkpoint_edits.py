@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from glm53.checkpoint_rules import pad_features
+from glm53.formats.checkpoint_rules import pad_features
 from glm53.exl3.encode import codebook_marker
 
 Tensors = dict[str, torch.Tensor]

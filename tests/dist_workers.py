@@ -152,7 +152,7 @@ def suite(comm: Comm, out: Path) -> None:
     results["mla_topk_shared_collectives"] = comm.guard._seq - seq
 
     # rank 0's draft-window calls as the followers receive them, and what each costs
-    from glm53.dist.parallel_engine import WindowChannel
+    from glm53.dist.window_channel import WindowChannel
 
     channel, received, costs = WindowChannel(comm), [], []
     for op, value, tokens, rows in window_messages():
@@ -169,7 +169,7 @@ def suite(comm: Comm, out: Path) -> None:
 def window_messages() -> list[tuple[int, int, list[int], torch.Tensor | None]]:
     """(op, value, tokens, rows): no tokens, a verification window, exactly the inline capacity,
     one past it, a long list, rows in bf16 with tokens."""
-    from glm53.dist.parallel_engine import WindowChannel as C
+    from glm53.dist.window_channel import WindowChannel as C
 
     g = torch.Generator().manual_seed(5)
     return [(C.TRUNCATE, 41, [], None), (C.FORWARD, 40, list(range(100, 115)), None),
@@ -256,7 +256,7 @@ def greedy(model, state, prompt: list[int], steps: int) -> tuple[list[int], torc
 def load_model(model_dir: Path, plan):
     from glm53.config import Glm53Config
     from glm53.model.transformer import Glm53Model
-    from glm53.weights_loader import load_weights
+    from glm53.loading.loader import load_weights
 
     cfg = Glm53Config.from_dir(model_dir)
     weights = load_weights(model_dir, cfg, plan=plan, dtype=torch.float32, with_mtp=False, progress=lambda m: None)
@@ -271,7 +271,7 @@ def model(comm: Comm, out: Path) -> None:
     """One group, one load of this rank's slices (heads, columns and vocabulary do not depend on
     DCP), then DCP off and on (and, at R = 4, the same request twice) through two plans."""
     from glm53.config import Glm53Config
-    from glm53.dist.parallel_engine import DistRankPlan
+    from glm53.dist.rank_plan import DistRankPlan
     from glm53.model.transformer import Glm53Model
 
     model_dir = Path(os.environ["GLM53_TEST_MODEL"])
@@ -337,9 +337,9 @@ ENGINE_REQUESTS = [  # (prompt, max_tokens, sampling, cancel after n tokens or N
 
 def engine_requests(spec_rank: int, world: int, port: int, out: Path) -> None:
     """RankEngine: rank 0 serves ENGINE_REQUESTS, the others follow; rank 0 saves replies and seeds."""
-    from glm53.dist.parallel_engine import RankEngine
+    from glm53.dist.rank_engine import RankEngine
 
-    from glm53.engine import EngineError
+    from glm53.runtime.errors import EngineError
 
     eng = RankEngine(os.environ["GLM53_TEST_MODEL"], tp=world, rank=spec_rank, master="127.0.0.1",
                      master_port=port, rendezvous_timeout_s=60, **ENGINE_OPTIONS)
@@ -446,11 +446,12 @@ def cache_draft(spec_rank: int, world: int, port: int, out: Path) -> None:
     """RankEngine with the prefix cache and copy drafts on every rank (as glm53.cuda_engine builds it):
     the cases warm (one cache, requests in order), then again with TF_GLM53_PREFIX_CACHE=0 (cold: no
     reuse at all). Every rank saves, per case, its rows, its serial logits and its cache stats."""
-    from glm53.dist.parallel_engine import RankEngine
+    from glm53.dist.rank_engine import RankEngine
+    from glm53.serving.compose import ServeFeatures
     from kv_cache.engine_adapter import attach_prefix_cache
 
     eng = RankEngine(os.environ["GLM53_TEST_MODEL"], tp=world, rank=spec_rank, master="127.0.0.1",
-                     master_port=port, rendezvous_timeout_s=60, serve_features=True, **ENGINE_OPTIONS)
+                     master_port=port, rendezvous_timeout_s=60, features=ServeFeatures(), **ENGINE_OPTIONS)
     inner = eng.engine
     results: dict[str, object] = {"rank": eng.rank, "drafter": getattr(inner.drafter, "kind", None),
                                   "health": (eng.prefix_cache_enabled, eng.drafting_enabled),
@@ -520,11 +521,12 @@ def draft_sources_batched(spec_rank: int, world: int, port: int, out: Path) -> N
     prompts, then those extending an earlier drafted reply) and saves both replies and the drafting and
     reuse stats; every rank saves its step count. A follower runs each wave as one follow_one()."""
     from drafter.glm53_target import DraftPlan
-    from glm53.dist.parallel_engine import RankEngine
+    from glm53.dist.rank_engine import RankEngine
+    from glm53.serving.compose import ServeFeatures
 
     per_source = int(os.environ["GLM53_TEST_PER_SOURCE"])
     eng = RankEngine(os.environ["GLM53_TEST_MODEL"], tp=world, rank=spec_rank, master="127.0.0.1",
-                     master_port=port, rendezvous_timeout_s=60, serve_features=True, **SOURCE_OPTIONS)
+                     master_port=port, rendezvous_timeout_s=60, features=ServeFeatures(), **SOURCE_OPTIONS)
     inner = eng.engine
     results: dict[str, object] = {"rank": eng.rank}
     batch = eng.batch_engine(max_seqs=32, max_waiting=1 << 20, step_tokens=64) if eng.rank == 0 else None
@@ -567,11 +569,12 @@ def draft_sources(spec_rank: int, world: int, port: int, out: Path) -> None:
     built on every rank): per source, rank 0 serves GLM53_TEST_PER_SOURCE requests twice, serial then
     drafted, and saves both replies, the drafting and reuse stats; every rank saves its row count."""
     from drafter.glm53_target import DraftPlan
-    from glm53.dist.parallel_engine import RankEngine
+    from glm53.dist.rank_engine import RankEngine
+    from glm53.serving.compose import ServeFeatures
 
     per_source = int(os.environ["GLM53_TEST_PER_SOURCE"])
     eng = RankEngine(os.environ["GLM53_TEST_MODEL"], tp=world, rank=spec_rank, master="127.0.0.1",
-                     master_port=port, rendezvous_timeout_s=60, serve_features=True, **SOURCE_OPTIONS)
+                     master_port=port, rendezvous_timeout_s=60, features=ServeFeatures(), **SOURCE_OPTIONS)
     inner = eng.engine
     results: dict[str, object] = {"rank": eng.rank}
     for source in DRAFT_SOURCES:
@@ -627,10 +630,11 @@ def batch_ranks(spec_rank: int, world: int, port: int, out: Path) -> None:
     GLM53_TEST_REQUESTS requests twice: alone, one at a time (generate), then through the batched
     runtime (batch_engine) in their arrival schedule with a small pool (preemptions); each client
     that leaves does so after the same tokens. Rank 0 saves both replies; every rank its step count."""
-    from glm53.dist.parallel_engine import RankEngine
+    from glm53.dist.rank_engine import RankEngine
+    from glm53.serving.compose import ServeFeatures
 
     eng = RankEngine(os.environ["GLM53_TEST_MODEL"], tp=world, rank=spec_rank, master="127.0.0.1",
-                     master_port=port, rendezvous_timeout_s=60, serve_features=True, **BATCH_OPTIONS)
+                     master_port=port, rendezvous_timeout_s=60, features=ServeFeatures(), **BATCH_OPTIONS)
     if eng.rank != 0:
         eng.follow()
         batch = eng._batch.batch

@@ -5,8 +5,8 @@ Import the fixtures you use into your test module:
     from tests.fixtures_tiny import tiny_dirs, tiny_engine   # noqa: F401
 
 `tiny_dirs` -> TinyDirs(model=<EXL3 tiny checkpoint>, reference=<decoded transformers twin>), written by
-glm53.tiny.write_tiny_checkpoint (seed 0) into pytest's cache folder under a name that hashes the writer's
-sources (glm53/tiny*.py, glm53/exl3/*.py, glm53/exl3_storage.py, glm53/checkpoint_rules.py, glm53/config.py)
+glm53.synthetic.tiny.write_tiny_checkpoint (seed 0) into pytest's cache folder under a name that hashes the writer's
+sources (glm53/tiny*.py, glm53/exl3/*.py, glm53/formats/exl3_storage.py, glm53/formats/checkpoint_rules.py, glm53/config.py)
 and the torch version, so it is regenerated whenever they change (and once per fresh checkout, as in CI);
 GLM53_TINY_FRESH=1 forces a rewrite. `tiny_exl3_all_dirs`: the same for the variant with every linear that
 may be EXL3 stored so (write_tiny_checkpoint(exl3_all=True)). `tiny_engine` -> a Glm53Engine on it, CPU, fp32
@@ -41,8 +41,8 @@ def _writer_key() -> str:
     import glm53
 
     pkg = Path(glm53.__file__).parent
-    sources = sorted([*pkg.glob("tiny*.py"), *pkg.glob("exl3/*.py"), pkg / "exl3_storage.py",
-                      pkg / "checkpoint_rules.py", pkg / "config.py"])
+    sources = sorted([*pkg.glob("synthetic/tiny*.py"), *pkg.glob("exl3/*.py"), pkg / "formats" / "exl3_storage.py",
+                      pkg / "formats" / "checkpoint_rules.py", pkg / "config.py"])
     digest = hashlib.sha256(torch.__version__.encode())
     for path in sources:
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
@@ -51,7 +51,7 @@ def _writer_key() -> str:
 
 def _written(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, stem: str,
              exl3_all: bool) -> TinyDirs:
-    from glm53.tiny import write_tiny_checkpoint
+    from glm53.synthetic.tiny import write_tiny_checkpoint
 
     cache = getattr(request.config, "cache", None)  # absent under -p no:cacheprovider: write per session
     name = f"{stem}_{_writer_key()}"
@@ -77,7 +77,7 @@ def tiny_exl3_all_dirs(request: pytest.FixtureRequest, tmp_path_factory: pytest.
 
 @pytest.fixture(scope="session")
 def tiny_engine(tiny_dirs: TinyDirs):
-    from glm53.engine import Glm53Engine
+    from glm53.runtime.engine import Glm53Engine
 
     return Glm53Engine(tiny_dirs.model, device="cpu", dtype="fp32", kv_dtype="fp32", prefill_chunk=TINY_CHUNK,
                        cache_block=TINY_CHUNK)

@@ -1,4 +1,4 @@
-"""Helpers for the front/launcher tests: a real tokenizer built offline, a stand-in engine for the
+"""Helpers for the glm53/serving/front/launcher tests: a real tokenizer built offline, a stand-in engine for the
 front's own HTTP behaviour, free ports, and starting, waiting on and stopping serve.sh lanes."""
 from __future__ import annotations
 
@@ -188,7 +188,7 @@ class StandInEngine:
 
 def standin_for(model_dir: Path, **options: Any) -> StandInEngine:
     """A stand-in engine over the tokenizer in model_dir (its vocabulary; <|endoftext|> ends a reply)."""
-    from front.chat import ChatText
+    from glm53.serving.front.chat import ChatText
 
     tokenizer = ChatText(model_dir).tokenizer
     return StandInEngine(vocab=tokenizer.get_vocab_size(), eos=tokenizer.token_to_id("<|endoftext|>"), **options)
@@ -199,10 +199,10 @@ def front_server(model_dir: Path, engine: Any, api_keys: tuple[str, ...] = (),
                  sampling_factory: Callable[[dict[str, Any]], Any] = dict, **settings: Any) -> Iterator[Any]:
     """The real front (uvicorn on a free loopback port, in this process) over `engine`; yields the
     FrontServer (its .url, .state.service) and stops it after."""
-    from front.chat import ChatText
-    from front.server import serve
-    from front.service import Service
-    from front.settings import FrontSettings
+    from glm53.serving.front.chat import ChatText
+    from glm53.serving.front.server import serve
+    from glm53.serving.front.service import Service
+    from glm53.serving.front.settings import FrontSettings
 
     settings = {"context": 256, "default_max_tokens": 16, **settings}
     service = Service(engine, ChatText(model_dir), FrontSettings(**settings), sampling_factory)
@@ -231,7 +231,7 @@ from tests.fixtures_tiny import tiny_dirs  # noqa: E402,F401  (the suite's one t
 
 @pytest.fixture(scope="session")
 def tiny_model(tiny_dirs) -> Path:  # noqa: F811
-    """The tiny checkpoint (glm53.tiny, seed 0), shared with the model's tests: one generation per
+    """The tiny checkpoint (glm53.synthetic.tiny, seed 0), shared with the model's tests: one generation per
     run. serve.sh's own first-use path (launcher.tiny_cache) writes the same checkpoint to .work/tiny."""
     return tiny_dirs.model
 

@@ -1,7 +1,7 @@
 """A real lane over the tiny checkpoint whose token choice a test can script.
 
 The tiny model's weights are random: it never chooses to think, answer or call a tool. `scripted`
-replaces only its token choice (glm53.logits_policy's `sample`, the sampler of both decode loops): everything else stays real (the chat
+replaces only its token choice (glm53.runtime.logits_policy's `sample`, the sampler of both decode loops): everything else stays real (the chat
 template, the tokenizer, the ids the front appends, the bursts and the engine's KV, the markup parser,
 SSE, the official clients). At each position the script reads the reply so far (the ids after the
 prompt's last `<|assistant|>`, decoded with the markup visible, e.g. "<think>hm</think>") and writes the
@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from glm53.tiny_tokenizer import special_id
+from glm53.synthetic.tiny_tokenizer import special_id
 
 MODEL = "glm-5.3-exl3"
 ASSISTANT = special_id("<|assistant|>")
@@ -56,12 +56,12 @@ class Script:
 def scripted(monkeypatch: pytest.MonkeyPatch, engine: Any, plan: Callable[[str], str] | str,
              end: int = EOS) -> Iterator[Script]:
     """While inside, the engine writes `plan` (a text, or reply so far -> the text it is to become)."""
-    import glm53.engine
-    import glm53.logits_policy
+    import glm53.runtime.engine
+    import glm53.runtime.logits_policy
     from glm53.runtime.batch import BatchEngine
     from glm53.runtime.sequence import Sequence
 
-    from front.chat import ChatText
+    from glm53.serving.front.chat import ChatText
 
     tokenizer = ChatText(engine.model_dir).tokenizer
     script = Script(engine, tokenizer, plan if callable(plan) else (lambda _reply: plan), end)
@@ -85,7 +85,7 @@ def scripted(monkeypatch: pytest.MonkeyPatch, engine: Any, plan: Callable[[str],
             script.state = None
 
     with monkeypatch.context() as patch:
-        patch.setattr(glm53.logits_policy, "sample", script)
+        patch.setattr(glm53.runtime.logits_policy, "sample", script)
         patch.setattr(engine, "generate", recorded)
         patch.setattr(BatchEngine, "submit", submitted)
         patch.setattr(Sequence, "choose", chosen)
@@ -96,8 +96,8 @@ def scripted(monkeypatch: pytest.MonkeyPatch, engine: Any, plan: Callable[[str],
 def tiny_lane(model_dir: Path, **settings: Any) -> Iterator[tuple[Any, Any]]:
     """(the FrontServer, its Glm53Engine): the real front over the real engine on the tiny checkpoint,
     in this process (CPU, fp32)."""
-    from front.rank import glm53_sampling
-    from glm53.engine import Glm53Engine
+    from glm53.serving.rank import glm53_sampling
+    from glm53.runtime.engine import Glm53Engine
     from lane_fixtures import front_server
 
     engine = Glm53Engine(model_dir, device="cpu", dtype="fp32", kv_dtype="fp32")

@@ -1,6 +1,6 @@
 """A lane rank with a stand-in engine, for the launcher's multi-rank tests while the glm53 engine
 serves one rank only (its follow() for world > 1 comes with the layout work). Everything but the
-engine is the real rank (front.rank: progress, memory guard, port binding, the HTTP front).
+engine is the real rank (glm53.serving.rank: progress, memory guard, port binding, the HTTP front).
 
 `GLM53_RANK_MODULE=tests.standin_rank bash serve.sh --local --ranks 3 --model TINY`.
 """
@@ -12,8 +12,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from front.chat import ChatText  # noqa: E402
-from front.rank import main  # noqa: E402
+from glm53.serving.front.chat import ChatText  # noqa: E402
+from glm53.serving.rank import main  # noqa: E402
 from lane_fixtures import StandInEngine  # noqa: E402
 
 

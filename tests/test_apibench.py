@@ -23,14 +23,14 @@ from click.testing import CliRunner, Result
 
 pytest.importorskip("openai", reason="the bench extra is not installed (pip install -e '.[bench]')")
 
-from apibench.cli import main  # noqa: E402
-from apibench.endpoint import api_base  # noqa: E402
-from apibench.schema import Report  # noqa: E402
-from apibench.texts import DECODE_KINDS, agent_system, agent_turns, decode_prompt, tool_output  # noqa: E402
+from glm53.apibench.cli import main  # noqa: E402
+from glm53.apibench.endpoint import api_base  # noqa: E402
+from glm53.apibench.schema import Report  # noqa: E402
+from glm53.apibench.texts import DECODE_KINDS, agent_system, agent_turns, decode_prompt, tool_output  # noqa: E402
 from lane_fixtures import ROOT, free_port, tiny_dirs, tiny_model, wait_for, write_tokenizer  # noqa: E402,F401
 
 if TYPE_CHECKING:
-    from front.server import FrontServer
+    from glm53.serving.front.server import FrontServer
 
 # every size as small as still shows the suite's point (reuse in turn 2, two clients at once)
 TINY = ["--samples", "2", "--decode-kinds", "prose", "--decode-tokens", "3", "--ignore-eos", "--agent-turns", "2",
@@ -41,11 +41,11 @@ TINY = ["--samples", "2", "--decode-kinds", "prose", "--decode-tokens", "3", "--
 
 def _front(model: Path, cache: bool) -> FrontServer:
     import glm53
-    from front.chat import ChatText
-    from front.rank import glm53_sampling
-    from front.server import serve
-    from front.service import Service
-    from front.settings import FrontSettings, drafting_state, prefix_cache_state
+    from glm53.serving.front.chat import ChatText
+    from glm53.serving.rank import glm53_sampling
+    from glm53.serving.front.server import serve
+    from glm53.serving.front.service import Service
+    from glm53.serving.front.settings import FrontSettings, drafting_state, prefix_cache_state
     from glm53.settings import Settings
     from kv_cache.engine_adapter import attach_prefix_cache
 
@@ -195,7 +195,7 @@ def test_a_server_that_dies_mid_run_keeps_the_suites_measured(standin_lane, tmp_
 def test_nothing_at_the_url_exits_3_naming_it(tmp_path: Path) -> None:
     url = f"http://127.0.0.1:{free_port()}"
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "apibench", "--url", url, "--out", str(tmp_path / "x.json")],
+    done = subprocess.run([sys.executable, "-m", "glm53.apibench", "--url", url, "--out", str(tmp_path / "x.json")],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 3, done.stderr
     assert f"no answer from {url}/v1 to GET /v1/models" in done.stderr and time.monotonic() - started < 30

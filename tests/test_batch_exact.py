@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from drafter.glm53_target import DraftPlan
-from glm53.engine import Glm53Engine
+from glm53.runtime.engine import Glm53Engine
 from glm53.runtime import BatchEngine, QueueFull, TooLarge
 from glm53.runtime.kv_pool import KVPool
 from glm53.runtime.sequence import Status
@@ -57,7 +57,7 @@ JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "t", "schema": SCH
 
 def processing_fields(rng: random.Random) -> dict:
     """Some of penalties, logit_bias, a json_schema response_format and logprobs (each request's
-    LogitsPolicy, glm53/logits_policy.py)."""
+    LogitsPolicy, glm53/runtime/logits_policy.py)."""
     fields: dict = {}
     if rng.random() < 0.5:
         fields.update(presence_penalty=0.7, frequency_penalty=0.4)

@@ -58,7 +58,7 @@ def _write_deeper(src: Path, dst: Path, pick: list[int]) -> None:
 
 
 def test_deepened_engine_is_the_deeper_checkpoint(tiny_dirs, tmp_path: Path) -> None:  # noqa: F811
-    from glm53.engine import Glm53Engine
+    from glm53.runtime.engine import Glm53Engine
 
     def engine(model: Path) -> Glm53Engine:
         return Glm53Engine(model, device="cpu", dtype="fp32", kv_dtype="fp32", prefill_chunk=TINY_CHUNK,

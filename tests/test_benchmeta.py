@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from bench.lib import meta
-from bench.lib.meta import git_commit, result_header, summary, versions, write_json
+from bench.lib.meta import git_commit, result_header
+from glm53.measurement import summary, versions, write_json
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""One verdict on a checkpoint: `glm53.check()`, the fetch verifier (`python -m glm53.weights --offline`,
+"""One verdict on a checkpoint: `glm53.check()`, the fetch verifier (`python -m glm53.checkpoints --offline`,
 run in-process) and the engine's load (`load_weights`) accept and refuse the same checkpoints, and a
 refusal names the tensor (and the header judges its shard).
 
@@ -22,8 +22,8 @@ from click.testing import CliRunner
 import glm53
 from glm53.config import ConfigError
 from glm53.exl3.decode import single_threaded
-from glm53.weights.__main__ import main as fetch_main
-from glm53.weights_loader import CheckpointError, load_weights
+from glm53.checkpoints.__main__ import main as fetch_main
+from glm53.loading.loader import CheckpointError, load_weights
 from tests.checkpoint_edits import EDITS, broken_copy
 from tests.fixtures_tiny import tiny_dirs, tiny_exl3_all_dirs  # noqa: F401
 

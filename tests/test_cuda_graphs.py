@@ -1,4 +1,4 @@
-"""The graph-capturable window forward (glm53.cuda_graphs) on the CPU: what a graph replays.
+"""The graph-capturable window forward (glm53.runtime.cuda_graphs) on the CPU: what a graph replays.
 
 A CUDA graph cannot exist here, so these check the parts that decide its exactness and its
 bookkeeping: `forward_window` (positions in a device tensor, rows written by index, keys scored up
@@ -13,9 +13,10 @@ import random
 import pytest
 import torch
 
-from glm53 import cuda_graphs
-from glm53.cuda_graphs import WindowGraphs, cache_addresses, key_bound
-from glm53.engine import EngineError, Glm53Engine
+from glm53.runtime import cuda_graphs
+from glm53.runtime.cuda_graphs import WindowGraphs, cache_addresses, key_bound
+from glm53.runtime.engine import Glm53Engine
+from glm53.runtime.errors import EngineError
 from glm53.model.indexer import SMALL_WINDOW_ROWS, select_topk
 from glm53.model.transformer import Span
 from tests.fixtures_tiny import tiny_dirs, tiny_engine  # noqa: F401

@@ -14,11 +14,12 @@ import torch
 
 from glm53.config import Glm53Config
 from glm53.dist import dcp, tp
-from glm53.dist.parallel_engine import DcpKVState, DistRankPlan
-from glm53.kv_state import KVState
+from glm53.dist.dcp_state import DcpKVState
+from glm53.dist.rank_plan import DistRankPlan
+from glm53.model.kv_state import KVState
 from glm53.layout.kv import kv_bytes_per_rank, kv_token_bytes
 from glm53.layout.plan import plan_layout
-from glm53.weights_loader import load_weights
+from glm53.loading.loader import load_weights
 from tests.fixtures_tiny import tiny_dirs  # noqa: F401
 
 

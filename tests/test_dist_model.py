@@ -87,7 +87,7 @@ def test_rank_engine_leader_and_followers_match_world_one(tmp_path: Path, tiny_d
     Replies equal a world-1 Glm53Engine's with the same seeds. Before them, with the followers 0.3 s
     behind: two requests rank 0 refuses and three of max_tokens 0, none of which meets the ranks in
     a collective (rank 0 deleted a request before a slower follower had read it: the lane hung)."""
-    from glm53.engine import Glm53Engine
+    from glm53.runtime.engine import Glm53Engine
 
     ranks = Ranks(tmp_path, "engine", R, timeout=60,
                   extra_env={"GLM53_TEST_MODEL": str(tiny_dirs.model), "TF_GLM53_DCP": dcp,

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("apibench", "bench", "drafter", "front", "glm53", "kv_cache", "launcher", "seriestool", "tests")
+PACKAGES = ("bench", "drafter", "glm53", "kv_cache", "launcher", "seriestool", "tests")
 SKIP_DIRS = {".git", ".venv", ".work", "build", "node_modules", "__pycache__"}
 
 

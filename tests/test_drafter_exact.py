@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from glm53.sampling import SamplingParams, sample
+from glm53.runtime.sampling import SamplingParams, sample
 
 from drafter.decode_loop import DecodeResult, StopRule, drafted_decode, serial_decode
 from drafter.policy import AdaptiveDepth, PolicyConfig
@@ -28,7 +28,7 @@ N_PROMPTS = 200
 
 
 def keyed_sampler(seed: int, temperature: float, top_p: float = 1.0, top_k: int = 0):
-    """The engine's own sampler (glm53.sampling): greedy, or Gumbel-max keyed by (seed, position)."""
+    """The engine's own sampler (glm53.runtime.sampling): greedy, or Gumbel-max keyed by (seed, position)."""
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     return lambda row, position: sample(row, params, position)
 

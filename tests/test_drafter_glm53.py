@@ -1,4 +1,4 @@
-"""Drafted equals serial on the real GLM-5.3 engine (glm53.engine over the tiny checkpoint, CPU fp32),
+"""Drafted equals serial on the real GLM-5.3 engine (glm53.runtime.engine over the tiny checkpoint, CPU fp32),
 with the prefix cache on: copy drafts, MTP drafts from the checkpoint's MTP layer, the tiny DFlash2
 drafter, and an oracle source (true continuation with corruptions: deep acceptance and rejections).
 200 short prompts in all, greedy and seeded; prompts continue earlier conversations so that reuse
@@ -16,10 +16,10 @@ from drafter.sources import MtpSource
 from drafter.tiny_dflash import write_tiny_dflash2
 from drafter_fixtures import OracleDrafts, one_thread  # noqa: F401  (autouse fixture)
 from drafter.verify import verify_window
-from glm53.engine import Glm53Engine, Glm53Target
-from glm53.sampling import SamplingParams, sample
+from glm53.runtime.engine import Glm53Engine, Glm53Target
+from glm53.runtime.sampling import SamplingParams, sample
 from glm53.settings import Settings
-from glm53.tiny import write_tiny_checkpoint
+from glm53.synthetic.tiny import write_tiny_checkpoint
 from kv_cache.cache import PrefixCache
 from kv_cache.keys import CacheKey
 

@@ -9,8 +9,9 @@ import random
 
 import torch
 
-from glm53.engine import EngineError, prefill_pieces, prefill_waves
-from glm53.sampling import SamplingParams
+from glm53.runtime.engine import prefill_pieces, prefill_waves
+from glm53.runtime.errors import EngineError
+from glm53.runtime.sampling import SamplingParams
 from glm53.settings import SettingsError
 from tests.fixtures_tiny import TINY_CHUNK, fresh_engine_state, tiny_dirs, tiny_engine  # noqa: F401
 
@@ -70,7 +71,7 @@ def test_prefill_in_waves_gives_one_piece_at_a_times_bits(tiny_dirs) -> None:  #
     """The engine's waves (TF_GLM53_PREFILL_WAVE: pieces' attention apart, the feed-forward blocks
     over the wave at once) against one piece a wave: the same logits and cache rows, bit for bit,
     also after a resume that starts mid-wave; the grid-boundary mode never groups pieces."""
-    from glm53.engine import Glm53Engine
+    from glm53.runtime.engine import Glm53Engine
 
     prompt = _prompt(300, 21)
     got, calls = {}, {}
@@ -103,7 +104,7 @@ def test_prefill_in_waves_gives_one_piece_at_a_times_bits(tiny_dirs) -> None:  #
 def test_a_bad_wave_size_is_refused(tiny_dirs, monkeypatch) -> None:  # noqa: F811
     import pytest
 
-    from glm53.engine import Glm53Engine
+    from glm53.runtime.engine import Glm53Engine
 
     monkeypatch.setenv("TF_GLM53_PREFILL_WAVE", "lots")  # built without settings: the environment's
     with pytest.raises(SettingsError, match="TF_GLM53_PREFILL_WAVE='lots': expected a positive integer"):
@@ -116,7 +117,7 @@ def test_a_bad_wave_size_is_refused(tiny_dirs, monkeypatch) -> None:  # noqa: F8
 def test_a_short_turn_across_a_grid_boundary_is_one_forward_and_the_same_bits(tiny_dirs) -> None:  # noqa: F811
     """Row-invariant ops: a turn of fewer than C new tokens that crosses a multiple of C is one
     forward (the grid-boundary mode runs two), and its logits are the grid mode's bits."""
-    from glm53.engine import Glm53Engine
+    from glm53.runtime.engine import Glm53Engine
 
     prompt = _prompt(80, 16)
     first, second = 60, 70  # new tokens [60, 70) cross TINY_CHUNK's multiple 64
@@ -216,7 +217,7 @@ def test_a_decode_step_writes_the_row_a_prefill_writes(tiny_engine) -> None:  # 
 def test_grid_boundary_mode_floors_reuse_to_the_grid(tiny_dirs) -> None:  # noqa: F811
     """TF_GLM53_PREFIX_REUSE_BOUNDARY=1 (for ops that are not row-invariant) keeps the old rule:
     reuse floored to a multiple of the prefill grid; results are the same bits either way."""
-    from glm53.engine import Glm53Engine
+    from glm53.runtime.engine import Glm53Engine
 
     prompt = _prompt(80, 15)
     got = {}
@@ -246,7 +247,7 @@ def test_seeded_sampling_is_keyed_by_seed_and_position(tiny_engine) -> None:  # 
 
 
 def test_fp8_latent_cache_runs_deterministically_close_to_fp32(tiny_dirs) -> None:  # noqa: F811
-    from glm53.engine import Glm53Engine
+    from glm53.runtime.engine import Glm53Engine
 
     prompt = _prompt(50, 7)
     results = {}
@@ -285,7 +286,7 @@ def test_mtp_layer_runs_window_or_row_by_row_alike(tiny_engine) -> None:  # noqa
 
 
 def test_bf16_compute_with_fp8_cache_generates_deterministically(tiny_dirs) -> None:  # noqa: F811
-    from glm53.engine import Glm53Engine
+    from glm53.runtime.engine import Glm53Engine
 
     engine = Glm53Engine(tiny_dirs.reference, device="cpu", dtype="bf16", kv_dtype="fp8", prefill_chunk=TINY_CHUNK,
                          reuse_live=False)

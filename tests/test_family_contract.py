@@ -11,8 +11,8 @@ from safetensors.torch import save_file
 
 import glm53
 from glm53.config import ConfigError
-from glm53.engine import EngineError
-from glm53.weights_loader import CheckpointError
+from glm53.runtime.errors import EngineError
+from glm53.loading.loader import CheckpointError
 from tests.fixtures_tiny import fresh_engine_state, tiny_dirs, tiny_engine  # noqa: F401
 
 

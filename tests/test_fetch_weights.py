@@ -17,8 +17,8 @@ from urllib.parse import unquote, urlparse
 
 import pytest
 
-from glm53.weights.manifest import MANIFEST_NAME, load_manifest
-from glm53.weights.synthetic import tiny_config, write_checkpoint
+from glm53.checkpoints.manifest import MANIFEST_NAME, load_manifest
+from glm53.synthetic.checkpoints import tiny_config, write_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 REPO = "vcruz305/GLM-5.3-EXL3-3.38bpw"

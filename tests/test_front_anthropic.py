@@ -14,7 +14,7 @@ import pytest
 from lane_fixtures import front_server, standin_for, tiny_dirs, tiny_model, write_tokenizer  # noqa: F401
 from scripted_model import MODEL, OBSERVATION, scripted, tiny_lane
 
-from front.glm_markup import END_THINK, THINK
+from glm53.serving.front.glm_markup import END_THINK, THINK
 
 WEATHER = {"name": "get_weather", "description": "the weather in a city",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}

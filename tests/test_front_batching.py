@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from front.errors import ApiError
-from front.metrics import Metrics
-from front.worker import EngineWorker, Job
-from glm53.engine import Glm53Engine
+from glm53.serving.front.errors import ApiError
+from glm53.serving.front.metrics import Metrics
+from glm53.serving.front.worker import EngineWorker, Job
+from glm53.runtime.engine import Glm53Engine
 from glm53.settings import Settings
 from tests.drafter_fixtures import one_thread  # noqa: F401
 from tests.fixtures_tiny import TINY_CHUNK, tiny_dirs  # noqa: F401
@@ -91,7 +91,7 @@ def test_cancelled_job_stops_and_frees_rows(engine) -> None:
 
 
 def test_full_wait_queue_answers_429(engine, monkeypatch: pytest.MonkeyPatch) -> None:
-    waiting = Settings.from_env({"TF_GLM53_MAX_WAITING": "2"}).max_waiting  # as front.rank passes it on
+    waiting = Settings.from_env({"TF_GLM53_MAX_WAITING": "2"}).max_waiting  # as glm53.serving.rank passes it on
     worker = EngineWorker(engine, lambda exc: None, retry_after_s=7, max_waiting=waiting)
     gate = threading.Event()
     step = worker.batch.step
@@ -131,8 +131,8 @@ def test_steered_and_stopped_jobs_match_the_one_at_a_time_worker(engine) -> None
     """A steered job (a thinking budget: `</think>` appended after 3 tokens, then a second burst) runs
     as a chain of sequences and gets the one-at-a-time worker's reply, bursts and stream; a job
     stopped after its second token (a stop string: Job.stopped) stops at the next step."""
-    from front.chat import ChatText
-    from front.steer import Steer
+    from glm53.serving.front.chat import ChatText
+    from glm53.serving.front.steer import Steer
 
     tok = ChatText(engine.model_dir).tokenizer
     sampling = {"temperature": 0.9, "seed": 11, "ignore_eos": True}

@@ -15,7 +15,7 @@ import pytest
 from lane_fixtures import front_server, standin_for, tiny_dirs, tiny_model  # noqa: F401
 from scripted_model import ASK, MODEL, openai_chat, openai_tiny_lane, scripted
 
-from front.glm_markup import END_THINK, THINK
+from glm53.serving.front.glm_markup import END_THINK, THINK
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -119,7 +119,7 @@ def test_steered_reply_with_the_fields_that_hold_across_bursts(lane, monkeypatch
 
 def test_every_burst_counts_the_reply_from_its_start(tiny_model: Path) -> None:  # noqa: F811
     """The sampling of each burst carries reply_start = the request prompt's length, so a later burst's
-    penalties count the reply its prompt holds (glm53/logits_policy.py)."""
+    penalties count the reply its prompt holds (glm53/runtime/logits_policy.py)."""
     engine = standin_for(tiny_model)
     with front_server(tiny_model, engine, context=1024) as server:
         body = {"model": MODEL, "messages": ASK, "max_tokens": 6, "thinking_budget": 2, "ignore_eos": True,
@@ -172,8 +172,8 @@ def test_output_config_format_on_messages(lane, monkeypatch) -> None:
 
 
 def test_trim_tail_cuts_across_text_events_and_stops_at_a_call() -> None:
-    from front.chat_stop import trim_tail
-    from front.glm_markup import ContentDelta, ReasoningDelta, ToolCallEnd
+    from glm53.serving.front.chat_stop import trim_tail
+    from glm53.serving.front.glm_markup import ContentDelta, ReasoningDelta, ToolCallEnd
 
     events = [ReasoningDelta("ab"), ContentDelta("cd")]
     assert trim_tail(events, 3) == [ReasoningDelta("a")]

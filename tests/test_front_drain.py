@@ -1,4 +1,4 @@
-"""A real rank 0 (front.rank, stand-in engine: tests/standin_rank.py) stopped by SIGTERM, as the
+"""A real rank 0 (glm53.serving.rank, stand-in engine: tests/standin_rank.py) stopped by SIGTERM, as the
 supervisor stops it: the request in flight finishes, new ones get 503 with Retry-After, the rank
 exits 0; and its access log lines carry a timestamp, the request id, the status and the duration."""
 from __future__ import annotations

@@ -296,10 +296,10 @@ def test_a_client_that_disconnects_stops_its_generation(model_dir: Path) -> None
 def test_loading_then_engine_failure(model_dir: Path) -> None:
     """503 "loading" (with Retry-After) before the engine is attached; an engine failure is a 500 for
     its request, then 503 for new ones and on /health."""
-    from front.chat import ChatText
-    from front.server import FrontServer
-    from front.service import Service
-    from front.settings import FrontSettings
+    from glm53.serving.front.chat import ChatText
+    from glm53.serving.front.server import FrontServer
+    from glm53.serving.front.service import Service
+    from glm53.serving.front.settings import FrontSettings
 
     server = FrontServer("127.0.0.1", 0).start()
     service = Service(standin_for(model_dir, fail=True), ChatText(model_dir), FrontSettings(context=256), dict)
@@ -324,7 +324,7 @@ def test_stream_deltas_decode_a_window_not_the_whole_reply(model_dir: Path) -> N
     """Deltas joined equal the whole decode, multi-byte characters whole, and each push decodes a
     few ids: the deltas run on the event loop, where decoding the reply so far each time would cost
     quadratic time in a long stream."""
-    from front.chat import ChatText, IncrementalDecoder
+    from glm53.serving.front.chat import ChatText, IncrementalDecoder
 
     text = ChatText(model_dir)
     ids = text.encode("naïve café — üñïçødé ☃ text, " * 40)

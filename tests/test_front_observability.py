@@ -17,12 +17,12 @@ import httpx
 import pytest
 
 from drafter.glm53_target import DraftPlan
-from front import observe
-from front.chat import ChatText
-from front.rank import glm53_sampling
-from front.server import serve
-from front.service import Service
-from front.settings import FrontSettings, drafting_state, prefix_cache_state
+from glm53.serving.front import observe
+from glm53.serving.front.chat import ChatText
+from glm53.serving.rank import glm53_sampling
+from glm53.serving.front.server import serve
+from glm53.serving.front.service import Service
+from glm53.serving.front.settings import FrontSettings, drafting_state, prefix_cache_state
 from glm53.settings import Settings
 from kv_cache.cache import PrefixCache
 from kv_cache.engine_adapter import cache_key_for
@@ -202,9 +202,9 @@ def test_a_wrapping_engine_is_seen_through(lane) -> None:
 
 
 def test_rank_logging_goes_to_stderr(tmp_path) -> None:
-    code = ("import logging; from front.rank import configure_logging; from glm53.settings import Settings; "
+    code = ("import logging; from glm53.serving.rank import configure_logging; from glm53.settings import Settings; "
             "configure_logging(Settings.from_env().log_level); "
-            "from front.observe import log; log.info('request x done: prompt=3'); "
+            "from glm53.serving.front.observe import log; log.info('request x done: prompt=3'); "
             "logging.getLogger('kv_cache.cache').debug('hidden')")
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
                          env={"PATH": ""})
@@ -214,7 +214,7 @@ def test_rank_logging_goes_to_stderr(tmp_path) -> None:
                            env={"TF_GLM53_LOG_LEVEL": "debug", "PATH": ""})
     assert debug.returncode == 0 and "hidden" in debug.stderr
     # the rank parses TF_GLM53_LOG_LEVEL with every other knob at start: a bad value ends it there, named
-    bad = subprocess.run([sys.executable, "-m", "front.rank", "--model", str(tmp_path)], cwd=ROOT,
+    bad = subprocess.run([sys.executable, "-m", "glm53.serving.rank", "--model", str(tmp_path)], cwd=ROOT,
                          capture_output=True, text=True, timeout=60, env={"TF_GLM53_LOG_LEVEL": "LOUD", "PATH": ""})
     assert bad.returncode == 2, bad.stderr
     assert "TF_GLM53_LOG_LEVEL='LOUD': expected one of DEBUG, INFO, WARNING, ERROR" in bad.stderr

@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from front.auth import configured_keys
+from glm53.serving.front.auth import configured_keys
 from glm53.settings import Settings
 from lane_fixtures import front_server, standin_for, write_tokenizer
 
@@ -189,7 +189,8 @@ def test_routing_and_parameter_errors_are_openai_shaped() -> None:
     a route (500) in OpenAI's shape too, through the app itself (Starlette's TestClient)."""
     from starlette.testclient import TestClient
 
-    from front.app import FrontState, create_app
+    from glm53.serving.front.app import create_app
+    from glm53.serving.front.state import FrontState
 
     app = create_app(FrontState())
 

@@ -14,9 +14,9 @@ import torch
 
 from drafter.glm53_target import DraftPlan
 from drafter_fixtures import one_thread  # noqa: F401  (autouse fixture)
-from front.chat import ChatText
-from front.stop import StopScanner
-from glm53.engine import Glm53Engine
+from glm53.serving.front.chat import ChatText
+from glm53.serving.front.stop import StopScanner
+from glm53.runtime.engine import Glm53Engine
 from glm53.settings import Settings
 from lane_fixtures import front_server, tiny_dirs, tiny_model  # noqa: F401  (fixtures)
 
@@ -31,7 +31,7 @@ MESSAGES = [{"role": "user", "content": "hello world"}]
 
 
 def glm53_sampling(request):
-    from glm53.sampling import SamplingParams
+    from glm53.runtime.sampling import SamplingParams
 
     return SamplingParams.from_request(request)
 
@@ -90,7 +90,7 @@ def test_every_field_drafted_equals_serial_and_cache_on_equals_off(lanes, sampli
 
 def test_choices_differ_and_each_is_reproduced_by_its_seed(lanes) -> None:
     on, _, _ = lanes
-    from front.service import derive_seed
+    from glm53.serving.front.service import derive_seed
 
     body = {"prompt": "the quick", "max_tokens": 6, "temperature": 1.0, "seed": 11, "ignore_eos": True}
     both = post(on, "/v1/completions", {**body, "n": 2})

@@ -15,7 +15,7 @@ import pytest
 from lane_fixtures import front_server, standin_for, tiny_dirs, tiny_model  # noqa: F401
 from scripted_model import ASK, MODEL, OBSERVATION, openai_chat, openai_tiny_lane, scripted
 
-from front.glm_markup import END_THINK, THINK
+from glm53.serving.front.glm_markup import END_THINK, THINK
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "the weather in a city",
@@ -87,7 +87,7 @@ def test_thinking_off_opens_the_reply_after_a_closed_block(lane, monkeypatch, sw
 
 def test_reasoning_effort_reaches_the_template(lane, monkeypatch) -> None:
     _, engine, sdk = lane
-    from front.chat import ChatText
+    from glm53.serving.front.chat import ChatText
 
     text = ChatText(engine.model_dir)
     with scripted(monkeypatch, engine, f"{THINK}ok{END_THINK}fine") as script:
@@ -209,7 +209,7 @@ def test_tool_choice_required_after_thinking(lane, monkeypatch) -> None:
 
 def test_tool_choice_none_leaves_markup_as_text_and_tools_unrendered(lane, monkeypatch) -> None:
     _, engine, sdk = lane
-    from front.chat import ChatText
+    from glm53.serving.front.chat import ChatText
 
     with scripted(monkeypatch, engine, f"{THINK}{END_THINK}{CALL}", end=OBSERVATION) as script:
         reply = chat(sdk, tools=[WEATHER], tool_choice="none")
@@ -237,7 +237,7 @@ def test_malformed_markup_ends_as_content(lane, monkeypatch) -> None:
 
 def test_history_with_calls_and_results_renders_back(lane, monkeypatch) -> None:
     _, engine, sdk = lane
-    from front.chat import ChatText
+    from glm53.serving.front.chat import ChatText
 
     history = ASK + [
         {"role": "assistant", "content": None, "reasoning_content": "Both.",
@@ -284,7 +284,7 @@ BAD = [
     # the legacy tool fields would change the reply: refused, not ignored
     ({"functions": [WEATHER["function"]]}, "functions"),
     ({"function_call": "auto"}, "function_call"),
-    # steered replies (front/combos.py): what the bursts cannot keep exact
+    # steered replies (glm53/serving/front/combos.py): what the bursts cannot keep exact
     ({"tools": [WEATHER], "tool_choice": "required", "logprobs": True}, "logprobs"),
     ({"tools": [WEATHER], "parallel_tool_calls": False, "response_format": {"type": "json_object"}},
      "response_format"),
@@ -325,7 +325,7 @@ def test_chat_fields_are_refused_on_completions(checked) -> None:
 def test_a_steered_reply_is_one_job_and_cancels_like_one(tiny_model: Path) -> None:  # noqa: F811
     """Bursts stay inside one job: one request in the metrics and the queue, the second burst's prompt
     the first's plus the reply and the appended </think>; a client leaving mid-burst ends the job."""
-    from front.chat import ChatText
+    from glm53.serving.front.chat import ChatText
     from lane_fixtures import wait_for
     from tests.prometheus_text import parse_prometheus, value
 

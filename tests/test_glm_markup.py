@@ -1,4 +1,4 @@
-"""front/glm_markup.py on the tiny checkpoint's tokenizer and chat template: rendering GLM-5.3's markup,
+"""glm53/serving/front/glm_markup.py on the tiny checkpoint's tokenizer and chat template: rendering GLM-5.3's markup,
 parsing replies (streamed at every split = parsed whole), malformed markup as text, request errors."""
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from front.chat import ChatText
-from front.glm_markup import (ContentDelta, MarkupError, ReasoningDelta, Reply, ReplyParser, Steering,
+from glm53.serving.front.chat import ChatText
+from glm53.serving.front.glm_markup import (ContentDelta, MarkupError, ReasoningDelta, Reply, ReplyParser, Steering,
                               ToolCallArguments, ToolCallBegin, ToolCallEnd, close_thinking, forced_call_ids,
                               openai_delta, parse_reply, plan_tools, render_messages, thinking_controls,
                               thinking_open)
-from glm53.tiny_tokenizer import special_id, write_tokenizer
+from glm53.synthetic.tiny_tokenizer import special_id, write_tokenizer
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",

@@ -19,7 +19,7 @@ from typing import Callable
 import pytest
 import torch
 
-from glm53.engine import prefill_pieces
+from glm53.runtime.engine import prefill_pieces
 from kv_cache import CacheKey, PrefixCache
 
 D, HEADS, VOCAB, LAYERS = 64, 4, 500, 2

@@ -16,9 +16,9 @@ import random
 import pytest
 import torch
 
-from front.chat import ChatText
-from glm53.engine import Glm53Engine
-from glm53.kv_state import KVState
+from glm53.serving.front.chat import ChatText
+from glm53.runtime.engine import Glm53Engine
+from glm53.model.kv_state import KVState
 from glm53.settings import Settings
 from kv_cache import chain_hashes
 from kv_cache import diskfile

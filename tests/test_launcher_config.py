@@ -100,7 +100,7 @@ def test_image_runtime_commands_run_in_the_container(tmp_path: Path) -> None:
     start = commands.rank_command(config, node, "/models/glm")
     assert "exec docker run --rm --name glm53-rank1-9000 --gpus all --network host" in start
     assert "-v /models/glm:/models/glm" in start and "-e TF_GLM53_PREFILL_CHUNK=1024" in start
-    assert " glm53:1 python -m front.rank --model /models/glm --rank 1 --ranks 2" in start
+    assert " glm53:1 python -m glm53.serving.rank --model /models/glm --rank 1 --ranks 2" in start
     assert commands.probe_command(config, "/models/glm").startswith("docker run --rm --gpus all")
     assert "docker stop -t 10 glm53-rank1-9000" in commands.stop_command(config, node)
     # rank 0 drains before it stops: the supervisor gives its container the drain's time

@@ -8,7 +8,7 @@ import pytest
 from lane_fixtures import tiny_dirs, tiny_model  # noqa: F401  (fixture)
 
 from launcher.config import MemorySettings
-from launcher.meminfo import GIB, MIB
+from glm53.serving.meminfo import GIB, MIB
 from launcher.memplan import plan_memory
 
 SETTINGS = MemorySettings(floor_gib=4.0, overhead_fraction=0.05, overhead_gib=1.5, workspace_gib=2.0)
@@ -119,7 +119,7 @@ def test_the_ranks_kv_pool_is_the_kv_the_plan_holds_room_for(tiny_model: Path) -
     free; a value the user set is kept."""
     from glm53.config import Glm53Config
     from glm53.dist.dcp import Ownership
-    from glm53.dist.parallel_engine import DcpKVState
+    from glm53.dist.dcp_state import DcpKVState
     from glm53.layout.kv import kv_bytes_per_rank
     from glm53.runtime.kv_pool import KVPool
     from launcher.config import local_lane

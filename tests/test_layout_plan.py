@@ -13,9 +13,9 @@ from safetensors import safe_open
 from glm53.config import Glm53Config
 from glm53.layout.kv import kv_bytes_per_rank, kv_token_bytes, positions_per_rank
 from glm53.layout.plan import PlanError, SliceSpec, TensorLocation, plan_layout, split_units
-from glm53.layout.slices import SliceReader, read_rank_tensors
-from glm53.safetensors_header import TensorInfo
-from glm53.weights.synthetic import glm53_tensor_specs, real_config, tiny_config, write_checkpoint, write_shard, TensorSpec
+from glm53.loading.slices import SliceReader, read_rank_tensors
+from glm53.formats.safetensors_header import TensorInfo
+from glm53.synthetic.checkpoints import glm53_tensor_specs, real_config, tiny_config, write_checkpoint, write_shard, TensorSpec
 
 
 @pytest.fixture(scope="module")
@@ -184,7 +184,7 @@ def test_kv_bytes_real_dims() -> None:
     cfg = Glm53Config.from_dict(real_config(indexer_types=["full" if i % 4 == 0 else "shared" for i in range(78)]))
     tok = kv_token_bytes(cfg, "bf16")
     assert (tok.latent, tok.indexer, tok.attention_layers, tok.indexer_layers) == (1152, 256, 78, 20)
-    # fp8: 576 e4m3 values + one fp32 scale per row (what glm53.kv_state allocates)
+    # fp8: 576 e4m3 values + one fp32 scale per row (what glm53.model.kv_state allocates)
     assert kv_token_bytes(cfg, "fp8").latent == 580 and kv_token_bytes(cfg, "fp8").indexer == 132
     T = 1 << 20
     assert kv_bytes_per_rank(cfg, T, 4) == [T // 4 * tok.per_token] * 4

@@ -15,9 +15,9 @@ from safetensors import safe_open
 from glm53.exl3.decode import decode_weight
 from glm53.exl3.format import read_group
 from glm53.layout.plan import plan_layout
-from glm53.layout.slices import SliceReader, read_rank_tensors
-from glm53.weights.report import build_report
-from glm53.weights.verify import verify_checkpoint
+from glm53.loading.slices import SliceReader, read_rank_tensors
+from glm53.checkpoints.report import build_report
+from glm53.checkpoints.verify import verify_checkpoint
 from tests.fixtures_tiny import tiny_dirs  # noqa: F401  (the session's one tiny checkpoint)
 
 

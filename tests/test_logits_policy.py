@@ -1,4 +1,4 @@
-"""glm53.logits_policy and glm53.grammar: penalties, logit_bias, the grammar mask and logprobs, one
+"""glm53.runtime.logits_policy and glm53.runtime.grammar: penalties, logit_bias, the grammar mask and logprobs, one
 request's state keyed by absolute position; and on the tiny engine, with every field set, drafted
 replies equal serial ones and the prefix cache on equals off (tokens and logprobs), greedy and seeded."""
 from __future__ import annotations
@@ -11,10 +11,11 @@ import torch
 
 from drafter.glm53_target import DraftPlan
 from drafter_fixtures import OracleDrafts, one_thread  # noqa: F401  (autouse fixture)
-from glm53.engine import Glm53Engine
-from glm53.grammar import GrammarMatcher, grammar_for
-from glm53.logits_policy import LogitsPolicy
-from glm53.sampling import SamplingError, SamplingParams
+from glm53.runtime.engine import Glm53Engine
+from glm53.runtime.grammar import GrammarMatcher, grammar_for
+from glm53.runtime.logits_policy import LogitsPolicy
+from glm53.runtime.errors import SamplingError
+from glm53.runtime.sampling import SamplingParams
 from glm53.settings import Settings
 from kv_cache.cache import PrefixCache
 from kv_cache.keys import CacheKey

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from glm53.config import Glm53Config
-from glm53.kv_state import KVState, quantize_rows
+from glm53.model.kv_state import KVState, quantize_rows
 from glm53.model.indexer import Selection, select_topk
 from glm53.model.mla import AttentionWeights, attend, attend_expanded
 from glm53.model.moe import RouterWeights, route
@@ -96,7 +96,7 @@ def test_fp32_products_keep_bf16_weights_as_stored_with_the_fp32_values(tiny_dir
     ops.linear_fp32), fp32 in an fp32 model; the CPU's product is the fp32 one of the same values,
     whatever the activations' dtype."""
     from glm53 import ops
-    from glm53.engine import Glm53Engine
+    from glm53.runtime.engine import Glm53Engine
     from glm53.ops import torch_ops
 
     engine = Glm53Engine(tiny_dirs.model, device="cpu", dtype="bf16", kv_dtype="bf16")
@@ -176,7 +176,7 @@ def test_stacked_rows_land_in_one_copy_per_kind_exactly_as_tensor_by_tensor(monk
     bit. A stack in another order (a file written before layer_order: "latent.10" before
     "latent.2") takes the tensor-by-tensor path; a bad stack is refused with nothing written."""
     from glm53.dist.dcp import Ownership
-    from glm53.dist.parallel_engine import DcpKVState
+    from glm53.dist.dcp_state import DcpKVState
     from kv_cache import diskfile
     from kv_cache.rows import StackedRows
 

@@ -1,4 +1,4 @@
-"""glm53.sampling: request validation, the filters, and randomness keyed by (seed, position) only."""
+"""glm53.runtime.sampling: request validation, the filters, and randomness keyed by (seed, position) only."""
 from __future__ import annotations
 
 import math
@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from glm53.sampling import SamplingError, SamplingParams, filtered_logprobs, sample
+from glm53.runtime.errors import SamplingError
+from glm53.runtime.sampling import SamplingParams, filtered_logprobs, sample
 
 
 @pytest.mark.parametrize("field, value, message", [

@@ -1,6 +1,6 @@
 """The prefix cache and drafted decoding over R real processes (gloo), TP R + DCP R, tiny checkpoint.
 
-One spawned job per R = 2, 4 (tests/dist_workers.py `cache_draft`): RankEngine(serve_features=True) as
+One spawned job per R = 2, 4 (tests/dist_workers.py `cache_draft`): RankEngine(features=ServeFeatures()) as
 glm53.cuda_engine builds it (a PrefixCache on every rank, copy drafts; CPU, fp32, fp32 cache, grid 16).
 The cases run warm (one cache, in serving order), then again after re-attaching the cache with
 TF_GLM53_PREFIX_CACHE=0 (nothing reused: the cold run at the same R). Proved, on every rank:
@@ -185,7 +185,7 @@ def test_each_draft_source_over_ranks_equals_serial(tmp_path: Path, tiny_dirs, s
 # ---- the pieces, in one process --------------------------------------------------------------------
 def _dcp_state(rank: int, ranks: int):
     from glm53.dist.dcp import Ownership
-    from glm53.dist.parallel_engine import DcpKVState
+    from glm53.dist.dcp_state import DcpKVState
 
     return DcpKVState(n_layers=2, latent_dim=6, index_dim=3, indexed_layers=frozenset({1}), kv_dtype="fp32",
                       own=Ownership(rank, ranks))

@@ -60,7 +60,7 @@ def reference(tiny_dirs):  # noqa: F811
 
 @pytest.fixture(scope="module")
 def exl3_all_pair(tiny_exl3_all_dirs):  # noqa: F811
-    from glm53.engine import Glm53Engine
+    from glm53.runtime.engine import Glm53Engine
 
     engine = Glm53Engine(tiny_exl3_all_dirs.model, device="cpu", dtype="fp32", kv_dtype="fp32",
                          prefill_chunk=TINY_CHUNK, cache_block=TINY_CHUNK)

@@ -123,7 +123,7 @@ def test_forward_in_any_pieces_equals_one_prefill(tiny_dirs, device: str, comput
     token at a time, and in waves (forward_wave: pieces' attention apart, their feed-forward blocks
     over the wave's rows at once), writes the same cache rows and hidden states as one forward of
     the whole prompt."""
-    from glm53.engine import Glm53Engine
+    from glm53.runtime.engine import Glm53Engine
 
     engine = Glm53Engine(tiny_dirs.model, device=device, dtype=compute, kv_dtype=kv, prefill_chunk=1 << 20)
     model, rng = engine.model, random.Random(4)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from glm53.safetensors_header import MAX_HEADER_BYTES, ShardError, read_header
+from glm53.formats.safetensors_header import MAX_HEADER_BYTES, ShardError, read_header
 
 
 def _good(path: Path) -> dict[str, torch.Tensor]:

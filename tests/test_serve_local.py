@@ -91,7 +91,7 @@ def test_a_context_past_the_model_is_refused_before_anything_starts(tiny_model: 
     """--context above max_position_embeddings would let the front accept requests the engine then
     refuses, stopping the lane (a 500, then nothing): serve.sh refuses it up front, and a rank
     started by hand refuses it at its arguments."""
-    import front.rank
+    import glm53.serving.rank
 
     limit = json.loads((tiny_model / "config.json").read_text())["max_position_embeddings"]
     port = track_port(free_port())
@@ -99,9 +99,9 @@ def test_a_context_past_the_model_is_refused_before_anything_starts(tiny_model: 
     assert r.returncode == 3, r.stderr
     assert f"serve at most --context {limit}" in r.stdout + r.stderr and "starting" not in r.stdout + r.stderr
     with pytest.raises(SystemExit) as exit_info:
-        front.rank.parse_args(["--model", str(tiny_model), "--context", str(limit + 1)])
+        glm53.serving.rank.parse_args(["--model", str(tiny_model), "--context", str(limit + 1)])
     assert exit_info.value.code == 2 and f"holds at most {limit} positions" in capsys.readouterr().err
-    assert front.rank.parse_args(["--model", str(tiny_model), "--context", str(limit)]).context == limit
+    assert glm53.serving.rank.parse_args(["--model", str(tiny_model), "--context", str(limit)]).context == limit
 
 
 def test_rank_killed_during_a_request_stops_the_lane_naming_it(lane) -> None:

@@ -1,6 +1,6 @@
 """Launcher behaviour that does not depend on the engine (the memory guard, the memory plan's
 refusal, DRY_RUN, restart, stop after the supervisor died), on several local ranks whose engine is
-a stand-in (tests/standin_rank.py; everything else, front.rank included, is real): a real glm53
+a stand-in (tests/standin_rank.py; everything else, glm53.serving.rank included, is real): a real glm53
 engine start costs 15-60 s on this shared machine. The real engine's lanes: test_serve_local.py
 (one rank), test_serve_ranks.py (two ranks), test_launcher_ssh.py (over ssh)."""
 from __future__ import annotations

@@ -16,15 +16,15 @@ from tests.fixtures_tiny import TINY_CHUNK, tiny_dirs  # noqa: F401
 from lane_fixtures import run_kit_script
 
 ROOT = Path(__file__).resolve().parents[1]
-PRODUCT = ("glm53", "front", "kv_cache", "drafter", "launcher", "apibench", "seriestool")
+PRODUCT = ("glm53", "kv_cache", "drafter", "launcher", "seriestool")
 SETTINGS_MODULE = Path("glm53/settings.py")
 # where Settings.from_env() may run: process entry points, and the public constructors a library
 # caller uses without settings (each passes what it parsed down to everything it builds)
 ENTRY_POINTS = {
-    "front/rank.py",  # a rank of the lane, at start
-    "glm53/__init__.py",  # cuda_engine, the family contract TensorFold's CLI calls
-    "glm53/engine.py",  # Glm53Engine(settings=None)
-    "glm53/dist/parallel_engine.py",  # RankEngine(settings=None)
+    "glm53/serving/rank.py",  # a rank of the lane, at start
+    "glm53/serving/compose.py",  # build_engine: glm53.cuda_engine, the family contract TensorFold's CLI calls
+    "glm53/runtime/engine.py",  # Glm53Engine(settings=None)
+    "glm53/dist/rank_engine.py",  # RankEngine(settings=None)
     "launcher/config.py",  # serve.sh: checks the variables it forwards before any node is touched
     "launcher/probe.py",  # python -m launcher.probe on each node
     "glm53/settings.py",  # python -m glm53.settings --check
@@ -126,8 +126,8 @@ def test_explicit_values_override_and_are_checked() -> None:
 def test_the_modules_own_defaults_are_the_settings_ones() -> None:
     """Constructors keep defaults for callers without settings; they must be the knobs' defaults."""
     from drafter.policy import MAX_DEPTH, PolicyConfig
-    from front.settings import FrontSettings
-    from glm53.cuda_graphs import GRAPH_CHOICES
+    from glm53.serving.front.settings import FrontSettings
+    from glm53.runtime.cuda_graphs import GRAPH_CHOICES
     from glm53.dist.guard import GuardSettings
     from kv_cache.cache import DEFAULT_HOST_BYTES
 
@@ -139,7 +139,7 @@ def test_the_modules_own_defaults_are_the_settings_ones() -> None:
 
 
 def test_the_engine_takes_settings_and_its_options_win(tiny_dirs, monkeypatch) -> None:  # noqa: F811
-    from glm53.engine import Glm53Engine
+    from glm53.runtime.engine import Glm53Engine
 
     # given settings, the engine reads nothing from the environment
     monkeypatch.setenv("TF_GLM53_PREFILL_CHUNK", "not read")

@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 from glm53.config import Glm53Config
 from glm53.exl3.decode import dequantize_exact
 from glm53.exl3.format import read_group
-from glm53.tiny import MTP_LAYER, N_EXPERTS, PROJECTIONS, TINY_CONFIG, expert_quant, write_tiny_checkpoint
-from glm53.tiny_tokenizer import SPECIAL_TOKENS, special_id
+from glm53.synthetic.tiny import MTP_LAYER, N_EXPERTS, PROJECTIONS, TINY_CONFIG, expert_quant, write_tiny_checkpoint
+from glm53.synthetic.tiny_tokenizer import SPECIAL_TOKENS, special_id
 
 
 @pytest.fixture(scope="module")
@@ -184,25 +184,25 @@ def test_reference_twin_loads_in_transformers_and_runs(dirs, tensors) -> None:
 def test_cli_writes_the_same_bytes_and_refuses_a_non_empty_folder(dirs, tmp_path) -> None:
     """Same seed, same bytes: a second writer in another process reproduces every file."""
     out = tmp_path / "cli"
-    run = subprocess.run([sys.executable, "-m", "glm53.tiny", str(out), "--seed", "0"], capture_output=True, text=True)
+    run = subprocess.run([sys.executable, "-m", "glm53.synthetic.tiny", str(out), "--seed", "0"], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert "wrote" in run.stderr
     files = sorted(p.name for p in dirs[0].iterdir())
     assert files == sorted(p.name for p in out.iterdir())
     for name in files:
         assert (dirs[0] / name).read_bytes() == (out / name).read_bytes(), name
-    again = subprocess.run([sys.executable, "-m", "glm53.tiny", str(out)], capture_output=True, text=True)
+    again = subprocess.run([sys.executable, "-m", "glm53.synthetic.tiny", str(out)], capture_output=True, text=True)
     assert again.returncode == 2 and "not an empty folder" in again.stderr
     # a bad --reference is refused before anything is written
     fresh = tmp_path / "fresh"
-    bad_ref = subprocess.run([sys.executable, "-m", "glm53.tiny", str(fresh), "--reference", str(out)],
+    bad_ref = subprocess.run([sys.executable, "-m", "glm53.synthetic.tiny", str(fresh), "--reference", str(out)],
                              capture_output=True, text=True)
     assert bad_ref.returncode == 2 and "not an empty folder" in bad_ref.stderr and not fresh.exists()
     assert not any(".partial" in p.name for p in tmp_path.iterdir())
 
 
 def test_passes_the_weights_verifier(dirs) -> None:
-    from glm53.weights.verify import verify_checkpoint
+    from glm53.checkpoints.verify import verify_checkpoint
 
     result = verify_checkpoint(dirs[0])
     assert result.config is not None and result.findings == [], result.findings

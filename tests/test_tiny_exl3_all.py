@@ -10,9 +10,9 @@ import torch
 from click.testing import CliRunner
 from safetensors import safe_open
 
-import glm53.tiny
-from glm53.checkpoint_rules import pad_features
-from glm53.tiny import linear_features
+import glm53.synthetic.tiny
+from glm53.formats.checkpoint_rules import pad_features
+from glm53.synthetic.tiny import linear_features
 from tests.fixtures_tiny import tiny_dirs, tiny_exl3_all_dirs  # noqa: F401
 
 
@@ -65,7 +65,7 @@ def test_the_decoded_twin_trims_the_padding(tiny_dirs, tiny_exl3_all_dirs) -> No
 
 def test_cli_flag(tmp_path: Path, monkeypatch) -> None:
     seen = {}
-    monkeypatch.setattr(glm53.tiny, "write_tiny_checkpoint", lambda out, **kw: seen.update(kw))
-    result = CliRunner().invoke(glm53.tiny.main, [str(tmp_path / "t"), "--exl3-all"])
+    monkeypatch.setattr(glm53.synthetic.tiny, "write_tiny_checkpoint", lambda out, **kw: seen.update(kw))
+    result = CliRunner().invoke(glm53.synthetic.tiny.main, [str(tmp_path / "t"), "--exl3-all"])
     assert result.exit_code == 0, result.output
     assert seen["exl3_all"] is True

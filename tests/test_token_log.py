@@ -1,4 +1,4 @@
-"""glm53.token_log.TokenLog: the array stays equal to the list under every list mutation, and
+"""glm53.model.token_log.TokenLog: the array stays equal to the list under every list mutation, and
 appends convert only what was appended."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import random
 import numpy as np
 import pytest
 
-from glm53.kv_state import KVState
-from glm53.token_log import TokenLog
+from glm53.model.kv_state import KVState
+from glm53.model.token_log import TokenLog
 
 
 def mutations(rng: random.Random):

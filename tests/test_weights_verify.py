@@ -20,9 +20,9 @@ import pytest
 
 from glm53.config import Glm53Config
 from glm53.layout.plan import plan_layout
-from glm53.weights.manifest import FileRecord, Manifest, save_manifest
-from glm53.weights.synthetic import default_expert_bits, glm53_tensor_specs, tiny_config, write_checkpoint
-from glm53.weights.verify import verify_checkpoint
+from glm53.checkpoints.manifest import FileRecord, Manifest, save_manifest
+from glm53.synthetic.checkpoints import default_expert_bits, glm53_tensor_specs, tiny_config, write_checkpoint
+from glm53.checkpoints.verify import verify_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARD1 = "model-00001-of-00003.safetensors"
@@ -246,7 +246,7 @@ def test_manifest_listed_files_and_sizes(ckpt: Path) -> None:
     _manifest_for(ckpt)
     rc, _, err, _ = run_cli(ckpt)
     assert rc == 0, err
-    from glm53.weights.manifest import load_manifest
+    from glm53.checkpoints.manifest import load_manifest
 
     m = load_manifest(ckpt)
     m.files["tokenizer.json"] = FileRecord(1234)  # the hub lists a file the folder lacks
@@ -279,7 +279,7 @@ def test_interrupted_deep_check_stops_promptly_and_writes_nothing(tmp_path: Path
     import signal
     import time
 
-    from glm53.weights.synthetic import TensorSpec, write_shard
+    from glm53.synthetic.checkpoints import TensorSpec, write_shard
 
     ckpt = write_checkpoint(tmp_path / "big", tiny_config(), n_shards=2)
     big = TensorSpec("model.layers.0.mlp.unused.weight", "BF16", (65536, 65536))

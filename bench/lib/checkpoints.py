@@ -18,12 +18,12 @@ import torch
 
 from bench.lib.log import log
 from glm53.config import Glm53Config
-from glm53.engine import Glm53Engine
+from glm53.runtime.engine import Glm53Engine
 from glm53.model.transformer import Glm53Model
 
 
 def tiny_checkpoint(root: Path) -> Path:
-    from glm53.tiny import write_tiny_checkpoint
+    from glm53.synthetic.tiny import write_tiny_checkpoint
 
     log("writing the tiny checkpoint (EXL3 encode; a minute or two on a CPU) ...")
     return write_tiny_checkpoint(root / "tiny")
@@ -38,7 +38,7 @@ def real_dims_checkpoint(root: Path, layers: int, vocab: int, moe_experts: int =
     256 is GLM-5.3's: 19 GB a layer) after the first `dense_layers` dense ones."""
     from safetensors.torch import save_file
 
-    from glm53.tiny import TINY_CONFIG, _layer_plain, _linear, _norm, _randn
+    from glm53.synthetic.tiny import TINY_CONFIG, _layer_plain, _linear, _norm, _randn
 
     real = Glm53Config()  # the defaults are GLM-5.3's published dimensions
     cfg = {**TINY_CONFIG, **{k: getattr(real, k) for k in (
@@ -83,7 +83,7 @@ def real_dims_checkpoint(root: Path, layers: int, vocab: int, moe_experts: int =
 
 
 def _expert_weights(layer: int, experts: range, cfg: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Routed experts of one layer, [out, in] with std 1/sqrt(in) (glm53.tiny's init), drawn on the
+    """Routed experts of one layer, [out, in] with std 1/sqrt(in) (glm53.synthetic.tiny's init), drawn on the
     GPU where there is one: GLM-5.3's 256 experts a layer are 9.7 G values, minutes for the CPU."""
     h, width = cfg["hidden_size"], cfg["moe_intermediate_size"]
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from bench.lib.meta import RESULTS
-from glm53.engine import Glm53Engine
+from glm53.runtime.engine import Glm53Engine
 
 
 def decode(engine: Glm53Engine, prompt: list[int], tokens: int, split: bool = True) -> dict[str, Any]:

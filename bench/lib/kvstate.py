@@ -2,7 +2,7 @@
 the model: bf16 latents of 576 on every layer, indexer keys of 128 on every other ('full') layer."""
 from __future__ import annotations
 
-from glm53.kv_state import KVState
+from glm53.model.kv_state import KVState
 
 
 def new_kv_state(layers: int, device: str) -> KVState:

@@ -35,6 +35,7 @@ from typing import Sequence
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 
 from ..target import TargetHeads, WindowOutput
 from .base import Sampler
@@ -210,8 +211,6 @@ class Dflash2Model:
 
     @classmethod
     def load(cls, directory: str | Path, device: str | torch.device = "cpu") -> "Dflash2Model":
-        from safetensors.torch import load_file
-
         directory = Path(directory)
         config_path = directory / "config.json"
         if not config_path.is_file():

@@ -20,15 +20,11 @@ global top-k of the keys give exactly the single-rank top-k with the same tie-br
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import torch
 
 from glm53 import ops
 from glm53.dist.collectives import Comm, byte_rows
-
-if TYPE_CHECKING:
-    from glm53.model.indexer import Selection
+from glm53.model.indexer import Selection, _check_nan, select_topk_nan_counts
 
 POSITION_BITS = 31  # positions < 2**31 (the model's context is 2**20)
 _POS_MASK = (1 << POSITION_BITS) - 1
@@ -164,8 +160,6 @@ class PendingSelection:
            nan_flag: torch.Tensor | None = None) -> "PendingSelection":
         """scores [T, n] fp32 over this rank's rows, positions [n] their positions, ascending (so a
         lower column is a lower position: the kernels' tie-break is the keys')."""
-        from glm53.model.indexer import select_topk_nan_counts
-
         local, nans = select_topk_nan_counts(scores, k)
         t, n = scores.shape
         if n:
@@ -180,8 +174,6 @@ class PendingSelection:
 
     def resolve(self, gathered_words: torch.Tensor) -> "Selection":
         """gathered_words [R, T, k + 2]: every rank's words, in rank order (the same on every rank)."""
-        from glm53.model.indexer import Selection, _check_nan
-
         k = self.k
         _check_nan(gathered_words[..., k + 1].sum(dim=0).gt(0).any(), self.nan_flag)  # every rank alike
         every = gathered_words[..., :k].movedim(0, -2).flatten(-2)  # [T, R * k]
@@ -238,8 +230,6 @@ def tp_dcp_attention(comm: Comm, q_nope: torch.Tensor, q_rot: torch.Tensor, w_uk
 def owned_selection(top_scores: torch.Tensor, top_positions: torch.Tensor, own: Ownership, k: int) -> "Selection":
     """The global top-k (scores, positions [T, m], from dcp_topk) as this rank's Selection: its owned
     finite entries as local slots p // R, ascending, in a fixed width k (padding: index 0, invalid)."""
-    from glm53.model.indexer import Selection
-
     t = top_positions.shape[0]
     keep = torch.isfinite(top_scores) & ((top_positions % own.ranks) == own.index)
     sentinel = torch.iinfo(torch.long).max

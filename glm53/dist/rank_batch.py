@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from glm53.dist.parallel_engine import BATCH_START, BATCH_WAKE
+from glm53.dist.request_channel import BATCH_START, BATCH_WAKE
 from glm53.runtime import BatchEngine
 from glm53.runtime.scheduler import Work
 from glm53.runtime.sequence import Sequence
@@ -44,7 +44,7 @@ class RankBatch:
         if self.leader:
             s = self.batch.scheduler
             shared = {"max_seqs": s.max_seqs, "step_tokens": s.step_tokens, "pool_block": self.batch.pool.block}
-            rank_engine._publish((BATCH_START, shared))
+            rank_engine.requests.publish((BATCH_START, shared))
         capacities = self.comm.all_gather(torch.tensor([self.batch.pool.capacity], dtype=torch.int64),
                                           name="batch_pool_capacity")
         self.batch.pool.capacity = int(capacities.min())
@@ -105,7 +105,7 @@ class RankBatch:
         if not self._events and self.batch.idle:
             return False
         if not self._awake:
-            self.rank_engine._publish((BATCH_WAKE,))
+            self.rank_engine.requests.publish((BATCH_WAKE,))
             self._awake = True
         events, self._events = self._events, []
         self.comm.broadcast_object(events, name="batch_events")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..exl3_storage import HADAMARD_BLOCK, KNOWN_PARTS, SERVED_BITS
+from glm53.formats.exl3_storage import HADAMARD_BLOCK, KNOWN_PARTS, SERVED_BITS
 
 CODEBOOKS = ("3inst", "mcg", "mul1")
 FORMAT_BITS_TEXT = "the format allows integer K 1..8 and half-integer 1.5/2.5/3.5 (mul1 only)"

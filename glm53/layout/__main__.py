@@ -9,8 +9,8 @@ import sys
 
 import click
 
-from ..config import ConfigError
-from ..safetensors_header import ShardError
+from glm53.config import ConfigError
+from glm53.formats.safetensors_header import ShardError
 from .kv import kv_bytes_per_rank
 from .plan import PlanError, plan_layout
 

@@ -31,9 +31,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from ..checkpoint_rules import LINEAR_PARTS
-from ..config import Glm53Config
-from ..safetensors_header import TensorInfo, read_header
+from glm53.formats.checkpoint_rules import LINEAR_PARTS
+from glm53.config import Glm53Config
+from glm53.formats.safetensors_header import TensorInfo, read_header
 
 BLOCK = 128  # expert/MLP intermediate block, and the EXL3 Hadamard block
 TILE = 16  # EXL3 tile edge
@@ -388,7 +388,7 @@ def plan_layout(
 
 def read_tensor_table(model_dir: str | Path) -> tuple[dict[str, TensorInfo], dict[str, TensorLocation]]:
     """Every tensor's header entry and location, from the index (or the lone model.safetensors).
-    Raises ShardError for a damaged shard: run `python -m glm53.weights verify` for the full report."""
+    Raises ShardError for a damaged shard: run `python -m glm53.checkpoints verify` for the full report."""
     root = Path(model_dir)
     index_path = root / INDEX_NAME
     if index_path.exists():

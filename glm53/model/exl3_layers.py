@@ -74,7 +74,7 @@ def decode_scratch_needs(weights, window: int, top_k: int) -> list[dict[str, int
     (glm53.model.transformer.ModelWeights): the parallel form's scratch for windows of up to `window`
     tokens and the prefill stage; reserved at load, before any CUDA graph is captured
     (glm53.ops.triton_exl3.reserve)."""
-    from glm53.ops.triton_exl3 import linear_scratch, mlp_scratch
+    from glm53.ops.triton_exl3 import linear_scratch, mlp_scratch  # Triton: CUDA only
 
     layers = list(weights.layers) + ([weights.mtp.layer] if weights.mtp is not None else [])
     needs = []

@@ -106,10 +106,10 @@ def select_topk(scores: torch.Tensor, k: int, nan_flag: torch.Tensor | None = No
     torch form below (`select_topk_torch`), which the kernels are tested against.
 
     NaN scores leave the selection undefined: raised here (a host sync), or, given `nan_flag` (a
-    device bool), or-ed into it for the caller to check after the forward (glm53.cuda_graphs)."""
+    device bool), or-ed into it for the caller to check after the forward (glm53.runtime.cuda_graphs)."""
     _check_scores(scores, k)
     if scores.shape[1] and ops.triton_topk_for(scores):
-        from glm53.ops import triton_topk
+        from glm53.ops import triton_topk  # Triton: CUDA only
 
         indices, valid, nans = triton_topk.select(scores, k)
         _check_nan(nans.any(), nan_flag)
@@ -123,7 +123,7 @@ def select_topk_nan_counts(scores: torch.Tensor, k: int) -> tuple[Selection, tor
     together (glm53.dist.dcp). The counts come out of the kernels' own pass where they run."""
     _check_scores(scores, k)
     if scores.shape[1] and ops.triton_topk_for(scores):
-        from glm53.ops import triton_topk
+        from glm53.ops import triton_topk  # Triton: CUDA only
 
         indices, valid, nans = triton_topk.select(scores, k)
         return Selection(indices, valid), nans

@@ -89,7 +89,7 @@ class DecodedExperts:
     index_add_ does, with no sync, so it can be graph-captured."""
 
     window_safe = True  # short windows take the slot form
-    SLOT_ROWS = SMALL_WINDOW_ROWS  # at least the windows glm53.cuda_graphs captures (no sync there)
+    SLOT_ROWS = SMALL_WINDOW_ROWS  # at least the windows glm53.runtime.cuda_graphs captures (no sync there)
 
     def __init__(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
         self.gate_up = gate_up  # [E, 2 * width, hidden]: gate rows then up rows
@@ -173,7 +173,7 @@ class MoEWeights:
 
     @property
     def window_safe(self) -> bool:
-        """Whether a short window runs without a host sync (glm53.cuda_graphs can capture it)."""
+        """Whether a short window runs without a host sync (glm53.runtime.cuda_graphs can capture it)."""
         return bool(getattr(self.experts, "window_safe", False))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from glm53.model import indexer
+from glm53.model.kv_state import KVState
+from glm53.model.mla import attend
+
 if TYPE_CHECKING:
     from glm53.model.indexer import Selection
     from glm53.model.mla import AttentionWeights
@@ -70,8 +74,6 @@ class RankPlan:
         scores [Tq, n] are for the keys at key_positions (None: the cache holds every position
         0..n-1, the world-1 case); the top-k is global, ties toward the lower position. nan_flag:
         as in indexer.select_topk (a graph-captured window checks NaN after the forward)."""
-        from glm53.model import indexer
-
         return indexer.select_topk(scores, k, nan_flag)
 
     def attend(self, w: "AttentionWeights", q_nope: torch.Tensor, q_rot: torch.Tensor, rows: torch.Tensor,
@@ -82,15 +84,11 @@ class RankPlan:
         rows [n, r + rope] are the rows this rank holds, at key_positions (None: all positions),
         selection from merge_topk. World 1: the absorbed attention of glm53.model.mla.attend, each
         query over its own selected rows, so the cost per query is bounded by index_topk."""
-        from glm53.model.mla import attend
-
         return attend(w, q_nope, q_rot, rows, selection)[0]
 
     # ---- the cache ------------------------------------------------------------------------
     def new_state(self, model, kv_dtype: str = "bf16"):  # noqa: ANN001, ANN201 - (Glm53Model) -> KVState
         """The cache for one sequence on this rank (a DCP layout keeps only its owned positions)."""
-        from glm53.kv_state import KVState
-
         indexed = frozenset(l.index for l in model.w.layers if l.indexer is not None)
         return KVState(n_layers=len(model.w.layers), latent_dim=model.cfg.latent_dim,
                        index_dim=model.cfg.index_head_dim, indexed_layers=indexed, kv_dtype=kv_dtype,

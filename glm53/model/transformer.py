@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from glm53.config import Glm53Config
-from glm53.kv_state import KVState
+from glm53.model.kv_state import KVState
 from glm53 import ops
 from glm53.model.indexer import IndexerWeights, Selection, index_scores, indexer_keys, indexer_queries
 from glm53.model.mla import AttentionWeights, latent_rows, output_projection, project_queries
@@ -161,7 +161,7 @@ class Glm53Model:
 
     def forward_window(self, state: KVState, ids: torch.Tensor, span: Span, taps: tuple[int, ...] = ()
                        ) -> ForwardOutput:
-        """The forward of a short window as glm53.cuda_graphs captures it: ids [T] and span.positions
+        """The forward of a short window as glm53.runtime.cuda_graphs captures it: ids [T] and span.positions
         on the device, rows written by index, keys [0, span.key_bound) scored; no host sync and no
         shape that depends on the position, so one capture serves every window of that length and
         bound. The caller reserves room and keeps state.tokens. The per-row arithmetic is forward()'s."""

@@ -19,8 +19,10 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from drafter.target import WindowOutput
 from glm53.runtime.drafted import DraftedRun
 from glm53.runtime.kv_pool import KVPool
+from glm53.runtime.options import with_options
 from glm53.runtime.runner import ModelRunner
 from glm53.runtime.scheduler import QueueFull, Scheduler, TooLarge, Work
 from glm53.runtime.sequence import OnTokens, Sequence, Status
@@ -42,8 +44,6 @@ class BatchEngine:
         if engine.plan.world != 1 and not lockstep:
             raise ValueError("over several ranks the batched runtime runs in lockstep on every rank "
                              "(glm53.dist.rank_batch.RankBatch)")
-        from glm53.engine import with_options
-
         self.engine = engine
         self.eos = frozenset(engine.eos)
         s = with_options(engine.settings, max_seqs=max_seqs, max_waiting=max_waiting, step_tokens=step_tokens,
@@ -239,8 +239,6 @@ class BatchEngine:
             self._finish(seq, seq.finish_reason)
 
     def _start_drafting(self, seq: Sequence, last_logits: torch.Tensor) -> None:
-        from drafter.target import WindowOutput
-
         outs, seq.prefill_outs = seq.prefill_outs, []
         hidden = torch.cat([o.hidden for o in outs])
         taps = {k: torch.cat([o.taps[k] for o in outs]) for k in outs[0].taps}

@@ -15,8 +15,10 @@ from typing import Any
 
 import torch
 
+from drafter.decode_loop import StopRule, drafted_decode
+from drafter.target import WindowOutput
 from glm53.model.transformer import ForwardOutput
-from glm53.state_target import StateTarget
+from glm53.runtime.state_target import StateTarget
 
 
 class Preempted(Exception):
@@ -34,9 +36,7 @@ class WindowTarget(StateTarget):
         super().__init__(engine, state)
         self.run = run
 
-    def forward(self, tokens: Seq[int], start: int, *, taps: Seq[int] = ()):  # -> drafter WindowOutput
-        from drafter.target import WindowOutput
-
+    def forward(self, tokens: Seq[int], start: int, *, taps: Seq[int] = ()) -> WindowOutput:
         out, logits = self.run.post(list(tokens), start)
         return WindowOutput(start=start, logits=logits, hidden=out.hidden, taps={k: out.taps[k] for k in taps})
 
@@ -86,8 +86,6 @@ class DraftedRun:
         return self._answer
 
     def _main(self, prefilled: Any, eos: frozenset[int]) -> None:
-        from drafter.decode_loop import StopRule, drafted_decode
-
         self._go.acquire()
         seq = self.seq
         base = len(seq.reply)  # tokens kept from before a preemption

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from glm53.kv_state import KVState
+from glm53.model.kv_state import KVState
 
 
 class KVPool:

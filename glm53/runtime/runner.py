@@ -11,7 +11,7 @@ from glm53.runtime.scheduler import Work
 
 
 class ModelRunner:
-    def __init__(self, engine) -> None:  # noqa: ANN001 (glm53.engine.Glm53Engine)
+    def __init__(self, engine) -> None:  # noqa: ANN001 (glm53.runtime.engine.Glm53Engine)
         self.engine = engine
         self.model = engine.model
 

@@ -43,7 +43,7 @@ class Scheduler:
                  chunk: int = 256, wave: int | None = None) -> None:
         self.pool, self.max_seqs, self.max_waiting = pool, max_seqs, max_waiting
         self.step_tokens, self.chunk = step_tokens, chunk
-        # with no stream to hold up, prefill takes a wave (glm53.engine's prefill_waves: a MoE layer
+        # with no stream to hold up, prefill takes a wave (glm53.runtime.engine's prefill_waves: a MoE layer
         # reads its experts once for several pieces)
         self.wave = max(wave or step_tokens, step_tokens)
         self.waiting: deque[Sequence] = deque()

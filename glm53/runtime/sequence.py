@@ -16,10 +16,10 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from glm53.kv_state import KVState
+from glm53.model.kv_state import KVState
 from glm53.model.transformer import ForwardOutput
-from glm53.logits_policy import LogitsPolicy
-from glm53.sampling import SamplingParams
+from glm53.runtime.logits_policy import LogitsPolicy
+from glm53.runtime.sampling import SamplingParams
 
 OnTokens = Callable[[list[int]], Any]
 
@@ -96,7 +96,7 @@ class Sequence:
             out.extend(self.policy.logprobs_at(range(first, first + len(tokens))))
 
     def take(self, token: int, eos: frozenset[int]) -> bool:
-        """Commit a serially decoded token (glm53.engine's serial rule: an eos token ends the reply
+        """Commit a serially decoded token (glm53.runtime.engine's serial rule: an eos token ends the reply
         and is part of it, but is not streamed; on_tokens returning False cancels). True: stop."""
         self.commit([token])
         if token in eos and not self.params.ignore_eos:

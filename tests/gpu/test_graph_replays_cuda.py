@@ -1,4 +1,4 @@
-"""CUDA graphs of short windows (glm53.cuda_graphs) against the eager forward, bit for bit.
+"""CUDA graphs of short windows (glm53.runtime.cuda_graphs) against the eager forward, bit for bit.
 
 - ops.expert_linear (the routed experts' slot form) gives every row the bits linear() gives it,
   alone and among many rows of its expert (the grouped form's tile configs);
@@ -83,7 +83,7 @@ def test_grouped_experts_give_the_loop_bits(dtype: torch.dtype, experts: int, hi
 
 
 def _engine(tiny_dirs, compute: str, kv: str, graphs: str, **kw):  # noqa: ANN001, F811
-    from glm53.engine import Glm53Engine
+    from glm53.runtime.engine import Glm53Engine
 
     return Glm53Engine(tiny_dirs.model, device="cuda", dtype=compute, kv_dtype=kv, cuda_graphs=graphs, **kw)
 

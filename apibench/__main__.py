@@ -1,3 +1,0 @@
-from apibench.cli import main
-
-main(prog_name="python -m apibench")

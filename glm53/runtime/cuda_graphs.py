@@ -1,0 +1,210 @@
+"""CUDA graphs for short windows: decode steps, draft verification, a one-word extension.
+
+Why: a one-token forward of GLM-5.3's layers is a few ms of GPU work behind several times that in
+host work (measured on the H200, 4 layers: 3.3 ms of kernels, ~8 ms of Python and ~250 launches).
+A captured graph replays the launches without the Python; on a DGX Spark's slower host, and at 78
+layers, that host time would otherwise bound decode.
+
+What is captured: `Glm53Model.forward_window` for one window length T and one key bound L, over
+one state's cache tensors. Everything that moves from step to step lives in device buffers the
+graph reads: the token ids and the positions. Rows are written by index and the queries score the
+cache rows [0, L): rows past the window are future to every query, so they score -inf and are
+never selected, and the forward computes exactly what the eager one does (the ops are row- and
+key-invariant; tests/gpu/test_graph_replays_cuda.py checks graph against eager bit for bit). L is the
+window's end rounded up to BOUND_STEP (capped by the capacity), so one graph serves BOUND_STEP
+positions of decoding, and the extra keys cost little.
+
+A graph holds the addresses of the state's cache tensors; `KVState.reserve` replaces them when it
+grows, and another conversation may bring another state. Graphs are therefore keyed by (T, L,
+taps, the cache tensors' addresses) and at most `max_graphs` are kept (least recently used first
+out), in one memory pool. The first window of a key runs eagerly (which also compiles the kernels),
+then the graph is captured (capture_begin/end on a side stream, without torch.cuda.graph's
+emptying of the allocator's caches: bench/bench_graph_capture.py); later windows replay it. Outputs are copied out of the graph's
+buffers, so a later replay never overwrites what a caller holds. NaN indexer scores, which the
+eager forward raises on, set a device flag that is checked after the replay, with the same error.
+
+Only where it is exact and sync-free: a CUDA device, row-invariant kernels (not
+TF_GLM53_KERNELS=torch), one rank with a plain KVState (collectives and DCP's top-k exchange are
+not captured), and every feed-forward block window-safe (DecodedExperts is; another expert bank
+falls back to eager).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from glm53 import ops
+from glm53.model.kv_state import KVState
+from glm53.model.indexer import SMALL_WINDOW_ROWS
+from glm53.model.transformer import ForwardOutput, Glm53Model, Span
+
+BOUND_STEP = 4096  # key bounds are multiples of this (or the capacity)
+MAX_WINDOW = SMALL_WINDOW_ROWS  # longer windows are prefill pieces: eager, where launches are amortized
+GRAPH_CHOICES = ("auto", "1", "0")
+
+
+def key_bound(stop: int, capacity: int, step: int = BOUND_STEP) -> int:
+    """The cache rows a window ending at `stop` scores: stop rounded up to `step`, within capacity."""
+    return min(capacity, -(-stop // step) * step)
+
+
+def cache_addresses(state: KVState) -> tuple[int, ...]:
+    """The addresses a captured graph reads and writes (they change when reserve grows the cache)."""
+    tensors = list(state.latent) + list(state.latent_scale) + list(state.index_keys.values()) \
+        + list(state.index_scale.values())
+    return tuple(t.data_ptr() if t is not None else 0 for t in tensors)
+
+
+@dataclass
+class _Captured:
+    ids: torch.Tensor
+    positions: torch.Tensor
+    nan_flag: torch.Tensor
+    graph: Any = None  # torch.cuda.CUDAGraph once captured
+    out: ForwardOutput | None = None  # the graph's output buffers
+
+
+@dataclass
+class GraphStats:
+    captures: int = 0
+    replays: int = 0
+    eager: int = 0  # windows that were not eligible
+    first_runs: int = 0  # eligible windows run eagerly because their key had no graph yet
+    evictions: int = 0
+    reasons: dict[str, int] = field(default_factory=dict)  # why windows ran eagerly
+
+
+class WindowGraphs:
+    """Runs short windows of one model through captured CUDA graphs (see the module docstring)."""
+
+    def __init__(self, model: Glm53Model, max_graphs: int = 16, bound_step: int = BOUND_STEP) -> None:
+        self.model = model
+        self.max_graphs = max_graphs
+        self.bound_step = bound_step
+        self.stats = GraphStats()
+        self._graphs: OrderedDict[tuple, _Captured] = OrderedDict()
+        self._pool: Any = None
+        self._stream: Any = None  # the capture stream (torch.cuda.Stream), made with the pool
+        self._graph_safe = model.graph_safe()  # the layers never change: asked once, not per window
+
+    # ---- eligibility --------------------------------------------------------------------------
+    def why_not(self, state: KVState, n: int) -> str | None:
+        """None when a window of n tokens over `state` can replay a graph, else the reason."""
+        m = self.model
+        if m.device.type != "cuda":
+            return "not on cuda"
+        if not ops.row_invariant(m.device):
+            return "kernels not row-invariant (TF_GLM53_KERNELS=torch)"
+        if m.plan.world != 1:
+            return "several ranks (collectives between them are not captured)"
+        if type(state) is not KVState:
+            return f"{type(state).__name__} (split cache) is not captured"
+        if not 1 <= n <= MAX_WINDOW:
+            return f"window of {n} tokens (graphs take 1..{MAX_WINDOW})"
+        if not self._graph_safe:
+            return "a feed-forward block is not window-safe"
+        return None
+
+    # ---- the forward ----------------------------------------------------------------------------
+    def forward(self, state: KVState, tokens: list[int], start: int, taps: tuple[int, ...] = ()
+                ) -> ForwardOutput | None:
+        """The window's ForwardOutput (rows written, state.tokens extended), or None when it is not
+        eligible (the caller runs the eager forward)."""
+        reason = self.why_not(state, len(tokens))
+        if reason is not None:
+            self.stats.eager += 1
+            self.stats.reasons[reason] = self.stats.reasons.get(reason, 0) + 1
+            return None
+        if start != state.length:
+            raise ValueError(f"forward at position {start} but the cache holds {state.length} rows; windows must continue it")
+        n = len(tokens)
+        state.reserve(start + n)  # before keying: growing moves the cache
+        bound = key_bound(start + n, state.capacity, self.bound_step)
+        key = (n, bound, tuple(taps), state.kv_dtype, cache_addresses(state))
+        entry = self._graphs.get(key)
+        if entry is None or entry.graph is None:
+            entry = entry or self._new_entry(n)
+            self._fill(entry, tokens, start)
+            out = self._eager(state, entry, bound, taps)  # the result; compiles what capture needs
+            if key not in self._graphs:
+                self._capture(entry, state, bound, taps, key)
+        else:
+            self._graphs.move_to_end(key)
+            self._fill(entry, tokens, start)
+            entry.graph.replay()
+            self.stats.replays += 1
+            out = _copy(entry.out)
+        if bool(entry.nan_flag.item()):
+            raise ValueError("indexer scores contain NaN; the selection is undefined")
+        state.tokens.extend(tokens)
+        return out
+
+    # ---- internals --------------------------------------------------------------------------------
+    def _new_entry(self, n: int) -> _Captured:
+        dev = self.model.device
+        return _Captured(ids=torch.zeros(n, dtype=torch.long, device=dev),
+                         positions=torch.zeros(n, dtype=torch.long, device=dev),
+                         nan_flag=torch.zeros((), dtype=torch.bool, device=dev))
+
+    @staticmethod
+    def _fill(entry: _Captured, tokens: list[int], start: int) -> None:
+        n = len(tokens)
+        host = torch.tensor([*tokens, *range(start, start + n)], dtype=torch.long)
+        if entry.ids.is_cuda:
+            host = host.pin_memory()  # an asynchronous copy, ordered before the replay on the stream
+        entry.ids.copy_(host[:n], non_blocking=True)
+        entry.positions.copy_(host[n:], non_blocking=True)
+
+    def _run(self, state: KVState, entry: _Captured, bound: int, taps: tuple[int, ...]) -> ForwardOutput:
+        entry.nan_flag.zero_()
+        span = Span(entry.positions, None, bound, entry.nan_flag)
+        return self.model.forward_window(state, entry.ids, span, taps)
+
+    def _eager(self, state: KVState, entry: _Captured, bound: int, taps: tuple[int, ...]) -> ForwardOutput:
+        self.stats.first_runs += 1
+        return self._run(state, entry, bound, taps)
+
+    def _capture(self, entry: _Captured, state: KVState, bound: int, taps: tuple[int, ...], key: tuple) -> None:
+        """Record the window's launches. Capture executes nothing: the eager run just now wrote the
+        rows and gave the output; replays write the same rows again for their own ids."""
+        device = self.model.device
+        torch.cuda.synchronize(device)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+            self._stream = torch.cuda.Stream(device)
+        graph = torch.cuda.CUDAGraph()
+        # capture_begin/end on a side stream, as torch.cuda.graph does, but without its
+        # empty_cache() calls: they return the allocator's cached device and pinned blocks (~25 ms
+        # a capture on the H200, then the next forward's allocations pay cudaMalloc again), and a
+        # capture happens inside a request whenever a window meets a new key
+        try:
+            with torch.cuda.stream(self._stream):
+                graph.capture_begin(self._pool)
+                try:
+                    entry.out = self._run(state, entry, bound, taps)
+                finally:
+                    graph.capture_end()
+            torch.cuda.current_stream(device).wait_stream(self._stream)
+        except RuntimeError as exc:  # something in the forward synced: keep running this key eagerly
+            reason = f"capture failed: {str(exc).splitlines()[0][:120]}"
+            self.stats.reasons[reason] = self.stats.reasons.get(reason, 0) + 1
+            torch.cuda.synchronize(self.model.device)
+        else:
+            entry.graph = graph
+            self.stats.captures += 1
+        self._keep(key, entry)
+
+    def _keep(self, key: tuple, entry: _Captured) -> None:
+        """Remember the key's entry (captured, or eager after a failed capture); least recent out."""
+        self._graphs[key] = entry
+        while len(self._graphs) > self.max_graphs:
+            self._graphs.popitem(last=False)
+            self.stats.evictions += 1
+
+
+def _copy(out: ForwardOutput) -> ForwardOutput:
+    return ForwardOutput(hidden=out.hidden.clone(), last_layer=out.last_layer.clone(),
+                         taps={k: v.clone() for k, v in out.taps.items()})
