@@ -4,7 +4,7 @@ against the bytes floor, and exllamav3 1.6.5's own kernels on the same tensors, 
     python -m bench.bench_exl3_moe --out bench/results/exl3_moe_h200.json [--exllamav3] [--forms ...]
 
 The layer: 256 routed experts (6144 -> 2048 -> 6144, top 8), their widths a deterministic 2/3/4-bit
-mix per projection (10/50/40 %, glm53.weights.synthetic.default_expert_bits: ~3.3 bits, like the
+mix per projection (10/50/40 %, glm53.synthetic.checkpoints.default_expert_bits: ~3.3 bits, like the
 3.38 bpw pack), one codebook (mcg), a shared expert (4/4/3 bits); random trellis bits, packed as the
 loader packs them (glm53.exl3.packing, block-major) into one bank. Measured:
 - decode: the kit's MLP (rotation, gate/up, down with each token's sum: three launches) over T tokens

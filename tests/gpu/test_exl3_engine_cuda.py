@@ -51,7 +51,7 @@ def prefill(engine, prompt: list[int], reuse: bool) -> tuple[torch.Tensor, list[
 def test_prefill_bits_do_not_depend_on_staging_or_reuse(tiny_exl3_all_dirs, monkeypatch):  # noqa: F811
     if not torch.cuda.is_available():
         pytest.skip("gpu: no CUDA device")
-    from glm53.engine import Glm53Engine
+    from glm53.runtime.engine import Glm53Engine
     from glm53.ops import triton_exl3
 
     staged: list[list[int]] = []
