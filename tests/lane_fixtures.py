@@ -53,10 +53,15 @@ def track_port(port: int) -> int:
     return port
 
 
+# the lanes' ranks share the host's cores with each other and with this process: one torch thread
+# each (as tests/dist_workers.py's ranks), unless the caller's environment chose a count
+RANK_ENV = {"OMP_NUM_THREADS": "1"}
+
+
 def run_kit_script(*args: str, env: dict[str, str] | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
     """`bash <args>` in the kit's root (serve.sh, verify.sh), env added to this process' environment."""
     return subprocess.run(["bash", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+                          env={**RANK_ENV, **os.environ, **(env or {})})
 
 
 def rank_pids(port: int, ranks: int) -> list[int]:
@@ -99,7 +104,7 @@ def kill_rank_while_loading(*serve_args: str, rank: int, timeout: float) -> subp
     loading, and return how the start ended (returncode, stdout, stderr); the lane is stopped after."""
     port = free_port()
     proc = subprocess.Popen(["bash", "serve.sh", *serve_args, "--port", str(port)], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**RANK_ENV, **os.environ})
     try:
         def loading() -> bool:
             ranks = lane_state(port).get("ranks") or []

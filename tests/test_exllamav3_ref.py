@@ -23,6 +23,7 @@ sys.path.insert(0, str(REPO / "tests" / "gpu"))
 
 import exllamav3_ref as ref  # noqa: E402
 
+pytestmark = pytest.mark.host_threads  # max_rel < 1e-5 holds for the sums MKL makes at the host's threads
 HIDDEN, INTER, TOP_K = 256, 128, 8
 REGISTRY: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # trellis data_ptr -> (trellis, suh, svh)
 

@@ -22,9 +22,10 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 
 @pytest.fixture
-def threads():
+def threads(host_threads: int):
+    """Set torch's thread count, up to the host's (tests/conftest.py runs the suite on one)."""
     saved = torch.get_num_threads()
-    yield lambda n: torch.set_num_threads(max(1, min(n, saved)))
+    yield lambda n: torch.set_num_threads(max(1, min(n, host_threads)))
     torch.set_num_threads(saved)
 
 
