@@ -83,12 +83,13 @@ def test_dcp_state_holds_and_reads_only_owned_rows(kv_dtype: str) -> None:
         assert torch.equal(got, whole.read_latent(0, n, torch.float32)[positions])
 
 
-@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8", "fp32"])
 def test_layout_kv_bytes_equal_what_kv_state_allocates(tiny_dirs, kv_dtype: str) -> None:  # noqa: F811
     cfg = Glm53Config.from_dir(tiny_dirs.model)
     indexed = frozenset(i for i in range(cfg.num_hidden_layers) if cfg.indexer_is_full(i))
     tokens, R = 1031, 4
-    formula = kv_bytes_per_rank(cfg, tokens, R, kv_dtype=kv_dtype, include_mtp=False)
+    # fp32 caches (the CPU tests') are no serving format: the plan refuses them, the KV pool counts them
+    formula = kv_bytes_per_rank(cfg, tokens, R, kv_dtype=kv_dtype, include_mtp=False) if kv_dtype != "fp32" else None
     for rank in range(R):
         own = dcp.Ownership(rank, R)
         state = KVState(n_layers=cfg.num_hidden_layers, latent_dim=cfg.latent_dim, index_dim=cfg.index_head_dim,
@@ -96,6 +97,8 @@ def test_layout_kv_bytes_equal_what_kv_state_allocates(tiny_dirs, kv_dtype: str)
         state.reserve(own.count(tokens))
         tensors = [*state.latent, *state.latent_scale, *state.index_keys.values(), *state.index_scale.values()]
         allocated = sum(t.numel() * t.element_size() for t in tensors if t is not None)
-        assert allocated == formula[rank] == own.count(tokens) * state.bytes_per_position()
-    assert kv_token_bytes(cfg, kv_dtype, include_mtp=False).latent == (
-        cfg.latent_dim * (2 if kv_dtype == "bf16" else 1) + (4 if kv_dtype == "fp8" else 0))
+        assert allocated == own.count(tokens) * state.bytes_per_position()
+        assert formula is None or allocated == formula[rank]
+    if formula is not None:
+        assert kv_token_bytes(cfg, kv_dtype, include_mtp=False).latent == (
+            cfg.latent_dim * (2 if kv_dtype == "bf16" else 1) + (4 if kv_dtype == "fp8" else 0))

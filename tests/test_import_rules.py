@@ -105,14 +105,15 @@ def _matches(module: str, allowed: tuple[str, ...]) -> bool:
 
 
 # ---- the layers' directions -----------------------------------------------------------------------
-GLM53_BASE = ("glm53.config", "glm53.settings", "glm53.atomic_json")
+GLM53_BASE = ("glm53.config", "glm53.settings", "glm53.atomic_json", "glm53.kv_format")
 RULES = [  # (files, the modules they may import from the product packages, why)
     ("glm53/formats", ("glm53.formats", "glm53.config"), "the checkpoint formats sit below everything that reads one"),
     ("glm53/exl3", ("glm53.exl3", "glm53.formats", *GLM53_BASE), "the EXL3 codec sees the formats only"),
     ("glm53/ops", ("glm53.ops", "glm53.exl3", "glm53.settings"), "ops sit below the model"),
-    ("glm53/model", ("glm53.model", "glm53.ops", "glm53.exl3", "glm53.config", "glm53.settings"),
+    ("glm53/model", ("glm53.model", "glm53.ops", "glm53.exl3", "glm53.config", "glm53.settings", "glm53.kv_format"),
      "the model sees ops, EXL3, its config; its KV state (glm53/model/kv_state.py) is its own"),
-    ("glm53/model/kv_state.py", ("glm53.model.token_log",), "the KV state is storage"),
+    ("glm53/model/kv_state.py", ("glm53.model.token_log", "glm53.kv_format"),
+     "the KV state is storage, in the row format the memory plan counts"),
     ("glm53/runtime", ("glm53.runtime", "glm53.model", "glm53.ops", "glm53.loading", "glm53.layout", *GLM53_BASE,
                        "drafter.decode_loop", "drafter.policy", "drafter.target"),
      "the runtime sees the model, the loader, and of drafting only the loop and its Target protocol; its "

@@ -8,7 +8,7 @@ What a GLM-5.3 layer caches per token (transformers' glm_moe_dsa, DeepSeek-V3.2 
 The latent is not split by head, so tensor parallelism does not divide it: without DCP every rank
 holds every position; with DCP position p lives on rank p % R, so rank r holds ceil((T - r) / R).
 
-Storage formats (`kv_dtype`), exactly what glm53.model.kv_state.KVState allocates (`row_bytes`):
+Storage formats (`kv_dtype`), exactly what glm53.model.kv_state.KVState allocates (glm53.kv_format.row_bytes):
 - "bf16": 2 bytes a value: 1152 bytes of latent and 256 of indexer key per token and layer;
 - "fp8": e4m3 values with one fp32 scale per row: 576 + 4 = 580 bytes of latent, 128 + 4 = 132
   of indexer key. (FlashMLA's fp8 layout, a scale per 128 latent values and the rope part in
@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from glm53.config import Glm53Config
-from glm53.model.kv_state import row_bytes
+from glm53.kv_format import row_bytes
 
 KV_DTYPES = ("bf16", "fp8")
 

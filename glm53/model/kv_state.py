@@ -25,6 +25,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
+from glm53.kv_format import row_bytes
 from glm53.model.token_log import TokenLog
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -292,13 +293,3 @@ class KVState:
     def bytes_per_position(self) -> int:
         return (self.n_layers * row_bytes(self.latent_dim, self.kv_dtype)
                 + len(self.index_keys) * row_bytes(self.index_dim, self.kv_dtype))
-
-
-def row_bytes(dim: int, kv_dtype: str) -> int:
-    """Bytes one cached row of `dim` values takes: the values in the cache dtype, plus one fp32
-    scale per row for fp8. glm53.layout.kv (the memory plan) counts with this, so the plan is
-    what KVState allocates."""
-    if kv_dtype not in KV_DTYPES:
-        raise ValueError(f"kv_dtype {kv_dtype!r}: choose one of {', '.join(KV_DTYPES)}")
-    size = torch.empty((), dtype=KV_DTYPES[kv_dtype]).element_size()
-    return dim * size + (4 if kv_dtype == "fp8" else 0)
