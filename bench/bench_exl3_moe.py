@@ -52,7 +52,7 @@ PROJ = ("gate_proj", "up_proj", "down_proj")
 
 def random_parts(gen: torch.Generator, in_f: int, out_f: int, bits: float, codebook: str) -> dict[str, torch.Tensor]:
     """One EXL3 linear's tensors with random trellis bits, made on gen's device (a 256-expert layer is
-    4 GB of trellis: made and packed on the GPU in seconds, where the host took minutes)."""
+    4 GB of trellis: seconds to make and pack on the GPU, minutes on its host's CPU)."""
     dev, words = gen.device, int(16 * bits)
     trellis = torch.randint(-(1 << 15), 1 << 15, (in_f // 16, out_f // 16, words), generator=gen, device=dev,
                             dtype=torch.int32).to(torch.int16)
