@@ -170,11 +170,14 @@ def main() -> int:
         rank_engine(args.model, args.follower, args.ranks, args.port, args.device).follow()
         return 0
     counts = [int(n) for n in args.streams.split(",")]
+    if args.long_prompt and args.long_streams > max(counts):
+        p.error(f"--long-streams {args.long_streams}: each stream's reply is checked against its reply in a "
+                f"--streams round; give a round of at least {args.long_streams} streams")
     model = args.model or checkpoint(args.work)
     out = args.out or RESULTS / f"batching_cpu_tiny{'' if args.ranks == 1 else f'_R{args.ranks}'}.json"
     followers: list[subprocess.Popen] = []
     budget = args.step_tokens or max(counts) * args.prompt
-    seats = max(counts + [args.long_streams + 1 if args.long_prompt else 0])
+    seats = max(counts) + (1 if args.long_prompt else 0)
     if args.ranks > 1:
         port, followers = start_followers(model, args.ranks, args.device, args.threads)
         lead = rank_engine(model, 0, args.ranks, port, args.device)
@@ -184,8 +187,7 @@ def main() -> int:
         engine = Glm53Engine(model, **{k: v for k, v in engine_options(args.device).items() if v is not None})
         batch = engine.batch_engine(max_seqs=seats, step_tokens=budget)
     vocab = engine.vocab_size
-    prompts = [[(7 + 31 * i + 17 * j) % vocab for j in range(args.prompt)]
-               for i in range(max(counts + [args.long_streams]))]
+    prompts = [[(7 + 31 * i + 17 * j) % vocab for j in range(args.prompt)] for i in range(max(counts))]
     one_round(batch, prompts[:2], 4)  # warm-up, discarded
     rows, alone_replies, long_rows = [], {}, []
     for r in range(args.repeats):
@@ -202,7 +204,7 @@ def main() -> int:
         if args.long_prompt:
             long = [(3 + 11 * j) % vocab for j in range(args.long_prompt)]
             row = long_prompt_round(batch, prompts[:args.long_streams], args.tokens, long)
-            if any(alone_replies.get(i, reply) != reply for i, reply in enumerate(row.pop("replies"))):
+            if any(alone_replies[i] != reply for i, reply in enumerate(row.pop("replies"))):
                 raise SystemExit("a stream's reply beside the long prompt differs from its reply alone")
             long_rows.append({"repeat": r, **row})
             log(f"repeat {r} long prompt {args.long_prompt}: streams' worst gap {1e3 * row['worst_gap_s']:.1f} ms "

@@ -6,7 +6,8 @@ agree).
 """
 from __future__ import annotations
 
-KV_DTYPE_BYTES = {"bf16": 2, "fp32": 4, "fp8": 1}  # a value's bytes in each cache dtype
+KV_DTYPE_BYTES = {"bf16": 2, "fp8": 1, "fp32": 4}  # a value's bytes in each cache dtype
+SERVING_KV_DTYPES = ("bf16", "fp8")  # what a lane serves (fp32 caches are the CPU tests')
 FP8_SCALE_BYTES = 4  # fp8 rows carry one fp32 scale each
 
 

@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from glm53.kv_format import KV_DTYPE_BYTES
+
 PREFIX = "TF_GLM53_"
 TEST_ONLY = {
     "TF_GLM53_EXLLAMAV3_DIR": "tests/gpu/exllamav3_ref.py: where the exllamav3 reference is built",
@@ -44,7 +46,7 @@ TEST_ONLY = {
 }
 DEVICES = ("cuda", "cpu")
 DTYPES = ("bf16", "fp32")
-KV_DTYPES = ("bf16", "fp8", "fp32")
+KV_DTYPES = tuple(KV_DTYPE_BYTES)
 TRISTATE = ("auto", "1", "0")
 KERNEL_CHOICES = ("auto", "triton", "torch")
 DIST_BACKENDS = ("nccl", "gloo")

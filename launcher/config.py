@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from glm53.kv_format import SERVING_KV_DTYPES
 from glm53.settings import PREFIX, Settings, SettingsError, env_name
 
 KIT_DIR = Path(__file__).resolve().parents[1]
@@ -23,7 +24,7 @@ DEFAULT_PORT = 8300
 DEFAULT_MODEL_ID = "glm-5.3-exl3"
 DEFAULT_MASTER_PORT = 29551
 FORWARDED_PREFIXES = (PREFIX, "TENSORFOLD_")
-KV_DTYPES = ("bf16", "fp8")
+KV_DTYPES = SERVING_KV_DTYPES
 
 # Environment variables that override the cluster file (flags override both).
 ENV_OVERRIDES = {

@@ -19,9 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from glm53.config import Glm53Config
-from glm53.kv_format import row_bytes
+from glm53.kv_format import SERVING_KV_DTYPES, row_bytes
 
-KV_DTYPES = ("bf16", "fp8")
+KV_DTYPES = SERVING_KV_DTYPES
 
 
 @dataclass(frozen=True)

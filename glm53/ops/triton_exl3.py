@@ -766,7 +766,8 @@ def _stage_into(bank: Exl3Bank, mats: list[int], stage: torch.Tensor, form: Form
         bank.derived[key] = (table.to(bank.device), torch.tensor(mats, dtype=torch.int32).to(bank.device), at)
     table, mats_dev, needed = bank.derived[key]
     if needed > stage.numel():
-        raise ValueError(f"EXL3 stage holds {stage.numel()} values, matrices {mats} need {needed}")
+        raise ValueError(f"EXL3 stage holds {stage.numel()} values, matrices {mats} need {needed}: size it with "
+                         "SCRATCH.get('stage', ...) or reserve() from mlp_scratch / linear_scratch first")
     blocks = max(bank.layouts[m].in_read for m in mats) // HAD, max(bank.layouts[m].out_read for m in mats) // HAD
     _stage_kernel[(*blocks, len(mats))](
         bank.words.view(torch.int32), bank.table, mats_dev, stage, table, CB=_codebook_arg(bank), LANES=form.decoder,
