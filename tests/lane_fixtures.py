@@ -1,4 +1,4 @@
-"""Helpers for the glm53/serving/front/launcher tests: a real tokenizer built offline, a stand-in engine for the
+"""Helpers for the front and launcher tests: a real tokenizer built offline, a stand-in engine for the
 front's own HTTP behaviour, free ports, and starting, waiting on and stopping serve.sh lanes."""
 from __future__ import annotations
 
