@@ -100,17 +100,21 @@ def running_lane(*serve_args: str, env: dict[str, str] | None = None,
 
 
 def kill_rank_while_loading(*serve_args: str, rank: int, timeout: float) -> subprocess.CompletedProcess:
-    """Start `serve.sh <serve_args> --port <free port>`, SIGKILL `rank` as soon as lane.json says it is
-    loading, and return how the start ended (returncode, stdout, stderr); the lane is stopped after."""
+    """Start `serve.sh <serve_args> --port <free port>`, SIGKILL `rank` as soon as its log shows it
+    loading, and return how the start ended (returncode, stdout, stderr); the lane is stopped after.
+    The log, not lane.json: the supervisor rewrites lane.json between /health polls, which a loading
+    rank 0 answers slowly, so a tiny model's load can pass between two writes."""
     port = free_port()
     proc = subprocess.Popen(["bash", "serve.sh", *serve_args, "--port", str(port)], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**RANK_ENV, **os.environ})
     try:
-        def loading() -> bool:
-            ranks = lane_state(port).get("ranks") or []
-            return any(r["rank"] == rank and r.get("state") == "loading" for r in ranks)
+        log = LANES_DIR / str(port) / f"rank{rank}.log"
 
-        wait_for(loading, 60, f"rank {rank} to report loading")
+        def loading() -> bool:
+            return log.exists() and '"state": "loading"' in log.read_text(errors="replace")
+
+        wait_for(lambda: loading() or proc.poll() is not None, 60, f"rank {rank} to report loading")
+        assert proc.poll() is None, f"serve.sh ended before rank {rank} loaded: {proc.communicate()}"
         os.kill(rank_pids(port, rank + 1)[rank], signal.SIGKILL)
         out, err = proc.communicate(timeout=timeout)
     finally:
