@@ -25,6 +25,7 @@ import torch
 from glm53 import ops
 from glm53.dist.collectives import Comm, byte_rows
 from glm53.model.indexer import Selection, _check_nan, select_topk_nan_counts
+from glm53.model.parallel import AttentionSpan
 
 POSITION_BITS = 31  # positions < 2**31 (the model's context is 2**20)
 _POS_MASK = (1 << POSITION_BITS) - 1
@@ -198,31 +199,57 @@ class PendingSelection:
 def tp_dcp_attention(comm: Comm, q_nope: torch.Tensor, q_rot: torch.Tensor, w_uk_t: torch.Tensor, w_uv: torch.Tensor,
                      rows: torch.Tensor, selection: "Selection | PendingSelection", head_ranges: list[tuple[int, int]],
                      scale: float) -> torch.Tensor:
-    """MLA with heads split by TP and positions by DCP on the same ranks (absorbed form).
+    """MLA with heads split by TP and positions by DCP on the same ranks (absorbed form), one
+    sequence: tp_dcp_attention_spans of one span."""
+    return tp_dcp_attention_spans(comm, [AttentionSpan(q_nope, q_rot, rows, None, selection)], w_uk_t, w_uv,
+                                  head_ranges, scale)
 
-    This rank holds its heads' queries q_nope [T, h, nope], q_rot [T, h, rope] and weights
-    w_uk_t [h, r, nope], w_uv [h, v, r], and the latent rows it owns [n, r + rope] with the selection
-    (indices into those rows, fixed width; a PendingSelection travels with the queries and is
-    resolved on arrival). One all-gather of the absorbed queries (every rank attends with every
-    head over its own rows), one all-to-all merge to the heads' owners (rank order), then
-    W_uv on this rank's heads: out [T, h, v], as one rank attending over all positions. Each query
-    attends over its own fixed-width selection (glm53.ops.latent_attention), so a row's bits do not
-    depend on the other queries of the forward."""
-    q_lat = ops.head_linear(q_nope, w_uk_t)
+
+def tp_dcp_attention_spans(comm: Comm, spans: list[AttentionSpan], w_uk_t: torch.Tensor, w_uv: torch.Tensor,
+                           head_ranges: list[tuple[int, int]], scale: float) -> torch.Tensor:
+    """MLA with heads split by TP and positions by DCP on the same ranks (absorbed form), over the
+    spans of several sequences in one exchange.
+
+    This rank holds its heads' weights w_uk_t [h, r, nope], w_uv [h, v, r] and, per span, its queries
+    and the latent rows it owns (span.key_positions unused) with the selection (indices into those rows, fixed width; a
+    PendingSelection travels with the queries and is resolved on arrival). One all-gather of every
+    span's absorbed queries (every rank attends with every head over its own rows), one all-to-all
+    merge to the heads' owners (rank order), then W_uv on this rank's heads: out [sum T, h, v], the
+    spans' rows in order, as one rank attending over all positions. The exchanges carry every
+    span's rows side by side, so a batch of sequences costs two round trips a layer, not two a
+    sequence. Each query attends over its own fixed-width selection (glm53.ops.latent_attention) and
+    the merge is per row, so a row's bits depend neither on the other queries nor on the other spans."""
+    sizes = [span.q_nope.shape[0] for span in spans]
+    q_nope = spans[0].q_nope if len(spans) == 1 else torch.cat([span.q_nope for span in spans])
+    q_rot = spans[0].q_rot if len(spans) == 1 else torch.cat([span.q_rot for span in spans])
+    q_lat = ops.head_linear(q_nope, w_uk_t)  # row-invariant: all spans' rows in one product
     width = max(b - a for a, b in head_ranges)
     packed = torch.cat([q_lat, q_rot.to(q_lat.dtype)], dim=-1)
     packed = torch.nn.functional.pad(packed, (0, 0, 0, width - packed.shape[1]))
-    if isinstance(selection, PendingSelection) and selection.resolved is None:
-        every, words = comm.all_gather_packed([packed, selection.words], name="tp_dcp_queries_topk")
-        selection = selection.resolve(words)
+    pending = [isinstance(span.selection, PendingSelection) and span.selection.resolved is None for span in spans]
+    if any(pending):  # a 'full' layer: every span's top-k candidates ride with the queries
+        if not all(pending):
+            raise ValueError("spans of one layer mix pending and resolved selections")
+        words = torch.cat([span.selection.words for span in spans])
+        every, gathered_words = comm.all_gather_packed([packed, words], name="tp_dcp_queries_topk")
     else:
         every = comm.all_gather(packed, name="tp_dcp_queries")  # [R, T, width, r + rope]
-        if isinstance(selection, PendingSelection):  # a 'shared' layer after the 'full' one
-            selection = selection.resolved
     q_all = torch.cat([every[j][:, : b - a] for j, (a, b) in enumerate(head_ranges)], dim=1)  # [T, H, r + rope]
     r = q_lat.shape[-1]
-    latent_out, lse = ops.latent_attention(q_all, rows, selection.indices, selection.valid, scale, r,
-                                           valid_prefix=True)
+    outs, lses, t0 = [], [], 0
+    for span, n, fresh in zip(spans, sizes, pending):
+        selection = span.selection
+        if fresh:
+            selection = selection.resolve(gathered_words[:, t0:t0 + n])
+        elif isinstance(selection, PendingSelection):  # a 'shared' layer after the 'full' one
+            selection = selection.resolved
+        out, lse = ops.latent_attention(q_all[t0:t0 + n], span.rows, selection.indices, selection.valid, scale, r,
+                                        valid_prefix=True)
+        outs.append(out)
+        lses.append(lse)
+        t0 += n
+    latent_out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    lse = lses[0] if len(lses) == 1 else torch.cat(lses)
     merged, _ = dcp_merge_to_owners(comm, latent_out.transpose(0, 1), lse.transpose(0, 1), head_ranges)
     return ops.head_linear(merged.to(q_lat.dtype).transpose(0, 1).contiguous(), w_uv)
 

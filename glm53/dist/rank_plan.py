@@ -38,7 +38,7 @@ from glm53.dist.dcp_state import DcpKVState
 from glm53.model.indexer import Selection, select_topk
 from glm53.model.kv_state import KVState
 from glm53.model.mla import AttentionWeights
-from glm53.model.parallel import RankPlan
+from glm53.model.parallel import AttentionSpan, RankPlan
 
 if TYPE_CHECKING:
     from glm53.model.transformer import Glm53Model
@@ -110,8 +110,14 @@ class DistRankPlan(RankPlan):
                total_heads: int) -> torch.Tensor:
         if key_positions is None:  # every rank holds every position: attend locally with our heads
             return super().attend(w, q_nope, q_rot, rows, key_positions, selection, total_heads)
-        return dcp.tp_dcp_attention(self._comm, q_nope, q_rot, w.w_uk_t, w.w_uv, rows, selection,
-                                    tp.head_ranges(total_heads, self.world), w.scale)
+        return self.attend_spans(w, [AttentionSpan(q_nope, q_rot, rows, key_positions, selection)], total_heads)
+
+    def attend_spans(self, w: AttentionWeights, spans: list[AttentionSpan], total_heads: int) -> torch.Tensor:
+        """DCP on: every span's queries in one all-gather and their partials in one all-to-all."""
+        if all(s.key_positions is None for s in spans):  # every rank holds every position: local, our heads
+            return super().attend_spans(w, spans, total_heads)
+        return dcp.tp_dcp_attention_spans(self._comm, spans, w.w_uk_t, w.w_uv, tp.head_ranges(total_heads, self.world),
+                                          w.scale)
 
     # ---- state ---------------------------------------------------------------------------
     def new_state(self, model: "Glm53Model", kv_dtype: str = "bf16") -> KVState:

@@ -8,8 +8,9 @@ work (glm53/layout, glm53/dist) replaces this class (or subclasses it) without t
 - the gather of vocabulary-sharded logits,
 - the cache object for one sequence (`new_state`: a DCP layout keeps only its owned positions),
 - the indexer's global top-k over the positions this rank holds (`merge_topk`),
-- attention of this rank's heads over the selected positions (`attend`: under DCP, partial
-  (out, lse) from every rank merged by log-sum-exp at the heads' owners).
+- attention of this rank's heads over the selected positions (`attend`, and `attend_spans` for
+  several sequences' spans of one layer: under DCP, partial (out, lse) from every rank merged by
+  log-sum-exp at the heads' owners, every span's rows in the same exchanges).
 
 World 1 is implemented here: every method is the identity.
 """
@@ -27,6 +28,19 @@ from glm53.model.mla import attend
 if TYPE_CHECKING:
     from glm53.model.indexer import Selection
     from glm53.model.mla import AttentionWeights
+
+
+@dataclass
+class AttentionSpan:
+    """One sequence's part of a layer's attention on this rank: its heads' queries q_nope [T, h, nope],
+    q_rot [T, h, rope], the cache rows this rank holds [n, r + rope] at key_positions (None: every
+    position) and the selection over them (merge_topk's)."""
+
+    q_nope: torch.Tensor
+    q_rot: torch.Tensor
+    rows: torch.Tensor
+    key_positions: torch.Tensor | None
+    selection: "Selection"
 
 
 @dataclass(frozen=True)
@@ -85,6 +99,12 @@ class RankPlan:
         selection from merge_topk. World 1: the absorbed attention of glm53.model.mla.attend, each
         query over its own selected rows, so the cost per query is bounded by index_topk."""
         return attend(w, q_nope, q_rot, rows, selection)[0]
+
+    def attend_spans(self, w: "AttentionWeights", spans: list[AttentionSpan], total_heads: int) -> torch.Tensor:
+        """`attend` over several sequences' spans of one layer -> [sum T, h, v], the spans' rows in
+        order. Here each span apart (no exchange to share)."""
+        outs = [self.attend(w, s.q_nope, s.q_rot, s.rows, s.key_positions, s.selection, total_heads) for s in spans]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     # ---- the cache ------------------------------------------------------------------------
     def new_state(self, model, kv_dtype: str = "bf16"):  # noqa: ANN001, ANN201 - (Glm53Model) -> KVState

@@ -20,7 +20,7 @@ from glm53.model.indexer import IndexerWeights, Selection, index_scores, indexer
 from glm53.model.mla import AttentionWeights, latent_rows, output_projection, project_queries
 from glm53.model.moe import MLPWeights, MoEWeights
 from glm53.model.norm import rms_norm
-from glm53.model.parallel import RankPlan
+from glm53.model.parallel import AttentionSpan, RankPlan
 from glm53.model.rope import inverse_frequencies, rope_angles
 
 @dataclass
@@ -268,8 +268,9 @@ class Glm53Model:
                         selections: list[Selection | None]) -> tuple[torch.Tensor, torch.Tensor]:
         """A layer up to its feed-forward block over the rows of several spans (sizes: each span's
         rows, in order): the projections over all the rows at once, then per span its cache rows
-        written, its keys read back, its selection (updated in `selections`: the next 'shared'
-        layers reuse it) and its attention, then the output projection over all the rows. Returns
+        written, its keys read back and its selection (updated in `selections`: the next 'shared'
+        layers reuse it), then every span's attention (plan.attend_spans: under DCP in shared
+        exchanges), then the output projection over all the rows. Returns
         x after the attention's residual and the normed input of the feed-forward block."""
         cfg, a, plan = self.cfg, layer.attn, self.plan
         h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
@@ -278,7 +279,7 @@ class Glm53Model:
         if layer.indexer is not None:
             index_keys = indexer_keys(layer.indexer, h, cos, sin)
             q_idx = indexer_queries(layer.indexer, q_resid, cos, sin)
-        outs, a0 = [], 0
+        parts, a0 = [], 0
         for i, (state, span, n) in enumerate(zip(states, spans, sizes)):
             rows = slice(a0, a0 + n)
             a0 += n
@@ -294,9 +295,9 @@ class Glm53Model:
                 selections[i] = plan.merge_topk(scores, key_positions, cfg.index_topk, span.nan_flag)
             elif selections[i] is None:
                 raise ValueError(f"layer {layer.index} shares the indexer selection but no earlier full layer ran")
-            outs.append(plan.attend(a, q_nope[rows], q_rot[rows], cached, key_positions, selections[i],
-                                    cfg.num_attention_heads))
-        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+            parts.append(AttentionSpan(q_nope[rows], q_rot[rows], cached, key_positions, selections[i]))
+        # every span's attention at once: under DCP their exchanges are shared (two a layer, not two a span)
+        out = plan.attend_spans(a, parts, cfg.num_attention_heads)
         x = x + plan.sum_partials(output_projection(a, out))
         return x, rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
 
