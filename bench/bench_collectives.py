@@ -2,12 +2,16 @@
 
     python -m bench.bench_collectives                                 # tiny checkpoint, R = 2 and 4
     python -m bench.bench_collectives --real-dims --layers 2 --ranks 4  # GLM-5.3 layer dimensions
+    python -m bench.bench_collectives --streams 1 4 16               # batched decode steps of S streams
 
 On the Sparks every collective of a decode step is a round trip over the network, so their number
 and bytes per step are the layout's network budget. Both are exact properties of the code, not of
 the backend: R real processes (gloo, CPU) serve one greedy request, rank 0 leading (RankEngine),
 and every rank's Comm is wrapped to record each collective's name and bytes, attributed to the
 forward it belongs to (the decided token's `continue` broadcast counts with the step before it).
+With --streams, S greedy requests decode together through the batched runtime (RankEngine's
+batch_engine, every rank stepping in lockstep) and each step is one entry: the step's collectives
+whatever the number of sequences in it (the attention's exchanges carry every sequence's rows).
 Bytes: `in` is what this rank contributes, `out` what it holds afterwards (an all-gather's R
 pieces). The wall time per step is gloo on loopback on this machine: recorded, not a Spark's.
 JSON (every forward of rank 0, per rank totals) to --out; a table per R. Exit codes: 0 done, 1 a
@@ -56,7 +60,12 @@ def record_collectives(comm: Any, log_to: list[dict]) -> None:
         setattr(comm, kind, wrapped)
 
 
-def worker(rank: int, world: int, port: int, model: str, prompt_len: int, tokens: int, dtype: str, out: Path) -> None:
+def prompt_of(length: int, vocab: int, salt: int = 0) -> list[int]:
+    return [3 + (i * 7919 + salt * 104729) % (vocab - 3) for i in range(length)]
+
+
+def worker(rank: int, world: int, port: int, model: str, prompt_len: int, tokens: int, dtype: str, out: Path,
+           streams: int = 0) -> None:
     from glm53.dist.rank_engine import RankEngine
 
     torch.set_num_threads(1)
@@ -64,6 +73,10 @@ def worker(rank: int, world: int, port: int, model: str, prompt_len: int, tokens
                      rendezvous_timeout_s=120, dtype=dtype, kv_dtype=dtype)
     forwards: list[dict] = [{"tokens": 0, "collectives": [], "wall_s": 0.0}]  # before the first forward
     record_collectives(eng.comm, forwards)
+    if streams:
+        batched_worker(eng, streams, prompt_len, tokens, forwards)
+        (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "forwards": forwards}))
+        return
     inner = eng.engine
     real_forward = inner.forward
 
@@ -75,13 +88,40 @@ def worker(rank: int, world: int, port: int, model: str, prompt_len: int, tokens
         return result
     inner.forward = forward
     if rank == 0:
-        prompt = [3 + (i * 7919) % (inner.vocab_size - 3) for i in range(prompt_len)]
-        eng.generate(prompt, tokens, {"temperature": 0.0, "ignore_eos": True, "draft": False})
+        eng.generate(prompt_of(prompt_len, inner.vocab_size), tokens, {"temperature": 0.0, "ignore_eos": True,
+                                                                        "draft": False})
         eng.close()
     else:
         assert eng.follow_one()
         assert not eng.follow_one()
     (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "forwards": forwards}))
+
+
+def batched_worker(eng: Any, streams: int, prompt_len: int, tokens: int, forwards: list[dict]) -> None:
+    """`streams` greedy requests submitted together on rank 0, stepped until done; every rank's
+    BatchEngine.step is one entry of `forwards` (tokens: the sequences it advanced)."""
+    from glm53.runtime.batch import BatchEngine
+
+    real_step = BatchEngine.step
+
+    def step(batch: BatchEngine) -> bool:
+        forwards.append({"tokens": batch.running, "collectives": []})
+        t0 = time.perf_counter()
+        stepped = real_step(batch)
+        forwards[-1]["wall_s"] = time.perf_counter() - t0
+        return stepped
+    BatchEngine.step = step  # this worker process's own class: every rank records its steps
+    if eng.rank == 0:
+        batch = eng.batch_engine(max_seqs=streams, step_tokens=streams * prompt_len)
+        vocab = eng.engine.vocab_size
+        for k in range(streams):  # distinct prompts: nothing shared, every sequence prefills
+            batch.submit(prompt_of(prompt_len, vocab, salt=k), tokens, {"temperature": 0.0, "ignore_eos": True,
+                                                                         "draft": False})
+        batch.run()
+        eng.close()
+    else:
+        while eng.follow_one():
+            pass
 
 
 def per_forward(f: dict) -> dict[str, Any]:
@@ -96,11 +136,12 @@ def per_forward(f: dict) -> dict[str, Any]:
             "wall_s": f.get("wall_s", 0.0)}
 
 
-def run_world(model: Path, world: int, prompt_len: int, tokens: int, dtype: str, work: Path) -> dict[str, Any]:
+def run_world(model: Path, world: int, prompt_len: int, tokens: int, dtype: str, work: Path,
+              streams: int = 0) -> dict[str, Any]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    out = work / f"r{world}"
+    out = work / f"r{world}s{streams}"
     out.mkdir()
     env = dict(os.environ, OMP_NUM_THREADS="1", TF_GLM53_PREFIX_CACHE="0", TF_GLM53_DCP="1")
     procs = []
@@ -108,7 +149,8 @@ def run_world(model: Path, world: int, prompt_len: int, tokens: int, dtype: str,
         with open(out / f"stderr{r}.txt", "w") as err:  # the child keeps its own descriptor
             procs.append(subprocess.Popen([sys.executable, "-m", "bench.bench_collectives", "--worker", "--rank", str(r), "--world", str(world),
                                            "--port", str(port), "--model", str(model), "--prompt", str(prompt_len),
-                                           "--tokens", str(tokens), "--dtype", dtype, "--work", str(out)],
+                                           "--tokens", str(tokens), "--dtype", dtype, "--work", str(out),
+                                           "--streams", str(streams)],
                                           env=env, cwd=KIT_ROOT, stdout=subprocess.DEVNULL, stderr=err))
     codes = [p.wait(timeout=1800) for p in procs]
     if any(codes):
@@ -120,6 +162,10 @@ def run_world(model: Path, world: int, prompt_len: int, tokens: int, dtype: str,
         if [[c["name"] for c in f["collectives"]] for f in other["forwards"]] != \
            [[c["name"] for c in f["collectives"]] for f in ranks[0]["forwards"]]:
             raise RuntimeError(f"R={world}: rank {other['rank']} ran other collectives than rank 0")
+    if streams:  # a decode step: every stream running and past its prefill (a step of S tokens)
+        decode = [f for f in lead[1:] if f["tokens"] == streams][1:-1]
+        return {"world": world, "streams": streams, "forwards": lead, "prefill": [],
+                "decode_step": decode[len(decode) // 2] if decode else None, "decode_steps": len(decode)}
     decode = [f for f in lead[1:] if f["tokens"] == 1]
     return {"world": world, "forwards": lead, "prefill": [f for f in lead[1:] if f["tokens"] > 1],
             "decode_step": decode[len(decode) // 2] if decode else None, "decode_steps": len(decode)}
@@ -127,7 +173,8 @@ def run_world(model: Path, world: int, prompt_len: int, tokens: int, dtype: str,
 
 def table(res: dict[str, Any], layers: int) -> str:
     step = res["decode_step"]
-    lines = [f"R = {res['world']}: one decode step ({layers} layers): {step['collectives']} collectives, "
+    streams = f", {res['streams']} streams batched" if res.get("streams") else ""
+    lines = [f"R = {res['world']}{streams}: one decode step ({layers} layers): {step['collectives']} collectives, "
              f"{step['in_bytes']} B in / {step['out_bytes']} B out per rank (gloo here: {step['wall_s'] * 1e3:.1f} ms)",
              f"{'collective':24} {'per step':>8} {'in B':>10} {'out B':>10}"]
     lines += [f"{name:24} {n:8d} {step['in_by_name'][name]:10d} {step['out_by_name'][name]:10d}"
@@ -148,7 +195,10 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=6, help="tokens decoded (default 6)")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
                    help="compute and cache dtype (bf16: the GPUs' activations, hence their bytes)")
-    p.add_argument("--out", type=Path, default=RESULTS / "collectives_cpu.json")
+    p.add_argument("--streams", type=int, nargs="+", default=[],
+                   help="batched runs of S concurrent streams each (default: one request, unbatched)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="JSON (default results/collectives_cpu.json; with --streams collectives_batched_cpu.json)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     p.add_argument("--world", type=int, help=argparse.SUPPRESS)
@@ -157,11 +207,16 @@ def main() -> int:
     p.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        worker(args.rank, args.world, args.port, args.model, args.prompt, args.tokens, args.dtype, args.work)
+        worker(args.rank, args.world, args.port, args.model, args.prompt, args.tokens, args.dtype, args.work,
+               args.streams[0] if args.streams else 0)
         return 0
     if min(args.ranks) < 2 or args.prompt < 1 or args.tokens < 2 or args.layers < 1:
         print("error: --ranks >= 2, --prompt >= 1, --tokens >= 2, --layers >= 1", file=sys.stderr)
         return 2
+    if args.streams and (min(args.streams) < 1 or args.tokens < 4):
+        print("error: --streams >= 1 with --tokens >= 4 (the steps where every stream decodes)", file=sys.stderr)
+        return 2
+    out = args.out or RESULTS / ("collectives_batched_cpu.json" if args.streams else "collectives_cpu.json")
     with tempfile.TemporaryDirectory(prefix="bench_collectives.") as tmp:
         work = Path(tmp)
         model = real_dims_checkpoint(work, args.layers, args.vocab) if args.real_dims else tiny_checkpoint(work)
@@ -170,21 +225,23 @@ def main() -> int:
         cfg = Glm53Config.from_dir(model)
         results = []
         for world in args.ranks:
-            log(f"R = {world}: {world} ranks serve one request ({args.prompt} prompt tokens, {args.tokens} decoded) ...")
-            try:
-                results.append(run_world(model, world, args.prompt, args.tokens, args.dtype, work))
-            except RuntimeError as e:
-                print(f"error: {e}", file=sys.stderr)
-                return 1
+            for streams in args.streams or [0]:
+                what = f"{streams} requests batched" if streams else "one request"
+                log(f"R = {world}: {world} ranks serve {what} ({args.prompt} prompt tokens, {args.tokens} decoded) ...")
+                try:
+                    results.append(run_world(model, world, args.prompt, args.tokens, args.dtype, work, streams))
+                except RuntimeError as e:
+                    print(f"error: {e}", file=sys.stderr)
+                    return 1
         settings = {"model": "real_dims" if args.real_dims else "tiny", "layers": cfg.num_hidden_layers,
                     "indexer_types": list(cfg.indexer_types), "hidden": cfg.hidden_size, "vocab": cfg.vocab_size,
                     "prompt": args.prompt, "tokens": args.tokens, "backend": "gloo (CPU)", "dtype": args.dtype,
-                    "dcp": True, "prefix_cache": False}
-        write_json(args.out, {**result_header("collectives", settings, device=torch.device("cpu")),
+                    "dcp": True, "prefix_cache": False, "streams": args.streams}
+        write_json(out, {**result_header("collectives", settings, device=torch.device("cpu")),
                               "results": results})
         for res in results:
             print(table(res, cfg.num_hidden_layers))
-        print(f"full results: {args.out}")
+        print(f"full results: {out}")
     return 0
 
 
