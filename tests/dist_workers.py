@@ -151,6 +151,25 @@ def suite(comm: Comm, out: Path) -> None:
                                                       pending, ranges, MLA_SCALE)
     results["mla_topk_shared_collectives"] = comm.guard._seq - seq
 
+    # a batched step: several sequences' spans of one layer (their own queries, rows and candidates,
+    # different row counts) in the same two exchanges; each span's rows get the bits they get alone
+    from glm53.model.parallel import AttentionSpan
+
+    spans = [(q_nope[:, a:b], q_rot[:, a:b], rows[pos], scores),
+             (q_nope[1:3, a:b], q_rot[1:3, a:b], rows[pos] * -0.5, -scores[1:3])]
+
+    def candidates(span_scores: torch.Tensor) -> dcp.PendingSelection:
+        return dcp.PendingSelection.of(span_scores[:, pos], positions[pos], own, k_sel)
+
+    alone = [dcp.tp_dcp_attention(comm, qn, qr, w_uk_t, w_uv, rw, candidates(sc), ranges, MLA_SCALE)
+             for qn, qr, rw, sc in spans]
+    seq = comm.guard._seq
+    results["mla_spans_together"] = dcp.tp_dcp_attention_spans(
+        comm, [AttentionSpan(qn, qr, rw, pos, candidates(sc)) for qn, qr, rw, sc in spans], w_uk_t, w_uv, ranges,
+        MLA_SCALE)
+    results["mla_spans_collectives"] = comm.guard._seq - seq
+    results["mla_spans_alone"] = torch.cat(alone)
+
     # rank 0's draft-window calls as the followers receive them, and what each costs
     from glm53.dist.window_channel import WindowChannel
 

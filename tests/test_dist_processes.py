@@ -186,6 +186,10 @@ def test_suite_at_four_ranks_from_torchrun_environment(tmp_path: Path) -> None:
         assert torch.equal(x["mla_topk_shared"], x["mla_topk_separate"])
         assert (x["mla_topk_separate_collectives"], x["mla_topk_pending_collectives"],
                 x["mla_topk_shared_collectives"]) == (3, 2, 2)
+        # a batched step's spans share the two exchanges, each span's rows as alone, bit for bit
+        assert x["mla_spans_collectives"] == 2
+        assert x["mla_spans_together"].shape == x["mla_spans_alone"].shape
+        assert torch.equal(x["mla_spans_together"], x["mla_spans_alone"])
         # draft-window calls: tokens up to INLINE_TOKENS ride in the header (one broadcast)
         assert x["window_collectives"] == [1, 1, 1, 2, 2, 2]
     sent = W.window_messages()
