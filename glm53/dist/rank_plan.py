@@ -18,7 +18,8 @@ What each plug point does here:
   the global top-k (ties to the lower position, the model's own rule) as a Selection of this
   rank's rows (local slots, fixed width); DCP off: local (every rank holds every position and
   every score);
-- attend: DCP on: glm53.dist.dcp.tp_dcp_attention: each rank absorbs its heads' queries through
+- attend / attend_spans: DCP on: glm53.dist.dcp.tp_dcp_attention_spans (every sequence's span of a
+  layer in the same exchanges): each rank absorbs its heads' queries through
   its W_UK slice, one all-gather shares them (with a 'full' layer's top-k candidates: one round
   trip for both), each rank attends with every head over the selected
   rows it owns (a rank with none: lse = -inf), one all-to-all returns (out, lse) to the heads'
