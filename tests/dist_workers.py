@@ -165,8 +165,8 @@ def suite(comm: Comm, out: Path) -> None:
              for qn, qr, rw, sc in spans]
     seq = comm.guard._seq
     results["mla_spans_together"] = dcp.tp_dcp_attention_spans(
-        comm, [AttentionSpan(qn, qr, rw, pos, candidates(sc)) for qn, qr, rw, sc in spans], w_uk_t, w_uv, ranges,
-        MLA_SCALE)
+        comm, [AttentionSpan(qn, qr, lambda rw=rw: rw, pos, candidates(sc)) for qn, qr, rw, sc in spans], w_uk_t, w_uv,
+        ranges, MLA_SCALE)
     results["mla_spans_collectives"] = comm.guard._seq - seq
     results["mla_spans_alone"] = torch.cat(alone)
 

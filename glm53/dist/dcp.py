@@ -201,7 +201,7 @@ def tp_dcp_attention(comm: Comm, q_nope: torch.Tensor, q_rot: torch.Tensor, w_uk
                      scale: float) -> torch.Tensor:
     """MLA with heads split by TP and positions by DCP on the same ranks (absorbed form), one
     sequence: tp_dcp_attention_spans of one span."""
-    return tp_dcp_attention_spans(comm, [AttentionSpan(q_nope, q_rot, rows, None, selection)], w_uk_t, w_uv,
+    return tp_dcp_attention_spans(comm, [AttentionSpan(q_nope, q_rot, lambda: rows, None, selection)], w_uk_t, w_uv,
                                   head_ranges, scale)
 
 
@@ -211,8 +211,9 @@ def tp_dcp_attention_spans(comm: Comm, spans: list[AttentionSpan], w_uk_t: torch
     spans of several sequences in one exchange.
 
     This rank holds its heads' weights w_uk_t [h, r, nope], w_uv [h, v, r] and, per span, its queries
-    and the latent rows it owns (span.key_positions unused) with the selection (indices into those rows, fixed width; a
-    PendingSelection travels with the queries and is resolved on arrival). One all-gather of every
+    and the latent rows it owns (read as the span attends; span.key_positions unused) with the
+    selection (indices into those rows, fixed width; a PendingSelection travels with the queries
+    and is resolved on arrival). One all-gather of every
     span's absorbed queries (every rank attends with every head over its own rows), one all-to-all
     merge to the heads' owners (rank order), then W_uv on this rank's heads: out [sum T, h, v], the
     spans' rows in order, as one rank attending over all positions. The exchanges carry every
@@ -243,8 +244,8 @@ def tp_dcp_attention_spans(comm: Comm, spans: list[AttentionSpan], w_uk_t: torch
             selection = selection.resolve(gathered_words[:, t0:t0 + n])
         elif isinstance(selection, PendingSelection):  # a 'shared' layer after the 'full' one
             selection = selection.resolved
-        out, lse = ops.latent_attention(q_all[t0:t0 + n], span.rows, selection.indices, selection.valid, scale, r,
-                                        valid_prefix=True)
+        out, lse = ops.latent_attention(q_all[t0:t0 + n], span.read_rows(), selection.indices, selection.valid, scale,
+                                        r, valid_prefix=True)  # one span's rows read at a time
         outs.append(out)
         lses.append(lse)
         t0 += n

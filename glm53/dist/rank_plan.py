@@ -111,7 +111,7 @@ class DistRankPlan(RankPlan):
                total_heads: int) -> torch.Tensor:
         if key_positions is None:  # every rank holds every position: attend locally with our heads
             return super().attend(w, q_nope, q_rot, rows, key_positions, selection, total_heads)
-        return self.attend_spans(w, [AttentionSpan(q_nope, q_rot, rows, key_positions, selection)], total_heads)
+        return self.attend_spans(w, [AttentionSpan(q_nope, q_rot, lambda: rows, key_positions, selection)], total_heads)
 
     def attend_spans(self, w: AttentionWeights, spans: list[AttentionSpan], total_heads: int) -> torch.Tensor:
         """DCP on: every span's queries in one all-gather and their partials in one all-to-all."""

@@ -17,7 +17,7 @@ World 1 is implemented here: every method is the identity.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -34,11 +34,12 @@ if TYPE_CHECKING:
 class AttentionSpan:
     """One sequence's part of a layer's attention on this rank: its heads' queries q_nope [T, h, nope],
     q_rot [T, h, rope], the cache rows this rank holds [n, r + rope] at key_positions (None: every
-    position) and the selection over them (merge_topk's)."""
+    position) and the selection over them (merge_topk's). `read_rows` gives the rows when the span
+    attends, so a batch holds one span's read at a time (an fp8 cache dequantizes on read)."""
 
     q_nope: torch.Tensor
     q_rot: torch.Tensor
-    rows: torch.Tensor
+    read_rows: Callable[[], torch.Tensor]
     key_positions: torch.Tensor | None
     selection: "Selection"
 
@@ -103,7 +104,8 @@ class RankPlan:
     def attend_spans(self, w: "AttentionWeights", spans: list[AttentionSpan], total_heads: int) -> torch.Tensor:
         """`attend` over several sequences' spans of one layer -> [sum T, h, v], the spans' rows in
         order. Here each span apart (no exchange to share)."""
-        outs = [self.attend(w, s.q_nope, s.q_rot, s.rows, s.key_positions, s.selection, total_heads) for s in spans]
+        outs = [self.attend(w, s.q_nope, s.q_rot, s.read_rows(), s.key_positions, s.selection, total_heads)
+                for s in spans]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     # ---- the cache ------------------------------------------------------------------------

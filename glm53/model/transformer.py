@@ -10,6 +10,7 @@ chunking (memory) and which rows count as canonical prefill (the prefix cache's 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -287,7 +288,8 @@ class Glm53Model:
             # the rows this rank holds (all of [0, stop) unless the cache is split by position)
             key_positions = state.owned_positions(stop)
             _write(state.write_latent, state.write_latent_at, layer.index, span, latents[rows])
-            cached = state.read_latent(layer.index, stop, self.dtype)  # read back: attend to what is stored
+            # read back when the span attends: attend to what is stored
+            read_cached = partial(state.read_latent, layer.index, stop, self.dtype)
             if layer.indexer is not None:
                 _write(state.write_index, state.write_index_at, layer.index, span, index_keys[rows])
                 keys = state.read_index(layer.index, stop, self.dtype)
@@ -295,7 +297,7 @@ class Glm53Model:
                 selections[i] = plan.merge_topk(scores, key_positions, cfg.index_topk, span.nan_flag)
             elif selections[i] is None:
                 raise ValueError(f"layer {layer.index} shares the indexer selection but no earlier full layer ran")
-            parts.append(AttentionSpan(q_nope[rows], q_rot[rows], cached, key_positions, selections[i]))
+            parts.append(AttentionSpan(q_nope[rows], q_rot[rows], read_cached, key_positions, selections[i]))
         # every span's attention at once: under DCP their exchanges are shared (two a layer, not two a span)
         out = plan.attend_spans(a, parts, cfg.num_attention_heads)
         x = x + plan.sum_partials(output_projection(a, out))
