@@ -18,7 +18,7 @@ What each plug point does here:
   the global top-k (ties to the lower position, the model's own rule) as a Selection of this
   rank's rows (local slots, fixed width); DCP off: local (every rank holds every position and
   every score);
-- attend / attend_spans: DCP on: glm53.dist.dcp.tp_dcp_attention_spans (every sequence's span of a
+- attend_spans: DCP on: glm53.dist.dcp.tp_dcp_attention_spans (every sequence's span of a
   layer in the same exchanges): each rank absorbs its heads' queries through
   its W_UK slice, one all-gather shares them (with a 'full' layer's top-k candidates: one round
   trip for both), each rank attends with every head over the selected
@@ -105,13 +105,6 @@ class DistRankPlan(RankPlan):
             raise NotImplementedError("a DCP rank's top-k syncs with its peers; it is never graph-captured")
         # NaN scores on any rank reach every rank in the exchange: all raise (or flag) together
         return dcp.PendingSelection.of(scores, key_positions, self.ownership, k, nan_flag)
-
-    def attend(self, w: AttentionWeights, q_nope: torch.Tensor, q_rot: torch.Tensor, rows: torch.Tensor,
-               key_positions: torch.Tensor | None, selection: Selection | dcp.PendingSelection,
-               total_heads: int) -> torch.Tensor:
-        if key_positions is None:  # every rank holds every position: attend locally with our heads
-            return super().attend(w, q_nope, q_rot, rows, key_positions, selection, total_heads)
-        return self.attend_spans(w, [AttentionSpan(q_nope, q_rot, lambda: rows, key_positions, selection)], total_heads)
 
     def attend_spans(self, w: AttentionWeights, spans: list[AttentionSpan], total_heads: int) -> torch.Tensor:
         """DCP on: every span's queries in one all-gather and their partials in one all-to-all."""

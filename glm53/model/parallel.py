@@ -8,8 +8,8 @@ work (glm53/layout, glm53/dist) replaces this class (or subclasses it) without t
 - the gather of vocabulary-sharded logits,
 - the cache object for one sequence (`new_state`: a DCP layout keeps only its owned positions),
 - the indexer's global top-k over the positions this rank holds (`merge_topk`),
-- attention of this rank's heads over the selected positions (`attend`, and `attend_spans` for
-  several sequences' spans of one layer: under DCP, partial (out, lse) from every rank merged by
+- attention of this rank's heads over the selected positions, for one layer's spans of one or
+  several sequences (`attend_spans`: under DCP, partial (out, lse) from every rank merged by
   log-sum-exp at the heads' owners, every span's rows in the same exchanges).
 
 World 1 is implemented here: every method is the identity.
@@ -34,7 +34,8 @@ if TYPE_CHECKING:
 class AttentionSpan:
     """One sequence's part of a layer's attention on this rank: its heads' queries q_nope [T, h, nope],
     q_rot [T, h, rope], the cache rows this rank holds [n, r + rope] at key_positions (None: every
-    position) and the selection over them (merge_topk's). `read_rows` gives the rows when the span
+    position) and the selection over them (merge_topk's result: a plan may return its own form, as
+    DCP's pending selection). `read_rows` gives the rows when the span
     attends, so a batch holds one span's read at a time (an fp8 cache dequantizes on read)."""
 
     q_nope: torch.Tensor
@@ -91,21 +92,15 @@ class RankPlan:
         as in indexer.select_topk (a graph-captured window checks NaN after the forward)."""
         return indexer.select_topk(scores, k, nan_flag)
 
-    def attend(self, w: "AttentionWeights", q_nope: torch.Tensor, q_rot: torch.Tensor, rows: torch.Tensor,
-               key_positions: torch.Tensor | None, selection: "Selection", total_heads: int) -> torch.Tensor:
-        """Attention of this rank's heads' queries (q_nope [T, h, nope], q_rot [T, h, rope]) over the
-        selected cache rows -> [T, h, v] for those heads (before o_proj).
-
-        rows [n, r + rope] are the rows this rank holds, at key_positions (None: all positions),
-        selection from merge_topk. World 1: the absorbed attention of glm53.model.mla.attend, each
-        query over its own selected rows, so the cost per query is bounded by index_topk."""
-        return attend(w, q_nope, q_rot, rows, selection)[0]
-
     def attend_spans(self, w: "AttentionWeights", spans: list[AttentionSpan], total_heads: int) -> torch.Tensor:
-        """`attend` over several sequences' spans of one layer -> [sum T, h, v], the spans' rows in
-        order. Here each span apart (no exchange to share)."""
-        outs = [self.attend(w, s.q_nope, s.q_rot, s.read_rows(), s.key_positions, s.selection, total_heads)
-                for s in spans]
+        """Attention of this rank's heads over the selected cache rows, for one layer's spans of one
+        or several sequences -> [sum T, h, v] for those heads (before o_proj), the spans' rows in order.
+
+        Each span's queries attend over the rows this rank holds at its key_positions, with its
+        selection from merge_topk. World 1: each span apart, the absorbed attention of
+        glm53.model.mla.attend, each query over its own selected rows, so the cost per query is
+        bounded by index_topk."""
+        outs = [attend(w, s.q_nope, s.q_rot, s.read_rows(), s.selection)[0] for s in spans]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     # ---- the cache ------------------------------------------------------------------------
