@@ -207,11 +207,9 @@ class KVState:
 
     def position_bytes(self) -> int:
         """Bytes of one local slot's rows over every layer, as export_rows gives them (what a
-        store copies per position this rank holds)."""
-        size = KV_DTYPES[self.kv_dtype].itemsize
-        scale = 4 if self.fp8 else 0  # one fp32 scale per row
-        return (self.n_layers * (self.latent_dim * size + scale)
-                + len(self.indexed_layers) * (self.index_dim * size + scale))
+        store copies per position this rank holds): rows of glm53.kv_format's sizes."""
+        return (self.n_layers * row_bytes(self.latent_dim, self.kv_dtype)
+                + len(self.indexed_layers) * row_bytes(self.index_dim, self.kv_dtype))
 
     def slots(self, start: int, stop: int) -> tuple[int, int]:
         """The local slots [a, b) that hold positions [start, stop) (here: the positions
@@ -291,5 +289,6 @@ class KVState:
         return names
 
     def bytes_per_position(self) -> int:
-        return (self.n_layers * row_bytes(self.latent_dim, self.kv_dtype)
-                + len(self.index_keys) * row_bytes(self.index_dim, self.kv_dtype))
+        """Bytes the sequence's cache takes per position of its context (what a KV pool grants):
+        here a slot's; a cache split by position averages its slots over the ranks."""
+        return self.position_bytes()
