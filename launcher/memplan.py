@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from glm53.config import Glm53Config
+from glm53.layout.kv import kv_bytes_per_rank, kv_token_bytes
 from glm53.layout.plan import plan_layout
 from launcher.config import MemorySettings
 from glm53.serving.meminfo import GIB, MIB
@@ -89,15 +90,11 @@ def _gib(n: int) -> str:
 def kv_per_token(model_dir: str | Path, kv_dtype: str, include_mtp: bool = True) -> int:
     """Cached bytes for one position over all layers (glm53.layout.kv: latent + full-indexer keys);
     include_mtp=False: the model's layers alone (what a sequence's KVState holds)."""
-    from glm53.layout.kv import kv_token_bytes  # torch (~3 s to import) for the KV sizes only: the launcher's other commands run without it
-
     return kv_token_bytes(Glm53Config.from_dir(model_dir), kv_dtype, include_mtp).per_token
 
 
 def kv_function(model_dir: str | Path, ranks: int, dcp: bool, kv_dtype: str) -> Callable[[int], list[int]]:
     """context -> KV bytes each rank holds (DCP: position p on rank p % R)."""
-    from glm53.layout.kv import kv_bytes_per_rank  # torch (~3 s to import) for the KV sizes only: the launcher's other commands run without it
-
     cfg = Glm53Config.from_dir(model_dir)
     return lambda context: kv_bytes_per_rank(cfg, context, ranks, dcp=dcp, kv_dtype=kv_dtype)
 

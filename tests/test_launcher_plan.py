@@ -143,3 +143,17 @@ def test_the_ranks_kv_pool_is_the_kv_the_plan_holds_room_for(tiny_model: Path) -
                               indexed_layers=indexed, kv_dtype="bf16", own=Ownership(r, ranks))
         pool = KVPool(state, int(env[KV_POOL_ENV]), block=256)
         assert context - 256 < pool.capacity <= context, (r, pool.capacity)
+
+
+def test_the_memory_plan_sizes_a_lane_without_importing_torch(tiny_model: Path) -> None:
+    """serve.sh plans memory before any rank starts: the plan (weights from the safetensors headers,
+    KV from glm53.kv_format's row sizes) runs in a process that never imports torch (~3 s)."""
+    import subprocess
+    import sys
+
+    probe = ("import sys; from launcher.memplan import kv_function, kv_per_token, weights_per_rank; "
+             f"m = {str(tiny_model)!r}; kv_per_token(m, 'bf16'); kv_function(m, 2, True, 'fp8')(4096); "
+             "weights_per_rank(m, 2); print('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "False"
