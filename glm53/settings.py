@@ -4,8 +4,9 @@
     engine = glm53.cuda_engine(model_dir, settings=settings)
     settings.override(max_seqs=4)                   # explicit arguments win; None leaves a field as it is
 
-The entry points (glm53.serving.rank, glm53.serving.compose.build_engine (glm53.cuda_engine), Glm53Engine and RankEngine when built without
-settings, the launcher's commands) call `Settings.from_env()`; what they build takes the Settings or
+The entry points (glm53.serving.rank, glm53.serving.compose.build_engine (glm53.cuda_engine),
+Glm53Engine and RankEngine when built without settings, the launcher's commands) call
+`Settings.from_env()`; what they build takes the Settings or
 the fields it needs, so nothing reads these variables again. Rules of the parse:
 - a value that is empty or blank counts as unset (the default), as in a shell's `TF_GLM53_MAX_SEQS= cmd`;
 - a bad value raises SettingsError naming the variable, the value and what is accepted;
