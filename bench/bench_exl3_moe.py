@@ -280,11 +280,14 @@ def parse_form(text: str):
     from glm53.ops.triton_exl3 import Form
 
     bm, warps, stages, lanes, subk, parallel, *rest = (int(v) for v in text.split(","))
-    ptx, stage_rows, prefetch = (rest + [0, 0, 0])[:3]
-    return Form(bm, warps, stages, bool(lanes), subk, bool(parallel), bool(ptx), stage_rows, prefetch=bool(prefetch))
+    ptx, stage_rows, prefetch, cuda = (rest + [0, 0, 0, 0])[:4]
+    return Form(bm, warps, stages, bool(lanes), subk, bool(parallel), bool(ptx), stage_rows, prefetch=bool(prefetch),
+                cuda=bool(cuda))
 
 
 def form_label(form: dict) -> str:
+    if form.get("cuda"):
+        return f"bm{form['bm']} CUDA split sums (mma.sync fragments decoded in registers)"
     decoder = "lanes" if form["lanes"] else "elements ptx" if form.get("ptx") else "elements"
     decoder += " prefetch" if form.get("prefetch") else ""
     staged = f" staged>={form['stage_rows']}" if form.get("stage_rows") else ""
@@ -302,7 +305,7 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, nargs="*", default=[2048])
     ap.add_argument("--sets", type=int, default=8)
     ap.add_argument("--reps", type=int, default=20)
-    fields = "BM,warps,stages,lanes,subk,parallel[,ptx[,stage_rows[,prefetch]]]"
+    fields = "BM,warps,stages,lanes,subk,parallel[,ptx[,stage_rows[,prefetch[,cuda]]]]"
     ap.add_argument("--forms", nargs="*", default=[], help=f"extra decode tilings {fields}")
     ap.add_argument("--prefill-forms", nargs="*", default=[], help=f"extra prefill tilings {fields}")
     ap.add_argument("--exllamav3", action="store_true", help="compare with exllamav3 1.6.5 (carried in .whl)")

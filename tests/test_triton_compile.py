@@ -269,6 +269,13 @@ def _exl3_signature(kernel: str) -> dict[str, str]:
                  **i32("stride_w", "T", "K", "shared"), "tile_mat_ptr": "*i32", "tile_first_ptr": "*i64",
                  "tile_rows_ptr": "*i32", "slot_weight_ptr": "*fp32", **i32("down0", "shared_down", "width", "hidden")},
         "stage": {"words_ptr": "*i32", "table_ptr": "*i64", "mats_ptr": "*i32", **stage},
+        "gate_up_finish": {"ws_ptr": "*fp32", "xd_ptr": "*fp16", "table_ptr": "*i64", "scales_ptr": "*fp16",
+                           "ids_ptr": "*i64", **i32("stride_ids", "T", "K", "shared", "gate0", "up0", "down0",
+                                                    "shared_gate", "shared_up", "shared_down", "S", "width", "n_sp")},
+        "down_finish": {"ws_ptr": "*fp32", "parts_ptr": "*bf16", "out_ptr": "*bf16", "table_ptr": "*i64",
+                        "scales_ptr": "*fp16", "tok_cnt_ptr": "*i32", "ids_ptr": "*i64", "stride_ids": "i32",
+                        "weights_ptr": "*fp32", **i32("stride_w", "T", "K", "shared", "down0", "shared_down", "S",
+                                                      "hidden", "n_sp")},
     }[kernel]
 
 
@@ -321,3 +328,19 @@ def test_exl3_rotation_and_stage_compile(capability: int) -> None:
     staged = _compile(tx._stage_kernel, _exl3_signature("stage"), {"CB": 1, "LANES": tx.PREFILL.decoder,
                       "SUBK": tx.PREFILL.subk, "BN": 128}, 4, capability)
     assert staged.metadata.shared <= GB10_SHARED
+
+
+@pytest.mark.parametrize("capability", [90, 121])
+def test_exl3_finish_kernels_compile(capability: int) -> None:
+    """The Triton finish of the CUDA split sums (Form.cuda: _gate_up_finish_kernel, _down_finish_kernel)
+    compile for the H200 and GB10 and fit GB10's shared memory."""
+    import triton.language as tl
+
+    from glm53.ops import triton_exl3 as tx
+
+    common = {"HAS_SHARED": True, "ACT": tl.float16, "BM": 16, "BN": 128, "KPB": 16}
+    gate_up = _compile(tx._gate_up_finish_kernel, _exl3_signature("gate_up_finish"), {**common, "C_TY": tl.bfloat16},
+                       4, capability)
+    down = _compile(tx._down_finish_kernel, _exl3_signature("down_finish"), {**common, "WEIGHTED": True}, 4,
+                    capability)
+    assert max(gate_up.metadata.shared, down.metadata.shared) <= GB10_SHARED

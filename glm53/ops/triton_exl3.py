@@ -635,13 +635,45 @@ def _gate_up_kernel(xr_ptr, xd_ptr, table_ptr, words_ptr, scales_ptr, ws_ptr, cn
                                       STAGE == 1, CB, LANES, ACT, BM, BN, SUBK), table_ptr, mu, nb, scales_ptr, ACT,
                             BN).to(C_TY)
         if done:
-            g32 = gv.to(tl.float32)
-            act = (g32 / (1.0 + tl.exp(-g32)) * uv.to(tl.float32)).to(C_TY).to(tl.float32)
-            drow = table_ptr + md * _NF
-            suh_d = tl.load(scales_ptr + tl.load(drow + 6) + nb * tl.load(drow + 7) + tl.arange(0, _HAD))
-            xd = _rotate_block(act, suh_d.to(tl.float32)[None, :], _hadamard_cols(0, _HAD, ACT), ACT)
-            cols = nb * BN + tl.arange(0, BN)
-            tl.store(xd_ptr + slots.to(tl.int64)[:, None] * width + cols[None, :], xd, mask=row_ok[:, None])
+            _store_down_input(gv, uv, table_ptr, md, scales_ptr, nb, xd_ptr, slots, row_ok, width, C_TY, ACT, BN)
+
+
+@triton.jit
+def _store_down_input(gv, uv, table_ptr, md, scales_ptr, nb, xd_ptr, slots, row_ok, width, C_TY: tl.constexpr,
+                      ACT: tl.constexpr, BN: tl.constexpr):
+    """act = C(silu(g) * u) of width block nb, then down's input rotation of it -> xd [slot rows, width]."""
+    g32 = gv.to(tl.float32)
+    act = (g32 / (1.0 + tl.exp(-g32)) * uv.to(tl.float32)).to(C_TY).to(tl.float32)
+    drow = table_ptr + md * _NF
+    suh_d = tl.load(scales_ptr + tl.load(drow + 6) + nb * tl.load(drow + 7) + tl.arange(0, _HAD))
+    xd = _rotate_block(act, suh_d.to(tl.float32)[None, :], _hadamard_cols(0, _HAD, ACT), ACT)
+    cols = nb * BN + tl.arange(0, BN)
+    tl.store(xd_ptr + slots.to(tl.int64)[:, None] * width + cols[None, :], xd, mask=row_ok[:, None])
+
+
+@triton.jit
+def _gate_up_finish_kernel(ws_ptr, xd_ptr, table_ptr, scales_ptr, ids_ptr, stride_ids, T, K, shared, gate0, up0,
+                           down0, shared_gate, shared_up, shared_down, S, width, n_sp, HAS_SHARED: tl.constexpr,
+                           C_TY: tl.constexpr, ACT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                           KPB: tl.constexpr):
+    """Program (slot g, width block nb) after the CUDA split sums (glm53/ops/cuda_exl3.py) of gate and up:
+    the parallel form's finish, as _gate_up_kernel's last program does it (the splits' ordered sum)."""
+    g = tl.program_id(0)
+    nb = tl.program_id(1)
+    e, active, row_ok, slots, _ = _group_rows(ids_ptr, stride_ids, g, T, K, shared, ids_ptr, ids_ptr, ids_ptr, True,
+                                              HAS_SHARED, BM, KPB)
+    if active:
+        is_shared = e == shared
+        mg = tl.where(is_shared, shared_gate, gate0 + e)
+        mu = tl.where(is_shared, shared_up, up0 + e)
+        md = tl.where(is_shared, shared_down, down0 + e)
+        ws_rows = ws_ptr + slots.to(tl.int64) * (2 * width) + nb * BN
+        split_stride = S * 2 * width
+        gv = _out_block(_parts(ws_rows, split_stride, row_ok, n_sp, BN), table_ptr, mg, nb, scales_ptr, ACT,
+                        BN).to(C_TY)
+        uv = _out_block(_parts(ws_rows + width, split_stride, row_ok, n_sp, BN), table_ptr, mu, nb, scales_ptr, ACT,
+                        BN).to(C_TY)
+        _store_down_input(gv, uv, table_ptr, md, scales_ptr, nb, xd_ptr, slots, row_ok, width, C_TY, ACT, BN)
 
 
 @triton.jit
@@ -669,20 +701,49 @@ def _down_kernel(xd_ptr, parts_ptr, out_ptr, table_ptr, words_ptr, scales_ptr, w
                                cnt_ptr + g * tl.num_programs(1) + nb, stage_ptr, stage_off_ptr, PARALLEL, STAGE == 1,
                                CB, LANES, ACT, BM, BN, SUBK)
         if done:
-            c_ty = out_ptr.dtype.element_ty
-            y = _out_block(acc, table_ptr, md, nb, scales_ptr, ACT, BN).to(c_ty).to(tl.float32)
-            if WEIGHTED:
-                if TOKENS:
-                    place = slots - tokens * (K + HAS_SHARED)
-                    w = tl.load(weights_ptr + tokens * stride_w + place, mask=row_ok & (place < K), other=1.0)
-                else:
-                    w = tl.load(slot_weight_ptr + slots, mask=row_ok, other=1.0)
-                y = y * w[:, None]
-            cols = nb * BN + tl.arange(0, BN)
-            tl.store(parts_ptr + slots.to(tl.int64)[:, None] * hidden + cols[None, :], y.to(c_ty), mask=row_ok[:, None])
-            if TOKENS:
-                _combine_tokens(parts_ptr, out_ptr, tok_cnt_ptr, ids_ptr, stride_ids, T, K, shared, nb, hidden,
-                                row_ok, tokens, HAS_SHARED, BM, BN, KPB)
+            _store_down_output(acc, parts_ptr, out_ptr, table_ptr, md, scales_ptr, tok_cnt_ptr, ids_ptr, stride_ids,
+                               weights_ptr, stride_w, slot_weight_ptr, T, K, shared, nb, hidden, row_ok, slots, tokens,
+                               TOKENS, HAS_SHARED, WEIGHTED, ACT, BM, BN, KPB)
+
+
+@triton.jit
+def _store_down_output(acc, parts_ptr, out_ptr, table_ptr, md, scales_ptr, tok_cnt_ptr, ids_ptr, stride_ids,
+                       weights_ptr, stride_w, slot_weight_ptr, T, K, shared, nb, hidden, row_ok, slots, tokens,
+                       TOKENS: tl.constexpr, HAS_SHARED: tl.constexpr, WEIGHTED: tl.constexpr, ACT: tl.constexpr,
+                       BM: tl.constexpr, BN: tl.constexpr, KPB: tl.constexpr):
+    """Down's block nb from its sum: C(y * w) -> parts; TOKENS: each token's sum once its experts are in."""
+    c_ty = out_ptr.dtype.element_ty
+    y = _out_block(acc, table_ptr, md, nb, scales_ptr, ACT, BN).to(c_ty).to(tl.float32)
+    if WEIGHTED:
+        if TOKENS:
+            place = slots - tokens * (K + HAS_SHARED)
+            w = tl.load(weights_ptr + tokens * stride_w + place, mask=row_ok & (place < K), other=1.0)
+        else:
+            w = tl.load(slot_weight_ptr + slots, mask=row_ok, other=1.0)
+        y = y * w[:, None]
+    cols = nb * BN + tl.arange(0, BN)
+    tl.store(parts_ptr + slots.to(tl.int64)[:, None] * hidden + cols[None, :], y.to(c_ty), mask=row_ok[:, None])
+    if TOKENS:
+        _combine_tokens(parts_ptr, out_ptr, tok_cnt_ptr, ids_ptr, stride_ids, T, K, shared, nb, hidden, row_ok, tokens,
+                        HAS_SHARED, BM, BN, KPB)
+
+
+@triton.jit
+def _down_finish_kernel(ws_ptr, parts_ptr, out_ptr, table_ptr, scales_ptr, tok_cnt_ptr, ids_ptr, stride_ids,
+                        weights_ptr, stride_w, T, K, shared, down0, shared_down, S, hidden, n_sp,
+                        HAS_SHARED: tl.constexpr, WEIGHTED: tl.constexpr, ACT: tl.constexpr, BM: tl.constexpr,
+                        BN: tl.constexpr, KPB: tl.constexpr):
+    """Program (slot g, output block nb) after the CUDA split sums of down: the parallel form's finish."""
+    g = tl.program_id(0)
+    nb = tl.program_id(1)
+    e, active, row_ok, slots, tokens = _group_rows(ids_ptr, stride_ids, g, T, K, shared, ids_ptr, ids_ptr, ids_ptr,
+                                                   True, HAS_SHARED, BM, KPB)
+    if active:
+        md = tl.where(e == shared, shared_down, down0 + e)
+        acc = _parts(ws_ptr + slots.to(tl.int64) * hidden + nb * BN, S * hidden, row_ok, n_sp, BN)
+        _store_down_output(acc, parts_ptr, out_ptr, table_ptr, md, scales_ptr, tok_cnt_ptr, ids_ptr, stride_ids,
+                           weights_ptr, stride_w, ids_ptr, T, K, shared, nb, hidden, row_ok, slots, tokens, True,
+                           HAS_SHARED, WEIGHTED, ACT, BM, BN, KPB)
 
 
 @triton.jit
@@ -805,10 +866,13 @@ class Form:
     stage_rows: int = 0
     staged: Form | None = None
     prefetch: bool = False  # the element form loads the next chunk's words before decoding this one
+    cuda: bool = False  # the parallel form's split sums by the CUDA kernel (glm53/ops/cuda_exl3.py; MLPs)
 
     def __post_init__(self) -> None:
         if self.prefetch and self.lanes:
             raise ValueError("prefetch is a form of the element decoder (lanes=False)")
+        if self.cuda and not (self.parallel and self.bm == 16):
+            raise ValueError("the CUDA split sums are the parallel form's, 16 rows a program")
 
     @property
     def stage_tiling(self) -> Form:
@@ -1012,6 +1076,10 @@ def mlp(x: torch.Tensor, bank: Exl3Bank, mats: MlpMatrices, ids: torch.Tensor, w
             mats.n_experts, dummy, dummy, mats.gate0, mats.up0, shared[0], shared[1], ROWS=1, HAS_SHARED=has_shared,
             ACT=_act(x.dtype), BM=ROTATE_ROWS, num_warps=4, **OPTIONS)
         tiles = dict(tile_mat_ptr=dummy, tile_first_ptr=dummy, tile_rows_ptr=dummy)
+        if form.cuda:
+            _mlp_cuda_parts(x, xr, xd, parts, out, ws_gu, ws_d, tok_cnt, bank, mats, ids, wts, weights is not None,
+                            form, common)
+            return out
         _gate_up_kernel[(s, nb_w, sp_gu)](
             xr, xd, bank.table, words, bank.scales, ws_gu, cnt, dummy, dummy, ids, ids.stride(0), t, k, mats.n_experts,
             **tiles, **mat_args, S=s, hidden=mats.hidden, width=mats.width, TOKENS=True, PARALLEL=True, STAGE=0,
@@ -1075,6 +1143,38 @@ def mlp(x: torch.Tensor, bank: Exl3Bank, mats: MlpMatrices, ids: torch.Tensor, w
     for j in range(kp):
         total = total + ordered[:, j]
     return total
+
+
+def _mlp_cuda_parts(x: torch.Tensor, xr: torch.Tensor, xd: torch.Tensor, parts: torch.Tensor, out: torch.Tensor,
+                    ws_gu: torch.Tensor, ws_d: torch.Tensor, tok_cnt: torch.Tensor, bank: Exl3Bank, mats: MlpMatrices,
+                    ids: torch.Tensor, wts: torch.Tensor, weighted: bool, form: Form, common: dict) -> None:
+    """mlp's parallel form after the input rotation, its split sums on CUDA: gate and up's splits (one launch),
+    their finish (Triton: the splits' ordered sum, SiLU, down's input rotation), down's splits, its finish
+    (each token's weighted sum). The same arithmetic in the same order as _gate_up_kernel / _down_kernel."""
+    from glm53.ops import cuda_exl3
+
+    t, k = ids.shape
+    has_shared = mats.shared is not None
+    shared = mats.shared or (0, 0, 0)
+    s = t * (k + int(has_shared))
+    nb_w, nb_h = mats.width // HAD, mats.hidden // HAD
+    sp_gu, sp_d = n_splits(mats.hidden), n_splits(mats.width)
+    ids64 = ids if ids.dtype == torch.int64 else ids.to(torch.int64)
+    consts = {name: common[name] for name in ("ACT", "KPB", "HAS_SHARED")}
+    rows = dict(ids=ids64, tokens=t, routed=k, shared_id=mats.n_experts, has_shared=has_shared)
+    cuda_exl3.split_parts(bank, xr, ws_gu, groups=s, n_blocks=nb_w, n_splits=sp_gu, **rows,
+                          mats=(mats.gate0, mats.up0), shared_mats=(shared[0], shared[1]), in_width=mats.hidden,
+                          xr_proj=s * mats.hidden, out_stride=2 * mats.width, proj_cols=mats.width)
+    _gate_up_finish_kernel[(s, nb_w)](
+        ws_gu, xd, bank.table, bank.scales, ids, ids.stride(0), t, k, mats.n_experts, mats.gate0, mats.up0, mats.down0,
+        shared[0], shared[1], shared[2], s, mats.width, sp_gu, C_TY=_TL_DTYPES[x.dtype], BM=form.bm, BN=HAD,
+        num_warps=form.warps, **consts, **OPTIONS)
+    cuda_exl3.split_parts(bank, xd, ws_d, groups=s, n_blocks=nb_h, n_splits=sp_d, **rows, mats=(mats.down0,),
+                          shared_mats=(shared[2],), in_width=mats.width, xr_proj=0, out_stride=mats.hidden, proj_cols=0)
+    _down_finish_kernel[(s, nb_h)](
+        ws_d, parts, out, bank.table, bank.scales, tok_cnt, ids, ids.stride(0), wts, wts.stride(0), t, k,
+        mats.n_experts, mats.down0, shared[2], s, mats.hidden, sp_d, WEIGHTED=weighted, BM=form.bm, BN=HAD,
+        num_warps=form.warps, **consts, **OPTIONS)
 
 
 def _values(bank: Exl3Bank, m: int) -> int:

@@ -242,3 +242,79 @@ def test_mlp_graph_replay_equals_eager(tx, layer):
         assert torch.equal(out, tx.mlp(x, bank, mats, ids, w)), f"replay {seed}"
     assert torch.equal(tx.mlp(x, bank, mats, ids, w), tx.mlp(x, bank, mats, ids, w))
     del eager
+
+
+def _cuda_form(tx):
+    from glm53.ops import cuda_exl3
+
+    why = cuda_exl3.unavailable(torch.device("cuda"))
+    assert why is None, f"the CUDA split sums cannot run here: {why}"
+    return tx.dataclasses.replace(tx.DECODE, cuda=True)
+
+
+def _small_moe(tx, codebook: str, widths: tuple[float, ...], hidden: int = 1152, width: int = 384, experts: int = 6):
+    """A MoE bank of one codebook: hidden 1152 = 9 steps (splits of 8 and 1), experts' K cycling `widths`."""
+    b = BankBuilder()
+    first = {}
+    for p, (i, o) in (("gate", (hidden, width)), ("up", (hidden, width)), ("down", (width, hidden))):
+        for e in range(experts):
+            m = b.add_group(random_group(i, o, widths[(e + len(p)) % len(widths)], codebook, seed=31 * e + len(p)))
+            first.setdefault(p, m)
+    shared = tuple(b.add_group(random_group(i, o, widths[0], codebook, seed=90 + n))
+                   for n, (i, o) in enumerate(((hidden, width), (hidden, width), (width, hidden))))
+    return b.build("cuda"), tx.MlpMatrices(first["gate"], first["up"], first["down"], experts, shared, width, hidden)
+
+
+@pytest.mark.parametrize("codebook,widths", [("3inst", (2.0, 3.0, 4.0)), ("mcg", (4.0, 2.0)),
+                                             ("mul1", (2.5, 3.5, 3.0))], ids=lambda v: str(v))
+def test_cuda_split_sums_give_the_triton_decode_form_bits(tx, codebook, widths):
+    """Form.cuda (the split sums by exl3_parts.cu) against the Triton parallel form, bit for bit: every
+    codebook and width (half-integer K included), a short last split, 1 to 16 tokens, shared experts
+    between tokens, unweighted, and the dense MLP."""
+    form = _cuda_form(tx)
+    bank, mats = _small_moe(tx, codebook, widths)
+    g = torch.Generator(device="cuda").manual_seed(21)
+    for t, k in ((1, 4), (3, 4), (16, 4), (5, 6)):
+        x = torch.randn(t, mats.hidden, generator=g, device="cuda").to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(mats.n_experts, generator=g, device="cuda")[:k] for _ in range(t)])
+        w = torch.rand(t, k, generator=g, device="cuda")
+        for weights in (w, None):
+            want = tx.mlp(x, bank, mats, ids, weights, form=tx.DECODE)
+            got = tx.mlp(x, bank, mats, ids, weights, form=form)
+            assert torch.equal(got, want), f"T={t} K={k} weighted={weights is not None}: " \
+                f"{int((got != want).sum())} of {want.numel()} values differ"
+    dense = tx.MlpMatrices(0, 0, 0, 0, mats.shared, mats.width, mats.hidden)
+    x = torch.randn(7, mats.hidden, generator=g, device="cuda").to(torch.bfloat16)
+    none = torch.zeros(7, 0, dtype=torch.int64, device="cuda")
+    assert torch.equal(tx.mlp(x, bank, dense, none, None, form=form), tx.mlp(x, bank, dense, none, None))
+
+
+def test_cuda_split_sums_at_glm53_widths_and_in_a_graph(tx, layer):
+    """The 16-expert layer of GLM-5.3's widths (mixed K): the CUDA form's bits equal the Triton decode form's
+    and the expert-sorted prefill form's rows; a captured graph's replays give the eager call's bits."""
+    form = _cuda_form(tx)
+    bank, mats = layer
+    g = torch.Generator(device="cuda").manual_seed(14)
+    x = torch.randn(40, mats.hidden, generator=g, device="cuda").to(torch.bfloat16)
+    ids, w = _routing(40, mats.n_experts, 15)
+    full = tx.mlp(x, bank, mats, ids, w)
+    for a, n in ((0, 1), (9, 4), (20, 16)):
+        got = tx.mlp(x[a:a + n], bank, mats, ids[a:a + n], w[a:a + n], form=form)
+        assert torch.equal(got, full[a:a + n]), f"tokens [{a}, {a + n})"
+    t = 4
+    xs, ids_s, w_s = x[:t].clone(), ids[:t].clone(), w[:t].clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        tx.mlp(xs, bank, mats, ids_s, w_s, form=form)  # the library loaded, the finish kernels compiled
+        with torch.cuda.graph(graph, stream=stream):
+            out = tx.mlp(xs, bank, mats, ids_s, w_s, form=form)
+    torch.cuda.current_stream().wait_stream(stream)
+    for a in (10, 30):
+        xs.copy_(x[a:a + t])
+        ids_s.copy_(ids[a:a + t])
+        w_s.copy_(w[a:a + t])
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, full[a:a + t]), f"replay of tokens [{a}, {a + t})"
