@@ -282,12 +282,12 @@ def parse_form(text: str):
     bm, warps, stages, lanes, subk, parallel, *rest = (int(v) for v in text.split(","))
     ptx, stage_rows, prefetch, cuda = (rest + [0, 0, 0, 0])[:4]
     return Form(bm, warps, stages, bool(lanes), subk, bool(parallel), bool(ptx), stage_rows, prefetch=bool(prefetch),
-                cuda=bool(cuda))
+                cuda=cuda)
 
 
 def form_label(form: dict) -> str:
     if form.get("cuda"):
-        return f"bm{form['bm']} CUDA split sums (mma.sync fragments decoded in registers)"
+        return f"bm{form['bm']} CUDA split sums, variant {form['cuda'] - 1}"
     decoder = "lanes" if form["lanes"] else "elements ptx" if form.get("ptx") else "elements"
     decoder += " prefetch" if form.get("prefetch") else ""
     staged = f" staged>={form['stage_rows']}" if form.get("stage_rows") else ""

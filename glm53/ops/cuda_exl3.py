@@ -14,10 +14,10 @@ from glm53.exl3.bank import Exl3Bank
 from glm53.ops import cuda_build
 
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
-# exl3_parts_launch(stream, codebook, groups, n_blocks, n_splits, words, table, xr, ws, mode, rows, ids, stride_ids,
+# exl3_parts_launch(stream, codebook, variant, groups, n_blocks, n_splits, words, table, xr, ws, mode, rows, ids, stride_ids,
 #                   T, K, shared, has_shared, mat_p0, mat_p1, shared_p0, shared_p1, n_proj, in_width, xr_proj,
 #                   out_stride, proj_cols, split_stride)
-_ARGTYPES = [_P, _I, _I, _I, _I, _P, _P, _P, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _L, _I, _I,
+_ARGTYPES = [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _L, _I, _I,
              _L]
 _LIBRARIES: dict[tuple[int, int], ctypes.CDLL] = {}
 
@@ -51,7 +51,8 @@ def unavailable(device: torch.device) -> str | None:
 
 def split_parts(bank: Exl3Bank, xr: torch.Tensor, ws: torch.Tensor, *, groups: int, n_blocks: int, n_splits: int,
                 ids: torch.Tensor, tokens: int, routed: int, shared_id: int, has_shared: bool, mats: Sequence[int],
-                shared_mats: Sequence[int], in_width: int, xr_proj: int, out_stride: int, proj_cols: int) -> None:
+                shared_mats: Sequence[int], in_width: int, xr_proj: int, out_stride: int, proj_cols: int,
+                variant: int = 1) -> None:
     """The fp32 split parts of the MLP slots' products (one launch; exl3_parts.cu's mode 1): for each slot
     group g < groups, output block < n_blocks, split < n_splits and projection p < len(mats), the rows of
     xr [.., in_width] (fp16, projection p's at + p * xr_proj) times the group's expert's matrix of projection
@@ -68,7 +69,7 @@ def split_parts(bank: Exl3Bank, xr: torch.Tensor, ws: torch.Tensor, *, groups: i
     shared_pair = list(shared_mats) + [0] * (2 - n_proj)
     lib = library(xr.device)
     code = lib.exl3_parts_launch(
-        torch.cuda.current_stream(xr.device).cuda_stream, next(iter(codebooks)), groups, n_blocks, n_splits,
+        torch.cuda.current_stream(xr.device).cuda_stream, next(iter(codebooks)), variant, groups, n_blocks, n_splits,
         bank.words.data_ptr(), bank.table.data_ptr(), xr.data_ptr(), ws.data_ptr(), 1, 0, ids.data_ptr(),
         ids.stride(0), tokens, routed, shared_id, int(has_shared), pair[0], pair[1], shared_pair[0], shared_pair[1],
         n_proj, in_width, xr_proj, out_stride, proj_cols, groups * out_stride)

@@ -866,7 +866,7 @@ class Form:
     stage_rows: int = 0
     staged: Form | None = None
     prefetch: bool = False  # the element form loads the next chunk's words before decoding this one
-    cuda: bool = False  # the parallel form's split sums by the CUDA kernel (glm53/ops/cuda_exl3.py; MLPs)
+    cuda: int = 0  # the parallel form's split sums by the CUDA kernel's variant cuda - 1 (glm53/ops/cuda_exl3.py)
 
     def __post_init__(self) -> None:
         if self.prefetch and self.lanes:
@@ -1077,8 +1077,8 @@ def mlp(x: torch.Tensor, bank: Exl3Bank, mats: MlpMatrices, ids: torch.Tensor, w
             ACT=_act(x.dtype), BM=ROTATE_ROWS, num_warps=4, **OPTIONS)
         tiles = dict(tile_mat_ptr=dummy, tile_first_ptr=dummy, tile_rows_ptr=dummy)
         if form.cuda:
-            _mlp_cuda_parts(x, xr, xd, parts, out, ws_gu, ws_d, tok_cnt, bank, mats, ids, wts, weights is not None,
-                            form, common)
+            _mlp_cuda_parts(x, xr, xd, parts, out, ws_gu, ws_d, tok_cnt, bank, mats, ids, k, wts,
+                            weights is not None, form, common)
             return out
         _gate_up_kernel[(s, nb_w, sp_gu)](
             xr, xd, bank.table, words, bank.scales, ws_gu, cnt, dummy, dummy, ids, ids.stride(0), t, k, mats.n_experts,
@@ -1147,13 +1147,14 @@ def mlp(x: torch.Tensor, bank: Exl3Bank, mats: MlpMatrices, ids: torch.Tensor, w
 
 def _mlp_cuda_parts(x: torch.Tensor, xr: torch.Tensor, xd: torch.Tensor, parts: torch.Tensor, out: torch.Tensor,
                     ws_gu: torch.Tensor, ws_d: torch.Tensor, tok_cnt: torch.Tensor, bank: Exl3Bank, mats: MlpMatrices,
-                    ids: torch.Tensor, wts: torch.Tensor, weighted: bool, form: Form, common: dict) -> None:
+                    ids: torch.Tensor, k: int, wts: torch.Tensor, weighted: bool, form: Form, common: dict) -> None:
     """mlp's parallel form after the input rotation, its split sums on CUDA: gate and up's splits (one launch),
     their finish (Triton: the splits' ordered sum, SiLU, down's input rotation), down's splits, its finish
-    (each token's weighted sum). The same arithmetic in the same order as _gate_up_kernel / _down_kernel."""
+    (each token's weighted sum). The same arithmetic in the same order as _gate_up_kernel / _down_kernel.
+    k: routed experts a token (ids holds one column of zeros for a dense MLP, k = 0)."""
     from glm53.ops import cuda_exl3
 
-    t, k = ids.shape
+    t = ids.shape[0]
     has_shared = mats.shared is not None
     shared = mats.shared or (0, 0, 0)
     s = t * (k + int(has_shared))
@@ -1161,7 +1162,8 @@ def _mlp_cuda_parts(x: torch.Tensor, xr: torch.Tensor, xd: torch.Tensor, parts: 
     sp_gu, sp_d = n_splits(mats.hidden), n_splits(mats.width)
     ids64 = ids if ids.dtype == torch.int64 else ids.to(torch.int64)
     consts = {name: common[name] for name in ("ACT", "KPB", "HAS_SHARED")}
-    rows = dict(ids=ids64, tokens=t, routed=k, shared_id=mats.n_experts, has_shared=has_shared)
+    rows = dict(ids=ids64, tokens=t, routed=k, shared_id=mats.n_experts, has_shared=has_shared,
+                variant=form.cuda - 1)
     cuda_exl3.split_parts(bank, xr, ws_gu, groups=s, n_blocks=nb_w, n_splits=sp_gu, **rows,
                           mats=(mats.gate0, mats.up0), shared_mats=(shared[0], shared[1]), in_width=mats.hidden,
                           xr_proj=s * mats.hidden, out_stride=2 * mats.width, proj_cols=mats.width)

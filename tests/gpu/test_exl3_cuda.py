@@ -244,12 +244,21 @@ def test_mlp_graph_replay_equals_eager(tx, layer):
     del eager
 
 
-def _cuda_form(tx):
+VARIANTS = (1, 2, 3, 4)
+
+
+def _cuda_form(tx, variant: int):
     from glm53.ops import cuda_exl3
 
     why = cuda_exl3.unavailable(torch.device("cuda"))
     assert why is None, f"the CUDA split sums cannot run here: {why}"
-    return tx.dataclasses.replace(tx.DECODE, cuda=True)
+    return tx.dataclasses.replace(tx.DECODE, cuda=variant)
+
+
+def _counters_are_zero(tx) -> None:
+    for name in ("count", "count_tokens"):
+        buf = tx.SCRATCH.buffers[(name, torch.device("cuda", torch.cuda.current_device()))]
+        assert int(buf.abs().sum()) == 0, f"{name} counters left non-zero"
 
 
 def _small_moe(tx, codebook: str, widths: tuple[float, ...], hidden: int = 1152, width: int = 384, experts: int = 6):
@@ -271,36 +280,41 @@ def test_cuda_split_sums_give_the_triton_decode_form_bits(tx, codebook, widths):
     """Form.cuda (the split sums by exl3_parts.cu) against the Triton parallel form, bit for bit: every
     codebook and width (half-integer K included), a short last split, 1 to 16 tokens, shared experts
     between tokens, unweighted, and the dense MLP."""
-    form = _cuda_form(tx)
     bank, mats = _small_moe(tx, codebook, widths)
     g = torch.Generator(device="cuda").manual_seed(21)
-    for t, k in ((1, 4), (3, 4), (16, 4), (5, 6)):
-        x = torch.randn(t, mats.hidden, generator=g, device="cuda").to(torch.bfloat16)
-        ids = torch.stack([torch.randperm(mats.n_experts, generator=g, device="cuda")[:k] for _ in range(t)])
-        w = torch.rand(t, k, generator=g, device="cuda")
-        for weights in (w, None):
-            want = tx.mlp(x, bank, mats, ids, weights, form=tx.DECODE)
-            got = tx.mlp(x, bank, mats, ids, weights, form=form)
-            assert torch.equal(got, want), f"T={t} K={k} weighted={weights is not None}: " \
-                f"{int((got != want).sum())} of {want.numel()} values differ"
     dense = tx.MlpMatrices(0, 0, 0, 0, mats.shared, mats.width, mats.hidden)
-    x = torch.randn(7, mats.hidden, generator=g, device="cuda").to(torch.bfloat16)
-    none = torch.zeros(7, 0, dtype=torch.int64, device="cuda")
-    assert torch.equal(tx.mlp(x, bank, dense, none, None, form=form), tx.mlp(x, bank, dense, none, None))
+    for variant in VARIANTS:
+        form = _cuda_form(tx, variant)
+        for t, k in ((1, 4), (3, 4), (16, 4), (5, 6)):
+            x = torch.randn(t, mats.hidden, generator=g, device="cuda").to(torch.bfloat16)
+            ids = torch.stack([torch.randperm(mats.n_experts, generator=g, device="cuda")[:k] for _ in range(t)])
+            w = torch.rand(t, k, generator=g, device="cuda")
+            for weights in (w, None):
+                want = tx.mlp(x, bank, mats, ids, weights, form=tx.DECODE)
+                got = tx.mlp(x, bank, mats, ids, weights, form=form)
+                assert torch.equal(got, want), f"variant {variant} T={t} K={k} weighted={weights is not None}: " \
+                    f"{int((got != want).sum())} of {want.numel()} values differ"
+        x = torch.randn(7, mats.hidden, generator=g, device="cuda").to(torch.bfloat16)
+        none = torch.zeros(7, 0, dtype=torch.int64, device="cuda")
+        assert torch.equal(tx.mlp(x, bank, dense, none, None, form=form), tx.mlp(x, bank, dense, none, None)), \
+            f"variant {variant}: the dense MLP"
+        _counters_are_zero(tx)
 
 
 def test_cuda_split_sums_at_glm53_widths_and_in_a_graph(tx, layer):
     """The 16-expert layer of GLM-5.3's widths (mixed K): the CUDA form's bits equal the Triton decode form's
     and the expert-sorted prefill form's rows; a captured graph's replays give the eager call's bits."""
-    form = _cuda_form(tx)
     bank, mats = layer
     g = torch.Generator(device="cuda").manual_seed(14)
     x = torch.randn(40, mats.hidden, generator=g, device="cuda").to(torch.bfloat16)
     ids, w = _routing(40, mats.n_experts, 15)
     full = tx.mlp(x, bank, mats, ids, w)
-    for a, n in ((0, 1), (9, 4), (20, 16)):
-        got = tx.mlp(x[a:a + n], bank, mats, ids[a:a + n], w[a:a + n], form=form)
-        assert torch.equal(got, full[a:a + n]), f"tokens [{a}, {a + n})"
+    for variant in VARIANTS:
+        form = _cuda_form(tx, variant)
+        for a, n in ((0, 1), (9, 4), (20, 16)):
+            got = tx.mlp(x[a:a + n], bank, mats, ids[a:a + n], w[a:a + n], form=form)
+            assert torch.equal(got, full[a:a + n]), f"variant {variant}: tokens [{a}, {a + n})"
+    _counters_are_zero(tx)
     t = 4
     xs, ids_s, w_s = x[:t].clone(), ids[:t].clone(), w[:t].clone()
     stream = torch.cuda.Stream()

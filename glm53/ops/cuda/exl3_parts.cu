@@ -94,58 +94,73 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t a[4], const __half* p) {
                  : "r"(addr));
 }
 
-// The warp's 32 columns of one split: acc[tile][half][4] += sum over the split's steps of the inputs in
-// shared memory (rows 0-15, columns from the split's first step) times the decoded tiles, k16 by k16.
-// A step's 48 words (8 tile rows x 2 tiles x 3) are loaded before any of its tiles decodes.
-template <int BITS2, int CB>
+// The warp's columns (TILES 16-column tiles) of one split: acc[tile][half][4] += the inputs in shared memory
+// (rows 0-15, columns from the split's first step) times the decoded tiles, k16 by k16 in order. The split's
+// tile rows run in chunks of R; a chunk's words (R x TILES x 3) are loaded before the previous chunk decodes.
+template <int BITS2, int CB, int TILES, int R>
 __device__ __forceinline__ void split_sum(const int32_t* __restrict__ words, const int64_t* __restrict__ row,
-                                          int nb, int first, int last, const __half* sx, float acc[2][2][4]) {
+                                          int nb, int col_tile, int first, int last, const __half* sx,
+                                          float acc[TILES][2][4]) {
     constexpr int W = 4 * BITS2;  // int32 words a tile
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
     const int start = value_end(8 * lane, BITS2) - 16 + 128 * BITS2;  // the lane's first window; one stream ahead
     const int w0 = (start >> 5) % W, offset = start & 31;
     const int w1 = w0 + 1 == W ? 0 : w0 + 1, w2 = w1 + 1 == W ? 0 : w1 + 1;
     const int64_t stride_r = row[STRIDE_R] / 2, step_kb = row[STEP_KB] / 2;
-    const int32_t* block = words + (row[BASE] + nb * row[STEP_NB]) / 2 + (2 * warp) * W;
+    const int32_t* block = words + (row[BASE] + nb * row[STEP_NB]) / 2 + first * step_kb + col_tile * W;
     // ldmatrix x4: lanes 0-15 give rows 0-15 at k, lanes 16-31 the same rows at k + 8
     const __half* sa = sx + (lane & 15) * LDA + (lane >> 4) * 8;
-    for (int step = first; step < last; ++step) {
-        const int32_t* sb = block + step * step_kb;
-        uint32_t wa[8][2], wb[8][2], wc[8][2];
+    const int chunks = (last - first) * 8 / R;
+    auto load = [&](uint32_t (&buf)[R][TILES][3], int chunk) {
+        const int kt = chunk * R;
+        const int32_t* rows = block + (kt >> 3) * step_kb + (kt & 7) * stride_r;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
+        for (int i = 0; i < R; ++i) {
 #pragma unroll
-            for (int t = 0; t < 2; ++t) {
-                const int32_t* tile = sb + i * stride_r + t * W;
-                wa[i][t] = __ldg(tile + w0);
-                wb[i][t] = __ldg(tile + w1);
-                wc[i][t] = __ldg(tile + w2);
+            for (int t = 0; t < TILES; ++t) {
+                const int32_t* tile = rows + i * stride_r + t * W;
+                buf[i][t][0] = __ldg(tile + w0);
+                buf[i][t][1] = __ldg(tile + w1);
+                buf[i][t][2] = __ldg(tile + w2);
             }
         }
+    };
+    auto compute = [&](const uint32_t (&buf)[R][TILES][3], int chunk) {
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
+        for (int i = 0; i < R; ++i) {
             uint32_t a[4];
-            ldmatrix_x4(a, sa + (step - first) * HAD + i * 16);
+            ldmatrix_x4(a, sa + (chunk * R + i) * 16);
 #pragma unroll
-            for (int t = 0; t < 2; ++t) {
+            for (int t = 0; t < TILES; ++t) {
                 uint32_t frag[4];
-                decode_fragments<BITS2, CB>(wa[i][t], wb[i][t], wc[i][t], offset, frag);
+                decode_fragments<BITS2, CB>(buf[i][t][0], buf[i][t][1], buf[i][t][2], offset, frag);
                 mma_16816(acc[t][0], a, frag[0], frag[1]);
                 mma_16816(acc[t][1], a, frag[2], frag[3]);
             }
         }
+    };
+    uint32_t even[R][TILES][3], odd[R][TILES][3];
+    load(even, 0);
+    for (int c = 0; c < chunks; c += 2) {
+        if (c + 1 < chunks) load(odd, c + 1);
+        compute(even, c);
+        if (c + 1 < chunks) {
+            if (c + 2 < chunks) load(even, c + 2);
+            compute(odd, c + 1);
+        }
     }
 }
 
-template <int CB>
-__device__ __forceinline__ void split_sum_any(int bits2, const int32_t* words, const int64_t* row, int nb, int first,
-                                              int last, const __half* sx, float acc[2][2][4]) {
+template <int CB, int TILES, int R>
+__device__ __forceinline__ void split_sum_any(int bits2, const int32_t* words, const int64_t* row, int nb,
+                                              int col_tile, int first, int last, const __half* sx,
+                                              float acc[TILES][2][4]) {
     switch (bits2) {
-        case 4: split_sum<4, CB>(words, row, nb, first, last, sx, acc); break;
-        case 5: split_sum<5, CB>(words, row, nb, first, last, sx, acc); break;
-        case 6: split_sum<6, CB>(words, row, nb, first, last, sx, acc); break;
-        case 7: split_sum<7, CB>(words, row, nb, first, last, sx, acc); break;
-        default: split_sum<8, CB>(words, row, nb, first, last, sx, acc); break;
+        case 4: split_sum<4, CB, TILES, R>(words, row, nb, col_tile, first, last, sx, acc); break;
+        case 5: split_sum<5, CB, TILES, R>(words, row, nb, col_tile, first, last, sx, acc); break;
+        case 6: split_sum<6, CB, TILES, R>(words, row, nb, col_tile, first, last, sx, acc); break;
+        case 7: split_sum<7, CB, TILES, R>(words, row, nb, col_tile, first, last, sx, acc); break;
+        default: split_sum<8, CB, TILES, R>(words, row, nb, col_tile, first, last, sx, acc); break;
     }
 }
 
@@ -156,7 +171,7 @@ __device__ __forceinline__ void split_sum_any(int bits2, const int32_t* words, c
 // expert, token r in tile row r (slot r * KP + place). The matrix of projection p: the expert's (mat_p + e) or
 // the shared one's (shared_p). Inputs: xr + p * xr_proj + slot * in_width; parts: ws + split * split_stride +
 // slot * out_stride + p * proj_cols + nb * 128.
-template <int CB>
+template <int CB, int TILES, int R>
 __device__ __forceinline__ void split_parts(const int32_t* __restrict__ words, const int64_t* __restrict__ table,
                                             const __half* __restrict__ xr, float* __restrict__ ws, int mode, int rows,
                                             const int64_t* __restrict__ ids, int stride_ids, int T, int K, int shared,
@@ -166,7 +181,8 @@ __device__ __forceinline__ void split_parts(const int32_t* __restrict__ words, c
     __shared__ __align__(16) __half sx[ROWS * LDA];
     __shared__ int slot_of[ROWS];
     __shared__ int first_slot;
-    const int g = blockIdx.x, nb = blockIdx.y;
+    constexpr int SUB = HAD / (WARPS * 16 * TILES);  // programs an output block
+    const int g = blockIdx.x, nb = blockIdx.y / SUB, col_tile = (blockIdx.y % SUB) * WARPS * TILES;
     const int split = blockIdx.z / n_proj, p = blockIdx.z % n_proj;
     int e = 0;
     if (mode == 1) {
@@ -211,18 +227,19 @@ __device__ __forceinline__ void split_parts(const int32_t* __restrict__ words, c
         *reinterpret_cast<uint4*>(sx + r * LDA + c) = val;
     }
     __syncthreads();
-    float acc[2][2][4] = {};
-    split_sum_any<CB>(static_cast<int>(row[BITS2]), words, row, nb, first, last, sx, acc);
-    // acc[t][h]: rows lane / 4 (0, 1) and lane / 4 + 8 (2, 3), columns 2 (lane % 4) + {0, 1} of tile t's half h
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    float* base = ws + split * split_stride + p * proj_cols + nb * HAD + warp * 32 + 2 * (lane & 3);
+    float acc[TILES][2][4] = {};
+    split_sum_any<CB, TILES, R>(static_cast<int>(row[BITS2]), words, row, nb, col_tile + warp * TILES, first, last,
+                                sx, acc);
+    // acc[t][h]: rows lane / 4 (0, 1) and lane / 4 + 8 (2, 3), columns 2 (lane % 4) + {0, 1} of tile t's half h
+    float* base = ws + split * split_stride + p * proj_cols + nb * HAD + (col_tile + warp * TILES) * 16 + 2 * (lane & 3);
 #pragma unroll
     for (int half_row = 0; half_row < 2; ++half_row) {
         const int slot = slot_of[(lane >> 2) + 8 * half_row];
         if (slot < 0) continue;
         float* out = base + static_cast<long long>(slot) * out_stride;
 #pragma unroll
-        for (int t = 0; t < 2; ++t) {
+        for (int t = 0; t < TILES; ++t) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 *reinterpret_cast<float2*>(out + t * 16 + h * 8) =
@@ -234,30 +251,37 @@ __device__ __forceinline__ void split_parts(const int32_t* __restrict__ words, c
 
 }  // namespace
 
-#define EXL3_PARTS_KERNEL(NAME, CB)                                                                               \
+#define EXL3_PARTS_KERNEL(NAME, CB, TILES, R)                                                                   \
     extern "C" __global__ void __launch_bounds__(WARPS * 32) NAME(                                               \
         const int32_t* words, const int64_t* table, const __half* xr, float* ws, int mode, int rows,              \
         const int64_t* ids, int stride_ids, int T, int K, int shared, int has_shared, int mat_p0, int mat_p1,    \
         int shared_p0, int shared_p1, int n_proj, int in_width, long long xr_proj, int out_stride, int proj_cols, \
-        long long split_stride, int codebook) {                                                                   \
-        split_parts<CB>(words, table, xr, ws, mode, rows, ids, stride_ids, T, K, shared, has_shared, mat_p0,      \
-                        mat_p1, shared_p0, shared_p1, n_proj, in_width, xr_proj, out_stride, proj_cols,           \
-                        split_stride);                                                                            \
+        long long split_stride) {                                                                                 \
+        split_parts<CB, TILES, R>(words, table, xr, ws, mode, rows, ids, stride_ids, T, K, shared, has_shared,   \
+                                  mat_p0, mat_p1, shared_p0, shared_p1, n_proj, in_width, xr_proj, out_stride,   \
+                                  proj_cols, split_stride);                                                       \
     }
 
-EXL3_PARTS_KERNEL(exl3_parts_3inst, 0)
-EXL3_PARTS_KERNEL(exl3_parts_mcg, 1)
-EXL3_PARTS_KERNEL(exl3_parts_mul1, 2)
+#define EXL3_VARIANTS(CBNAME, CB)                       \
+    EXL3_PARTS_KERNEL(exl3_parts_##CBNAME##_t2r8, CB, 2, 8) \
+    EXL3_PARTS_KERNEL(exl3_parts_##CBNAME##_t2r4, CB, 2, 4) \
+    EXL3_PARTS_KERNEL(exl3_parts_##CBNAME##_t1r8, CB, 1, 8) \
+    EXL3_PARTS_KERNEL(exl3_parts_##CBNAME##_t1r4, CB, 1, 4)
+
+EXL3_VARIANTS(3inst, 0)
+EXL3_VARIANTS(mcg, 1)
+EXL3_VARIANTS(mul1, 2)
 
 // The host side: one launch on the caller's stream (torch's current stream; a CUDA graph captures it).
-// codebook: 0, 1, 2, or -1 when a bank mixes them (then each matrix's own, read per program: not supported
-// by this kernel, the caller keeps the Triton form). Returns cudaGetLastError's code.
-extern "C" int exl3_parts_launch(void* stream, int codebook, int groups, int n_blocks, int n_splits,
+// codebook 0, 1 or 2 (one for the whole bank); variant: 0 t2r8, 1 t2r4, 2 t1r8, 3 t1r4 (16-column tiles a warp,
+// tile rows a chunk of loads). Returns cudaGetLastError's code.
+extern "C" int exl3_parts_launch(void* stream, int codebook, int variant, int groups, int n_blocks, int n_splits,
                                  const void* words, const void* table, const void* xr, void* ws, int mode, int rows,
                                  const void* ids, int stride_ids, int T, int K, int shared, int has_shared,
                                  int mat_p0, int mat_p1, int shared_p0, int shared_p1, int n_proj, int in_width,
                                  long long xr_proj, int out_stride, int proj_cols, long long split_stride) {
-    dim3 grid(groups, n_blocks, n_splits * n_proj), block(WARPS * 32);
+    const int sub = variant >= 2 ? 2 : 1;
+    dim3 grid(groups, n_blocks * sub, n_splits * n_proj), block(WARPS * 32);
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     auto w = static_cast<const int32_t*>(words);
     auto tb = static_cast<const int64_t*>(table);
@@ -267,13 +291,21 @@ extern "C" int exl3_parts_launch(void* stream, int codebook, int groups, int n_b
 #define EXL3_LAUNCH(NAME)                                                                                       \
     NAME<<<grid, block, 0, s>>>(w, tb, x, o, mode, rows, id, stride_ids, T, K, shared, has_shared, mat_p0,      \
                                 mat_p1, shared_p0, shared_p1, n_proj, in_width, xr_proj, out_stride, proj_cols, \
-                                split_stride, codebook)
+                                split_stride)
+#define EXL3_CASES(CBNAME)                                   \
+    switch (variant) {                                       \
+        case 0: EXL3_LAUNCH(exl3_parts_##CBNAME##_t2r8); break; \
+        case 1: EXL3_LAUNCH(exl3_parts_##CBNAME##_t2r4); break; \
+        case 2: EXL3_LAUNCH(exl3_parts_##CBNAME##_t1r8); break; \
+        default: EXL3_LAUNCH(exl3_parts_##CBNAME##_t1r4); break; \
+    }
     switch (codebook) {
-        case 0: EXL3_LAUNCH(exl3_parts_3inst); break;
-        case 1: EXL3_LAUNCH(exl3_parts_mcg); break;
-        case 2: EXL3_LAUNCH(exl3_parts_mul1); break;
+        case 0: EXL3_CASES(3inst); break;
+        case 1: EXL3_CASES(mcg); break;
+        case 2: EXL3_CASES(mul1); break;
         default: return static_cast<int>(cudaErrorInvalidValue);
     }
+#undef EXL3_CASES
 #undef EXL3_LAUNCH
     return static_cast<int>(cudaGetLastError());
 }
