@@ -2,7 +2,7 @@
 # One call on a lent GPU: the CUDA tests of the row-invariant forward, the CUDA graphs and the prefix
 # cache, then the prefix-cache and decode (graphs vs eager) benchmarks at GLM-5.3 layer dimensions. Logs and JSON go to $OUT (the device tool's
 # folder) or ./gpu_out. The copy on the GPU machine has no .git: pass the commit as the first argument.
-#   bash bench/run_h200.sh <commit> [tests|tests-kernels|tests-engine|bench|all|depth|disk|moe-prefill|moe|exl3|batching]
+#   bash bench/run_h200.sh <commit> [tests|tests-kernels|tests-engine|bench|all|depth|disk|moe-prefill|moe|exl3|batching|api]
 # depth: the prefix cache (turns, one-word) and decode at GLM-5.3's 78 layers (4 distinct layers
 # repeated, bench.lib.checkpoints.deepen); disk: the disk resume at 78 layers and at 4, each also
 # from the page cache (both ~5 minutes); moe-prefill: the routed experts' sorted form against the
@@ -12,10 +12,18 @@
 # exllamav3 1.6.5 side by side (carry .whl: tests/gpu/prepare_wheels.sh; exllamav3 compiles in the
 # background, in its own session, while the kit's tests run; ~9 minutes); batching: 1, 4 and 16 decode
 # streams through the batched runtime and a 19k prompt arriving beside 4 of them (bench_batching,
-# GLM-5.3's layer dimensions, 4 layers; ~5 minutes).
+# GLM-5.3's layer dimensions, 4 layers; ~5 minutes); api: glm53-bench's four suites through the kit's
+# lane on the GPU (serve.sh --local, a 4-layer checkpoint at GLM-5.3's layer dimensions with the tiny
+# tokenizer, and a second lane with its prefix cache off for the agent suite's cache-off column), JSON,
+# tables and plots as $out/api_bench_<device>.* (carry .whl: tests/gpu/prepare_front_wheels.sh; the mode
+# installs them into /tmp/site; ~5-8 minutes, the bench interrupted at API_DEADLINE_S, default 480 s from
+# the mode's start, keeping the suites done). API_MODEL (a checkpoint to serve instead), API_BENCH_ARGS
+# (the bench's sizes), API_NO_CACHE_LANE=0 (one lane: the bench's unique-first-line fallback), API_PORT
+# (8300; the cache-off lane one above) and API_WHEELS (.whl/front; empty: python3 has the packages) change
+# it; the lanes' logs go to $out/api_<device>_lanes.log when anything fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-commit="${1:?usage: bash bench/run_h200.sh <commit> [tests|tests-kernels|tests-engine|bench|all|depth|disk|moe-prefill|moe|exl3|batching]}"
+commit="${1:?usage: bash bench/run_h200.sh <commit> [tests|tests-kernels|tests-engine|bench|all|depth|disk|moe-prefill|moe|exl3|batching|api]}"
 what="${2:-all}"
 out="${OUT:-gpu_out}"
 mkdir -p "$out"
@@ -92,6 +100,90 @@ if [ "$what" = batching ]; then
     python3 -m bench.bench_batching --device cuda --model "$ckpt/real_dims" --streams 1,4,16 --tokens 64 \
         --repeats 3 --long-prompt 19000 --step-tokens 512 --out "$out/batching_h200.json" 2>&1 | tee "$out/batching_h200.log"
     status=$(( status | ${PIPESTATUS[0]} ))
+fi
+if [ "$what" = api ]; then
+    api_t0=$SECONDS
+    dev=$(nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
+    alog="$out/api_$dev.log"
+    say() { echo "[api $((SECONDS - api_t0))s] $*" | tee -a "$alog"; }
+    gpu_memory() { nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>/dev/null || echo "no GPU"; }
+    py="$(command -v python3)"  # the lanes run with it (serve.sh takes a path, not a name)
+    say "python3 is $py; $(gpu_memory)"
+    wheels=${API_WHEELS-.whl/front}
+    if [ -n "$wheels" ]; then
+        python3 tests/gpu/install_front_wheels.py --wheels "$wheels" --target /tmp/site 2>&1 | tee -a "$alog"
+        [ "${PIPESTATUS[0]}" = 0 ] || { say "the front's wheels are not all there: see above"; exit 1; }
+        export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+    fi
+    model="${API_MODEL:-}"
+    label="kit lane, $(basename "${model:-x}")"
+    if [ -z "$model" ]; then
+        label="kit lane, 4 layers at GLM-5.3's dimensions (random bf16 weights, tiny tokenizer)"
+        ckpt="$(mktemp -d)"
+        python3 -m bench.lib.checkpoints "$ckpt" --layers 4 --vocab 32768 --tokenizer >> "$alog" 2>&1 \
+            || { say "writing the checkpoint failed: see above"; rm -rf "$ckpt"; exit 1; }
+        model="$ckpt/real_dims"
+        say "checkpoint $model written ($(du -sh "$model" | cut -f1))"
+    fi
+    port=${API_PORT:-8300}
+    ports=("$port")
+    [ "${API_NO_CACHE_LANE:-1}" = 1 ] && ports+=("$((port + 1))")
+    stop_lanes() {
+        for p in "${ports[@]}"; do GLM53_PYTHON="$py" bash serve.sh stop --port "$p" >> "$alog" 2>&1 & done
+        wait
+    }
+    trap stop_lanes EXIT
+    starting="$(mktemp -d)"
+    declare -A starter
+    for p in "${ports[@]}"; do  # at once: each plans against the GPU's free memory, both fit beside each other
+        cache=$([ "$p" = "$port" ] && echo 1 || echo 0)
+        TF_GLM53_PREFIX_CACHE=$cache GLM53_PYTHON="$py" bash serve.sh --local --model "$model" --port "$p" \
+            > "$starting/$p.log" 2>&1 &
+        starter[$p]=$!
+    done
+    up=()
+    for p in "${ports[@]}"; do
+        wait "${starter[$p]}"; rc=$?
+        cat "$starting/$p.log" >> "$alog"
+        if [ "$rc" = 0 ]; then up+=("$p"); say "lane $p READY"; else say "lane $p failed to start (exit $rc)"; status=1; fi
+    done
+    rm -rf "$starting"
+    bench=(--suites decode,agent,extend,concurrency --ignore-eos)
+    if [ "${#ports[@]}" = 2 ] && [ "${#up[@]}" = 2 ]; then
+        bench+=(--no-cache-url "http://127.0.0.1:$((port + 1))")
+    elif [ "${up[0]:-}" = "$port" ]; then
+        say "one lane: the agent suite's cache-off requests each open with their own first line"
+    fi
+    if [ "${up[0]:-}" = "$port" ]; then
+        say "$(gpu_memory) with the lanes loaded"
+        # the issue's sizes, with fewer repeats of the agent conversation, the extension and the client rounds
+        sizes=${API_BENCH_ARGS:-"--samples 6 --decode-tokens 320 --agent-turns 6 --agent-turn-tokens 2700 \
+--agent-samples 2 --extend-tokens 19000 --extend-samples 2 --concurrency 1,2,4,8,16 --concurrency-tokens 128 \
+--concurrency-rounds 1"}
+        left=$(( ${API_DEADLINE_S:-480} - (SECONDS - api_t0) ))
+        [ "$left" -ge 30 ] || left=30
+        say "glm53-bench ${bench[*]} $sizes (interrupted after $left s)"
+        # SIGINT at the deadline, which the bench answers by saving what it measured (timeout hands it SIGINT
+        # unignored also where a shell runs this in the background)
+        # shellcheck disable=SC2086  # the sizes are words
+        timeout --preserve-status -s INT -k 20 "$left" python3 -m glm53.apibench --url "http://127.0.0.1:$port" \
+            "${bench[@]}" $sizes --label "$label, $(gpu_memory | cut -d, -f1)" \
+            --out "$out/api_bench_$dev.json" 2>&1 | tee -a "$alog"
+        rc=${PIPESTATUS[0]}
+        say "glm53-bench exit $rc$([ "$rc" = 130 ] && echo ': interrupted at the deadline; the JSON keeps the suites done')"
+        [ "$rc" = 0 ] || status=1
+        say "$(gpu_memory) after the bench"
+    fi
+    stop_lanes
+    trap - EXIT
+    if [ "$status" != 0 ]; then  # the lanes' logs (kept in .work/lanes/PORT/), their last lines, in one file
+        for p in "${ports[@]}"; do
+            for f in .work/lanes/"$p"/supervisor.log .work/lanes/"$p"/rank*.log; do
+                [ -f "$f" ] && { echo "=== $f (last 300 lines)"; tail -n 300 "$f"; }
+            done
+        done > "$out/api_${dev}_lanes.log"
+    fi
+    say "done (status $status)"
 fi
 [ -n "${ckpt:-}" ] && rm -rf "$ckpt"
 exit "$status"

@@ -35,17 +35,24 @@ def gpus() -> list[dict[str, Any]]:
     return found
 
 
-def git_commit(path: str | None) -> str | None:
-    if not path or not Path(path).is_dir():
+def _git(path: str, *args: str) -> str | None:
+    """git's output in `path`; None where it fails or the node has no git at all (a copy without .git
+    on a bare machine runs the local lane all the same)."""
+    try:
+        out = subprocess.run(["git", "-C", path, *args], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
         return None
-    out = subprocess.run(["git", "-C", path, "rev-parse", "HEAD"], capture_output=True, text=True)
     return out.stdout.strip() if out.returncode == 0 else None
 
 
+def git_commit(path: str | None) -> str | None:
+    if not path or not Path(path).is_dir():
+        return None
+    return _git(path, "rev-parse", "HEAD") or None
+
+
 def git_dirty(path: str) -> bool:
-    out = subprocess.run(["git", "-C", path, "status", "--porcelain", "--untracked-files=no"],
-                         capture_output=True, text=True)
-    return out.returncode == 0 and bool(out.stdout.strip())
+    return bool(_git(path, "status", "--porcelain", "--untracked-files=no"))
 
 
 def probe(model: str, kit_dir: str, workdir: str | None, runtime_stamp: str | None,

@@ -130,3 +130,13 @@ def test_rank_killed_during_load_fails_the_start_with_its_log(tiny_model: Path) 
 def test_stop_with_nothing_running_is_harmless() -> None:
     r = sh("serve.sh", "stop", "--port", str(free_port()))
     assert r.returncode == 0 and "nothing to stop" in r.stderr
+
+
+def test_probe_answers_on_a_node_without_git(tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bare machine (a GPU host given a copy of the kit, no git installed) still answers preflight:
+    no commit, not dirty, instead of the probe failing."""
+    from launcher.probe import probe
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no git on PATH
+    answer = probe(str(tiny_model), str(Path(__file__).resolve().parents[1]), None, None)
+    assert answer["kit_commit"] is None and answer["kit_dirty"] is False and answer["model_present"]

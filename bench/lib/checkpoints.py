@@ -1,9 +1,10 @@
 """Checkpoints the benches run: the tiny test checkpoint, random bf16 weights at GLM-5.3's layer
 dimensions (dense, MoE, or GLM-5.3's mix), and an engine's model run deeper than its checkpoint.
 
-    python -m bench.lib.checkpoints DIR --layers 4 --vocab 32768 [--moe-experts 256 --dense-layers 1]
+    python -m bench.lib.checkpoints DIR --layers 4 --vocab 32768 [--moe-experts 256 --dense-layers 1] [--tokenizer]
 
-writes DIR/real_dims (bench/run_h200.sh and bench/ab_h200.sh share one checkpoint between runs).
+writes DIR/real_dims (bench/run_h200.sh and bench/ab_h200.sh share one checkpoint between runs);
+--tokenizer adds a tokenizer and chat template, for a lane that serves it (add_tokenizer).
 """
 from __future__ import annotations
 
@@ -82,6 +83,31 @@ def real_dims_checkpoint(root: Path, layers: int, vocab: int, moe_experts: int =
     return out
 
 
+def add_tokenizer(model_dir: Path) -> None:
+    """The tiny checkpoint's tokenizer and chat template (glm53.synthetic.tiny_tokenizer) in `model_dir`, so a
+    lane can serve it: the ids from the tiny vocabulary's end up to config.json's vocab_size are reserved
+    tokens (<|reserved_N|>, as the tiny tokenizer pads its own), so every id the model can emit decodes to
+    text; config.json's bos, eos and pad ids become the tokenizer's."""
+    from tokenizers import Tokenizer
+
+    from glm53.synthetic.tiny_tokenizer import write_tokenizer
+
+    config_file = model_dir / "config.json"
+    cfg = json.loads(config_file.read_text())
+    vocab = int(cfg["vocab_size"])
+    ids = write_tokenizer(model_dir)
+    tok_file = model_dir / "tokenizer.json"
+    tok = Tokenizer.from_file(str(tok_file))
+    have = tok.get_vocab_size(with_added_tokens=True)
+    if have > vocab:
+        raise ValueError(f"the tiny tokenizer has {have} ids, more than the checkpoint's vocab_size {vocab}")
+    tok.add_tokens([f"<|reserved_{i}|>" for i in range(have, vocab)])
+    if tok.get_vocab_size(with_added_tokens=True) != vocab:
+        raise AssertionError(f"the padded tokenizer has {tok.get_vocab_size(with_added_tokens=True)} ids, not {vocab}")
+    tok_file.write_text(tok.to_str(pretty=True), encoding="utf-8")
+    config_file.write_text(json.dumps({**cfg, **ids}, indent=1))
+
+
 def _expert_weights(layer: int, experts: range, cfg: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Routed experts of one layer, [out, in] with std 1/sqrt(in) (glm53.synthetic.tiny's init), drawn on the
     GPU where there is one: GLM-5.3's 256 experts a layer are 9.7 G values, minutes for the CPU."""
@@ -142,9 +168,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab", type=int, default=32768)
     p.add_argument("--moe-experts", type=int, default=0, help="routed experts of the MoE layers (0: all dense)")
     p.add_argument("--dense-layers", type=int, default=0, help="with --moe-experts: the first this many dense")
+    p.add_argument("--tokenizer", action="store_true",
+                   help="add a tokenizer and chat template (the tiny one, padded to --vocab) for a serving lane")
     args = p.parse_args(argv)
     try:
-        real_dims_checkpoint(args.root, args.layers, args.vocab, args.moe_experts, args.dense_layers)
+        out = real_dims_checkpoint(args.root, args.layers, args.vocab, args.moe_experts, args.dense_layers)
+        if args.tokenizer:
+            add_tokenizer(out)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
