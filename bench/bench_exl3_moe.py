@@ -218,6 +218,14 @@ def linear_rows(tx, reps: int, bw: float, exl, forms) -> list[dict]:
                              [(x.to(torch.bfloat16), bank, m) for x, (bank, m, _) in zip(xs, sets)])
         row = {"kind": "linear", "rows": rows_m, "shape": [6144, 2048], "bits": 3, "us": ours["median_us"],
                "floor_us": sets[0][0].layouts[0].trellis_bytes / bw * 1e6, "mode": ours["mode"]}
+        if rows_m <= tx.DECODE_ROWS:  # the Triton decode form beside the default (the CUDA split sums)
+            x0, (bank0, m0, _) = xs[0].to(torch.bfloat16), sets[0]
+            triton_form = graph_time_us(lambda x, bank, m: tx.linear(x, bank, m, form=tx.DECODE), reps,
+                                        [(x.to(torch.bfloat16), bank, m) for x, (bank, m, _) in zip(xs, sets)])
+            row.update(default_form=dataclasses.asdict(tx.decode_form(bank0, torch.bfloat16, m=m0)),
+                       triton_decode_us=triton_form["median_us"],
+                       triton_decode_bits_equal=bool(torch.equal(tx.linear(x0, bank0, m0),
+                                                                 tx.linear(x0, bank0, m0, form=tx.DECODE))))
         full = tx.prefill_form(sets[0][0], torch.bfloat16)
         if 0 < full.stage_rows <= rows_m:  # the same rows with each row tile decoding the matrix itself
             plain = dataclasses.replace(full, stage_rows=0)
@@ -244,7 +252,9 @@ def linear_rows(tx, reps: int, bw: float, exl, forms) -> list[dict]:
         print(f"linear 6144x2048 K3 M={rows_m}: {row['us']:.1f} us (floor {row['floor_us']:.1f})"
               + (f", unstaged {row['unstaged_us']:.1f} us (bits equal {row['staged_bits_equal']})"
                  if "unstaged_us" in row else "")
-              + (f", exllamav3 {row['exllamav3_us']:.1f} us" if "exllamav3_us" in row else ""), flush=True)
+              + (f", exllamav3 {row['exllamav3_us']:.1f} us" if "exllamav3_us" in row else "")
+              + (f", the Triton decode form {row['triton_decode_us']:.1f} us (bits equal "
+                 f"{row['triton_decode_bits_equal']})" if "triton_decode_us" in row else ""), flush=True)
     return rows
 
 
@@ -282,12 +292,12 @@ def parse_form(text: str):
     bm, warps, stages, lanes, subk, parallel, *rest = (int(v) for v in text.split(","))
     ptx, stage_rows, prefetch, cuda = (rest + [0, 0, 0, 0])[:4]
     return Form(bm, warps, stages, bool(lanes), subk, bool(parallel), bool(ptx), stage_rows, prefetch=bool(prefetch),
-                cuda=cuda)
+                cuda=bool(cuda))
 
 
 def form_label(form: dict) -> str:
     if form.get("cuda"):
-        return f"bm{form['bm']} CUDA split sums, variant {form['cuda'] - 1}"
+        return f"bm{form['bm']} CUDA split sums"
     decoder = "lanes" if form["lanes"] else "elements ptx" if form.get("ptx") else "elements"
     decoder += " prefetch" if form.get("prefetch") else ""
     staged = f" staged>={form['stage_rows']}" if form.get("stage_rows") else ""
@@ -334,7 +344,7 @@ def main() -> None:
                                                        args.seed)
     print(f"layer built in {time.perf_counter() - t0:.0f} s: bank {bank.nbytes / 2**30:.3f} GiB, allocated "
           f"{allocated / 2**30:.3f} GiB", flush=True)
-    decode_forms = [tx.DECODE] + [parse_form(f) for f in args.forms]
+    decode_forms = [tx.DECODE, tx.DECODE_CUDA] + [parse_form(f) for f in args.forms]
     prefill_forms = [tx.prefill_form(bank, dtype)] + [parse_form(f) for f in args.prefill_forms]
     header = result_header("bench_exl3_moe", {"experts": args.experts, "hidden": args.hidden, "width": args.width,
                                              "top_k": 8, "codebook": args.codebook, "dtype": "bf16",
@@ -392,6 +402,8 @@ def main() -> None:
         elif r.get("kind") == "linear":
             print(f"| linear | {r['rows']} | 6144x2048 K3 | {r['us']:.1f} us | {r['floor_us']:.1f} us | "
                   f"{r['us'] / r['floor_us']:.2f} |")
+            if "triton_decode_us" in r:
+                print(f"| linear | {r['rows']} | 6144x2048 K3 Triton decode form | {r['triton_decode_us']:.1f} us | | |")
             if "unstaged_us" in r:
                 print(f"| linear | {r['rows']} | 6144x2048 K3 unstaged | {r['unstaged_us']:.1f} us | | |")
         elif r.get("kind") == "exllamav3" and "ours_us" in r:

@@ -272,6 +272,8 @@ def _exl3_signature(kernel: str) -> dict[str, str]:
         "gate_up_finish": {"ws_ptr": "*fp32", "xd_ptr": "*fp16", "table_ptr": "*i64", "scales_ptr": "*fp16",
                            "ids_ptr": "*i64", **i32("stride_ids", "T", "K", "shared", "gate0", "up0", "down0",
                                                     "shared_gate", "shared_up", "shared_down", "S", "width", "n_sp")},
+        "linear_finish": {"ws_ptr": "*fp32", "out_ptr": "*bf16", "table_ptr": "*i64", "m": "i32", "scales_ptr": "*fp16",
+                          **i32("M", "out_read", "n_sp", "stride_om", "out_start", "out_width")},
         "down_finish": {"ws_ptr": "*fp32", "parts_ptr": "*bf16", "out_ptr": "*bf16", "table_ptr": "*i64",
                         "scales_ptr": "*fp16", "tok_cnt_ptr": "*i32", "ids_ptr": "*i64", "stride_ids": "i32",
                         "weights_ptr": "*fp32", **i32("stride_w", "T", "K", "shared", "down0", "shared_down", "S",
@@ -332,8 +334,8 @@ def test_exl3_rotation_and_stage_compile(capability: int) -> None:
 
 @pytest.mark.parametrize("capability", [90, 121])
 def test_exl3_finish_kernels_compile(capability: int) -> None:
-    """The Triton finish of the CUDA split sums (Form.cuda: _gate_up_finish_kernel, _down_finish_kernel)
-    compile for the H200 and GB10 and fit GB10's shared memory."""
+    """The Triton finish of the CUDA split sums (Form.cuda: _gate_up_finish_kernel, _down_finish_kernel,
+    _linear_finish_kernel) compile for the H200 and GB10 and fit GB10's shared memory."""
     import triton.language as tl
 
     from glm53.ops import triton_exl3 as tx
@@ -343,4 +345,6 @@ def test_exl3_finish_kernels_compile(capability: int) -> None:
                        4, capability)
     down = _compile(tx._down_finish_kernel, _exl3_signature("down_finish"), {**common, "WEIGHTED": True}, 4,
                     capability)
-    assert max(gate_up.metadata.shared, down.metadata.shared) <= GB10_SHARED
+    linear = _compile(tx._linear_finish_kernel, _exl3_signature("linear_finish"),
+                      {"ACT": tl.float16, "BM": 16, "BN": 128}, 4, capability)
+    assert max(gate_up.metadata.shared, down.metadata.shared, linear.metadata.shared) <= GB10_SHARED

@@ -69,6 +69,41 @@ def _linears_of(layer) -> list:  # noqa: ANN001 - a LayerWeights
     return [w for w in found if isinstance(w, Exl3Linear)]
 
 
+def _exl3_modules(weights) -> tuple[list[Exl3Linear], list[Exl3Mlp | Exl3Experts]]:  # noqa: ANN001
+    """Every EXL3 linear and every EXL3 MLP (dense, shared or routed) of `weights`
+    (glm53.model.transformer.ModelWeights)."""
+    layers = list(weights.layers) + ([weights.mtp.layer] if weights.mtp is not None else [])
+    linears, mlps = [], []
+    for layer in layers:
+        linears += _linears_of(layer)
+        ffn = layer.ffn
+        if isinstance(ffn, Exl3Mlp):
+            mlps.append(ffn)
+        experts = getattr(ffn, "experts", None)
+        if isinstance(experts, Exl3Experts):
+            mlps.append(experts)
+        if isinstance(getattr(ffn, "shared", None), Exl3Mlp):
+            mlps.append(ffn.shared)
+    if weights.mtp is not None and isinstance(weights.mtp.eh_proj, Exl3Linear):
+        linears.append(weights.mtp.eh_proj)
+    return linears, mlps
+
+
+def choose_decode_forms(weights, dtype: torch.dtype) -> str:  # noqa: ANN001
+    """Settle the EXL3 decode form of every linear and MLP shape of `weights` at load, before any CUDA graph
+    is captured (glm53.ops.triton_exl3.decode_form: the CUDA split sums where they give the Triton form's
+    bits on this device); a line for the load log."""
+    from glm53.ops.triton_exl3 import decode_form  # Triton: CUDA only
+
+    linears, mlps = _exl3_modules(weights)
+    forms = [decode_form(lin.bank, dtype, m=lin.m).cuda for lin in linears]
+    forms += [decode_form(mod.bank, dtype, mats=mod.mats).cuda for mod in mlps]
+    if not forms:
+        return "EXL3 decode: no EXL3 weights"
+    cuda = sum(forms)
+    return f"EXL3 decode: CUDA split sums for {cuda} of {len(forms)} linears and MLPs, the Triton form for the rest"
+
+
 def decode_scratch_needs(weights, window: int, top_k: int) -> list[dict[str, int]]:  # noqa: ANN001
     """What the CUDA kernels need for every EXL3 linear and MLP of `weights`
     (glm53.model.transformer.ModelWeights): the parallel form's scratch for windows of up to `window`
@@ -76,21 +111,12 @@ def decode_scratch_needs(weights, window: int, top_k: int) -> list[dict[str, int
     (glm53.ops.triton_exl3.reserve)."""
     from glm53.ops.triton_exl3 import linear_scratch, mlp_scratch  # Triton: CUDA only
 
-    layers = list(weights.layers) + ([weights.mtp.layer] if weights.mtp is not None else [])
+    linears, mlps = _exl3_modules(weights)
     needs = []
-    for layer in layers:
-        for lin in _linears_of(layer):
-            lay = lin.bank.layouts[lin.m]
-            needs.append(linear_scratch(lay.in_read, lay.out_read, window))
-        ffn = layer.ffn
-        mlps = [(ffn, 1)] if isinstance(ffn, Exl3Mlp) else []
-        experts = getattr(ffn, "experts", None)
-        if isinstance(experts, Exl3Experts):
-            mlps.append((experts, top_k + int(experts.has_shared)))
-        if isinstance(getattr(ffn, "shared", None), Exl3Mlp):
-            mlps.append((ffn.shared, 1))
-        needs += [mlp_scratch(m.mats, window, slots) for m, slots in mlps]
-    if weights.mtp is not None and isinstance(weights.mtp.eh_proj, Exl3Linear):
-        lay = weights.mtp.eh_proj.bank.layouts[weights.mtp.eh_proj.m]
+    for lin in linears:
+        lay = lin.bank.layouts[lin.m]
         needs.append(linear_scratch(lay.in_read, lay.out_read, window))
+    for mod in mlps:  # slots a token fills: the routed experts' top-k and the shared one; a dense MLP's one
+        slots = top_k + int(mod.has_shared) if isinstance(mod, Exl3Experts) else 1
+        needs.append(mlp_scratch(mod.mats, window, slots))
     return needs

@@ -49,8 +49,9 @@ def build(name: str, capability: tuple[int, int], nvcc: str | None = None) -> Pa
     """glm53/ops/cuda/<name>.cu compiled for `capability`: the library's path (built if not cached)."""
     source = SOURCES / f"{name}.cu"
     nvcc = nvcc or nvcc_path()
-    if nvcc is None:
-        raise CudaBuildError(f"{source.name}: nvcc not found (set CUDA_HOME or put the CUDA toolkit's bin on PATH)")
+    if nvcc is None or shutil.which(nvcc) is None:
+        raise CudaBuildError(f"{source.name}: nvcc not found{f' at {nvcc}' if nvcc else ''} (set CUDA_HOME or put the "
+                             "CUDA toolkit's bin on PATH)")
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
     flags = [*FLAGS, *arch_flags(capability)]
     key = hashlib.sha256("\0".join([source.read_text(), version, *flags]).encode()).hexdigest()[:16]

@@ -14,10 +14,10 @@ from glm53.exl3.bank import Exl3Bank
 from glm53.ops import cuda_build
 
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
-# exl3_parts_launch(stream, codebook, variant, groups, n_blocks, n_splits, words, table, xr, ws, mode, rows, ids, stride_ids,
+# exl3_parts_launch(stream, codebook, groups, n_blocks, n_splits, words, table, xr, ws, mode, rows, ids, stride_ids,
 #                   T, K, shared, has_shared, mat_p0, mat_p1, shared_p0, shared_p1, n_proj, in_width, xr_proj,
 #                   out_stride, proj_cols, split_stride)
-_ARGTYPES = [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _L, _I, _I,
+_ARGTYPES = [_P, _I, _I, _I, _I, _P, _P, _P, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _I, _L, _I, _I,
              _L]
 _LIBRARIES: dict[tuple[int, int], ctypes.CDLL] = {}
 
@@ -50,28 +50,33 @@ def unavailable(device: torch.device) -> str | None:
 
 
 def split_parts(bank: Exl3Bank, xr: torch.Tensor, ws: torch.Tensor, *, groups: int, n_blocks: int, n_splits: int,
-                ids: torch.Tensor, tokens: int, routed: int, shared_id: int, has_shared: bool, mats: Sequence[int],
-                shared_mats: Sequence[int], in_width: int, xr_proj: int, out_stride: int, proj_cols: int,
-                variant: int = 1) -> None:
-    """The fp32 split parts of the MLP slots' products (one launch; exl3_parts.cu's mode 1): for each slot
-    group g < groups, output block < n_blocks, split < n_splits and projection p < len(mats), the rows of
-    xr [.., in_width] (fp16, projection p's at + p * xr_proj) times the group's expert's matrix of projection
-    p (mats[p] + e, or shared_mats[p]) -> ws + split * (groups * out_stride) + slot * out_stride + p * proj_cols."""
+                mats: Sequence[int], in_width: int, out_stride: int, rows: int = 0, ids: torch.Tensor | None = None,
+                tokens: int = 0, routed: int = 0, shared_id: int = 0, has_shared: bool = False,
+                shared_mats: Sequence[int] = (), xr_proj: int = 0, proj_cols: int = 0) -> None:
+    """The fp32 split parts of y = xr @ W_hat (one launch), for each group g < groups, output block < n_blocks,
+    split < n_splits and projection p < len(mats), into ws + split * (groups * out_stride) + row * out_stride
+    + p * proj_cols (+ the block's columns). Without ids: one matrix mats[0], the rows g * 16 + r < rows of xr
+    [rows, in_width] (a linear; row = its index). With ids [tokens, routed] (int64): MLP slots (exl3_parts.cu's
+    mode 1), group g the slot g of token g // KP; projection p's matrix mats[p] + e (e the slot's expert) or
+    shared_mats[p] (the shared expert, id shared_id), its inputs at xr + p * xr_proj + slot * in_width; row =
+    slot. xr is fp16 (the rotated inputs)."""
     codebooks = bank.codebooks
     if len(codebooks) != 1:
         raise ValueError("the CUDA split sums take a bank of one codebook (this one mixes "
                          f"{sorted(codebooks)}); use the Triton form")
-    if xr.dtype != torch.float16 or ids.dtype != torch.int64 or ids.stride(1) != 1:
-        raise ValueError(f"split_parts: xr must be fp16 (got {xr.dtype}), ids int64 rows (got {ids.dtype}, "
-                         f"strides {ids.stride()})")
+    if xr.dtype != torch.float16:
+        raise ValueError(f"split_parts: xr must be the fp16 rotated inputs, got {xr.dtype}")
+    if ids is not None and (ids.dtype != torch.int64 or ids.stride(1) != 1):
+        raise ValueError(f"split_parts: ids must be int64 rows, got {ids.dtype} with strides {ids.stride()}")
     n_proj = len(mats)
     pair = list(mats) + [0] * (2 - n_proj)
-    shared_pair = list(shared_mats) + [0] * (2 - n_proj)
+    shared_pair = list(shared_mats) + [0] * (2 - len(shared_mats))
     lib = library(xr.device)
     code = lib.exl3_parts_launch(
-        torch.cuda.current_stream(xr.device).cuda_stream, next(iter(codebooks)), variant, groups, n_blocks, n_splits,
-        bank.words.data_ptr(), bank.table.data_ptr(), xr.data_ptr(), ws.data_ptr(), 1, 0, ids.data_ptr(),
-        ids.stride(0), tokens, routed, shared_id, int(has_shared), pair[0], pair[1], shared_pair[0], shared_pair[1],
-        n_proj, in_width, xr_proj, out_stride, proj_cols, groups * out_stride)
+        torch.cuda.current_stream(xr.device).cuda_stream, next(iter(codebooks)), groups, n_blocks, n_splits,
+        bank.words.data_ptr(), bank.table.data_ptr(), xr.data_ptr(), ws.data_ptr(), int(ids is not None), rows,
+        None if ids is None else ids.data_ptr(), 0 if ids is None else ids.stride(0), tokens, routed, shared_id,
+        int(has_shared), pair[0], pair[1], shared_pair[0], shared_pair[1], n_proj, in_width, xr_proj, out_stride,
+        proj_cols, (groups if ids is not None else rows) * out_stride)
     if code:
         raise RuntimeError(f"exl3_parts_launch: {lib.exl3_error_string(code).decode()}")

@@ -524,11 +524,31 @@ def _linear_kernel(xr_ptr, out_ptr, table_ptr, m, words_ptr, scales_ptr, ws_ptr,
                            tl.num_programs(0) * n_blocks * BM * BN, cnt_ptr + tile * n_blocks + nb, stage_ptr,
                            stage_off_ptr, PARALLEL, STAGED, CB, LANES, ACT, BM, BN, SUBK)
     if done:
-        y = _out_block(acc, table_ptr, m, nb, scales_ptr, ACT, BN)
-        oc = nb * _HAD + tl.arange(0, BN) - out_start
-        ok = row_ok[:, None] & ((oc >= 0) & (oc < out_width))[None, :]
-        tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + oc[None, :], y.to(out_ptr.dtype.element_ty),
-                 mask=ok)
+        _store_linear_out(acc, out_ptr, table_ptr, m, nb, scales_ptr, rows, row_ok, stride_om, out_start, out_width,
+                          ACT, BN)
+
+
+@triton.jit
+def _store_linear_out(acc, out_ptr, table_ptr, m, nb, scales_ptr, rows, row_ok, stride_om, out_start, out_width,
+                      ACT: tl.constexpr, BN: tl.constexpr):
+    """Output block nb of matrix m from its sum; the columns inside [out_start, out_start + out_width)."""
+    y = _out_block(acc, table_ptr, m, nb, scales_ptr, ACT, BN)
+    oc = nb * _HAD + tl.arange(0, BN) - out_start
+    ok = row_ok[:, None] & ((oc >= 0) & (oc < out_width))[None, :]
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + oc[None, :], y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _linear_finish_kernel(ws_ptr, out_ptr, table_ptr, m, scales_ptr, M, out_read, n_sp, stride_om, out_start,
+                          out_width, ACT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """Program (row tile, output block nb) after the CUDA split sums of one linear (parts [split, M, out_read]):
+    the splits' ordered sum, then the parallel form's output."""
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    nb = tl.program_id(1)
+    row_ok = rows < M
+    acc = _parts(ws_ptr + rows.to(tl.int64) * out_read + nb * BN, M * out_read, row_ok, n_sp, BN)
+    _store_linear_out(acc, out_ptr, table_ptr, m, nb, scales_ptr, rows, row_ok, stride_om, out_start, out_width, ACT,
+                      BN)
 
 
 # ---- MLPs: routed experts, the shared expert, the dense MLP ------------------------------------------
@@ -866,7 +886,7 @@ class Form:
     stage_rows: int = 0
     staged: Form | None = None
     prefetch: bool = False  # the element form loads the next chunk's words before decoding this one
-    cuda: int = 0  # the parallel form's split sums by the CUDA kernel's variant cuda - 1 (glm53/ops/cuda_exl3.py)
+    cuda: bool = False  # the parallel form's split sums by the CUDA kernel (glm53/ops/cuda_exl3.py)
 
     def __post_init__(self) -> None:
         if self.prefetch and self.lanes:
@@ -901,8 +921,13 @@ PREFILL = Form(64, 4, 1, True, 32, stage_rows=128, staged=Form(128, 8, 3, True, 
 # the stage's bound for a prefill's experts (fp16 W_hat of as many whole experts as fit, one pass each;
 # one GLM-5.3 expert is 75 MB): more passes cost launches, a larger stage costs memory
 STAGE_BYTES = 512 << 20
+# the decode form with its split sums in CUDA (exl3_parts.cu: each lane decodes its mma.sync fragments from
+# the trellis words it loads itself): a token's 256 experts 201 us against DECODE's 566 us on the H100
+# (docs/decisions/exl3-decode-form.md); the default wherever decode_form finds it gives DECODE's bits
+DECODE_CUDA = dataclasses.replace(DECODE, cuda=True)
 ROTATE_ROWS = 16  # rows a program of the input rotation (one tile for every form: the same bits)
 _AGREE: dict[tuple, bool] = {}
+_CUDA_AGREE: dict[tuple, bool] = {}
 
 
 def _act(dtype: torch.dtype):
@@ -1013,7 +1038,7 @@ def linear(x: torch.Tensor, bank: Exl3Bank, m: int, in_start: int = 0, out_start
     if rows == 0 or n_out == 0:
         return out
     parallel = _parallel(rows, form)
-    form = form or (DECODE if parallel else prefill_form(bank, x.dtype))
+    form = form or (decode_form(bank, x.dtype, m=m) if parallel else prefill_form(bank, x.dtype))
     xr = torch.empty(rows, lay.in_read, dtype=_torch_act(x.dtype), device=x.device)
     _rotate_kernel[(triton.cdiv(rows, ROTATE_ROWS), lay.in_read // HAD, 1)](
         x, x.stride(0), xr, bank.table, bank.scales, rows, lay.in_read, in_start, x.shape[1], x, 0, 0, 0, 0, x, x,
@@ -1023,6 +1048,15 @@ def linear(x: torch.Tensor, bank: Exl3Bank, m: int, in_start: int = 0, out_start
     need = linear_scratch(lay.in_read, lay.out_read, rows if parallel else 0)
     ws = SCRATCH.get("parts", need["parts"], torch.float32, x.device)
     cnt = SCRATCH.get("count", need["count"], torch.int32, x.device)
+    if parallel and form.cuda:
+        from glm53.ops import cuda_exl3
+
+        cuda_exl3.split_parts(bank, xr, ws, groups=triton.cdiv(rows, form.bm), n_blocks=n_blocks, n_splits=splits,
+                              mats=(m,), in_width=lay.in_read, out_stride=lay.out_read, rows=rows)
+        _linear_finish_kernel[(triton.cdiv(rows, form.bm), n_blocks)](
+            ws, out, bank.table, m, bank.scales, rows, lay.out_read, splits, out.stride(0), out_start, n_out,
+            ACT=_act(x.dtype), BM=form.bm, BN=HAD, num_warps=form.warps, **OPTIONS)
+        return out
     staged = not parallel and 0 < form.stage_rows <= rows
     stage, stage_off, tiling = ws, cnt, form
     if staged:
@@ -1050,7 +1084,7 @@ def mlp(x: torch.Tensor, bank: Exl3Bank, mats: MlpMatrices, ids: torch.Tensor, w
         return out.zero_()
     shared = mats.shared or (0, 0, 0)
     parallel = _parallel(t, form)
-    form = form or (DECODE if parallel else prefill_form(bank, x.dtype))
+    form = form or (decode_form(bank, x.dtype, mats=mats) if parallel else prefill_form(bank, x.dtype))
     s = t * kp
     act = _torch_act(x.dtype)
     common = dict(ACT=_act(x.dtype), CB=_codebook_arg(bank), KPB=triton.next_power_of_2(kp), HAS_SHARED=has_shared)
@@ -1162,8 +1196,7 @@ def _mlp_cuda_parts(x: torch.Tensor, xr: torch.Tensor, xd: torch.Tensor, parts: 
     sp_gu, sp_d = n_splits(mats.hidden), n_splits(mats.width)
     ids64 = ids if ids.dtype == torch.int64 else ids.to(torch.int64)
     consts = {name: common[name] for name in ("ACT", "KPB", "HAS_SHARED")}
-    rows = dict(ids=ids64, tokens=t, routed=k, shared_id=mats.n_experts, has_shared=has_shared,
-                variant=form.cuda - 1)
+    rows = dict(ids=ids64, tokens=t, routed=k, shared_id=mats.n_experts, has_shared=has_shared)
     cuda_exl3.split_parts(bank, xr, ws_gu, groups=s, n_blocks=nb_w, n_splits=sp_gu, **rows,
                           mats=(mats.gate0, mats.up0), shared_mats=(shared[0], shared[1]), in_width=mats.hidden,
                           xr_proj=s * mats.hidden, out_stride=2 * mats.width, proj_cols=mats.width)
@@ -1244,4 +1277,50 @@ def forms_agree(bank: Exl3Bank, dtype: torch.dtype) -> bool:
               f"form's bits on {torch.cuda.get_device_name(bank.device)}; every row count runs the decode tile "
               "(exact, slower)",
               file=sys.stderr)
+    return same
+
+
+def decode_form(bank: Exl3Bank, dtype: torch.dtype, m: int = 0, mats: MlpMatrices | None = None) -> Form:
+    """DECODE_CUDA where its split sums run on this device and give matrix m's (or the MLP's) rows DECODE's
+    bits, else DECODE."""
+    return DECODE_CUDA if cuda_agrees(bank, dtype, m, mats) else DECODE
+
+
+def cuda_agrees(bank: Exl3Bank, dtype: torch.dtype, m: int = 0, mats: MlpMatrices | None = None) -> bool:
+    """Whether DECODE_CUDA gives rows DECODE's bits for this shape: checked once per (shape, dtype, codebook,
+    device) on random rows (an MLP: 3 tokens on random experts, weighted). False without asking where it
+    cannot run (fp32 models, a bank of mixed codebooks, no nvcc: the reason printed once) and, for an
+    unchecked shape, inside a graph capture (DECODE is exact)."""
+    if bank.device.type != "cuda" or dtype == torch.float32 or len(bank.codebooks) != 1:
+        return False
+    lay = bank.layouts[m]
+    shape = (mats.hidden, mats.width, mats.n_experts, mats.shared is not None) if mats else (lay.in_read, lay.out_read)
+    key = (shape, dtype, bank.codebooks, bank.device)
+    found = _CUDA_AGREE.get(key)
+    if found is not None:
+        return found
+    if torch.cuda.is_current_stream_capturing():
+        return False
+    from glm53.ops import cuda_exl3
+
+    why = cuda_exl3.unavailable(bank.device)
+    if why is not None:
+        same = False
+        print(f"glm53: EXL3 decode form in Triton (the CUDA split sums cannot run: {why})", file=sys.stderr)
+    else:
+        g = torch.Generator(device=bank.device).manual_seed(20261205)
+        if mats is None:
+            x = torch.randn(5, lay.in_read, generator=g, device=bank.device).to(dtype)
+            same = torch.equal(linear(x, bank, m, form=DECODE_CUDA), linear(x, bank, m, form=DECODE))
+        else:
+            k = min(mats.n_experts, 8)
+            x = torch.randn(3, mats.hidden, generator=g, device=bank.device).to(dtype)
+            ids = torch.stack([torch.randperm(mats.n_experts, generator=g, device=bank.device)[:k] for _ in range(3)]) \
+                if k else torch.zeros(3, 0, dtype=torch.int64, device=bank.device)
+            w = torch.rand(3, k, generator=g, device=bank.device) if k else None
+            same = torch.equal(mlp(x, bank, mats, ids, w, form=DECODE_CUDA), mlp(x, bank, mats, ids, w, form=DECODE))
+        if not same:
+            print(f"glm53: EXL3 CUDA split sums differ from the Triton decode form's bits for {shape} on "
+                  f"{torch.cuda.get_device_name(bank.device)}; the Triton form runs (exact, slower)", file=sys.stderr)
+    _CUDA_AGREE[key] = same
     return same

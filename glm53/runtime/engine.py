@@ -31,7 +31,7 @@ from glm53 import ops
 from glm53.config import Glm53Config
 from glm53.layout.plan import plan_layout
 from glm53.loading.loader import load_weights
-from glm53.model.exl3_layers import decode_scratch_needs
+from glm53.model.exl3_layers import choose_decode_forms, decode_scratch_needs
 from glm53.model.kv_state import KVState
 from glm53.model.memory import report_line, weights_report
 from glm53.model.parallel import RankPlan
@@ -177,6 +177,8 @@ class Glm53Engine:
 
             needs = decode_scratch_needs(weights, triton_exl3.DECODE_ROWS, self.cfg.num_experts_per_tok)
             workspace = triton_exl3.reserve(needs, self.device) if needs else 0
+            if needs:
+                say(choose_decode_forms(weights, DTYPES[self.dtype_name]))
         planned = plan_layout(self.model_dir, self.plan.world, self.cfg).bytes_per_rank()[self.plan.rank]
         report = weights_report(weights, planned, workspace)
         say(report_line(report))

@@ -244,15 +244,12 @@ def test_mlp_graph_replay_equals_eager(tx, layer):
     del eager
 
 
-VARIANTS = (1, 2, 3, 4)
-
-
-def _cuda_form(tx, variant: int):
+def _cuda_form(tx):
     from glm53.ops import cuda_exl3
 
     why = cuda_exl3.unavailable(torch.device("cuda"))
     assert why is None, f"the CUDA split sums cannot run here: {why}"
-    return tx.dataclasses.replace(tx.DECODE, cuda=variant)
+    return tx.DECODE_CUDA
 
 
 def _counters_are_zero(tx) -> None:
@@ -283,22 +280,31 @@ def test_cuda_split_sums_give_the_triton_decode_form_bits(tx, codebook, widths):
     bank, mats = _small_moe(tx, codebook, widths)
     g = torch.Generator(device="cuda").manual_seed(21)
     dense = tx.MlpMatrices(0, 0, 0, 0, mats.shared, mats.width, mats.hidden)
-    for variant in VARIANTS:
-        form = _cuda_form(tx, variant)
-        for t, k in ((1, 4), (3, 4), (16, 4), (5, 6)):
-            x = torch.randn(t, mats.hidden, generator=g, device="cuda").to(torch.bfloat16)
-            ids = torch.stack([torch.randperm(mats.n_experts, generator=g, device="cuda")[:k] for _ in range(t)])
-            w = torch.rand(t, k, generator=g, device="cuda")
-            for weights in (w, None):
-                want = tx.mlp(x, bank, mats, ids, weights, form=tx.DECODE)
-                got = tx.mlp(x, bank, mats, ids, weights, form=form)
-                assert torch.equal(got, want), f"variant {variant} T={t} K={k} weighted={weights is not None}: " \
-                    f"{int((got != want).sum())} of {want.numel()} values differ"
-        x = torch.randn(7, mats.hidden, generator=g, device="cuda").to(torch.bfloat16)
-        none = torch.zeros(7, 0, dtype=torch.int64, device="cuda")
-        assert torch.equal(tx.mlp(x, bank, dense, none, None, form=form), tx.mlp(x, bank, dense, none, None)), \
-            f"variant {variant}: the dense MLP"
-        _counters_are_zero(tx)
+    form = _cuda_form(tx)
+    for t, k in ((1, 4), (3, 4), (16, 4), (5, 6)):
+        x = torch.randn(t, mats.hidden, generator=g, device="cuda").to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(mats.n_experts, generator=g, device="cuda")[:k] for _ in range(t)])
+        w = torch.rand(t, k, generator=g, device="cuda")
+        for weights in (w, None):
+            want = tx.mlp(x, bank, mats, ids, weights, form=tx.DECODE)
+            got = tx.mlp(x, bank, mats, ids, weights, form=form)
+            assert torch.equal(got, want), f"T={t} K={k} weighted={weights is not None}: " \
+                f"{int((got != want).sum())} of {want.numel()} values differ"
+    x = torch.randn(7, mats.hidden, generator=g, device="cuda").to(torch.bfloat16)
+    none = torch.zeros(7, 0, dtype=torch.int64, device="cuda")
+    assert torch.equal(tx.mlp(x, bank, dense, none, None, form=form),
+                       tx.mlp(x, bank, dense, none, None, form=tx.DECODE)), "the dense MLP"
+    _counters_are_zero(tx)
+    for m in (mats.gate0 + 1, mats.down0 + 2, mats.shared[2]):  # single linears: 1, 5 and 16 rows
+        lay = bank.layouts[m]
+        x = torch.randn(16, lay.in_read, generator=g, device="cuda").to(torch.bfloat16)
+        for n in (1, 5, 16):
+            assert torch.equal(tx.linear(x[:n], bank, m, form=form), tx.linear(x[:n], bank, m, form=tx.DECODE)), \
+                f"linear {lay.in_read}x{lay.out_read}, {n} rows"
+        out = tx.linear(x[:3, :200], bank, m, in_start=64, out_start=128, out_features=100, form=form)
+        assert torch.equal(out, tx.linear(x[:3, :200], bank, m, in_start=64, out_start=128, out_features=100,
+                                          form=tx.DECODE)), "a widened input and trimmed output"
+    assert tx.decode_form(bank, torch.bfloat16, mats=mats) == tx.DECODE_CUDA, "the CUDA form is not the default"
 
 
 def test_cuda_split_sums_at_glm53_widths_and_in_a_graph(tx, layer):
@@ -309,11 +315,10 @@ def test_cuda_split_sums_at_glm53_widths_and_in_a_graph(tx, layer):
     x = torch.randn(40, mats.hidden, generator=g, device="cuda").to(torch.bfloat16)
     ids, w = _routing(40, mats.n_experts, 15)
     full = tx.mlp(x, bank, mats, ids, w)
-    for variant in VARIANTS:
-        form = _cuda_form(tx, variant)
-        for a, n in ((0, 1), (9, 4), (20, 16)):
-            got = tx.mlp(x[a:a + n], bank, mats, ids[a:a + n], w[a:a + n], form=form)
-            assert torch.equal(got, full[a:a + n]), f"variant {variant}: tokens [{a}, {a + n})"
+    form = _cuda_form(tx)
+    for a, n in ((0, 1), (9, 4), (20, 16)):
+        got = tx.mlp(x[a:a + n], bank, mats, ids[a:a + n], w[a:a + n], form=form)
+        assert torch.equal(got, full[a:a + n]), f"tokens [{a}, {a + n})"
     _counters_are_zero(tx)
     t = 4
     xs, ids_s, w_s = x[:t].clone(), ids[:t].clone(), w[:t].clone()

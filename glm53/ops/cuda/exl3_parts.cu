@@ -21,7 +21,9 @@ namespace {
 constexpr int HAD = 128;          // the Hadamard block: a step's rows and a program's output columns
 constexpr int SPLIT_STEPS = 8;    // triton_exl3.SPLIT_STEPS
 constexpr int ROWS = 16;          // the decode tile (triton_exl3.DECODE.bm)
-constexpr int WARPS = 4;          // each warp: 32 output columns (two 16-column tiles)
+constexpr int WARPS = 4;          // a program: 4 warps, 128 output columns (the Hadamard block)
+constexpr int TILES = 2;          // 16-column tiles a warp
+constexpr int R = 4;              // tile rows a chunk of loads (the next chunk's words load while one decodes)
 constexpr int LDA = SPLIT_STEPS * HAD + 8;  // halves between the inputs' rows in shared memory (+8: ldmatrix
                                             // rows fall on different banks)
 
@@ -97,7 +99,9 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t a[4], const __half* p) {
 // The warp's columns (TILES 16-column tiles) of one split: acc[tile][half][4] += the inputs in shared memory
 // (rows 0-15, columns from the split's first step) times the decoded tiles, k16 by k16 in order. The split's
 // tile rows run in chunks of R; a chunk's words (R x TILES x 3) are loaded before the previous chunk decodes.
-template <int BITS2, int CB, int TILES, int R>
+// (Measured, H100, a token's 256-expert layer: 2 tiles x 4 rows 201 us; 2 x 8 271; 1 x 8 231; 1 x 4 224:
+// docs/decisions/exl3-decode-form.md.)
+template <int BITS2, int CB>
 __device__ __forceinline__ void split_sum(const int32_t* __restrict__ words, const int64_t* __restrict__ row,
                                           int nb, int col_tile, int first, int last, const __half* sx,
                                           float acc[TILES][2][4]) {
@@ -151,16 +155,16 @@ __device__ __forceinline__ void split_sum(const int32_t* __restrict__ words, con
     }
 }
 
-template <int CB, int TILES, int R>
+template <int CB>
 __device__ __forceinline__ void split_sum_any(int bits2, const int32_t* words, const int64_t* row, int nb,
                                               int col_tile, int first, int last, const __half* sx,
                                               float acc[TILES][2][4]) {
     switch (bits2) {
-        case 4: split_sum<4, CB, TILES, R>(words, row, nb, col_tile, first, last, sx, acc); break;
-        case 5: split_sum<5, CB, TILES, R>(words, row, nb, col_tile, first, last, sx, acc); break;
-        case 6: split_sum<6, CB, TILES, R>(words, row, nb, col_tile, first, last, sx, acc); break;
-        case 7: split_sum<7, CB, TILES, R>(words, row, nb, col_tile, first, last, sx, acc); break;
-        default: split_sum<8, CB, TILES, R>(words, row, nb, col_tile, first, last, sx, acc); break;
+        case 4: split_sum<4, CB>(words, row, nb, col_tile, first, last, sx, acc); break;
+        case 5: split_sum<5, CB>(words, row, nb, col_tile, first, last, sx, acc); break;
+        case 6: split_sum<6, CB>(words, row, nb, col_tile, first, last, sx, acc); break;
+        case 7: split_sum<7, CB>(words, row, nb, col_tile, first, last, sx, acc); break;
+        default: split_sum<8, CB>(words, row, nb, col_tile, first, last, sx, acc); break;
     }
 }
 
@@ -171,7 +175,7 @@ __device__ __forceinline__ void split_sum_any(int bits2, const int32_t* words, c
 // expert, token r in tile row r (slot r * KP + place). The matrix of projection p: the expert's (mat_p + e) or
 // the shared one's (shared_p). Inputs: xr + p * xr_proj + slot * in_width; parts: ws + split * split_stride +
 // slot * out_stride + p * proj_cols + nb * 128.
-template <int CB, int TILES, int R>
+template <int CB>
 __device__ __forceinline__ void split_parts(const int32_t* __restrict__ words, const int64_t* __restrict__ table,
                                             const __half* __restrict__ xr, float* __restrict__ ws, int mode, int rows,
                                             const int64_t* __restrict__ ids, int stride_ids, int T, int K, int shared,
@@ -181,8 +185,7 @@ __device__ __forceinline__ void split_parts(const int32_t* __restrict__ words, c
     __shared__ __align__(16) __half sx[ROWS * LDA];
     __shared__ int slot_of[ROWS];
     __shared__ int first_slot;
-    constexpr int SUB = HAD / (WARPS * 16 * TILES);  // programs an output block
-    const int g = blockIdx.x, nb = blockIdx.y / SUB, col_tile = (blockIdx.y % SUB) * WARPS * TILES;
+    const int g = blockIdx.x, nb = blockIdx.y;
     const int split = blockIdx.z / n_proj, p = blockIdx.z % n_proj;
     int e = 0;
     if (mode == 1) {
@@ -229,10 +232,9 @@ __device__ __forceinline__ void split_parts(const int32_t* __restrict__ words, c
     __syncthreads();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     float acc[TILES][2][4] = {};
-    split_sum_any<CB, TILES, R>(static_cast<int>(row[BITS2]), words, row, nb, col_tile + warp * TILES, first, last,
-                                sx, acc);
+    split_sum_any<CB>(static_cast<int>(row[BITS2]), words, row, nb, warp * TILES, first, last, sx, acc);
     // acc[t][h]: rows lane / 4 (0, 1) and lane / 4 + 8 (2, 3), columns 2 (lane % 4) + {0, 1} of tile t's half h
-    float* base = ws + split * split_stride + p * proj_cols + nb * HAD + (col_tile + warp * TILES) * 16 + 2 * (lane & 3);
+    float* base = ws + split * split_stride + p * proj_cols + nb * HAD + warp * TILES * 16 + 2 * (lane & 3);
 #pragma unroll
     for (int half_row = 0; half_row < 2; ++half_row) {
         const int slot = slot_of[(lane >> 2) + 8 * half_row];
@@ -251,37 +253,30 @@ __device__ __forceinline__ void split_parts(const int32_t* __restrict__ words, c
 
 }  // namespace
 
-#define EXL3_PARTS_KERNEL(NAME, CB, TILES, R)                                                                   \
+#define EXL3_PARTS_KERNEL(NAME, CB)                                                                             \
     extern "C" __global__ void __launch_bounds__(WARPS * 32) NAME(                                               \
         const int32_t* words, const int64_t* table, const __half* xr, float* ws, int mode, int rows,              \
         const int64_t* ids, int stride_ids, int T, int K, int shared, int has_shared, int mat_p0, int mat_p1,    \
         int shared_p0, int shared_p1, int n_proj, int in_width, long long xr_proj, int out_stride, int proj_cols, \
         long long split_stride) {                                                                                 \
-        split_parts<CB, TILES, R>(words, table, xr, ws, mode, rows, ids, stride_ids, T, K, shared, has_shared,   \
-                                  mat_p0, mat_p1, shared_p0, shared_p1, n_proj, in_width, xr_proj, out_stride,   \
-                                  proj_cols, split_stride);                                                       \
+        split_parts<CB>(words, table, xr, ws, mode, rows, ids, stride_ids, T, K, shared, has_shared, mat_p0,      \
+                        mat_p1, shared_p0, shared_p1, n_proj, in_width, xr_proj, out_stride, proj_cols,           \
+                        split_stride);                                                                            \
     }
 
-#define EXL3_VARIANTS(CBNAME, CB)                       \
-    EXL3_PARTS_KERNEL(exl3_parts_##CBNAME##_t2r8, CB, 2, 8) \
-    EXL3_PARTS_KERNEL(exl3_parts_##CBNAME##_t2r4, CB, 2, 4) \
-    EXL3_PARTS_KERNEL(exl3_parts_##CBNAME##_t1r8, CB, 1, 8) \
-    EXL3_PARTS_KERNEL(exl3_parts_##CBNAME##_t1r4, CB, 1, 4)
+EXL3_PARTS_KERNEL(exl3_parts_3inst, 0)
+EXL3_PARTS_KERNEL(exl3_parts_mcg, 1)
+EXL3_PARTS_KERNEL(exl3_parts_mul1, 2)
 
-EXL3_VARIANTS(3inst, 0)
-EXL3_VARIANTS(mcg, 1)
-EXL3_VARIANTS(mul1, 2)
-
-// The host side: one launch on the caller's stream (torch's current stream; a CUDA graph captures it).
-// codebook 0, 1 or 2 (one for the whole bank); variant: 0 t2r8, 1 t2r4, 2 t1r8, 3 t1r4 (16-column tiles a warp,
-// tile rows a chunk of loads). Returns cudaGetLastError's code.
-extern "C" int exl3_parts_launch(void* stream, int codebook, int variant, int groups, int n_blocks, int n_splits,
+// The host side: one launch on the caller's stream (torch's current stream; a CUDA graph captures it), grid
+// (groups, n_blocks, n_splits * n_proj). codebook 0, 1 or 2: the bank's one codebook. Returns
+// cudaGetLastError's code.
+extern "C" int exl3_parts_launch(void* stream, int codebook, int groups, int n_blocks, int n_splits,
                                  const void* words, const void* table, const void* xr, void* ws, int mode, int rows,
                                  const void* ids, int stride_ids, int T, int K, int shared, int has_shared,
                                  int mat_p0, int mat_p1, int shared_p0, int shared_p1, int n_proj, int in_width,
                                  long long xr_proj, int out_stride, int proj_cols, long long split_stride) {
-    const int sub = variant >= 2 ? 2 : 1;
-    dim3 grid(groups, n_blocks * sub, n_splits * n_proj), block(WARPS * 32);
+    dim3 grid(groups, n_blocks, n_splits * n_proj), block(WARPS * 32);
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     auto w = static_cast<const int32_t*>(words);
     auto tb = static_cast<const int64_t*>(table);
@@ -292,20 +287,12 @@ extern "C" int exl3_parts_launch(void* stream, int codebook, int variant, int gr
     NAME<<<grid, block, 0, s>>>(w, tb, x, o, mode, rows, id, stride_ids, T, K, shared, has_shared, mat_p0,      \
                                 mat_p1, shared_p0, shared_p1, n_proj, in_width, xr_proj, out_stride, proj_cols, \
                                 split_stride)
-#define EXL3_CASES(CBNAME)                                   \
-    switch (variant) {                                       \
-        case 0: EXL3_LAUNCH(exl3_parts_##CBNAME##_t2r8); break; \
-        case 1: EXL3_LAUNCH(exl3_parts_##CBNAME##_t2r4); break; \
-        case 2: EXL3_LAUNCH(exl3_parts_##CBNAME##_t1r8); break; \
-        default: EXL3_LAUNCH(exl3_parts_##CBNAME##_t1r4); break; \
-    }
     switch (codebook) {
-        case 0: EXL3_CASES(3inst); break;
-        case 1: EXL3_CASES(mcg); break;
-        case 2: EXL3_CASES(mul1); break;
+        case 0: EXL3_LAUNCH(exl3_parts_3inst); break;
+        case 1: EXL3_LAUNCH(exl3_parts_mcg); break;
+        case 2: EXL3_LAUNCH(exl3_parts_mul1); break;
         default: return static_cast<int>(cudaErrorInvalidValue);
     }
-#undef EXL3_CASES
 #undef EXL3_LAUNCH
     return static_cast<int>(cudaGetLastError());
 }
