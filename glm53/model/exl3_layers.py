@@ -90,12 +90,15 @@ def _exl3_modules(weights) -> tuple[list[Exl3Linear], list[Exl3Mlp | Exl3Experts
 
 
 def choose_decode_forms(weights, dtype: torch.dtype) -> str:  # noqa: ANN001
-    """Settle the EXL3 decode form of every linear and MLP shape of `weights` at load, before any CUDA graph
-    is captured (glm53.ops.triton_exl3.decode_form: the CUDA split sums where they give the Triton form's
-    bits on this device); a line for the load log."""
-    from glm53.ops.triton_exl3 import decode_form  # Triton: CUDA only
+    """Settle the EXL3 forms of every linear and MLP shape of `weights` at load, before any CUDA graph is
+    captured and before the first request pays for the checks (glm53.ops.triton_exl3: decode_form, the CUDA
+    split sums where they give the Triton decode form's bits on this device; prefill_form, the prefill tiles
+    where they give the decode form's bits); a line for the load log."""
+    from glm53.ops.triton_exl3 import decode_form, prefill_form  # Triton: CUDA only
 
     linears, mlps = _exl3_modules(weights)
+    for bank in {id(mod.bank): mod.bank for mod in [*linears, *mlps]}.values():
+        prefill_form(bank, dtype)
     forms = [decode_form(lin.bank, dtype, m=lin.m).cuda for lin in linears]
     forms += [decode_form(mod.bank, dtype, mats=mod.mats).cuda for mod in mlps]
     if not forms:

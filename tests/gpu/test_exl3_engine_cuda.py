@@ -63,6 +63,8 @@ def test_prefill_bits_do_not_depend_on_staging_or_reuse(tiny_exl3_all_dirs, monk
     g = torch.Generator().manual_seed(5)
     pieces = Glm53Engine(tiny_exl3_all_dirs.model, device="cuda", prefill_chunk=32, prefill_wave=32,
                          prefix_cache=None, reuse_live=False)
+    rows.clear()  # the load's own device checks (decode_form, forms_agree) ran rows of their own
+    staged.clear()
     prompt = torch.randint(0, pieces.vocab_size, (PROMPT,), generator=g).tolist()
     small_hidden, small_reply, _ = prefill(pieces, prompt, reuse=False)
     assert rows and max(rows) <= 32, "the EXL3 linears ran on the kernels, 32 rows at most"
