@@ -6,6 +6,7 @@ layout, so the finish is the parallel form's own code.
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -36,8 +37,9 @@ def library(device: torch.device) -> ctypes.CDLL:
     return lib
 
 
+@functools.cache
 def unavailable(device: torch.device) -> str | None:
-    """Why the CUDA split sums cannot run on `device` (None: they can)."""
+    """Why the CUDA split sums cannot run on `device` (None: they can); asked once a device."""
     if device.type != "cuda":
         return f"{device} is not a CUDA device"
     if torch.cuda.get_device_capability(device) < (8, 0):

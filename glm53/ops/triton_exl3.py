@@ -1194,7 +1194,7 @@ def _mlp_cuda_parts(x: torch.Tensor, xr: torch.Tensor, xd: torch.Tensor, parts: 
     s = t * (k + int(has_shared))
     nb_w, nb_h = mats.width // HAD, mats.hidden // HAD
     sp_gu, sp_d = n_splits(mats.hidden), n_splits(mats.width)
-    ids64 = ids if ids.dtype == torch.int64 else ids.to(torch.int64)
+    ids64 = ids.to(torch.int64).contiguous()  # the router's ids as they are (int64 rows): no copy
     consts = {name: common[name] for name in ("ACT", "KPB", "HAS_SHARED")}
     rows = dict(ids=ids64, tokens=t, routed=k, shared_id=mats.n_experts, has_shared=has_shared)
     cuda_exl3.split_parts(bank, xr, ws_gu, groups=s, n_blocks=nb_w, n_splits=sp_gu, **rows,
@@ -1306,7 +1306,8 @@ def cuda_agrees(bank: Exl3Bank, dtype: torch.dtype, m: int = 0, mats: MlpMatrice
     why = cuda_exl3.unavailable(bank.device)
     if why is not None:
         same = False
-        print(f"glm53: EXL3 decode form in Triton (the CUDA split sums cannot run: {why})", file=sys.stderr)
+        if not any(k[3] == bank.device for k in _CUDA_AGREE):  # said once a device
+            print(f"glm53: EXL3 decode form in Triton (the CUDA split sums cannot run: {why})", file=sys.stderr)
     else:
         g = torch.Generator(device=bank.device).manual_seed(20261205)
         if mats is None:
