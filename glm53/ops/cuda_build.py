@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 SOURCES = Path(__file__).resolve().parent / "cuda"
-FLAGS = ("-O3", "-shared", "-Xcompiler", "-fPIC", "-std=c++17")
+FLAGS = ("-O3", "-shared", "-Xcompiler", "-fPIC", "-std=c++17", "-Xptxas", "-v")  # -v: each kernel's resources
 
 
 class CudaBuildError(RuntimeError):
@@ -65,11 +65,17 @@ def build(name: str, capability: tuple[int, int], nvcc: str | None = None) -> Pa
         done = subprocess.run([nvcc, *flags, "-o", tmp, str(source)], capture_output=True, text=True)
         if done.returncode != 0:
             raise CudaBuildError(f"{source}: nvcc failed ({' '.join(flags)}):\n{done.stderr[-4000:]}")
+        build_log(target).write_text(done.stderr)  # ptxas: registers, shared memory and spills of each kernel
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def build_log(library: Path) -> Path:
+    """What nvcc said while building `library` (ptxas' resource lines), beside it."""
+    return library.with_suffix(".log")
 
 
 def load(name: str, capability: tuple[int, int]) -> ctypes.CDLL:
