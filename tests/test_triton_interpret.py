@@ -34,7 +34,7 @@ INTERP_TOL = dict(atol=1e-4, rtol=1e-4)
 CHECKS = ["linear", "linear_row_tiles_check", "grouped_expert_linear", "linear_leading_dims", "head_linear_strided",
           "rms_norm", "layer_norm", "index_scores", "index_scores_causal",
           "latent_attention", "latent_attention_edge_cases", "latent_attention_split", "latent_attention_prefix",
-          "select_topk", "select_bracket", "exl3_decoder", "exl3_linear", "exl3_mlp"]
+          "select_topk", "select_bracket", "exl3_decoder", "exl3_linear", "exl3_mlp", "exl3_cuda_finish"]
 WORKER_TIMEOUT_S = 300
 SKIP_KEY = "__skip__"
 
@@ -496,6 +496,64 @@ def _worker(names: list[str]) -> dict[str, list]:
         for name in ("count", "count_tokens"):
             assert int(triton_exl3.SCRATCH.buffers[(name, x.device)].abs().sum()) == 0, f"{name} left non-zero"
 
+    def check_exl3_cuda_finish() -> None:
+        """The CUDA form's Triton side (Form.cuda): its finish kernels read the split parts in the layout
+        glm53/ops/cuda_exl3.split_parts documents. With split_parts replaced by that contract in torch
+        (x @ W_hat a split, fp32), the MLP (weighted, unweighted, experts shared between tokens, the dense
+        MLP) and a linear (a widened input, trimmed outputs) agree with glm53/ops/exl3_torch.py (fp16
+        outputs) and leave the counters at zero. The kernel's own bits:
+        tests/gpu/test_exl3_cuda.py."""
+        from glm53.exl3.bank import BankBuilder, MlpMatrices
+        from glm53.ops import cuda_exl3
+
+        def contract(bank, xr, ws, *, groups, n_blocks, n_splits, mats, in_width, out_stride, rows=0, ids=None,
+                     tokens=0, routed=0, shared_id=0, has_shared=False, shared_mats=(), xr_proj=0, proj_cols=0):
+            slots = rows if ids is None else groups
+            flat_x, flat_ws = xr.reshape(-1), ws.reshape(-1)
+            for p, m0 in enumerate(mats):
+                for slot in range(slots):
+                    m = m0
+                    if ids is not None:
+                        tok, place = divmod(slot, routed + int(has_shared))
+                        e = int(ids[tok, place]) if place < routed else shared_id
+                        m = shared_mats[p] if e == shared_id else m0 + e
+                    w_hat = bank.rotated(m, 1 << 30, torch.float32)
+                    x = flat_x[p * xr_proj + slot * in_width:][:in_width].float()
+                    for split in range(n_splits):
+                        k = slice(split * 1024, min(in_width, (split + 1) * 1024))
+                        at = split * slots * out_stride + slot * out_stride + p * proj_cols
+                        flat_ws[at:at + n_blocks * 128] = x[k] @ w_hat[k, :n_blocks * 128]
+
+        cuda_exl3.split_parts = contract
+        hidden, width, experts = 1152, 256, 4  # hidden: 9 steps, splits of 8 and 1
+        b = BankBuilder()
+        first = {}
+        for p, shape in (("gate", (hidden, width)), ("up", (hidden, width)), ("down", (width, hidden))):
+            first[p] = [b.add_group(exl3_group(*shape, (2.0, 3.0)[(e + len(p)) % 2], "mcg")) for e in range(experts)][0]
+        shared = tuple(b.add_group(exl3_group(*s, 4.0, "mcg")) for s in ((hidden, width), (hidden, width), (width, hidden)))
+        bank = b.build("cpu")
+        mats = MlpMatrices(first["gate"], first["up"], first["down"], experts, shared, width, hidden)
+        cuda = triton_exl3.DECODE_CUDA
+        x = randn(3, hidden).to(torch.float16)  # a 16-bit model (the CUDA form's); the interpreter mis-loads bf16
+        ids = torch.stack([torch.randperm(experts, generator=g)[:3] for _ in range(3)])  # 3 of 4: shared between tokens
+        w = torch.rand(3, 3, generator=g)
+        half = dict(atol=2e-2, rtol=2e-2)  # fp16 outputs against the torch path's
+        for weights in (w, None):
+            torch.testing.assert_close(triton_exl3.mlp(x, bank, mats, ids, weights, form=cuda).float(),
+                                       exl3_torch.mlp(x, bank, mats, ids, weights).float(), **half,
+                                       msg=lambda m: f"mlp, weighted {weights is not None}: {m}")
+        dense = MlpMatrices(0, 0, 0, 0, shared, width, hidden)
+        none = torch.zeros(3, 0, dtype=torch.int64)
+        torch.testing.assert_close(triton_exl3.mlp(x, bank, dense, none, None, form=cuda).float(),
+                                   exl3_torch.mlp(x, bank, dense, none, None).float(), **half,
+                                   msg=lambda m: f"dense mlp: {m}")
+        for name in ("count", "count_tokens"):
+            assert int(triton_exl3.SCRATCH.buffers[(name, x.device)].abs().sum()) == 0, f"{name} left non-zero"
+        m = shared[2]  # a linear 256 -> 1152: input columns [64, 224), outputs [128, 1028)
+        got = triton_exl3.linear(x[:, :160], bank, m, in_start=64, out_start=128, out_features=900, form=cuda)
+        want = exl3_torch.linear(x[:, :160], bank, m, 64, 128, 900)
+        torch.testing.assert_close(got.float(), want.float(), **half, msg=lambda m: f"linear: {m}")
+
     checks = {"linear": check_linear, "linear_row_tiles_check": check_linear_row_tiles_check,
               "grouped_expert_linear": check_grouped_expert_linear,
               "linear_leading_dims": check_linear_leading_dims,
@@ -507,7 +565,8 @@ def _worker(names: list[str]) -> dict[str, list]:
               "latent_attention_split": check_latent_attention_split,
               "latent_attention_prefix": check_latent_attention_prefix, "select_topk": check_select_topk,
               "select_bracket": check_select_bracket, "exl3_decoder": check_exl3_decoder,
-              "exl3_linear": check_exl3_linear, "exl3_mlp": check_exl3_mlp}
+              "exl3_linear": check_exl3_linear, "exl3_mlp": check_exl3_mlp,
+              "exl3_cuda_finish": check_exl3_cuda_finish}
     results: dict[str, list] = {}
     for name in names:
         try:
