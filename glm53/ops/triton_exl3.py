@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from glm53.exl3.bank import Exl3Bank, MlpMatrices
+from glm53.ops import cuda_exl3
 from glm53.ops.triton_launch import OPTIONS
 
 HAD = 128
@@ -1049,8 +1050,6 @@ def linear(x: torch.Tensor, bank: Exl3Bank, m: int, in_start: int = 0, out_start
     ws = SCRATCH.get("parts", need["parts"], torch.float32, x.device)
     cnt = SCRATCH.get("count", need["count"], torch.int32, x.device)
     if parallel and form.cuda:
-        from glm53.ops import cuda_exl3
-
         cuda_exl3.split_parts(bank, xr, ws, groups=triton.cdiv(rows, form.bm), n_blocks=n_blocks, n_splits=splits,
                               mats=(m,), in_width=lay.in_read, out_stride=lay.out_read, rows=rows)
         _linear_finish_kernel[(triton.cdiv(rows, form.bm), n_blocks)](
@@ -1186,8 +1185,6 @@ def _mlp_cuda_parts(x: torch.Tensor, xr: torch.Tensor, xd: torch.Tensor, parts: 
     their finish (Triton: the splits' ordered sum, SiLU, down's input rotation), down's splits, its finish
     (each token's weighted sum). The same arithmetic in the same order as _gate_up_kernel / _down_kernel.
     k: routed experts a token (ids holds one column of zeros for a dense MLP, k = 0)."""
-    from glm53.ops import cuda_exl3
-
     t = ids.shape[0]
     has_shared = mats.shared is not None
     shared = mats.shared or (0, 0, 0)
@@ -1301,8 +1298,6 @@ def cuda_agrees(bank: Exl3Bank, dtype: torch.dtype, m: int = 0, mats: MlpMatrice
         return found
     if torch.cuda.is_current_stream_capturing():
         return False
-    from glm53.ops import cuda_exl3
-
     why = cuda_exl3.unavailable(bank.device)
     if why is not None:
         same = False
