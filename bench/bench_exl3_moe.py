@@ -17,7 +17,9 @@ loader packs them (glm53.exl3.packing, block-major) into one bank. Measured:
   --stage-mb its bound, read by every row tile); --prefill-forms others, each checked bitwise.
 - --forms: other tilings of the decode form side by side (BM,warps,stages,lanes,subk,...), each checked
   bitwise against the default.
-- one linear (6144 -> 2048, K 3) at 1 and 2048 rows (at 2048: staged, and unstaged beside it).
+- one linear (6144 -> 2048, K 3) at 1 and 2048 rows (at 1: the Triton decode form beside the default; at
+  2048: staged, and unstaged beside it).
+- --kernel-times: each decode form's device time launch by launch (torch.profiler, eager).
 - --exllamav3: the same layer (and linear) through exllamav3's MoE kernels (tests/gpu/exllamav3_ref.py:
   its mixed-width layer runs one launch per width group, which exllamav3 itself cannot load: labelled),
   and a uniform 3-bit layer both ways (exllamav3's own path); outputs compared (fp16 activations).
@@ -286,6 +288,37 @@ def exllamav3_rows(tx, bank, mats, parts, shared, tokens: list[int], sets: int, 
     return rows
 
 
+def kernel_time_rows(tx, bank, mats, tokens: list[int], sets: int, dtype, forms) -> list[dict]:
+    """Each decode form's device time per kernel (torch.profiler, eager, 3 passes over the input sets): where
+    a call's time goes, launch by launch."""
+    from torch.profiler import ProfilerActivity, profile
+
+    rows = []
+    for t in tokens:
+        inputs = routing_sets(t, mats.n_experts, sets, False, 100 + t, mats.hidden, dtype)
+        for form in forms:
+            for x, ids, w in inputs:  # compiled and warm before the profile
+                tx.mlp(x, bank, mats, ids, w, form=form)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    for x, ids, w in inputs:
+                        tx.mlp(x, bank, mats, ids, w, form=form)
+                torch.cuda.synchronize()
+            calls = 3 * len(inputs)
+            kernels = {}
+            for ev in prof.key_averages():
+                total = getattr(ev, "device_time_total", 0) or getattr(ev, "cuda_time_total", 0)
+                if total > 0:
+                    kernels[ev.key] = {"us_per_call": total / calls, "launches_per_call": ev.count / calls}
+            rows.append({"kind": "kernel_times", "tokens": t, "form": dataclasses.asdict(form), "kernels": kernels,
+                         "us_per_call": sum(k["us_per_call"] for k in kernels.values())})
+            top = sorted(kernels.items(), key=lambda kv: -kv[1]["us_per_call"])[:6]
+            print(f"kernel times T={t} {form_label(dataclasses.asdict(form))}: {rows[-1]['us_per_call']:.1f} us: "
+                  + "; ".join(f"{name[:40]} {k['us_per_call']:.1f}" for name, k in top), flush=True)
+    return rows
+
+
 def parse_form(text: str):
     from glm53.ops.triton_exl3 import Form
 
@@ -324,6 +357,8 @@ def main() -> None:
     ap.add_argument("--split-steps", type=int, default=None,
                     help="128-row steps a split (default triton_exl3.SPLIT_STEPS): another summation grouping, "
                          "every form alike")
+    ap.add_argument("--kernel-times", action="store_true",
+                    help="also each decode form's device time per kernel (torch.profiler) at --tokens <= 16")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -367,6 +402,9 @@ def main() -> None:
     base = torch.cuda.memory_allocated()
     section("decode", lambda: decode_rows(tx, bank, mats, args.tokens, args.sets, args.reps, bw, dtype, decode_forms))
     result["decode_peak_extra_bytes"] = torch.cuda.max_memory_allocated() - base
+    if args.kernel_times:
+        section("kernel_times", lambda: kernel_time_rows(tx, bank, mats, [t for t in args.tokens if t <= 16],
+                                                         args.sets, dtype, decode_forms))
     section("prefill", lambda: prefill_rows(tx, bank, mats, args.prefill, max(3, args.reps // 4), dtype, prefill_forms))
     exl = None
     if args.exllamav3:
@@ -397,6 +435,8 @@ def main() -> None:
         elif r.get("kind") == "decode":
             print(f"| decode | {r['tokens']} | {r['routing']} {form_label(r['form'])} | "
                   f"{r['us']:.1f} us | {r['floor_us']:.1f} us | {r['x_floor']:.2f} |")
+        elif r.get("kind") == "kernel_times":
+            print(f"| kernel times | {r['tokens']} | {form_label(r['form'])} | {r['us_per_call']:.1f} us (eager) | | |")
         elif r.get("kind") == "prefill":
             print(f"| prefill | {r['tokens']} | {form_label(r['form'])} | {r['ms']['median']:.2f} ms | | |")
         elif r.get("kind") == "linear":

@@ -2,7 +2,7 @@
 # One call on a lent GPU: the CUDA tests of the row-invariant forward, the CUDA graphs and the prefix
 # cache, then the prefix-cache and decode (graphs vs eager) benchmarks at GLM-5.3 layer dimensions. Logs and JSON go to $OUT (the device tool's
 # folder) or ./gpu_out. The copy on the GPU machine has no .git: pass the commit as the first argument.
-#   bash bench/run_h200.sh <commit> [tests|tests-kernels|tests-engine|bench|all|depth|disk|moe-prefill|moe|exl3|batching|api]
+#   bash bench/run_h200.sh <commit> [tests|tests-kernels|tests-engine|bench|all|depth|disk|moe-prefill|moe|exl3|exl3-profile|batching|api]
 # depth: the prefix cache (turns, one-word) and decode at GLM-5.3's 78 layers (4 distinct layers
 # repeated, bench.lib.checkpoints.deepen); disk: the disk resume at 78 layers and at 4, each also
 # from the page cache (both ~5 minutes); moe-prefill: the routed experts' sorted form against the
@@ -10,7 +10,8 @@
 # GLM-5.3's layer mix (a checkpoint of one dense and two MoE layers of 256 experts, 40 GB, run as
 # 3 dense + 75 MoE layers; ~8 minutes); exl3: the packed-EXL3 kernels' GPU tests and bench_exl3_moe with
 # exllamav3 1.6.5 side by side (carry .whl: tests/gpu/prepare_wheels.sh; exllamav3 compiles in the
-# background, in its own session, while the kit's tests run; ~9 minutes); batching: 1, 4 and 16 decode
+# background, in its own session, while the kit's tests run; ~9 minutes); exl3-profile: each decode
+# form's kernel times (torch.profiler) and Nsight Compute's view of the CUDA split sums (~4 minutes); batching: 1, 4 and 16 decode
 # streams through the batched runtime and a 19k prompt arriving beside 4 of them (bench_batching,
 # GLM-5.3's layer dimensions, 4 layers; ~5 minutes); api: glm53-bench's four suites through the kit's
 # lane on the GPU (serve.sh --local, a 4-layer checkpoint at GLM-5.3's layer dimensions with the tiny
@@ -23,7 +24,7 @@
 # it; the lanes' logs go to $out/api_<device>_lanes.log when anything fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-commit="${1:?usage: bash bench/run_h200.sh <commit> [tests|tests-kernels|tests-engine|bench|all|depth|disk|moe-prefill|moe|exl3|batching|api]}"
+commit="${1:?usage: bash bench/run_h200.sh <commit> [tests|tests-kernels|tests-engine|bench|all|depth|disk|moe-prefill|moe|exl3|exl3-profile|batching|api]}"
 what="${2:-all}"
 out="${OUT:-gpu_out}"
 mkdir -p "$out"
@@ -95,6 +96,16 @@ exllamav3_reference().build_in_background('$out/exllamav3_build.log')"
     python3 -m bench.bench_exl3_moe --exllamav3 ${EXL3_BENCH_ARGS:-} --out "$out/exl3_moe_h200.json" 2>&1 \
         | tee "$out/exl3_moe_h200.log"
     status=$(( status | ${PIPESTATUS[0]} ))
+fi
+if [ "$what" = exl3-profile ]; then  # where the CUDA split sums' time goes: kernel times, then Nsight Compute
+    python3 -m bench.bench_exl3_moe --tokens 1 4 --prefill --kernel-times --out "$out/exl3_kernel_times.json" 2>&1 \
+        | tee "$out/exl3_kernel_times.log"
+    status=$(( status | ${PIPESTATUS[0]} ))
+    ncu --kernel-name regex:exl3_parts --launch-skip 8 --launch-count 2 --section SpeedOfLight --section Occupancy \
+        --section LaunchStats --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+        python3 -m bench.bench_exl3_moe --tokens 1 --sets 2 --reps 2 --prefill --out /tmp/exl3_ncu.json \
+        > "$out/exl3_parts_ncu.txt" 2>&1
+    status=$(( status | $? ))
 fi
 if [ "$what" = batching ]; then
     python3 -m bench.bench_batching --device cuda --model "$ckpt/real_dims" --streams 1,4,16 --tokens 64 \
