@@ -14,8 +14,8 @@ from typing import Callable, Iterable, Protocol, Sequence
 
 from .policy import AcceptanceStats, AdaptiveDepth, PolicyConfig
 from .sources.base import DraftSource
-from .target import Target, WindowOutput, check_window
-from .verify import Sampler, verify_window
+from .target import Steps, Target, Window, WindowOutput, check_window, drive
+from .verify import Sampler, verify_steps
 
 log = logging.getLogger("drafter.decode")
 
@@ -53,11 +53,15 @@ class DecodeResult:
 
 def prefill(target: Target, prompt: Sequence[int], *, taps: Sequence[int] = ()) -> WindowOutput:
     """Forward the prompt rows the cache lacks (all of them unless a prefix was reused)."""
+    return drive(target, prefill_steps(target, prompt, taps=taps))
+
+
+def prefill_steps(target: Target, prompt: Sequence[int], *, taps: Sequence[int] = ()) -> Steps[WindowOutput]:
     start = target.length()
     if not 0 <= start < len(prompt):
         raise ValueError(f"prefill needs at least one uncached prompt token: cache holds {start} rows, "
                          f"prompt has {len(prompt)} tokens")
-    out = target.forward(list(prompt[start:]), start, taps=taps)
+    out = yield Window(list(prompt[start:]), start, tuple(taps))
     check_window(target, out, start, len(prompt) - start)
     return out
 
@@ -108,6 +112,16 @@ def drafted_decode(target: Target, prompt: Sequence[int], sample: Sampler, stop:
     serial decoding through the same code. `relaxed_top2` is LOSSY and must be asked for by name
     (argument, or the policy's config: the engine's depth_policy builds it from TF_GLM53_DRAFT_RELAXED_TOP2).
     Without `policy`, the default PolicyConfig."""
+    return drive(target, drafted_decode_steps(target, prompt, sample, stop, source, policy=policy,
+                                              on_tokens=on_tokens, relaxed_top2=relaxed_top2, prefilled=prefilled))
+
+
+def drafted_decode_steps(target: Target, prompt: Sequence[int], sample: Sampler, stop: StopRule,
+                         source: DraftSource | SourceFactory, *, policy: AdaptiveDepth | None = None,
+                         on_tokens: OnTokens | None = None, relaxed_top2: bool = False,
+                         prefilled: WindowOutput | None = None) -> Steps[DecodeResult]:
+    """drafted_decode as a generator of its forwards (drafter.target.Steps): the batched runtime drives
+    it beside other sequences' windows; drafted_decode drives it through target.forward."""
     factory = source if hasattr(source, "new_source") else None
     if factory is not None:
         source = factory.new_source(target)
@@ -120,7 +134,7 @@ def drafted_decode(target: Target, prompt: Sequence[int], sample: Sampler, stop:
         return result
     taps = source.taps if policy.enabled else ()
     if prefilled is None:
-        out = prefill(target, prompt, taps=taps)
+        out = yield from prefill_steps(target, prompt, taps=taps)
         result.forwards += 1
     else:
         # logits may hold only the last row (the others are never read); hidden / taps cover every row
@@ -145,7 +159,7 @@ def drafted_decode(target: Target, prompt: Sequence[int], sample: Sampler, stop:
         depth = min(policy.depth(source.max_depth), remaining - 1)   # the window's free token is one more
         drafts = source.propose(tokens, depth, sample) if depth > 0 else []
         drafts = drafts[:max(depth, 0)]
-        step = verify_window(target, tokens[-1], drafts, sample, taps=taps, relaxed_top2=relaxed_top2)
+        step = yield from verify_steps(target, tokens[-1], drafts, sample, taps=taps, relaxed_top2=relaxed_top2)
         result.forwards += 1
         result.stats.record(source.name if drafts else "none", step.proposed, step.accepted, step.lossy)
         policy.update(step.proposed, step.accepted)

@@ -16,7 +16,7 @@ Conventions (every module of the drafter relies on them):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Generator, Protocol, Sequence, TypeVar, runtime_checkable
 
 import torch
 
@@ -90,3 +90,29 @@ def check_window(target: Target, out: WindowOutput, start: int, count: int) -> N
     if out.start != start:
         raise TargetContractError(
             f"{type(target).__name__}.forward reported start {out.start}, asked for {start}")
+
+
+@dataclass(frozen=True)
+class Window:
+    """A forward a loop asks of its target: tokens at positions [start, start + len(tokens)), with taps."""
+
+    tokens: list[int]
+    start: int
+    taps: tuple[int, ...] = ()
+
+
+Result = TypeVar("Result")
+# a loop written as a generator: it yields each Window it needs, is sent the target's WindowOutput for it,
+# and returns its result. Whoever drives it decides how the forward runs: alone (drive) or in a batch
+# beside other sequences' windows (glm53/runtime/drafted.py), with no thread in between.
+Steps = Generator[Window, WindowOutput, Result]
+
+
+def drive(target: Target, steps: "Steps[Result]") -> Result:
+    """Run a loop's windows one by one through target.forward; the loop's result."""
+    try:
+        window = next(steps)
+        while True:
+            window = steps.send(target.forward(window.tokens, window.start, taps=window.taps))
+    except StopIteration as done:
+        return done.value

@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .target import Target, TargetContractError, WindowOutput, check_window
+from .target import Steps, Target, TargetContractError, Window, WindowOutput, check_window, drive
 
 log = logging.getLogger("drafter.verify")
 
@@ -50,6 +50,19 @@ def verify_window(
     relaxed_top2: bool = False,
 ) -> VerifyResult:
     """Verify `drafts` after the pending token with ONE forward; commit the exact prefix."""
+    return drive(target, verify_steps(target, pending, drafts, sample, taps=taps, relaxed_top2=relaxed_top2))
+
+
+def verify_steps(
+    target: Target,
+    pending: int,
+    drafts: Sequence[int],
+    sample: Sampler,
+    *,
+    taps: Sequence[int] = (),
+    relaxed_top2: bool = False,
+) -> Steps[VerifyResult]:
+    """verify_window as a generator: it yields its one Window and is sent the forward's output."""
     start = target.length()
     frontier = target.canonical_frontier()
     if start < frontier:
@@ -57,7 +70,7 @@ def verify_window(
             f"verification window at position {start} would overwrite canonical prefill rows "
             f"(frontier {frontier}); decode must start at or after the frontier")
     window = [int(pending), *(int(d) for d in drafts)]
-    out = target.forward(window, start, taps=taps)
+    out = yield Window(window, start, tuple(taps))
     check_window(target, out, start, len(window))
 
     committed: list[int] = []

@@ -5,6 +5,10 @@ the build's failures name the source and the remedy. No GPU needed: nvcc compile
 from __future__ import annotations
 
 import ctypes
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -47,3 +51,26 @@ def test_a_source_nvcc_refuses_names_the_file_and_leaves_nothing_behind(tmp_path
         cuda_build.build("broken", (9, 0))
     built = tmp_path / "cache" / "glm53" / "cuda"
     assert not built.exists() or not any(built.iterdir()), "a failed build left a file in the cache"
+
+
+@needs_nvcc
+def test_ranks_building_at_once_share_one_library(tmp_path) -> None:
+    """Every rank of a lane builds at first use, often at the same moment: each writes its own temporary
+    file and renames it into place, so all of them load a whole library and nothing else is left."""
+    sources = tmp_path / "src"
+    sources.mkdir()
+    (sources / "tiny.cu").write_text('extern "C" __global__ void k(int* p) { p[threadIdx.x] = 1; }\n'
+                                     'extern "C" int answer() { return 42; }\n')
+    script = ("import ctypes, sys; from pathlib import Path; from glm53.ops import cuda_build; "
+              f"cuda_build.SOURCES = Path({str(sources)!r}); path = cuda_build.build('tiny', (9, 0)); "
+              "assert ctypes.CDLL(str(path)).answer() == 42; print(path)")
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    procs = [subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(3)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err for _, err in outs]
+    paths = {out.strip() for out, _ in outs}
+    assert len(paths) == 1
+    built = sorted(f.name for f in (tmp_path / "cache" / "glm53" / "cuda").iterdir())
+    library = Path(paths.pop())
+    assert built == sorted([library.name, cuda_build.build_log(library).name]), built

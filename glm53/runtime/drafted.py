@@ -1,117 +1,85 @@
 """Drafted decoding of one sequence inside batched steps.
 
-drafter.decode_loop.drafted_decode is a loop that calls `target.forward` for each verification
-window. Here it runs on its own thread in lockstep with the scheduler: the thread runs only while
-the scheduler waits for it, and its target's `forward` posts the window and hands control back;
-the scheduler puts the window in the next step's batch and resumes the thread with its rows.
-So the drafter's loop (sources, adaptive depth, acceptance) is the one a lone request runs, and
-only one thread computes at any time.
+drafter.decode_loop.drafted_decode_steps is the drafter's loop (sources, adaptive depth, acceptance)
+written as a generator of its forwards: it yields each verification window and is sent the window's
+output. Here the scheduler drives it: `resume()` runs the loop until it asks for its next window, the
+scheduler puts that window in the next step's batch and resumes the loop with its rows. So a drafted
+sequence runs the loop a lone request runs, on the scheduler's own thread.
 """
 from __future__ import annotations
 
-import threading
-from collections.abc import Sequence as Seq
 from typing import Any
 
 import torch
 
-from drafter.decode_loop import StopRule, drafted_decode
-from drafter.target import WindowOutput
+from drafter.decode_loop import DecodeResult, StopRule, drafted_decode_steps
+from drafter.target import Steps, Window, WindowOutput
 from glm53.model.transformer import ForwardOutput
 from glm53.runtime.state_target import StateTarget
-
-
-class Preempted(Exception):
-    """Raised inside the draft thread's forward to unwind it (preemption or cancellation)."""
 
 
 class _Cancelled(Exception):
     """on_tokens returned False: the client went away."""
 
 
-class WindowTarget(StateTarget):
-    """The drafter's Target over one sequence's state; forward() goes through the batch."""
-
-    def __init__(self, run: "DraftedRun", engine: Any, state: Any) -> None:
-        super().__init__(engine, state)
-        self.run = run
-
-    def forward(self, tokens: Seq[int], start: int, *, taps: Seq[int] = ()) -> WindowOutput:
-        out, logits = self.run.post(list(tokens), start)
-        return WindowOutput(start=start, logits=logits, hidden=out.hidden, taps={k: out.taps[k] for k in taps})
-
-
 class DraftedRun:
-    """drafted_decode for one sequence on a lockstep thread. `resume()` runs the thread until it
-    posts its next window (`window`) or ends (`done`); the scheduler answers a window with
-    `resume((ForwardOutput, logits))`."""
+    """drafted_decode_steps for one sequence. `resume()` runs the loop until it asks for its next window
+    (`window`: tokens and start) or ends (`done`); the scheduler answers a window with
+    `resume((ForwardOutput, logits))`. `abort()` stops the loop where it waits (preemption, cancellation)."""
 
     def __init__(self, seq: Any, engine: Any, prefilled: Any, eos: frozenset[int]) -> None:
         self.seq, self.engine = seq, engine
         self.window: tuple[list[int], int] | None = None
         self.done = False
-        self.error: BaseException | None = None
-        self._answer: tuple[ForwardOutput, torch.Tensor] | None = None
-        self._abort = False
-        self._go = threading.Semaphore(0)
-        self._back = threading.Semaphore(0)
-        self.target = WindowTarget(self, engine, seq.state)
-        self._thread = threading.Thread(target=self._main, args=(prefilled, eos), daemon=True,
-                                        name=f"draft-{seq.rid}")
-        self._thread.start()
+        self._asked: Window | None = None
+        self._base = len(seq.reply)  # tokens kept from before a preemption
+        self._eos = eos
+        self._steps: Steps[DecodeResult] = drafted_decode_steps(
+            StateTarget(engine, seq.state), seq.context, seq.choose,
+            StopRule(seq.max_tokens - self._base, eos, seq.params.ignore_eos), engine.drafter,
+            policy=engine.depth_policy(seq.params), on_tokens=self._on_tokens, prefilled=prefilled)
 
-    # ---- the scheduler's side ------------------------------------------------------------------
     def resume(self, answer: tuple[ForwardOutput, torch.Tensor] | None = None) -> None:
-        self.window, self._answer = None, answer
-        self._go.release()
-        self._back.acquire()
-        if self.error is not None:
-            raise self.error
+        """Run the loop until its next window or its end; `answer`: the last window's (output, logits)."""
+        self.window = None
+        try:
+            with torch.inference_mode():
+                if answer is None:
+                    asked = next(self._steps)
+                else:
+                    out, logits = answer
+                    window = self._asked
+                    assert window is not None, "resume() answered a window nobody asked for"
+                    asked = self._steps.send(WindowOutput(start=window.start, logits=logits, hidden=out.hidden,
+                                                          taps={k: out.taps[k] for k in window.taps}))
+        except StopIteration as finished:
+            self._finished(finished.value)
+            return
+        except _Cancelled:
+            self.seq.finish_reason = "cancelled"
+            self._steps.close()
+            self.done = True
+            return
+        except BaseException:  # the scheduler re-raises it: the engine's state is unknown
+            self.done = True
+            raise
+        self._asked = asked
+        self.window = (asked.tokens, asked.start)
 
     def abort(self) -> None:
-        """Unwind the thread (its rows are about to be released); tokens already handed out stay."""
-        if self.done:
-            return
-        self._abort = True
-        self.resume()
+        """Stop the loop where it waits (its rows are about to be released); tokens handed out stay."""
+        if not self.done:
+            self._steps.close()
+            self.window, self.done = None, True
 
-    # ---- the thread's side ---------------------------------------------------------------------
-    def post(self, tokens: list[int], start: int) -> tuple[ForwardOutput, torch.Tensor]:
-        self.window = (tokens, start)
-        self._back.release()
-        self._go.acquire()
-        if self._abort:
-            raise Preempted
-        assert self._answer is not None
-        return self._answer
+    def _on_tokens(self, new: list[int]) -> None:
+        self.seq.commit(new)
+        if not self.seq.emit(new):
+            raise _Cancelled
 
-    def _main(self, prefilled: Any, eos: frozenset[int]) -> None:
-        self._go.acquire()
+    def _finished(self, result: DecodeResult) -> None:
         seq = self.seq
-        base = len(seq.reply)  # tokens kept from before a preemption
-
-        def forward_tokens(new: list[int]) -> None:
-            seq.commit(new)
-            if not seq.emit(new):
-                raise _Cancelled
-
-        try:
-            if self._abort:
-                raise Preempted
-            with torch.inference_mode():
-                result = drafted_decode(self.target, seq.context, seq.choose,
-                                        StopRule(seq.max_tokens - base, eos, seq.params.ignore_eos),
-                                        self.engine.drafter, policy=self.engine.depth_policy(seq.params),
-                                        on_tokens=forward_tokens, prefilled=prefilled)
-            seq.stats["draft"] = result.stats.metrics() if hasattr(result.stats, "metrics") else {}
-            last = seq.reply[-1] if seq.reply else None
-            seq.finish_reason = "stop" if last in eos and not seq.params.ignore_eos else "length"
-        except _Cancelled:
-            seq.finish_reason = "cancelled"
-        except Preempted:
-            pass
-        except BaseException as exc:  # the scheduler re-raises it: the engine's state is unknown
-            self.error = exc
-        finally:
-            self.done = True
-            self._back.release()
+        seq.stats["draft"] = result.stats.metrics() if hasattr(result.stats, "metrics") else {}
+        last = seq.reply[-1] if seq.reply else None
+        seq.finish_reason = "stop" if last in self._eos and not seq.params.ignore_eos else "length"
+        self.done = True

@@ -1,6 +1,6 @@
 """What the drafter's Target protocol (drafter/target.py) reads of one sequence's KV state and the
-model, shared by the one-request engine (glm53.runtime.engine.Glm53Target) and the batched runtime
-(glm53.runtime.drafted.WindowTarget); they differ only in how a window's forward runs."""
+model. The one-request engine's Glm53Target adds `forward`; the batched runtime (glm53.runtime.drafted)
+uses it as it is, since there the drafter's loop yields its windows to the scheduler instead."""
 from __future__ import annotations
 
 from typing import Any
