@@ -355,3 +355,32 @@ def test_processing_fields_batched_and_preempted_equal_alone(engine) -> None:
             assert s.reply == w and lp == w_lp, (i, s.reply, w)
     assert sum(s.preemptions > 0 for s in seqs) >= 2
     assert sum(s.drafted and len(s.reply) > 1 for s in seqs) >= 4
+
+
+@pytest.mark.parametrize("drafted", [False, True], ids=["serial", "drafted"])
+def test_a_requests_failing_grammar_ends_it_alone(engine, monkeypatch, drafted: bool) -> None:
+    """A request whose grammar matcher fails mid-reply (llguidance's own error, which no input here can
+    provoke: a matcher that fails at its fourth token stands in) ends alone with that error and its rows
+    released; the requests beside it, serial and drafted, finish with the replies they get alone."""
+    from glm53.runtime import engine as engine_module
+    from glm53.runtime.grammar import GrammarError, GrammarMatcher
+
+    class FailingMatcher(GrammarMatcher):
+        def accept(self, token: int) -> None:
+            if len(self._kept) == 3:
+                raise GrammarError("grammar matcher failed: the fourth token")
+            super().accept(token)
+
+    others = [(list(range(5, 30)), 12, {"draft": True}), (list(range(7, 19)), 12, {"temperature": 0.8, "seed": 3})]
+    want = [alone(engine, p, n, f) for p, n, f in others]
+    monkeypatch.setattr(engine_module, "GrammarMatcher", FailingMatcher)
+    batch = BatchEngine(engine, max_seqs=3, pool_bytes=positions_bytes(engine, 512))
+    first = batch.submit(*others[0])
+    bad = batch.submit(list(range(40, 60)), 12, {"response_format": JSON_SCHEMA, "draft": drafted})
+    last = batch.submit(*others[1])
+    batch.run()
+    assert bad.finish_reason == "error" and isinstance(bad.error, GrammarError), (bad.finish_reason, bad.error)
+    assert len(bad.reply) <= 4
+    assert [first.reply, last.reply] == want
+    assert first.finish_reason in ("stop", "length") and last.finish_reason in ("stop", "length")
+    assert batch.pool.used == 0 and batch.idle

@@ -173,3 +173,38 @@ def test_steered_and_stopped_jobs_match_the_one_at_a_time_worker(engine) -> None
         assert not done["cancelled"] and done["stats"]["finish_reason"] == "cancelled"
         assert len(done["tokens"]) < 30 and streamed == done["tokens"]
     assert b_stop[1]["tokens"][:2] == a_stop[1]["tokens"][:2]
+
+
+def test_a_job_whose_grammar_fails_gets_its_error_and_the_lane_serves_on(engine, monkeypatch) -> None:
+    """One job's grammar matcher fails mid-reply (llguidance's own error, provoked by no input here: a
+    matcher that fails at its fourth token stands in): that job gets the error, the jobs beside it and
+    one submitted after it get their replies alone, and the lane is not failed."""
+    from glm53.runtime import engine as engine_module
+    from glm53.runtime.grammar import GrammarError, GrammarMatcher
+
+    class FailingMatcher(GrammarMatcher):
+        def accept(self, token: int) -> None:
+            if len(self._kept) == 3:
+                raise GrammarError("grammar matcher failed: the fourth token")
+            super().accept(token)
+
+    schema = {"type": "json_schema", "json_schema": {"name": "t", "schema": {"type": "object"}}}
+    good = [([5, 9, 27, 4], 6, None), ([3, 8, 1], 6, {"temperature": 0.9, "seed": 2})]
+    want = [alone(engine, p, n, s) for p, n, s in good]
+    monkeypatch.setattr(engine_module, "GrammarMatcher", FailingMatcher)
+    fatal: list[BaseException] = []
+    worker = EngineWorker(engine, fatal.append)
+    try:
+        jobs = [Job(*good[0]), Job([7, 7, 2], 12, {"response_format": schema}), Job(*good[1])]
+        for job in jobs:
+            worker.submit(job)
+        with pytest.raises(GrammarError, match="the fourth token"):
+            result(jobs[1])
+        assert [result(jobs[0])[1]["tokens"], result(jobs[2])[1]["tokens"]] == want
+        after = Job(*good[0])
+        worker.submit(after)
+        assert result(after)[1]["tokens"] == want[0]
+        assert worker.runtime_stats()["pool_used_bytes"] == 0
+    finally:
+        worker.stop()
+    assert not fatal and worker.failed is None

@@ -21,6 +21,7 @@ import torch
 
 from drafter.target import WindowOutput
 from glm53.runtime.drafted import DraftedRun
+from glm53.runtime.errors import SamplingError
 from glm53.runtime.kv_pool import KVPool
 from glm53.runtime.options import with_options
 from glm53.runtime.runner import ModelRunner
@@ -218,6 +219,19 @@ class BatchEngine:
         return out.hidden[-1:] if w.end == w.seq.context_length else None
 
     def _advance(self, w: Work, out: Any, logits: torch.Tensor | None) -> None:
+        """Hand the step's rows to their sequence. A failure of the request's own sampling (its grammar,
+        glm53.runtime.errors.SamplingError) ends that sequence alone, with the error; anything else
+        leaves the engine's state unknown and propagates."""
+        try:
+            self._take_rows(w, out, logits)
+        except SamplingError as exc:
+            seq = w.seq
+            if seq.draft_run is not None:
+                seq.draft_run.abort()
+            seq.error = exc
+            self._finish(seq, "error")
+
+    def _take_rows(self, w: Work, out: Any, logits: torch.Tensor | None) -> None:
         seq = w.seq
         if w.prefill:
             if seq.drafted:

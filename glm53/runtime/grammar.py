@@ -63,6 +63,14 @@ def _tokenizer(tokenizer_json: str, vocab_size: int, eos: tuple[int, ...]) -> An
     return llguidance.LLTokenizer(Path(tokenizer_json).read_text(), n_vocab=vocab_size, eos_token=list(eos))
 
 
+class GrammarError(SamplingError):
+    """The grammar matcher failed while a request generated (llguidance's own error): the request's
+    failure, not the engine's; the batched runtime ends that request alone."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "response_format")
+
+
 class GrammarMatcher:
     """One request's position in its grammar. The mask allows the end-of-sequence tokens where the
     grammar may end (and only them once it must)."""
@@ -81,7 +89,7 @@ class GrammarMatcher:
 
     def _check(self) -> None:
         if self._matcher.is_error():
-            raise RuntimeError(f"grammar matcher failed: {self._matcher.get_error()}")
+            raise GrammarError(f"grammar matcher failed: {self._matcher.get_error()}")
 
     def allowed(self) -> torch.Tensor:
         """A bool tensor [vocab]: the tokens the grammar allows at the next position."""
@@ -97,7 +105,7 @@ class GrammarMatcher:
             self._kept.append(False)
             return
         if not self._matcher.consume_token(int(token)):
-            raise RuntimeError(f"grammar matcher refused token {token}: {self._matcher.get_error()}")
+            raise GrammarError(f"grammar matcher refused token {token}: {self._matcher.get_error()}")
         self._kept.append(True)
 
     def rollback(self, n: int) -> None:
@@ -105,5 +113,5 @@ class GrammarMatcher:
         kept = sum(self._kept[len(self._kept) - n:]) if n else 0
         del self._kept[len(self._kept) - n:]
         if kept and not self._matcher.rollback(kept):
-            raise RuntimeError(f"grammar matcher cannot roll back {kept} tokens: {self._matcher.get_error()}")
+            raise GrammarError(f"grammar matcher cannot roll back {kept} tokens: {self._matcher.get_error()}")
 

@@ -53,6 +53,7 @@ class Sequence:
     prefill_start: int = 0
     draft_run: Any = None  # glm53.runtime.drafted.DraftedRun while drafting
     finish_reason: str | None = None
+    error: BaseException | None = None  # why the request failed on its own (finish_reason "error")
     preemptions: int = 0
     stats: dict[str, Any] = field(default_factory=dict)
     arrived: float = field(default_factory=time.perf_counter)

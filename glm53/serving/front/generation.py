@@ -12,6 +12,7 @@ from fastapi import Request
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 
+from glm53.runtime.errors import SamplingError
 from glm53.serving.front import glm_markup, replies
 from glm53.serving.front.access import AccessRecord
 from glm53.serving.front.choice import Choice
@@ -148,6 +149,8 @@ class Generation:
     def failure(self, exc: BaseException) -> ApiError:
         self.finished = True
         self.cancel()
+        if isinstance(exc, SamplingError):  # this request's own sampling (its grammar) failed; the lane serves on
+            return ApiError(500, f"the request failed while generating: {exc}", param=exc.param, code="request_failed")
         return ApiError(500, f"the engine failed: {type(exc).__name__}: {exc}", code="engine_failed")
 
     def finish_reason(self, choice: Choice, result: dict[str, Any]) -> str:

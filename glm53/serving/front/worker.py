@@ -384,12 +384,27 @@ class EngineWorker:
             run.first = seq
 
     def _finished_single(self, run: _Running, seq: Any) -> None:
+        if seq.error is not None:
+            self._failed_alone(run, seq.error)
+            return
         self._done(run, [int(t) for t in seq.reply], dict(seq.stats))
 
     def _finished_burst(self, run: _Running, seq: Any) -> None:
         """A steered job's burst finished inside a step: its next burst is submitted after the step."""
         run.seq = None
+        if seq.error is not None:
+            self._failed_alone(run, seq.error)
+            return
         self._next_bursts.append((run, seq))
+
+    def _failed_alone(self, run: _Running, exc: BaseException) -> None:
+        """The request failed on its own (its grammar): it gets the error; the lane and the others go on."""
+        job = run.job
+        self._active_pop(job)
+        self._dequeue(job)
+        self._left_queue.discard(id(job))
+        log.warning(f"request {job.rid} failed alone: {type(exc).__name__}: {exc}")
+        job.events.put(("error", exc))
 
     def _continue_bursts(self, active: dict[int, _Running]) -> None:
         while self._next_bursts:
