@@ -15,7 +15,7 @@ from typing import Callable, Iterable, Protocol, Sequence
 from .policy import AcceptanceStats, AdaptiveDepth, PolicyConfig
 from .sources.base import DraftSource
 from .target import Steps, Target, Window, WindowOutput, check_window, drive
-from .verify import Sampler, verify_steps
+from .verify import Sampler, verify_window
 
 log = logging.getLogger("drafter.decode")
 
@@ -51,12 +51,9 @@ class DecodeResult:
     forwards: int = 0
 
 
-def prefill(target: Target, prompt: Sequence[int], *, taps: Sequence[int] = ()) -> WindowOutput:
-    """Forward the prompt rows the cache lacks (all of them unless a prefix was reused)."""
-    return drive(target, prefill_steps(target, prompt, taps=taps))
-
-
-def prefill_steps(target: Target, prompt: Sequence[int], *, taps: Sequence[int] = ()) -> Steps[WindowOutput]:
+def prefill(target: Target, prompt: Sequence[int], *, taps: Sequence[int] = ()) -> Steps[WindowOutput]:
+    """Forward the prompt rows the cache lacks (all of them unless a prefix was reused): a generator of
+    that forward (drafter.target.Steps)."""
     start = target.length()
     if not 0 <= start < len(prompt):
         raise ValueError(f"prefill needs at least one uncached prompt token: cache holds {start} rows, "
@@ -78,7 +75,7 @@ def serial_decode(target: Target, prompt: Sequence[int], sample: Sampler, stop: 
     result = DecodeResult(tokens=[])
     if stop.max_tokens <= 0:
         return result
-    out = prefill(target, prompt)
+    out = drive(target, prefill(target, prompt))
     result.forwards += 1
     tokens = list(prompt)
     while True:
@@ -134,7 +131,7 @@ def drafted_decode_steps(target: Target, prompt: Sequence[int], sample: Sampler,
         return result
     taps = source.taps if policy.enabled else ()
     if prefilled is None:
-        out = yield from prefill_steps(target, prompt, taps=taps)
+        out = yield from prefill(target, prompt, taps=taps)
         result.forwards += 1
     else:
         # logits may hold only the last row (the others are never read); hidden / taps cover every row
@@ -159,7 +156,7 @@ def drafted_decode_steps(target: Target, prompt: Sequence[int], sample: Sampler,
         depth = min(policy.depth(source.max_depth), remaining - 1)   # the window's free token is one more
         drafts = source.propose(tokens, depth, sample) if depth > 0 else []
         drafts = drafts[:max(depth, 0)]
-        step = yield from verify_steps(target, tokens[-1], drafts, sample, taps=taps, relaxed_top2=relaxed_top2)
+        step = yield from verify_window(target, tokens[-1], drafts, sample, taps=taps, relaxed_top2=relaxed_top2)
         result.forwards += 1
         result.stats.record(source.name if drafts else "none", step.proposed, step.accepted, step.lossy)
         policy.update(step.proposed, step.accepted)

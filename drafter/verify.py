@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .target import Steps, Target, TargetContractError, Window, WindowOutput, check_window, drive
+from .target import Steps, Target, TargetContractError, Window, check_window
 
 log = logging.getLogger("drafter.verify")
 
@@ -48,21 +48,10 @@ def verify_window(
     *,
     taps: Sequence[int] = (),
     relaxed_top2: bool = False,
-) -> VerifyResult:
-    """Verify `drafts` after the pending token with ONE forward; commit the exact prefix."""
-    return drive(target, verify_steps(target, pending, drafts, sample, taps=taps, relaxed_top2=relaxed_top2))
-
-
-def verify_steps(
-    target: Target,
-    pending: int,
-    drafts: Sequence[int],
-    sample: Sampler,
-    *,
-    taps: Sequence[int] = (),
-    relaxed_top2: bool = False,
 ) -> Steps[VerifyResult]:
-    """verify_window as a generator: it yields its one Window and is sent the forward's output."""
+    """Verify `drafts` after the pending token with ONE forward; commit the exact prefix. A generator of
+    that forward (drafter.target.Steps): it yields its Window and is sent the output; `drive(target,
+    verify_window(...))` runs it through target.forward, the batched runtime beside other windows."""
     start = target.length()
     frontier = target.canonical_frontier()
     if start < frontier:

@@ -15,6 +15,7 @@ from drafter.glm53_target import DraftPlan, Glm53MtpAdapter
 from drafter.sources import MtpSource
 from drafter.tiny_dflash import write_tiny_dflash2
 from drafter_fixtures import OracleDrafts, one_thread  # noqa: F401  (autouse fixture)
+from drafter.target import drive
 from drafter.verify import verify_window
 from glm53.runtime.engine import Glm53Engine, Glm53Target
 from glm53.runtime.sampling import SamplingParams, sample
@@ -117,7 +118,7 @@ def test_engine_window_truncates_rejected_rows_and_reports_frontier(tiny):
     frontier = target.canonical_frontier()
     assert frontier == len(prompt)
     drafts = [truth[1], (truth[2] + 1) % 2000, truth[3]]
-    res = verify_window(target, truth[0], drafts, lambda row, pos: sample(row, SamplingParams(), pos))
+    res = drive(target, verify_window(target, truth[0], drafts, lambda row, pos: sample(row, SamplingParams(), pos)))
     assert res.accepted == 1 and res.tokens == truth[1:3]
     assert state.length == len(prompt) + 2 and res.beyond_frontier
     assert target.canonical_frontier() == frontier

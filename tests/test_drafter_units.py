@@ -19,7 +19,7 @@ from glm53.settings import Settings
 from drafter.reference_lm import ReferenceLM
 from drafter.sources import CopySource, MtpSource
 from drafter.sources.dflash2 import Dflash2Model, Dflash2Source, grouped_dynamic_conv
-from drafter.target import Target, TargetContractError
+from drafter.target import Target, TargetContractError, drive
 from drafter.tiny_dflash import write_tiny_dflash2
 from drafter_fixtures import one_thread, reference_dflash2  # noqa: F401  (one_thread: autouse fixture)
 from drafter.verify import verify_window
@@ -47,7 +47,7 @@ def test_verify_keeps_matching_prefix_plus_target_token_and_truncates_the_rest()
     pending = truth[0]
     wrong = (truth[3] + 1) % MODEL.config.vocab_size
     drafts = [truth[1], truth[2], wrong, truth[4], truth[5]]
-    res = verify_window(target, pending, drafts, GREEDY)
+    res = drive(target, verify_window(target, pending, drafts, GREEDY))
     assert res.accepted == 2
     assert res.tokens == truth[1:4]                 # two drafts + the target's token where the third failed
     assert res.kept_rows == 3
@@ -63,7 +63,7 @@ def test_verify_all_accepted_commits_a_free_token():
     truth = serial_tokens(prompt, 6)
     target = MODEL.session()
     target.forward(prompt, 0)
-    res = verify_window(target, truth[0], truth[1:5], GREEDY)
+    res = drive(target, verify_window(target, truth[0], truth[1:5], GREEDY))
     assert res.accepted == 4 and res.tokens == truth[1:6]
     assert target.length() == len(prompt) + 5
 
@@ -73,11 +73,11 @@ def test_verification_rows_are_beyond_the_canonical_frontier():
     target = MODEL.session()
     target.forward(prompt, 0)
     target.set_frontier(len(prompt))                # the prefix cache's reusable extent ends at the prompt
-    res = verify_window(target, 3, [4, 5], GREEDY)
+    res = drive(target, verify_window(target, 3, [4, 5], GREEDY))
     assert res.beyond_frontier and res.written.start >= target.canonical_frontier()
     target.truncate(8)                              # a window that would overwrite canonical rows is refused
     with pytest.raises(TargetContractError, match="frontier"):
-        verify_window(target, 3, [4], GREEDY)
+        drive(target, verify_window(target, 3, [4], GREEDY))
 
 
 def test_target_returning_wrong_row_count_is_refused():
@@ -104,7 +104,7 @@ def test_target_returning_wrong_row_count_is_refused():
     t = Short()
     t.forward([1, 2], 0)
     with pytest.raises(TargetContractError, match="one row per token"):
-        verify_window(t, 3, [4, 5], GREEDY)
+        drive(t, verify_window(t, 3, [4, 5], GREEDY))
 
 
 # --- relaxed acceptance: opt-in, lossy ---

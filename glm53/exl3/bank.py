@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -84,8 +85,10 @@ class Exl3Bank:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.words, self.scales, self.table))
 
-    @property
+    @cached_property
     def codebooks(self) -> frozenset[int]:
+        """The codebooks of the bank's matrices (read on every kernel launch: computed once; the layouts
+        are fixed when the bank is built)."""
         return frozenset(layout.codebook for layout in self.layouts)
 
     def trellis(self, m: int) -> torch.Tensor:
