@@ -23,6 +23,7 @@ from glm53.dist import dcp, tp  # noqa: E402
 from glm53.dist.collectives import Comm  # noqa: E402
 from glm53.dist.guard import GuardSettings  # noqa: E402
 from glm53.dist.rendezvous import RendezvousSpec, rendezvous, spec_from_env  # noqa: E402
+from glm53.model.parallel import AttentionSpan  # noqa: E402
 from glm53.settings import Settings  # noqa: E402
 
 # ---- shared inputs (the test imports these to recompute the expected values) -----------------
@@ -30,6 +31,12 @@ HEADS, QK_DIM, V_DIM, SCALE = 8, 48, 32, 0.17
 ATTN_LENGTHS = (37, 3, 1)  # 3 and 1 are shorter than R = 4: some ranks own nothing
 TOPK_K = 16
 
+
+
+def one_span_attention(comm, q_nope, q_rot, w_uk_t, w_uv, rows, selection, head_ranges, scale):  # noqa: ANN001, ANN201
+    """glm53.dist.dcp.tp_dcp_attention_spans over one sequence's span (the rows every rank holds)."""
+    return dcp.tp_dcp_attention_spans(comm, [AttentionSpan(q_nope, q_rot, lambda: rows, None, selection)], w_uk_t,
+                                      w_uv, head_ranges, scale)
 
 def attention_inputs(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + n + seed)
@@ -110,7 +117,7 @@ def suite(comm: Comm, out: Path) -> None:
         pos = own.owned_positions(0, MLA_N)
         from glm53.model.indexer import Selection
 
-        results[f"mla{n_heads}"] = dcp.tp_dcp_attention(
+        results[f"mla{n_heads}"] = one_span_attention(
             comm, q_nope[:, a:b], q_rot[:, a:b], per_head[a:b, :MLA_NOPE].transpose(1, 2).contiguous(),
             per_head[a:b, MLA_NOPE:].contiguous(), rows[pos], Selection.from_mask(mask[:, pos], MLA_N),
             tp.head_ranges(n_heads, R), MLA_SCALE)
@@ -136,24 +143,23 @@ def suite(comm: Comm, out: Path) -> None:
     ranges = tp.head_ranges(n_heads, R)
     seq = comm.guard._seq
     plain = dcp.owned_selection(*dcp.dcp_topk(comm, scores[:, pos], positions[pos], k_sel), own, k_sel)
-    results["mla_topk_separate"] = dcp.tp_dcp_attention(comm, q_nope[:, a:b], q_rot[:, a:b], w_uk_t, w_uv, rows[pos],
+    results["mla_topk_separate"] = one_span_attention(comm, q_nope[:, a:b], q_rot[:, a:b], w_uk_t, w_uv, rows[pos],
                                                         plain, ranges, MLA_SCALE)
     results["mla_topk_separate_collectives"] = comm.guard._seq - seq
     pending = dcp.PendingSelection.of(scores[:, pos], positions[pos], own, k_sel)
     seq = comm.guard._seq
-    results["mla_topk_pending"] = dcp.tp_dcp_attention(comm, q_nope[:, a:b], q_rot[:, a:b], w_uk_t, w_uv, rows[pos],
+    results["mla_topk_pending"] = one_span_attention(comm, q_nope[:, a:b], q_rot[:, a:b], w_uk_t, w_uv, rows[pos],
                                                        pending, ranges, MLA_SCALE)
     results["mla_topk_pending_collectives"] = comm.guard._seq - seq
     results["mla_topk_selections_equal"] = bool(torch.equal(pending.resolved.indices, plain.indices)
                                                 and torch.equal(pending.resolved.valid, plain.valid))
     seq = comm.guard._seq
-    results["mla_topk_shared"] = dcp.tp_dcp_attention(comm, q_nope[:, a:b], q_rot[:, a:b], w_uk_t, w_uv, rows[pos],
+    results["mla_topk_shared"] = one_span_attention(comm, q_nope[:, a:b], q_rot[:, a:b], w_uk_t, w_uv, rows[pos],
                                                       pending, ranges, MLA_SCALE)
     results["mla_topk_shared_collectives"] = comm.guard._seq - seq
 
     # a batched step: several sequences' spans of one layer (their own queries, rows and candidates,
     # different row counts) in the same two exchanges; each span's rows get the bits they get alone
-    from glm53.model.parallel import AttentionSpan
 
     spans = [(q_nope[:, a:b], q_rot[:, a:b], rows[pos], scores),
              (q_nope[1:3, a:b], q_rot[1:3, a:b], rows[pos] * -0.5, -scores[1:3])]
@@ -161,7 +167,7 @@ def suite(comm: Comm, out: Path) -> None:
     def candidates(span_scores: torch.Tensor) -> dcp.PendingSelection:
         return dcp.PendingSelection.of(span_scores[:, pos], positions[pos], own, k_sel)
 
-    alone = [dcp.tp_dcp_attention(comm, qn, qr, w_uk_t, w_uv, rw, candidates(sc), ranges, MLA_SCALE)
+    alone = [one_span_attention(comm, qn, qr, w_uk_t, w_uv, rw, candidates(sc), ranges, MLA_SCALE)
              for qn, qr, rw, sc in spans]
     seq = comm.guard._seq
     results["mla_spans_together"] = dcp.tp_dcp_attention_spans(

@@ -112,7 +112,7 @@ def test_topk_merge_over_ranks_equals_single_rank_with_ties() -> None:
 
 def _ranks_resolve(scores: torch.Tensor, R: int, k: int, nan_flag: torch.Tensor | None = None):
     """Every rank's PendingSelection over its owned columns, resolved against the stacked words (what
-    tp_dcp_attention's all-gather hands each rank)."""
+    tp_dcp_attention_spans' all-gather hands each rank)."""
     n = scores.shape[1]
     positions = torch.arange(n)
     owned = [dcp.Ownership(r, R).owned_positions(0, n) for r in range(R)]

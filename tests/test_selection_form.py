@@ -44,7 +44,7 @@ def test_torch_top_k_gives_the_prefix_form() -> None:
 
 def test_dcp_selections_give_the_prefix_form() -> None:
     """A rank's share of the global top-k: owned_selection, and PendingSelection resolved against
-    every rank's keys (the form tp_dcp_attention attends with)."""
+    every rank's keys (the form tp_dcp_attention_spans attends with)."""
     g = torch.Generator().manual_seed(5)
     for n, k in [(40, 8), (300, 64), (200, 300)]:
         scores = scores_with_gaps(g, 6, n)

@@ -133,7 +133,7 @@ def attend_latent(q_lat: torch.Tensor, q_rot: torch.Tensor, rows: torch.Tensor, 
 
 @dataclass
 class PendingSelection:
-    """A 'full' indexer layer's selection under DCP before the exchange. tp_dcp_attention sends
+    """A 'full' indexer layer's selection under DCP before the exchange. tp_dcp_attention_spans sends
     `words` in the same all-gather as the absorbed queries (one round trip for both) and resolves
     the Selection here, so the 'shared' layers after it reuse the resolved one.
 
@@ -194,15 +194,6 @@ class PendingSelection:
         valid = torch.arange(k, device=keep.device)[None, :] < keep.sum(dim=1, keepdim=True)
         self.resolved = Selection(torch.where(valid, indices[:, :k], 0), valid)
         return self.resolved
-
-
-def tp_dcp_attention(comm: Comm, q_nope: torch.Tensor, q_rot: torch.Tensor, w_uk_t: torch.Tensor, w_uv: torch.Tensor,
-                     rows: torch.Tensor, selection: "Selection | PendingSelection", head_ranges: list[tuple[int, int]],
-                     scale: float) -> torch.Tensor:
-    """MLA with heads split by TP and positions by DCP on the same ranks (absorbed form), one
-    sequence: tp_dcp_attention_spans of one span."""
-    return tp_dcp_attention_spans(comm, [AttentionSpan(q_nope, q_rot, lambda: rows, None, selection)], w_uk_t, w_uv,
-                                  head_ranges, scale)
 
 
 def tp_dcp_attention_spans(comm: Comm, spans: list[AttentionSpan], w_uk_t: torch.Tensor, w_uv: torch.Tensor,
