@@ -64,7 +64,8 @@ def build(name: str, capability: tuple[int, int], nvcc: str | None = None) -> Pa
     try:
         done = subprocess.run([nvcc, *flags, "-o", tmp, str(source)], capture_output=True, text=True)
         if done.returncode != 0:
-            raise CudaBuildError(f"{source}: nvcc failed ({' '.join(flags)}):\n{done.stderr[-4000:]}")
+            raise CudaBuildError(f"{source}: nvcc failed ({' '.join(flags)}); a CUDA toolkit that knows this GPU's "
+                                 f"architecture is needed (meanwhile the Triton kernels serve):\n{done.stderr[-4000:]}")
         build_log(target).write_text(done.stderr)  # ptxas: registers, shared memory and spills of each kernel
         os.replace(tmp, target)
     finally:

@@ -81,4 +81,6 @@ def split_parts(bank: Exl3Bank, xr: torch.Tensor, ws: torch.Tensor, *, groups: i
         int(has_shared), pair[0], pair[1], shared_pair[0], shared_pair[1], n_proj, in_width, xr_proj, out_stride,
         proj_cols, (groups if ids is not None else rows) * out_stride)
     if code:
-        raise RuntimeError(f"exl3_parts_launch: {lib.exl3_error_string(code).decode()}")
+        raise RuntimeError(f"exl3_parts_launch: {lib.exl3_error_string(code).decode()} (grid {groups} x {n_blocks} x "
+                           f"{n_splits * n_proj}): a device fault or a bad bank table; TF_GLM53_KERNELS=torch serves "
+                           "without the kit's GPU kernels meanwhile")

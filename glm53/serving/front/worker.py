@@ -340,8 +340,7 @@ class EngineWorker:
 
     def _admit(self, job: Job, active: dict[int, _Running]) -> None:
         if job.cancelled.is_set():  # the client left while waiting in the queue
-            self._dequeue(job)
-            self._left_queue.discard(id(job))
+            self._retire(job)
             job.events.put(("done", {"tokens": [], "stats": {}, "cancelled": True}))
             return
         run = _Running(job, _Stream(job, lambda: None))
@@ -374,9 +373,7 @@ class EngineWorker:
         try:
             seq = self.batch.submit(prompt, max_tokens, job.sampling, on_tokens, on_done, job.rid, on_admit)
         except ValueError as exc:  # a request the engine refuses (the front's checks come first)
-            active.pop(id(job), None)
-            self._dequeue(job)
-            self._left_queue.discard(id(job))
+            self._retire(job)
             job.events.put(("error", exc))
             return
         run.seq = seq
@@ -400,9 +397,7 @@ class EngineWorker:
     def _failed_alone(self, run: _Running, exc: BaseException) -> None:
         """The request failed on its own (its grammar): it gets the error; the lane and the others go on."""
         job = run.job
-        self._active_pop(job)
-        self._dequeue(job)
-        self._left_queue.discard(id(job))
+        self._retire(job)
         log.warning(f"request {job.rid} failed alone: {type(exc).__name__}: {exc}")
         job.events.put(("error", exc))
 
@@ -424,9 +419,7 @@ class EngineWorker:
 
     def _done(self, run: _Running, tokens: list[int], stats: dict[str, Any]) -> None:
         job = run.job
-        self._active_pop(job)
-        self._dequeue(job)
-        self._left_queue.discard(id(job))
+        self._retire(job)
         run.stream.start(stats)
         cancelled = job.cancelled.is_set()
         # counters are shared by the batch: the request's share is what the runtime measured around
@@ -445,5 +438,9 @@ class EngineWorker:
         job.events.put(("done", {"tokens": tokens, "stats": stats, "cancelled": cancelled,
                                  "steer_ended": bool(job.steer and job.steer.finished)}))
 
-    def _active_pop(self, job: Job) -> None:
+    def _retire(self, job: Job) -> None:
+        """The job is over (done, failed alone, refused or cancelled while waiting): off the running
+        jobs and the wait queue's count, its bookkeeping forgotten."""
         self._active.pop(id(job), None)
+        self._dequeue(job)
+        self._left_queue.discard(id(job))
