@@ -28,6 +28,7 @@ follows the budget), and its time to first token; the streams' replies equal the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import socket
 import statistics
@@ -229,8 +230,10 @@ def main() -> int:
                 "long_prompt": args.long_prompt, "long_streams": args.long_streams}
     long_summary = {k: summary([x[k] for x in long_rows]) for k in ("normal_gap_s", "worst_gap_s", "worst_vs_normal",
                                                                      "long_ttft_s")} if long_rows else None
+    graphs = getattr(engine, "graphs", None)  # the steps' CUDA graphs (None: every step eager)
+    graph_stats = dataclasses.asdict(graphs.stats) if graphs is not None else None
     write_json(out, {**result_header("bench_batching", settings, device=args.device), "table": table,
-                     "rounds": rows, "long_prompt": long_summary, "long_rounds": long_rows})
+                     "rounds": rows, "long_prompt": long_summary, "long_rounds": long_rows, "graphs": graph_stats})
     print(f"{'streams':>8} {'agg tok/s':>10} {'x one':>7} {'ms/token/stream':>16} {'x alone':>8}")
     for t in table:
         print(f"{t['streams']:>8} {t['aggregate_tok_s']['median']:>10.1f} {t['aggregate_vs_one']:>7.2f} "
@@ -240,6 +243,9 @@ def main() -> int:
         print(f"long prompt {args.long_prompt} beside {args.long_streams} streams: worst gap "
               f"{1e3 * med['worst_gap_s']:.1f} ms against a normal {1e3 * med['normal_gap_s']:.1f} ms "
               f"({med['worst_vs_normal']:.2f}x), its first token {med['long_ttft_s']:.2f} s")
+    if graph_stats is not None:
+        print(f"CUDA graphs: {graph_stats['captures']} captured, {graph_stats['replays']} replays, "
+              f"{graph_stats['first_runs']} first runs, {graph_stats['eager']} eager steps {graph_stats['reasons']}")
     print(f"full results: {out}")
     return 0
 

@@ -2,8 +2,10 @@
 
 A CUDA graph cannot exist here, so these check the parts that decide its exactness and its
 bookkeeping: `forward_window` (positions in a device tensor, rows written by index, keys scored up
-to a bound past the window) equals the eager forward bit for bit; NaN scores set the flag instead
-of syncing; the runner keys graphs by window, bound and cache addresses. The capture itself and
+to a bound past the window) equals the eager forward bit for bit, and `forward_windows` over several
+sequences equals the eager batched forward; NaN scores set the flag instead of syncing; the runner
+keys graphs by window, bound and cache addresses, a batch's by every sequence's, and the batched
+runtime's decode steps through it give each request its reply alone. The capture itself and
 graph replays against eager run on the GPU (tests/gpu/test_graph_replays_cuda.py).
 """
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from glm53.runtime import cuda_graphs
 from glm53.runtime.cuda_graphs import WindowGraphs, cache_addresses, key_bound
 from glm53.runtime.engine import Glm53Engine
+from glm53.runtime.batch import BatchEngine
 from glm53.runtime.errors import EngineError
 from glm53.model.indexer import SMALL_WINDOW_ROWS, select_topk
 from glm53.model.transformer import Span
@@ -94,18 +97,15 @@ class EagerReplays(WindowGraphs):
     def why_not(self, state, n):  # noqa: ANN001, ANN201
         return None if 1 <= n <= cuda_graphs.MAX_WINDOW else "too long"
 
-    def _capture(self, entry, state, bound, taps, key) -> None:  # noqa: ANN001
+    def _capture(self, entry, states, taps, key) -> None:  # noqa: ANN001
         def rerun() -> None:
-            out = self._run(state, entry, bound, taps)
-            entry.out.hidden.copy_(out.hidden)
-            entry.out.last_layer.copy_(out.last_layer)
-        entry.out = cuda_graphs._copy(self._run(state, entry, bound, taps))
+            for buf, out in zip(entry.out, self._run(states, entry, taps)):
+                buf.hidden.copy_(out.hidden)
+                buf.last_layer.copy_(out.last_layer)
+        entry.out = [cuda_graphs._copy(out) for out in self._run(states, entry, taps)]
         entry.graph = self._Replay(rerun)
         self.stats.captures += 1
-        self._graphs[key] = entry
-        while len(self._graphs) > self.max_graphs:
-            self._graphs.popitem(last=False)
-            self.stats.evictions += 1
+        self._keep(key, entry)
 
 
 def test_runner_keys_by_window_bound_and_cache_addresses(tiny_engine) -> None:  # noqa: F811
@@ -158,3 +158,53 @@ def test_runner_raises_the_eager_error_on_nan_scores(tiny_engine) -> None:  # no
             model.forward(state.clone(), [6], state.length)
         with pytest.raises(ValueError, match="NaN"):
             runner.forward(state, [6], state.length)  # a replay of the captured key
+
+
+def test_batched_window_form_equals_the_eager_batched_forward_bitwise(tiny_dirs) -> None:  # noqa: F811
+    """Three sequences after prefills of 70, 9 and 33 tokens, windows of 1, 4 and 1 tokens:
+    forward_windows (positions on the device, rows written by index, each sequence's keys scored to
+    its own bound past its window) gives forward_batch's hidden rows, taps and cache rows."""
+    engine = Glm53Engine(tiny_dirs.model, device="cpu", dtype="fp32", kv_dtype="fp32", prefill_chunk=1 << 20)
+    model, rng = engine.model, random.Random(8)
+    prompts = [[rng.randrange(3, engine.vocab_size) for _ in range(n)] for n in (70, 9, 33)]
+    windows = [[rng.randrange(3, engine.vocab_size) for _ in range(n)] for n in (1, 4, 1)]
+    with torch.inference_mode():
+        states = [model.new_state("fp32") for _ in prompts]
+        for state, prompt in zip(states, prompts):
+            model.forward(state, prompt, 0)
+        eager_states = [state.clone() for state in states]
+        want = model.forward_batch(list(zip(eager_states, windows)), taps=(1,))
+        spans = []
+        for state, window in zip(states, windows):
+            start, n = state.length, len(window)
+            state.reserve(start + n + 100)
+            spans.append(Span(torch.arange(start, start + n), None, key_bound(start + n, state.capacity, 64),
+                              torch.zeros((), dtype=torch.bool)))
+        got = model.forward_windows(states, torch.tensor([t for w in windows for t in w]), spans, taps=(1,))
+    for g, w in zip(got, want):
+        assert torch.equal(g.hidden, w.hidden) and torch.equal(g.taps[1], w.taps[1])
+    for state, eager, window in zip(states, eager_states, windows):
+        state.tokens.extend(window)
+        mine, theirs = state.export_rows(0, state.length), eager.export_rows(0, state.length)
+        assert all(torch.equal(mine[name], theirs[name]) for name in theirs)
+
+
+def test_batched_decode_steps_replay_one_graph_and_equal_each_request_alone(tiny_dirs) -> None:  # noqa: F811
+    """Four greedy requests decoding together through the runner (capture replaced by re-running
+    the window form): each reply is the one the request gets alone, the steps of four sequences
+    share a key while no cache moves (replays), and a step with a prefill piece runs eagerly."""
+    engine = Glm53Engine(tiny_dirs.model, device="cpu", dtype="fp32", kv_dtype="fp32", prefill_chunk=32)
+    rng = random.Random(12)
+    prompts = [[rng.randrange(3, engine.vocab_size) for _ in range(n)] for n in (20, 45, 7, 30)]
+    greedy = {"temperature": 0.0}
+    alone = [engine.generate(p, 24, dict(greedy)) for p in prompts]
+    engine.state = None
+    engine.graphs = EagerReplays(engine.model, max_graphs=8, bound_step=64)
+    batch = BatchEngine(engine, max_seqs=4, pool_block=32)
+    seqs = [batch.submit(p, 24, dict(greedy)) for p in prompts]
+    batch.run()
+    assert [s.reply for s in seqs] == alone
+    stats = engine.graphs.stats
+    assert stats.first_runs + stats.replays + stats.eager == batch.steps, stats  # every step went through it
+    assert stats.replays >= 3 * stats.captures, stats
+    assert stats.eager >= 1, stats  # the first step's prefill pieces

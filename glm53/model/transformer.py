@@ -166,10 +166,19 @@ class Glm53Model:
         on the device, rows written by index, keys [0, span.key_bound) scored; no host sync and no
         shape that depends on the position, so one capture serves every window of that length and
         bound. The caller reserves room and keeps state.tokens. The per-row arithmetic is forward()'s."""
+        return self.forward_windows([state], ids, [span], taps)[0]
+
+    def forward_windows(self, states: list[KVState], ids: torch.Tensor, spans: list[Span], taps: tuple[int, ...] = ()
+                        ) -> list[ForwardOutput]:
+        """forward_window over several sequences at once (a batched decode step as a graph captures it):
+        span i's rows are ids' next len(span.positions) entries, over states[i]; the projections and
+        feed-forward blocks over every row, each span's attention over its own state (forward_batch's
+        arithmetic, so each row keeps the bits it gets alone)."""
         x = self.plan.embed(self.w.embed, ids).to(self.dtype)
-        [(last, taken)] = self._layers_over(state, self.w.layers, [x], [span], taps)
-        return ForwardOutput(hidden=rms_norm(last, self.w.final_norm, self.cfg.rms_norm_eps),
-                             last_layer=last, taps=taken)
+        sizes = [span.positions.shape[0] for span in spans]
+        outs = self._layers_over(states, self.w.layers, list(x.split(sizes)), spans, taps)
+        return [ForwardOutput(hidden=rms_norm(last, self.w.final_norm, self.cfg.rms_norm_eps), last_layer=last,
+                              taps=taken) for last, taken in outs]
 
     def graph_safe(self) -> bool:
         """Whether forward_window runs without host syncs (every feed-forward block can)."""

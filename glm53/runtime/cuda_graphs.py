@@ -5,8 +5,10 @@ host work (measured on the H200, 4 layers: 3.3 ms of kernels, ~8 ms of Python an
 A captured graph replays the launches without the Python; on a DGX Spark's slower host, and at 78
 layers, that host time would otherwise bound decode.
 
-What is captured: `Glm53Model.forward_window` for one window length T and one key bound L, over
-one state's cache tensors. Everything that moves from step to step lives in device buffers the
+What is captured: `Glm53Model.forward_windows` for one window length T and one key bound L a
+sequence, over the sequences' cache tensors (one sequence: a decode step or a verification window;
+several: a batched decode step of glm53.runtime.batch, whose steps keep their sequences for long
+stretches). Everything that moves from step to step lives in device buffers the
 graph reads: the token ids and the positions. Rows are written by index and the queries score the
 cache rows [0, L): rows past the window are future to every query, so they score -inf and are
 never selected, and the forward computes exactly what the eager one does (the ops are row- and
@@ -14,9 +16,9 @@ key-invariant; tests/gpu/test_graph_replays_cuda.py checks graph against eager b
 window's end rounded up to BOUND_STEP (capped by the capacity), so one graph serves BOUND_STEP
 positions of decoding, and the extra keys cost little.
 
-A graph holds the addresses of the state's cache tensors; `KVState.reserve` replaces them when it
-grows, and another conversation may bring another state. Graphs are therefore keyed by (T, L,
-taps, the cache tensors' addresses) and at most `max_graphs` are kept (least recently used first
+A graph holds the addresses of the states' cache tensors; `KVState.reserve` replaces them when it
+grows, and another conversation may bring another state. Graphs are therefore keyed by taps and
+each window's (T, L, the cache tensors' addresses) and at most `max_graphs` are kept (least recently used first
 out), in one memory pool. The first window of a key runs eagerly (which also compiles the kernels),
 then the graph is captured (capture_begin/end on a side stream, without torch.cuda.graph's
 emptying of the allocator's caches: bench/bench_graph_capture.py); later windows replay it. Outputs are copied out of the graph's
@@ -58,13 +60,22 @@ def cache_addresses(state: KVState) -> tuple[int, ...]:
     return tuple(t.data_ptr() if t is not None else 0 for t in tensors)
 
 
+Window = tuple[KVState, list[int], int]  # a sequence's state, its window's tokens, their first position
+
+
 @dataclass
 class _Captured:
-    ids: torch.Tensor
+    ids: torch.Tensor  # every window's tokens, in order
     positions: torch.Tensor
+    sizes: tuple[int, ...]  # each window's tokens
+    bounds: tuple[int, ...]  # each window's key bound
     nan_flag: torch.Tensor
     graph: Any = None  # torch.cuda.CUDAGraph once captured
-    out: ForwardOutput | None = None  # the graph's output buffers
+    out: list[ForwardOutput] | None = None  # the graph's output buffers, a window each
+
+    def spans(self) -> list[Span]:
+        return [Span(p, None, bound, self.nan_flag)
+                for p, bound in zip(self.positions.split(list(self.sizes)), self.bounds)]
 
 
 @dataclass
@@ -108,67 +119,93 @@ class WindowGraphs:
             return "a feed-forward block is not window-safe"
         return None
 
+    def why_not_batch(self, windows: list[Window]) -> str | None:
+        """None when these windows (one a sequence) can replay one graph together, else the reason."""
+        if len({id(state) for state, _, _ in windows}) != len(windows):
+            return "a sequence with several windows (prefill pieces)"
+        for state, tokens, _ in windows:
+            reason = self.why_not(state, len(tokens))
+            if reason is not None:
+                return reason
+        return None
+
     # ---- the forward ----------------------------------------------------------------------------
     def forward(self, state: KVState, tokens: list[int], start: int, taps: tuple[int, ...] = ()
                 ) -> ForwardOutput | None:
         """The window's ForwardOutput (rows written, state.tokens extended), or None when it is not
         eligible (the caller runs the eager forward)."""
-        reason = self.why_not(state, len(tokens))
+        outs = self.forward_batch([(state, tokens, start)], taps)
+        return None if outs is None else outs[0]
+
+    def forward_batch(self, windows: list[Window], taps: tuple[int, ...] = ()) -> list[ForwardOutput] | None:
+        """Several sequences' windows in one graph (a batched decode step; one window: a sequence's
+        step): a ForwardOutput a window (rows written, each state's tokens extended), or None when
+        they are not eligible (the caller runs the eager forward). The key is every window's (T, L,
+        cache addresses) in order: a batch whose sequences keep their caches replays one graph."""
+        reason = self.why_not_batch(windows)
         if reason is not None:
             self.stats.eager += 1
             self.stats.reasons[reason] = self.stats.reasons.get(reason, 0) + 1
             return None
-        if start != state.length:
-            raise ValueError(f"forward at position {start} but the cache holds {state.length} rows; windows must continue it")
-        n = len(tokens)
-        state.reserve(start + n)  # before keying: growing moves the cache
-        bound = key_bound(start + n, state.capacity, self.bound_step)
-        key = (n, bound, tuple(taps), state.kv_dtype, cache_addresses(state))
+        parts = []
+        for state, tokens, start in windows:
+            if start != state.length:
+                raise ValueError(f"forward at position {start} but the cache holds {state.length} rows; "
+                                 "windows must continue it")
+            n = len(tokens)
+            state.reserve(start + n)  # before keying: growing moves the cache
+            bound = key_bound(start + n, state.capacity, self.bound_step)
+            parts.append((n, bound, state.kv_dtype, cache_addresses(state)))
+        key = (tuple(taps), tuple(parts))
+        states = [state for state, _, _ in windows]
         entry = self._graphs.get(key)
         if entry is None or entry.graph is None:
-            entry = entry or self._new_entry(n)
-            self._fill(entry, tokens, start)
-            out = self._eager(state, entry, bound, taps)  # the result; compiles what capture needs
+            entry = entry or self._new_entry(parts)
+            self._fill(entry, windows)
+            outs = self._eager(states, entry, taps)  # the result; compiles what capture needs
             if key not in self._graphs:
-                self._capture(entry, state, bound, taps, key)
+                self._capture(entry, states, taps, key)
         else:
             self._graphs.move_to_end(key)
-            self._fill(entry, tokens, start)
+            self._fill(entry, windows)
             entry.graph.replay()
             self.stats.replays += 1
-            out = _copy(entry.out)
+            outs = [_copy(out) for out in entry.out]
         if bool(entry.nan_flag.item()):
             raise ValueError("indexer scores contain NaN; the selection is undefined")
-        state.tokens.extend(tokens)
-        return out
+        for state, tokens, _ in windows:
+            state.tokens.extend(tokens)
+        return outs
 
     # ---- internals --------------------------------------------------------------------------------
-    def _new_entry(self, n: int) -> _Captured:
-        dev = self.model.device
-        return _Captured(ids=torch.zeros(n, dtype=torch.long, device=dev),
-                         positions=torch.zeros(n, dtype=torch.long, device=dev),
+    def _new_entry(self, parts: list[tuple]) -> _Captured:
+        dev, total = self.model.device, sum(n for n, *_ in parts)
+        return _Captured(ids=torch.zeros(total, dtype=torch.long, device=dev),
+                         positions=torch.zeros(total, dtype=torch.long, device=dev),
+                         sizes=tuple(n for n, *_ in parts), bounds=tuple(bound for _, bound, *_ in parts),
                          nan_flag=torch.zeros((), dtype=torch.bool, device=dev))
 
     @staticmethod
-    def _fill(entry: _Captured, tokens: list[int], start: int) -> None:
-        n = len(tokens)
-        host = torch.tensor([*tokens, *range(start, start + n)], dtype=torch.long)
+    def _fill(entry: _Captured, windows: list[Window]) -> None:
+        ids = [t for _, tokens, _ in windows for t in tokens]
+        positions = [p for _, tokens, start in windows for p in range(start, start + len(tokens))]
+        host = torch.tensor(ids + positions, dtype=torch.long)
         if entry.ids.is_cuda:
             host = host.pin_memory()  # an asynchronous copy, ordered before the replay on the stream
+        n = len(ids)
         entry.ids.copy_(host[:n], non_blocking=True)
         entry.positions.copy_(host[n:], non_blocking=True)
 
-    def _run(self, state: KVState, entry: _Captured, bound: int, taps: tuple[int, ...]) -> ForwardOutput:
+    def _run(self, states: list[KVState], entry: _Captured, taps: tuple[int, ...]) -> list[ForwardOutput]:
         entry.nan_flag.zero_()
-        span = Span(entry.positions, None, bound, entry.nan_flag)
-        return self.model.forward_window(state, entry.ids, span, taps)
+        return self.model.forward_windows(states, entry.ids, entry.spans(), taps)
 
-    def _eager(self, state: KVState, entry: _Captured, bound: int, taps: tuple[int, ...]) -> ForwardOutput:
+    def _eager(self, states: list[KVState], entry: _Captured, taps: tuple[int, ...]) -> list[ForwardOutput]:
         self.stats.first_runs += 1
-        return self._run(state, entry, bound, taps)
+        return self._run(states, entry, taps)
 
-    def _capture(self, entry: _Captured, state: KVState, bound: int, taps: tuple[int, ...], key: tuple) -> None:
-        """Record the window's launches. Capture executes nothing: the eager run just now wrote the
+    def _capture(self, entry: _Captured, states: list[KVState], taps: tuple[int, ...], key: tuple) -> None:
+        """Record the windows' launches. Capture executes nothing: the eager run just now wrote the
         rows and gave the output; replays write the same rows again for their own ids."""
         device = self.model.device
         torch.cuda.synchronize(device)
@@ -184,7 +221,7 @@ class WindowGraphs:
             with torch.cuda.stream(self._stream):
                 graph.capture_begin(self._pool)
                 try:
-                    entry.out = self._run(state, entry, bound, taps)
+                    entry.out = self._run(states, entry, taps)
                 finally:
                     graph.capture_end()
             torch.cuda.current_stream(device).wait_stream(self._stream)

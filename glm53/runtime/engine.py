@@ -204,6 +204,15 @@ class Glm53Engine:
                 return out
         return self.model.forward(state, tokens, start, taps)
 
+    def forward_batch(self, items: list[tuple[KVState, list[int]]], taps: tuple[int, ...] = ()) -> list[ForwardOutput]:
+        """Several sequences' windows in one forward (Glm53Model.forward_batch): one captured graph
+        where every window is short and each sequence has one, else eager."""
+        if self.graphs is not None:
+            outs = self.graphs.forward_batch([(state, tokens, state.length) for state, tokens in items], taps)
+            if outs is not None:
+                return outs
+        return self.model.forward_batch(items, taps)
+
     # ---- the forward over a window, split into canonical prefill pieces and decode rows -------
     @torch.inference_mode()
     def run(self, state: KVState, tokens: list[int], start: int, prompt_length: int, *,

@@ -6,6 +6,8 @@
   bits of the per-expert loop it replaces;
 - the engine decoding with graphs equals the engine without them (tokens and every position's
   logits), over bound steps and cache growth, in bf16, bf16 with an fp8 cache, and fp32;
+- the batched runtime's steps replay graphs over several sequences and give each request its
+  reply alone;
 - a one-word extension reused from the prefix cache replays a graph and equals a cold run.
 
     pytest -m gpu tests/gpu/test_graph_replays_cuda.py
@@ -111,6 +113,43 @@ def test_decoding_with_graphs_equals_eager_bitwise(tiny_dirs, compute: str, kv: 
         assert p == q and torch.equal(a, b), p
     stats = graphed.graphs.stats
     assert stats.captures >= 3 and stats.replays >= 60, stats
+
+
+@pytest.mark.parametrize("compute,kv", [("bf16", "bf16"), ("fp32", "fp32")])
+def test_batched_steps_replay_graphs_and_equal_each_request_alone(tiny_dirs, compute: str, kv: str) -> None:  # noqa: F811
+    """Seven requests (greedy and seeded, MTP-drafted and serial, logprobs) through the batched
+    runtime with graphs, four at a time (arrivals join running batches): each reply and its
+    logprobs are the ones the request gets alone from an eager engine, and the batched decode
+    steps replay captured graphs."""
+    from drafter.glm53_target import DraftPlan
+    from glm53.runtime import BatchEngine
+    from glm53.settings import Settings
+
+    rng = random.Random(13)
+    eager = _engine(tiny_dirs, compute, kv, "0")
+    graphed = _engine(tiny_dirs, compute, kv, "1")
+    for e in (eager, graphed):
+        e.drafter = DraftPlan.from_contract(e, settings=Settings())
+    graphed.graphs.bound_step = 64
+    requests = []
+    for i in range(7):
+        prompt = [rng.randrange(3, eager.vocab_size) for _ in range(rng.choice((9, 40, 130)))]
+        sampling = {"temperature": 0.0} if i % 2 else {"temperature": 0.8, "top_p": 0.9, "seed": 100 + i}
+        sampling.update(ignore_eos=True, draft=i % 3 == 0, logprobs=2)
+        requests.append((prompt, sampling))
+    want = []
+    for prompt, sampling in requests:
+        reply = eager.generate(prompt, 40, dict(sampling))
+        want.append((reply, eager.last_stats["logprobs"]))
+        eager.state = None
+    batch = BatchEngine(graphed, max_seqs=4)
+    seqs = [batch.submit(prompt, 40, dict(sampling)) for prompt, sampling in requests]
+    batch.run()
+    for i, (seq, (reply, records)) in enumerate(zip(seqs, want)):
+        assert seq.reply == reply, i
+        assert seq.stats["logprobs"] == records, i
+    stats = graphed.graphs.stats
+    assert stats.replays >= 40 and stats.captures >= 2, stats
 
 
 def test_one_word_extension_replays_a_graph_and_equals_cold(tiny_dirs) -> None:  # noqa: F811
