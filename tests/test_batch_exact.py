@@ -293,17 +293,24 @@ def test_a_lone_prompt_prefills_in_waves_and_streams_hold_it_to_a_piece(engine) 
     assert seq.reply == alone(engine, seq.prompt, 2, {"draft": False})
 
 
-def test_a_new_sequence_copies_the_prefix_a_running_one_prefilled(engine) -> None:
-    """B arrives while A decodes and shares A's first 40 prompt tokens: B copies those rows from
-    A's state (no prefix cache attached) and prefills the rest; both replies are as alone."""
+def test_a_new_sequence_shares_the_pages_of_the_prefix_a_running_one_prefilled(engine) -> None:
+    """B arrives while A decodes and shares A's first 40 prompt tokens (pages of 32): B takes A's
+    first page in place (its count raised, no copy), copies the 8 rows of the partial page and
+    prefills the rest (no prefix cache attached); both replies are as alone, and the page goes
+    back to the store only when both have finished."""
     shared = [(11 * i) % engine.vocab_size for i in range(40)]
-    batch = BatchEngine(engine, pool_bytes=positions_bytes(engine, 512))
+    batch = BatchEngine(engine, pool_bytes=positions_bytes(engine, 512), pool_block=32)
+    store = batch.pool.store
     a = batch.submit(shared + [1, 2, 3], 6, {"draft": False})
     batch.step()
     assert a.status is Status.DECODE
     b = batch.submit(shared + [4, 5], 6, {"temperature": 0.8, "seed": 3})
+    batch.step()
+    first = a.state.table[0]
+    assert b.state.table[0] == first and store.refs[first] == 2 and b.state.table[1] != a.state.table[1]
     batch.run()
-    assert b.stats["cached_tokens"] == 40 and b.stats["live_tokens"] == 40
+    assert b.stats["cached_tokens"] == 40 and b.stats["shared_tokens"] == 32 and b.stats["live_tokens"] == 8
+    assert store.refs[first] == 0 and batch.pool.used == 0
     assert a.reply == alone(engine, a.prompt, 6, {"draft": False})
     assert b.reply == alone(engine, b.prompt, 6, {"temperature": 0.8, "seed": 3})
 

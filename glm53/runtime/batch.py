@@ -22,7 +22,8 @@ import torch
 from drafter.target import WindowOutput
 from glm53.runtime.drafted import DraftedRun
 from glm53.runtime.errors import SamplingError
-from glm53.runtime.kv_pool import KVPool
+from glm53.model.kv_state import KVState
+from glm53.runtime.kv_pool import KVPool, PagedPool
 from glm53.runtime.options import with_options
 from glm53.runtime.runner import ModelRunner
 from glm53.runtime.scheduler import QueueFull, Scheduler, TooLarge, Work
@@ -32,10 +33,13 @@ __all__ = ["BatchEngine", "QueueFull", "TooLarge"]
 
 
 def default_pool_bytes(device: torch.device) -> int:
+    """The KV pool's bytes when TF_GLM53_KV_POOL_BYTES is unset: 90% of the GPU's free memory (a paged
+    pool takes it at once; what stays free holds a step's activations and the captured graphs), 1 GiB
+    on the CPU (both capped by what max_seqs sequences of the model's longest context take)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * 0.9)
-    return 4 << 30
+    return 1 << 30
 
 
 class BatchEngine:
@@ -50,7 +54,13 @@ class BatchEngine:
         s = with_options(engine.settings, max_seqs=max_seqs, max_waiting=max_waiting, step_tokens=step_tokens,
                          kv_pool_bytes=pool_bytes)
         budget = s.kv_pool_bytes if s.kv_pool_bytes is not None else default_pool_bytes(engine.device)
-        self.pool = KVPool(lambda: engine.model.new_state(engine.kv_dtype), budget, block=pool_block or engine.cache_block)
+        probe = engine.model.new_state(engine.kv_dtype)
+        block = pool_block or engine.cache_block
+        if type(probe) is KVState and engine.plan.world == 1:  # pages; a split cache keeps the byte budget
+            self.pool: KVPool | PagedPool = PagedPool(probe, budget, page=block,
+                                                      max_positions=s.max_seqs * engine.cfg.max_position_embeddings)
+        else:
+            self.pool = KVPool(lambda: engine.model.new_state(engine.kv_dtype), budget, block=block)
         self.scheduler = Scheduler(self.pool, max_seqs=s.max_seqs, max_waiting=s.max_waiting,
                                    step_tokens=s.step_tokens or engine.chunk, chunk=engine.chunk, wave=engine.wave)
         self.runner = ModelRunner(engine)
@@ -148,6 +158,8 @@ class BatchEngine:
             if seq.started != seq.started:
                 seq.started = time.perf_counter()
             seq.cached = self._reuse(seq)
+            if not self.pool.ensure(state, seq.context_length + 1):  # paged: the pages past what it shares
+                raise RuntimeError("the KV pool admitted a sequence it cannot hold (a bug)")
             seq.prefill_start = seq.cached
             if seq.preemptions == 0:
                 seq.stats["cached_tokens"] = seq.cached
@@ -156,21 +168,26 @@ class BatchEngine:
                     seq.on_admit(seq)
 
     def _reuse(self, seq: Sequence) -> int:
-        """Rows of the prompt reused into the sequence's fresh state: restored from the prefix cache,
-        then continued from the running sequence whose canonical rows share the longest prefix
-        (copied: rows of a running sequence are not yet in the cache, and sharing them in place
-        would need pages with refcounts). None without a prefix cache and without `reuse_live`."""
+        """Rows of the prompt reused into the sequence's fresh state: the whole pages of the running
+        sequence whose canonical rows share the longest prefix, shared in place (a paged pool); then
+        what the prefix cache holds past them, restored; then the rest of that running sequence's
+        shared prefix, copied (its partial last page, or everything under a byte-budget pool, whose
+        contiguous caches cannot share). None without a prefix cache and without `reuse_live`."""
         engine, state, prompt = self.engine, seq.state, seq.prompt
-        reused = 0
+        if engine.prefix_cache is None and not engine.reuse_live:
+            return 0
+        source, n = self._longest_running_prefix(seq)
+        if source is not None and hasattr(state, "share_prefix"):
+            seq.stats["shared_tokens"] = state.share_prefix(source, n)
+        reused = state.length
         if engine.prefix_cache is not None:
             with _CacheDelta(engine.prefix_cache, seq):
-                hit = engine.prefix_cache.lookup(seq.prompt_ids)
+                hit = engine.prefix_cache.lookup(seq.prompt_ids, live_tokens=state.token_ids(),
+                                                 live_frontier=state.frontier)
+            state.truncate(hit.live_tokens)
             reused = hit.restore(lambda start, n, rows: state.import_rows(start, rows, prompt[start:start + n]),
                                  device=state.device)
             state.truncate(reused)
-        elif not engine.reuse_live:
-            return 0
-        source, n = self._longest_running_prefix(seq)
         if n > reused:
             state.import_rows(reused, source.export_rows(reused, n), prompt[reused:n])
             seq.stats["live_tokens"] = n - reused

@@ -33,6 +33,7 @@ falls back to eager).
 from __future__ import annotations
 
 from collections import OrderedDict
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,7 @@ import torch
 
 from glm53 import ops
 from glm53.model.kv_state import KVState
+from glm53.model.paged_kv import PagedKVState
 from glm53.model.indexer import SMALL_WINDOW_ROWS
 from glm53.model.transformer import ForwardOutput, Glm53Model, Span
 
@@ -63,6 +65,11 @@ def cache_addresses(state: KVState) -> tuple[int, ...]:
 Window = tuple[KVState, list[int], int]  # a sequence's state, its window's tokens, their first position
 
 
+def store_addresses(state: PagedKVState) -> tuple[int, ...]:
+    """The addresses a graph over a paged state reads and writes: its store's (fixed for the lane)."""
+    return tuple(t.data_ptr() for t in state.store.stacks.values() if t is not None)
+
+
 @dataclass
 class _Captured:
     ids: torch.Tensor  # every window's tokens, in order
@@ -70,6 +77,7 @@ class _Captured:
     sizes: tuple[int, ...]  # each window's tokens
     bounds: tuple[int, ...]  # each window's key bound
     nan_flag: torch.Tensor
+    tables: tuple[torch.Tensor | None, ...] = ()  # a paged window's page table buffer (None: contiguous)
     graph: Any = None  # torch.cuda.CUDAGraph once captured
     out: list[ForwardOutput] | None = None  # the graph's output buffers, a window each
 
@@ -111,7 +119,7 @@ class WindowGraphs:
             return "kernels not row-invariant (TF_GLM53_KERNELS=torch)"
         if m.plan.world != 1:
             return "several ranks (collectives between them are not captured)"
-        if type(state) is not KVState:
+        if type(state) not in (KVState, PagedKVState):
             return f"{type(state).__name__} (split cache) is not captured"
         if not 1 <= n <= MAX_WINDOW:
             return f"window of {n} tokens (graphs take 1..{MAX_WINDOW})"
@@ -153,9 +161,13 @@ class WindowGraphs:
                 raise ValueError(f"forward at position {start} but the cache holds {state.length} rows; "
                                  "windows must continue it")
             n = len(tokens)
-            state.reserve(start + n)  # before keying: growing moves the cache
-            bound = key_bound(start + n, state.capacity, self.bound_step)
-            parts.append((n, bound, state.kv_dtype, cache_addresses(state)))
+            state.reserve(start + n)  # before keying: growing moves a contiguous cache
+            if isinstance(state, PagedKVState):  # the store stays put; the table is filled each replay
+                bound = key_bound(start + n, 1 << 62, self.bound_step)
+                parts.append((n, bound, state.kv_dtype, ("pages", state.pages_for(bound), store_addresses(state))))
+            else:
+                bound = key_bound(start + n, state.capacity, self.bound_step)
+                parts.append((n, bound, state.kv_dtype, cache_addresses(state)))
         key = (tuple(taps), tuple(parts))
         states = [state for state, _, _ in windows]
         entry = self._graphs.get(key)
@@ -180,13 +192,18 @@ class WindowGraphs:
     # ---- internals --------------------------------------------------------------------------------
     def _new_entry(self, parts: list[tuple]) -> _Captured:
         dev, total = self.model.device, sum(n for n, *_ in parts)
+        tables = tuple(torch.zeros(where[1], dtype=torch.long, device=dev) if where[0] == "pages" else None
+                       for *_, where in parts)
         return _Captured(ids=torch.zeros(total, dtype=torch.long, device=dev),
                          positions=torch.zeros(total, dtype=torch.long, device=dev),
                          sizes=tuple(n for n, *_ in parts), bounds=tuple(bound for _, bound, *_ in parts),
-                         nan_flag=torch.zeros((), dtype=torch.bool, device=dev))
+                         nan_flag=torch.zeros((), dtype=torch.bool, device=dev), tables=tables)
 
     @staticmethod
     def _fill(entry: _Captured, windows: list[Window]) -> None:
+        for (state, _, _), table in zip(windows, entry.tables):
+            if table is not None:
+                state.fill_table(table)
         ids = [t for _, tokens, _ in windows for t in tokens]
         positions = [p for _, tokens, start in windows for p in range(start, start + len(tokens))]
         host = torch.tensor(ids + positions, dtype=torch.long)
@@ -198,7 +215,11 @@ class WindowGraphs:
 
     def _run(self, states: list[KVState], entry: _Captured, taps: tuple[int, ...]) -> list[ForwardOutput]:
         entry.nan_flag.zero_()
-        return self.model.forward_windows(states, entry.ids, entry.spans(), taps)
+        with ExitStack() as tables:  # paged states read and write through the entry's table buffers
+            for state, table in zip(states, entry.tables):
+                if table is not None:
+                    tables.enter_context(state.bound_table(table))
+            return self.model.forward_windows(states, entry.ids, entry.spans(), taps)
 
     def _eager(self, states: list[KVState], entry: _Captured, taps: tuple[int, ...]) -> list[ForwardOutput]:
         self.stats.first_runs += 1

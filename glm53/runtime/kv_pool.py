@@ -1,4 +1,8 @@
-"""One byte budget for the KV rows of every running sequence.
+"""The KV pools of the batched runtime: where running sequences' rows live and how many fit.
+
+`PagedPool` (one rank, the default): pages of one store, shared between sequences that share a
+prompt prefix. `KVPool` (several ranks in lockstep, whose split caches are not paged): one byte
+budget over contiguous per-sequence caches, as below.
 
 Each sequence keeps its rows in its own KVState (contiguous per layer, so the attention and the
 prefix cache's import/export work unchanged); the pool decides how many positions each may hold
@@ -11,6 +15,7 @@ from __future__ import annotations
 from typing import Callable
 
 from glm53.model.kv_state import KVState
+from glm53.model.paged_kv import PagedKVState, PageStore
 
 
 class KVPool:
@@ -67,3 +72,50 @@ class KVPool:
         if state is None:
             return
         self._held.pop(id(state), None)
+
+
+class PagedPool:
+    """Every running sequence's rows in pages of one PageStore (glm53/model/paged_kv.py), with
+    KVPool's interface for the scheduler: positions counted in whole pages (`block` = the page),
+    a page shared by several sequences counted once. The store is allocated here, once: `budget_bytes`
+    of pages, at most what `max_positions` take."""
+
+    def __init__(self, probe: KVState, budget_bytes: int, page: int = 256, max_positions: int | None = None) -> None:
+        self.position_bytes = max(1, probe.bytes_per_position())
+        self.block = page
+        pages = max(1, budget_bytes // (self.position_bytes * page))
+        if max_positions is not None:
+            pages = min(pages, -(-max_positions // page))
+        self.store = PageStore(probe, pages + 1, page)  # + the null page
+        self.capacity = self.store.usable_pages * page
+
+    @property
+    def used(self) -> int:
+        return self.capacity - self.free
+
+    @property
+    def free(self) -> int:
+        return self.store.free_pages * self.block
+
+    def blocks(self, positions: int) -> int:
+        return -(-positions // self.block) * self.block
+
+    def fits(self, positions: int) -> bool:
+        return self.blocks(positions) <= self.free
+
+    def allocate(self, positions: int) -> PagedKVState | None:
+        """An empty state when `positions` would fit (its pages come with ensure, after any shared
+        prefix is in: sharing takes none), else None."""
+        return PagedKVState(self.store) if self.fits(max(positions, 1)) else None
+
+    def ensure(self, state: PagedKVState, positions: int) -> bool:
+        """Pages in `state` for `positions`, the ones its next writes land in made private; False
+        when the store has not enough free pages."""
+        if state.pages_wanted(positions) > self.store.free_pages:
+            return False
+        state.reserve(positions)
+        return True
+
+    def release(self, state: PagedKVState | None) -> None:
+        if state is not None:
+            state.release()

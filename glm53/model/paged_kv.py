@@ -1,0 +1,342 @@
+"""KV rows in pages of one store: every running sequence's cache in one set of tensors.
+
+`PageStore` holds the lane's rows, per kind one stacked tensor of `pages * page` slots
+(latent [layers, slots, latent_dim], index keys [indexed layers, slots, index_dim], fp8 scales
+[layers, slots]), and a reference count per page. A `PagedKVState` is one sequence's view of it:
+a page table (position p lives in slot table[p // page] * page + p % page) and the KVState
+bookkeeping (tokens, frontier). Pages whose count is above one are shared: sequences that share a
+prompt prefix hold the same pages for it, and a page is made private (copied) before a write lands
+in it (`reserve`, which every write path calls first for the positions it writes).
+
+Reads give the bits the contiguous KVState gives: the attention reads the store itself through
+selections translated to slots (no copy), the indexer gathers its keys by slot (it reads every key
+anyway), fp8 rows are gathered, then dequantized as KVState dequantizes them. Slot 0's page is
+never handed out: it stays zeros and pads page tables past a sequence's pages (a captured graph
+reads up to its key bound, glm53.runtime.cuda_graphs).
+
+Decision record: docs/decisions/kv-pool.md.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from functools import partial
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+
+from glm53.model.kv_state import KV_DTYPES, KVState, quantize_rows
+from glm53.model.token_log import TokenLog
+
+SCALE_OF = {"latent": "latent_scale", "index_keys": "index_scale"}  # fp8 only
+NULL_PAGE = 0  # never allocated: zeros, the padding of page tables
+
+
+class OutOfPages(MemoryError):
+    """The store has no free page left (the runtime's pool admits by pages, so this is a bug)."""
+
+
+class PageStore:
+    def __init__(self, probe: KVState, pages: int, page: int) -> None:
+        if pages < 2 or page < 1:
+            raise ValueError(f"a page store needs at least 2 pages of at least 1 position (got {pages} x {page})")
+        self.page, self.pages = page, pages
+        self.n_layers, self.latent_dim, self.index_dim = probe.n_layers, probe.latent_dim, probe.index_dim
+        self.indexed_layers, self.kv_dtype, self.device = probe.indexed_layers, probe.kv_dtype, probe.device
+        slots = pages * page
+        dtype, dev, fp8 = KV_DTYPES[self.kv_dtype], self.device, self.kv_dtype == "fp8"
+        n_idx = len(self.indexed_layers)
+        self.stacks: dict[str, torch.Tensor | None] = {
+            "latent": torch.zeros(self.n_layers, slots, self.latent_dim, dtype=dtype, device=dev),
+            "latent_scale": torch.ones(self.n_layers, slots, dtype=torch.float32, device=dev) if fp8 else None,
+            "index_keys": torch.zeros(n_idx, slots, self.index_dim, dtype=dtype, device=dev),
+            "index_scale": torch.ones(n_idx, slots, dtype=torch.float32, device=dev) if fp8 else None}
+        order = sorted(self.indexed_layers)
+        self.layer_of = {"latent": list(range(self.n_layers)), "latent_scale": list(range(self.n_layers)),
+                         "index_keys": order, "index_scale": order}  # kind -> cache layer of each stack row
+        self.refs = np.zeros(pages, dtype=np.int64)
+        self.refs[NULL_PAGE] = 1 << 40  # never free
+        self._free = list(range(pages - 1, 0, -1))  # a stack: the lowest pages first
+        self.position_bytes = probe.position_bytes()
+
+    # ---- pages --------------------------------------------------------------------------------
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def usable_pages(self) -> int:
+        return self.pages - 1
+
+    def take(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfPages(f"{n} pages asked, {len(self._free)} free")
+        got = [self._free.pop() for _ in range(n)]
+        self.refs[got] = 1
+        return got
+
+    def share(self, pages: list[int]) -> None:
+        self.refs[pages] += 1
+
+    def drop(self, pages: list[int]) -> None:
+        for p in pages:
+            self.refs[p] -= 1
+            if self.refs[p] == 0:
+                self._free.append(p)
+
+    def copy_page(self, src: int, dst: int) -> None:
+        a, b, n = src * self.page, dst * self.page, self.page
+        for t in self.stacks.values():
+            if t is not None:
+                t[:, b:b + n] = t[:, a:a + n]
+
+    # ---- layer views ----------------------------------------------------------------------------
+    def layer(self, kind: str, layer: int) -> torch.Tensor | None:
+        """The store's slots of one cache layer for a kind ([slots, ...]), None where the kind is absent."""
+        t = self.stacks[kind]
+        if t is None:
+            return None
+        return t[self.layer_of[kind].index(layer)]
+
+
+class PagedKVState:
+    """One sequence's rows in a PageStore: KVState's interface over a page table."""
+
+    def __init__(self, store: PageStore) -> None:
+        self.store = store
+        self.n_layers, self.latent_dim, self.index_dim = store.n_layers, store.latent_dim, store.index_dim
+        self.indexed_layers, self.kv_dtype, self.device = store.indexed_layers, store.kv_dtype, store.device
+        self.tokens = TokenLog([])
+        self.frontier = 0
+        self.table: list[int] = []
+        self._table_device: torch.Tensor | None = None  # the table on the device, made when it changes
+        self._bound_table: torch.Tensor | None = None  # a captured graph's table buffer, while it runs
+
+    # ---- KVState's bookkeeping ------------------------------------------------------------------
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def capacity(self) -> int:
+        return len(self.table) * self.store.page
+
+    @property
+    def fp8(self) -> bool:
+        return self.kv_dtype == "fp8"
+
+    def token_ids(self) -> np.ndarray:
+        return self.tokens.array()
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"truncate({length}) outside [0, {self.length}]")
+        del self.tokens[length:]
+        self.frontier = min(self.frontier, length)
+
+    def owned_positions(self, stop: int) -> None:
+        return None
+
+    def position_bytes(self) -> int:
+        return self.store.position_bytes
+
+    def bytes_per_position(self) -> int:
+        return self.store.position_bytes
+
+    def export_names(self) -> list[str]:
+        return KVState.export_names(self)  # type: ignore[arg-type]  # reads n_layers, fp8, index_keys
+
+    @property
+    def index_keys(self) -> dict[int, None]:  # the indexed layers, as KVState.export_names reads them
+        return dict.fromkeys(sorted(self.indexed_layers))
+
+    # ---- pages ---------------------------------------------------------------------------------------
+    def pages_for(self, positions: int) -> int:
+        return -(-positions // self.store.page)
+
+    def reserve(self, n: int, exact: bool = False) -> None:
+        """Room for n positions (pages from the store), and the pages that positions [length, n)
+        fall in made private: every write lands at or past the length, after this call."""
+        missing = self.pages_for(n) - len(self.table)
+        if missing > 0:
+            self.table += self.store.take(missing)
+            self._table_device = None
+        first, last = self.length // self.store.page, self.pages_for(n)
+        for i in range(first, min(last, len(self.table))):
+            page = self.table[i]
+            if self.store.refs[page] > 1:  # shared: copy on write
+                [mine] = self.store.take(1)
+                self.store.copy_page(page, mine)
+                self.store.drop([page])
+                self.table[i] = mine
+                self._table_device = None
+
+    def pages_wanted(self, n: int) -> int:
+        """Free pages reserve(n) takes: the missing ones and the shared ones it makes private."""
+        first, last = self.length // self.store.page, min(self.pages_for(n), len(self.table))
+        shared = sum(1 for i in range(first, last) if self.store.refs[self.table[i]] > 1)
+        return max(0, self.pages_for(n) - len(self.table)) + shared
+
+    def release(self) -> None:
+        """Every page back to the store (a finished, cancelled or preempted sequence)."""
+        self.store.drop(self.table)
+        self.table = []
+        self._table_device = None
+        self.tokens = TokenLog([])
+        self.frontier = 0
+
+    def share_prefix(self, source: "PagedKVState", n: int) -> int:
+        """Continue this empty state with the first positions of `source`'s rows that fill whole
+        pages, at most n: those pages shared (counts raised), not copied. Returns the positions
+        taken (a multiple of the page size)."""
+        if self.length or self.table:
+            raise ValueError("share_prefix starts an empty state")
+        full = min(n, source.frontier, source.length) // self.store.page
+        pages = source.table[:full]
+        self.store.share(pages)
+        self.table = list(pages)
+        self._table_device = None
+        taken = full * self.store.page
+        self.tokens.extend(source.tokens[:taken])
+        self.frontier = taken
+        return taken
+
+    @property
+    def table_device(self) -> torch.Tensor:
+        """The page table the device reads (a graph's own buffer while one runs over this state)."""
+        if self._bound_table is not None:
+            return self._bound_table
+        if self._table_device is None:
+            self._table_device = torch.tensor(self.table or [NULL_PAGE], dtype=torch.long).to(self.device)
+        return self._table_device
+
+    def fill_table(self, buffer: torch.Tensor) -> None:
+        """The table into a graph's buffer (padded with the null page past this sequence's pages)."""
+        pages = self.table[: buffer.shape[0]]
+        host = torch.full((buffer.shape[0],), NULL_PAGE, dtype=torch.long)
+        host[: len(pages)] = torch.tensor(pages, dtype=torch.long)
+        buffer.copy_(host.pin_memory() if buffer.is_cuda else host, non_blocking=True)
+
+    @contextmanager
+    def bound_table(self, buffer: torch.Tensor) -> Iterator[None]:
+        """Reads and writes go through `buffer` (a captured graph's table) inside the block."""
+        self._bound_table = buffer
+        try:
+            yield
+        finally:
+            self._bound_table = None
+
+    def slots_of(self, positions: torch.Tensor) -> torch.Tensor:
+        """Store slots of positions (a device tensor of any shape)."""
+        page = self.store.page
+        return self.table_device[positions // page] * page + positions % page
+
+    def _slots(self, start: int, stop: int) -> torch.Tensor:
+        return self.slots_of(torch.arange(start, stop, device=self.device))
+
+    # ---- writes ------------------------------------------------------------------------------------
+    def write_latent(self, layer: int, start: int, rows: torch.Tensor) -> None:
+        self._put("latent", layer, self._slots(start, start + rows.shape[0]), rows)
+
+    def write_index(self, layer: int, start: int, rows: torch.Tensor) -> None:
+        self._put("index_keys", layer, self._slots(start, start + rows.shape[0]), rows)
+
+    def write_latent_at(self, layer: int, positions: torch.Tensor, rows: torch.Tensor) -> None:
+        self._put("latent", layer, self.slots_of(positions), rows)
+
+    def write_index_at(self, layer: int, positions: torch.Tensor, rows: torch.Tensor) -> None:
+        self._put("index_keys", layer, self.slots_of(positions), rows)
+
+    def _put(self, kind: str, layer: int, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        store, scale = self.store.layer(kind, layer), self.store.layer(SCALE_OF[kind], layer)
+        if scale is None:
+            store.index_copy_(0, slots, rows.to(store.dtype))
+        else:
+            q, s = quantize_rows(rows)
+            _put_rows(store, slots, q)
+            scale.index_copy_(0, slots, s)
+
+    # ---- reads -------------------------------------------------------------------------------------
+    def read_latent(self, layer: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        return self._gather("latent", layer, stop, dtype)
+
+    def read_index(self, layer: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        return self._gather("index_keys", layer, stop, dtype)
+
+    def _gather(self, kind: str, layer: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        slots = self._slots(0, stop)
+        rows = _take_rows(self.store.layer(kind, layer), slots)
+        scale = self.store.layer(SCALE_OF[kind], layer)
+        if scale is None:
+            return rows.to(dtype)
+        return (rows.to(torch.float32) * scale.index_select(0, slots)[:, None]).to(dtype)
+
+    def attention_view(self, layer: int, stop: int, dtype: torch.dtype, indices: torch.Tensor
+                       ) -> tuple[Callable[[], torch.Tensor], torch.Tensor]:
+        """(rows when the span attends, indices into them) for the attention over selected positions
+        `indices` ([T, k] into [0, stop); invalid slots may hold anything): the store's slots
+        themselves where they are in the compute dtype, nothing copied; else (fp8) the rows gathered
+        and dequantized when read, as KVState reads them."""
+        store = self.store.layer("latent", layer)
+        if self.fp8 or store.dtype != dtype:
+            return partial(self.read_latent, layer, stop, dtype), indices
+        return (lambda: store), self.slots_of(indices.clamp(0, max(stop - 1, 0)))
+
+    # ---- the prefix cache's view ------------------------------------------------------------------------
+    def slots(self, start: int, stop: int) -> tuple[int, int]:
+        return start, stop
+
+    def export_rows(self, start: int, stop: int) -> dict[str, torch.Tensor]:
+        """Rows of positions [start, stop) per layer as KVState.export_rows names them (gathered: copies)."""
+        if not 0 <= start <= stop <= self.length:
+            raise ValueError(f"rows [{start}, {stop}) outside written [0, {self.length})")
+        slots = self._slots(start, stop)
+        out: dict[str, torch.Tensor] = {}
+        for name in self.export_names():
+            kind, layer = _place(name)
+            out[name] = _take_rows(self.store.layer(kind, layer), slots)
+        return out
+
+    def import_rows(self, start: int, rows: dict[str, torch.Tensor], tokens: list[int]) -> None:
+        """KVState.import_rows into pages: rows for positions [start, start + len(tokens)), start at the length."""
+        if start != self.length:
+            raise ValueError(f"import at {start} but the state holds {self.length} rows; rows must continue it")
+        n = len(tokens)
+        names = self.export_names()
+        if rows.keys() != set(names):
+            missing, extra = set(names) - rows.keys(), rows.keys() - set(names)
+            raise ValueError(f"restored rows do not match this cache: missing {sorted(missing)[:4]}, extra {sorted(extra)[:4]}")
+        checked = []
+        for name in names:  # every tensor checked first: nothing half-written
+            kind, layer = _place(name)
+            target, t = self.store.layer(kind, layer), rows[name]
+            if t.shape[0] < n or t.dtype != target.dtype or t.shape[1:] != target.shape[1:]:
+                raise ValueError(f"restored {name}: {tuple(t.shape)} {t.dtype}, expected at least [{n}, ...] {target.dtype}")
+            checked.append((target, t[:n]))
+        self.reserve(start + n)
+        slots = self._slots(start, start + n)
+        for target, t in checked:
+            _put_rows(target, slots, t.to(target.device))
+        self.tokens.extend(tokens)
+        if self.frontier == start:
+            self.frontier = start + n
+
+
+def _place(name: str) -> tuple[str, int]:
+    kind, layer = name.rsplit(".", 1)
+    return {"latent": "latent", "latent_scale": "latent_scale", "index": "index_keys",
+            "index_scale": "index_scale"}[kind], int(layer)
+
+
+def _take_rows(t: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """t[slots] (fp8 as its bytes: index_select does not take every float8 dtype)."""
+    if t.dtype == torch.float8_e4m3fn:
+        return t.view(torch.uint8).index_select(0, slots).view(t.dtype)
+    return t.index_select(0, slots)
+
+
+def _put_rows(t: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    if t.dtype == torch.float8_e4m3fn:
+        t.view(torch.uint8).index_copy_(0, slots, rows.view(torch.uint8))
+    else:
+        t.index_copy_(0, slots, rows)
