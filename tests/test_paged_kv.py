@@ -1,0 +1,135 @@
+"""The paged KV store (glm53/model/paged_kv.py) and its pool (glm53.runtime.kv_pool.PagedPool):
+a PagedKVState holds, reads and exports the bits a contiguous KVState does, whatever pages it gets;
+shared pages are copied before a write lands in them; the pool counts pages, shared ones once."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from glm53.model.indexer import Selection
+from glm53.model.kv_state import KVState
+from glm53.model.paged_kv import NULL_PAGE, OutOfPages, PagedKVState, PageStore
+from glm53.runtime.kv_pool import PagedPool
+from glm53.runtime.batch import BatchEngine
+from glm53.runtime.sequence import Status
+from tests.fixtures_tiny import tiny_dirs, tiny_engine  # noqa: F401
+
+LAYERS, LATENT, INDEX = 3, 12, 8
+
+
+def probe(kv_dtype: str) -> KVState:
+    return KVState(n_layers=LAYERS, latent_dim=LATENT, index_dim=INDEX, indexed_layers=frozenset({0, 2}),
+                   kv_dtype=kv_dtype)
+
+
+def fill(state, rng: torch.Generator, start: int, n: int) -> None:  # noqa: ANN001
+    """n rows at [start, start + n) in every layer, as a forward writes them."""
+    state.reserve(start + n)
+    for layer in range(LAYERS):
+        state.write_latent(layer, start, torch.randn(n, LATENT, generator=rng))
+        if layer in (0, 2):
+            state.write_index(layer, start, torch.randn(n, INDEX, generator=rng))
+    state.tokens.extend(range(start, start + n))
+
+
+def same_rows(a, b, stop: int) -> bool:  # noqa: ANN001
+    ra, rb = a.export_rows(0, stop), b.export_rows(0, stop)
+    return ra.keys() == rb.keys() and all(torch.equal(ra[k].view(torch.uint8), rb[k].view(torch.uint8)) for k in ra)
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "fp8"])
+def test_paged_state_holds_the_bits_of_a_contiguous_one(kv_dtype: str) -> None:
+    """Rows written in pieces over pages taken out of order (another state holds every other page):
+    reads, exports and a re-import give the contiguous cache's bits; the attention's view reads
+    the same rows through translated indices."""
+    store = PageStore(probe(kv_dtype), pages=40, page=4)
+    paged, other, flat = PagedKVState(store), PagedKVState(store), probe(kv_dtype)
+    for start, n in ((0, 3), (3, 6), (9, 1), (10, 13)):
+        for state in (paged, flat):
+            fill(state, torch.Generator().manual_seed(start), start, n)
+        fill(other, torch.Generator().manual_seed(99), other.length, 4)
+    assert paged.table != list(range(1, len(paged.table) + 1))  # interleaved with the other state's
+    assert same_rows(paged, flat, 23)
+    for layer in range(LAYERS):
+        assert torch.equal(paged.read_latent(layer, 23, torch.float32), flat.read_latent(layer, 23, torch.float32))
+    assert torch.equal(paged.read_index(2, 23, torch.float32), flat.read_index(2, 23, torch.float32))
+    indices = torch.tensor([[0, 5, 22, 0], [7, 9, 11, 0]])
+    read, translated = paged.attention_view(1, 23, torch.float32, indices)
+    assert torch.equal(read()[translated], flat.read_latent(1, 23, torch.float32)[indices])
+    copy = PagedKVState(store)
+    copy.import_rows(0, paged.export_rows(0, 23), list(range(23)))
+    assert same_rows(copy, flat, 23) and copy.frontier == 23
+
+
+def test_shared_pages_are_copied_before_a_write_lands_in_them() -> None:
+    """B shares A's two full pages (of a 10-row prefix, page 4): counts 2, nothing copied. B cut
+    back into the second page and written there gets a private copy of it; A's rows stay, and
+    releasing both frees every page."""
+    store = PageStore(probe("fp32"), pages=10, page=4)
+    a, b = PagedKVState(store), PagedKVState(store)
+    fill(a, torch.Generator().manual_seed(1), 0, 10)
+    a.frontier = 10
+    before = a.export_rows(0, 10)
+    assert b.share_prefix(a, 10) == 8
+    assert b.table == a.table[:2] and all(store.refs[p] == 2 for p in a.table[:2])
+    assert store.free_pages == 9 - 3
+    b.truncate(6)
+    assert b.pages_wanted(7) == 1  # the shared second page, made private
+    fill(b, torch.Generator().manual_seed(2), 6, 1)
+    assert b.table[0] == a.table[0] and b.table[1] != a.table[1]
+    assert store.refs[a.table[1]] == 1 and store.refs[b.table[1]] == 1
+    assert all(torch.equal(before[k], a.export_rows(0, 10)[k]) for k in before)  # A untouched
+    assert torch.equal(b.export_rows(0, 6)["latent.1"], before["latent.1"][:6])  # B kept the copied rows
+    a.release()
+    b.release()
+    assert store.free_pages == 9 and store.refs[NULL_PAGE] > 0
+
+
+def test_pool_counts_pages_and_refuses_past_them() -> None:
+    pool = PagedPool(probe("fp32"), budget_bytes=probe("fp32").bytes_per_position() * 20, page=4)
+    assert pool.capacity == 20 and pool.blocks(5) == 8 and pool.fits(20) and not pool.fits(21)
+    s = pool.allocate(9)
+    assert s is not None and s.table == [] and pool.used == 0  # pages come with ensure
+    assert pool.ensure(s, 9) and pool.used == 12
+    t = pool.allocate(8)
+    assert pool.ensure(t, 8) and pool.free == 0
+    assert not pool.ensure(t, 9) and pool.allocate(1) is None
+    with pytest.raises(OutOfPages):
+        t.reserve(9)  # past the pool: the store refuses rather than overrun
+    pool.release(s)
+    assert pool.free == 12 and pool.ensure(t, 20)
+
+
+def test_selection_translation_clamps_padding() -> None:
+    """Padded or stale selection slots (index 0, or past the bound) still translate into the store."""
+    store = PageStore(probe("bf16"), pages=6, page=4)
+    s = PagedKVState(store)
+    fill(s, torch.Generator().manual_seed(3), 0, 6)
+    sel = Selection(torch.tensor([[5, 0, 0], [2, 1, 40]]), torch.tensor([[True, False, False], [True, True, False]]))
+    read, translated = s.attention_view(0, 6, torch.bfloat16, sel.indices)
+    assert int(translated.max()) < store.stacks["latent"].shape[1] and int(translated.min()) >= 0
+    assert torch.equal(read()[translated[0, 0]], s.read_latent(0, 6, torch.bfloat16)[5])
+
+
+def test_preempted_and_cancelled_sequences_return_their_pages(tiny_engine) -> None:  # noqa: F811
+    """A pool of 6 pages of 16: three sequences sharing a 32-token prefix; the youngest is preempted
+    when the others grow, one is cancelled mid-way; at the end every page is free again."""
+    rng = random.Random(4)
+    prefix = [rng.randrange(3, tiny_engine.vocab_size) for _ in range(32)]
+    batch = BatchEngine(tiny_engine, max_seqs=3, pool_block=16,
+                        pool_bytes=6 * 16 * tiny_engine.model.new_state("fp32").bytes_per_position())
+    seqs = []
+    for _ in range(3):  # each arrives once the one before has prefilled: it shares that one's prefix
+        seqs.append(batch.submit(prefix + [rng.randrange(3, 90) for _ in range(3)], 40,
+                                 {"ignore_eos": True, "draft": False}))
+        batch.step()
+    batch.step()
+    store = batch.pool.store
+    running = [s for s in seqs if s.state is not None and s.status is Status.DECODE]
+    assert len(running) >= 2 and running[1].state.table[:2] == running[0].state.table[:2]
+    batch.cancel(running[0])
+    batch.run()
+    assert batch.scheduler.preempted_total >= 1
+    assert store.free_pages == store.usable_pages and batch.pool.used == 0
