@@ -24,6 +24,9 @@ the streams' decode rows. Per repeat: the streams' normal gap between tokens (th
 arrived), their worst gap from its arrival until its first token, the ratio (goal: <= 3 on a GPU,
 where a step costs about its weight reads; on the CPU a step costs about its rows, so the ratio
 follows the budget), and its time to first token; the streams' replies equal their replies alone.
+
+--profile: after the timed rounds, one more round per stream count with each step split into its
+forward, head and tokens' choice (the device synchronized between them), as ms a step.
 """
 from __future__ import annotations
 
@@ -111,6 +114,37 @@ def long_prompt_round(batch, prompts: list[list[int]], tokens: int, long_prompt:
             "replies": [s.reply for s in seqs]}
 
 
+class StepPhases:
+    """--profile: each step's time split into the forward, the head and the tokens' choice, the device
+    synchronized after each (so each phase holds its own GPU work; the steps run slower for it)."""
+
+    def __init__(self, batch, device: str) -> None:  # noqa: ANN001 (BatchEngine)
+        import torch
+
+        self.seconds = {"forward": 0.0, "head": 0.0, "choose": 0.0}
+        self.steps = 0
+        sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+
+        def timed(name: str, fn):  # noqa: ANN001, ANN202
+            def run(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+                sync()
+                t0 = time.perf_counter()
+                out = fn(*args, **kwargs)
+                sync()
+                self.seconds[name] += time.perf_counter() - t0
+                if name == "forward":
+                    self.steps += 1
+                return out
+            return run
+
+        batch.runner.forward = timed("forward", batch.runner.forward)
+        batch.runner.logits = timed("head", batch.runner.logits)
+        batch._advance = timed("choose", batch._advance)
+
+    def report(self) -> dict:
+        return {"steps": self.steps, **{f"{k}_ms_per_step": 1e3 * v / max(self.steps, 1) for k, v in self.seconds.items()}}
+
+
 def engine_options(device: str) -> dict:
     cpu = device == "cpu"
     return {"device": device, "dtype": "fp32" if cpu else None, "kv_dtype": "fp32" if cpu else None,
@@ -158,6 +192,8 @@ def main() -> int:
                    help="the scheduler's token budget a step (default: streams x --prompt)")
     p.add_argument("--ranks", type=int, default=1, help="TP + DCP ranks (gloo processes on this machine)")
     p.add_argument("--out", type=Path, help="default bench/results/batching_cpu_tiny[_R<ranks>].json")
+    p.add_argument("--profile", action="store_true",
+                   help="a last round per stream count with each step's phases timed (device synchronized)")
     p.add_argument("--follower", type=int, default=0, help=argparse.SUPPRESS)  # rank r of --ranks (internal)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -211,6 +247,14 @@ def main() -> int:
             log(f"repeat {r} long prompt {args.long_prompt}: streams' worst gap {1e3 * row['worst_gap_s']:.1f} ms "
                 f"against {1e3 * row['normal_gap_s']:.1f} ms ({row['worst_vs_normal']:.2f}x), "
                 f"its first token after {row['long_ttft_s']:.2f} s")
+    phases = {}
+    if args.profile:  # after the timed rounds: the synchronization slows the steps it splits
+        for n in counts:
+            profiler = StepPhases(batch, args.device)
+            one_round(batch, prompts[:n], args.tokens)
+            phases[n] = profiler.report()
+            del batch.runner.forward, batch.runner.logits, batch._advance  # the class's methods again
+            log(f"profile streams {n}: " + ", ".join(f"{k} {v:.2f}" for k, v in phases[n].items()))
     table = []
     for n in counts:
         agg = [x["aggregate_tok_s"] for x in rows if x["streams"] == n]
@@ -233,7 +277,8 @@ def main() -> int:
     graphs = getattr(engine, "graphs", None)  # the steps' CUDA graphs (None: every step eager)
     graph_stats = dataclasses.asdict(graphs.stats) if graphs is not None else None
     write_json(out, {**result_header("bench_batching", settings, device=args.device), "table": table,
-                     "rounds": rows, "long_prompt": long_summary, "long_rounds": long_rows, "graphs": graph_stats})
+                     "rounds": rows, "long_prompt": long_summary, "long_rounds": long_rows, "graphs": graph_stats,
+                     "step_phases": phases})
     print(f"{'streams':>8} {'agg tok/s':>10} {'x one':>7} {'ms/token/stream':>16} {'x alone':>8}")
     for t in table:
         print(f"{t['streams']:>8} {t['aggregate_tok_s']['median']:>10.1f} {t['aggregate_vs_one']:>7.2f} "
