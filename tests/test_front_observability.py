@@ -282,3 +282,26 @@ def test_health_reports_what_the_rank_holds_beside_the_plan(tiny_dirs, tiny_engi
     assert 0 < memory["exl3_packed_bytes"] < memory["weights_bytes"]
     assert memory["planned_bytes"] == plan_layout(tiny_dirs.model, 1, tiny_engine.cfg).bytes_per_rank()[0]
     assert memory["workspace_bytes"] == 0  # the CPU path needs none (the CUDA kernels reserve theirs at load)
+
+
+def test_a_request_beside_a_running_one_shares_its_prefix_pages(lane, lines) -> None:
+    """B arrives while A streams and shares A's 69-token prompt prefix: B's log line says how much it
+    took in place (two whole pages of 32) of what it reused, /metrics shows the pool's pages, and
+    once both finished no page is held or shared."""
+    url, _, _ = lane
+    prefix = [300 + (i * 7) % 400 for i in range(2 * TINY_CHUNK + 5)]
+    body = {"prompt": prefix + [11], "max_tokens": 40, "temperature": 0, "ignore_eos": True, "draft": False,
+            "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as a:
+        assert a.status_code == 200
+        chunks = a.iter_lines()
+        next(line for line in chunks if line.startswith("data: "))  # A decodes
+        b = complete(url, prefix + [12], 2, draft=False)
+        for _ in chunks:  # A to its end
+            pass
+    line = next(line for line in lines() if f"prompt={len(prefix) + 1} cached={len(prefix)}" in line)
+    assert field(line, "shared") == str(2 * TINY_CHUNK)
+    assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prefix)
+    after = metrics(url)
+    assert value(after, "glm53_kv_pool_used_blocks") == 0 and value(after, "glm53_kv_pool_shared_blocks") == 0
+    assert value(after, "glm53_kv_pool_free_blocks") > 0

@@ -119,6 +119,8 @@ class BatchEngine:
         return {"running": len(s.running), "waiting": len(s.waiting), "preempted_total": s.preempted_total,
                 "pool_positions": p.capacity, "pool_used_positions": p.used,
                 "pool_used_bytes": p.used * p.position_bytes, "pool_free_bytes": p.free * p.position_bytes,
+                "pool_block": p.block, "pool_used_blocks": p.used // p.block, "pool_free_blocks": p.free // p.block,
+                "pool_shared_blocks": p.shared_blocks,
                 "steps": self.steps, "batch_sizes": dict(self.batch_sizes)}
 
     # ---- a step --------------------------------------------------------------------------------

@@ -43,6 +43,8 @@ class KVPool:
     def fits(self, positions: int) -> bool:
         return self.blocks(positions) <= self.free
 
+    shared_blocks = 0  # contiguous caches share nothing
+
     def allocate(self, positions: int) -> KVState | None:
         """A fresh state with room for `positions`, or None when the budget cannot take it."""
         grant = self.blocks(max(positions, 1))
@@ -96,6 +98,12 @@ class PagedPool:
     @property
     def free(self) -> int:
         return self.store.free_pages * self.block
+
+    @property
+    def shared_blocks(self) -> int:
+        """Pages held by more than one sequence (a prompt prefix shared in place)."""
+        refs = self.store.refs[1:]  # not the null page
+        return int((refs > 1).sum())
 
     def blocks(self, positions: int) -> int:
         return -(-positions // self.block) * self.block

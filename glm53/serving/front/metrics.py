@@ -44,6 +44,11 @@ class RuntimeCollector:
         yield GaugeMetricFamily("glm53_kv_pool_used_bytes", "KV pool bytes granted to running sequences.",
                                 value=s["pool_used_bytes"])
         yield GaugeMetricFamily("glm53_kv_pool_free_bytes", "KV pool bytes free.", value=s["pool_free_bytes"])
+        yield GaugeMetricFamily("glm53_kv_pool_used_blocks", "KV pool blocks (pages) held by running sequences, "
+                                "a shared one once.", value=s["pool_used_blocks"])
+        yield GaugeMetricFamily("glm53_kv_pool_free_blocks", "KV pool blocks (pages) free.", value=s["pool_free_blocks"])
+        yield GaugeMetricFamily("glm53_kv_pool_shared_blocks", "KV pool pages held by several sequences (a prompt "
+                                "prefix shared in place).", value=s["pool_shared_blocks"])
         sizes = s.get("batch_sizes", {})  # sequences in a step -> steps
         buckets = [(str(bound), sum(n for size, n in sizes.items() if size <= bound)) for bound in BATCH_BUCKETS]
         buckets.append(("+Inf", sum(sizes.values())))

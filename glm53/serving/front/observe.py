@@ -132,6 +132,8 @@ def request_line(rid: str, n_prompt: int, n_completion: int, stats: dict[str, An
     cached = int(stats.get("cached_tokens", 0) or 0)
     prefill = int(stats.get("prefill_tokens", n_prompt - cached) or 0)
     parts = [f"request {rid} {outcome}: prompt={n_prompt} cached={cached} prefill={prefill} completion={n_completion}"]
+    if shared := int(stats.get("shared_tokens", 0) or 0):  # of cached: pages of a running sequence, in place
+        parts.append(f"shared={shared}")
     if not math.isnan(timing.first_token):
         parts.append(f"queue_ms={1e3 * timing.queue_wait:.1f} ttft_ms={1e3 * timing.ttft:.1f}")
     if not math.isnan(rate := timing.decode_rate(n_completion)):
