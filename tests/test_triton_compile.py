@@ -89,14 +89,17 @@ def test_split_selection_kernels_compile_for_sm90(name: str, first: bool | None)
     _compile(fn, signature, constexprs, 4)
 
 
-INDEX_SIGNATURE = {"q_ptr": "*bf16", "hw_ptr": "*fp32", "k_ptr": "*bf16", "qpos_ptr": "*i64", "kpos_ptr": "*i64",
+INDEX_SIGNATURE = {"q_ptr": "*bf16", "hw_ptr": "*fp32", "k_ptr": "*bf16", "krow_ptr": "*i64", "qpos_ptr": "*i64",
+                   "kpos_ptr": "*i64",
                    "out_ptr": "*fp32", "scale": "fp32",
                    **{name: "i32" for name in ("T", "N", "H", "D", "stride_qt", "stride_qh", "stride_hwt",
                                                "stride_hwh", "stride_kn", "stride_ot")}}
 
 
-@pytest.mark.parametrize("causal,key_positions", [(False, False), (True, False), (True, True)])
-def test_index_scores_kernel_compiles_for_sm90_in_each_mask_form(causal: bool, key_positions: bool) -> None:
+@pytest.mark.parametrize("causal,key_positions,key_rows", [(False, False, False), (True, False, False),
+                                                            (True, True, False), (True, False, True)])
+def test_index_scores_kernel_compiles_for_sm90_in_each_mask_form(causal: bool, key_positions: bool,
+                                                                 key_rows: bool) -> None:
     import torch
 
     from glm53.ops import triton_indexer
@@ -105,7 +108,7 @@ def test_index_scores_kernel_compiles_for_sm90_in_each_mask_form(causal: bool, k
     signature = INDEX_SIGNATURE
     compiled = _compile(triton_indexer._index_scores_kernel, signature,
                         {"BLOCK_T": block_t, "BLOCK_N": block_n, "BLOCK_D": 128, "IEEE": False, "CAUSAL": causal,
-                         "KEY_POSITIONS": key_positions}, warps)
+                         "KEY_POSITIONS": key_positions, "KEY_ROWS": key_rows}, warps)
     assert "wgmma" in compiled.asm["ptx"]  # the scores stay on the tensor cores in every form
 
 
@@ -236,7 +239,7 @@ def test_index_scores_and_selection_fit_gb10() -> None:
     signature = INDEX_SIGNATURE
     compiled = _compile(triton_indexer._index_scores_kernel, signature,
                         {"BLOCK_T": block_t, "BLOCK_N": block_n, "BLOCK_D": 128, "IEEE": False, "CAUSAL": True,
-                         "KEY_POSITIONS": True}, warps, 121, stages)
+                         "KEY_POSITIONS": True, "KEY_ROWS": True}, warps, 121, stages)
     assert compiled.metadata.shared <= GB10_SHARED
     signature = {"s_ptr": "*fp32", "idx_ptr": "*i64", "valid_ptr": "*i8", "nan_ptr": "*i32", "cand_ptr": "*fp32",
                  "kept_ptr": "*i32", "bracketed_ptr": "*i8",

@@ -239,6 +239,13 @@ def _worker(names: list[str]) -> dict[str, list]:
             kp = torch.arange(n) if kpos is None else kpos
             want = plain.masked_fill(kp[None, :] > qpos[:, None], float("-inf"))
             same(got, want, f"index_scores causal (queries from {int(qpos[0])}, keys {kpos is not None})")
+        # a paged cache's keys read in place: key n is row key_rows[n] of a larger store, pages out of order
+        store = randn(3 * n, d)
+        key_rows = torch.randperm(3 * n, generator=g)[:n]
+        store[key_rows] = keys
+        qpos = torch.arange(60, 60 + t)
+        same(triton_indexer.index_scores(q, hw, store, 0.3, qpos, None, key_rows),
+             triton_indexer.index_scores(q, hw, keys, 0.3, qpos, None), "index_scores through key_rows")
         try:
             triton_indexer.index_scores(q, hw, keys, 0.3, None, torch.arange(n))
         except ValueError as exc:

@@ -78,11 +78,13 @@ def indexer_queries(w: IndexerWeights, q_resid: torch.Tensor, cos: torch.Tensor,
 
 
 def index_scores(w: IndexerWeights, q: torch.Tensor, x_norm: torch.Tensor, keys: torch.Tensor,
-                 q_positions: torch.Tensor, key_positions: torch.Tensor | None = None) -> torch.Tensor:
+                 q_positions: torch.Tensor, key_positions: torch.Tensor | None = None,
+                 key_rows: torch.Tensor | None = None) -> torch.Tensor:
     """[Tq, Tk] fp32 scores of keys at key_positions (default [0, Tk); a DCP rank passes the
-    positions it owns) for queries at q_positions; -inf where the key lies in the query's future."""
+    positions it owns) for queries at q_positions; -inf where the key lies in the query's future.
+    key_rows: key n is keys[key_rows[n]] (a paged cache's slots, read in place)."""
     head_weights = ops.linear_fp32(x_norm, w.weights_proj) * (w.n_heads ** -0.5)
-    return ops.index_scores(q, head_weights, keys, w.head_dim ** -0.5, q_positions, key_positions)
+    return ops.index_scores(q, head_weights, keys, w.head_dim ** -0.5, q_positions, key_positions, key_rows)
 
 
 def orderable_keys(scores: torch.Tensor) -> torch.Tensor:

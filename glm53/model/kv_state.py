@@ -172,6 +172,11 @@ class KVState:
     def read_index(self, layer: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
         return self._read(self.index_keys[layer], self.index_scale[layer], stop, dtype)
 
+    def index_view(self, layer: int, stop: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(keys, rows): the indexer's keys of positions [0, stop) as rows `rows` of `keys` (None: keys
+        [stop, index_dim] in position order, this class; a paged cache gives its store and slots)."""
+        return self.read_index(layer, stop, dtype), None
+
     @staticmethod
     def _read(store: torch.Tensor, scale: torch.Tensor | None, stop: int, dtype: torch.dtype) -> torch.Tensor:
         if scale is None:

@@ -9,8 +9,8 @@ prompt prefix hold the same pages for it, and a page is made private (copied) be
 in it (`reserve`, which every write path calls first for the positions it writes).
 
 Reads give the bits the contiguous KVState gives: the attention reads the store itself through
-selections translated to slots (no copy), the indexer gathers its keys by slot (it reads every key
-anyway), fp8 rows are gathered, then dequantized as KVState dequantizes them. Slot 0's page is
+selections translated to slots, the indexer's kernel reads its keys through their slots (neither
+copies), fp8 rows are gathered, then dequantized as KVState dequantizes them. Slot 0's page is
 never handed out: it stays zeros and pads page tables past a sequence's pages (a captured graph
 reads up to its key bound, glm53.runtime.cuda_graphs).
 
@@ -270,6 +270,14 @@ class PagedKVState:
         if scale is None:
             return rows.to(dtype)
         return (rows.to(torch.float32) * scale.index_select(0, slots)[:, None]).to(dtype)
+
+    def index_view(self, layer: int, stop: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the store's index keys, the slots of positions [0, stop)): the indexer reads them in place;
+        fp8 keys gathered and dequantized (rows None), as KVState reads them."""
+        store = self.store.layer("index_keys", layer)
+        if self.fp8 or store.dtype != dtype:
+            return self.read_index(layer, stop, dtype), None
+        return store, self._slots(0, stop)
 
     def attention_view(self, layer: int, stop: int, dtype: torch.dtype, indices: torch.Tensor
                        ) -> tuple[Callable[[], torch.Tensor], torch.Tensor]:

@@ -301,8 +301,9 @@ class Glm53Model:
             read_cached = partial(state.read_latent, layer.index, stop, self.dtype)
             if layer.indexer is not None:
                 _write(state.write_index, state.write_index_at, layer.index, span, index_keys[rows])
-                keys = state.read_index(layer.index, stop, self.dtype)
-                scores = index_scores(layer.indexer, q_idx[rows], h[rows], keys, span.positions, key_positions)
+                keys, key_rows = state.index_view(layer.index, stop, self.dtype)
+                scores = index_scores(layer.indexer, q_idx[rows], h[rows], keys, span.positions, key_positions,
+                                      key_rows)
                 selections[i] = plan.merge_topk(scores, key_positions, cfg.index_topk, span.nan_flag)
             elif selections[i] is None:
                 raise ValueError(f"layer {layer.index} shares the indexer selection but no earlier full layer ran")

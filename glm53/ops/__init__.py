@@ -218,14 +218,18 @@ def silu(x: torch.Tensor) -> torch.Tensor:
 
 
 def index_scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor, scale: float,
-                 q_positions: torch.Tensor | None = None, key_positions: torch.Tensor | None = None) -> torch.Tensor:
+                 q_positions: torch.Tensor | None = None, key_positions: torch.Tensor | None = None,
+                 key_rows: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 [T, N]: sum over heads h = 0..H-1, in that order, of head_weights[t, h] * relu(scale * q[t, h] . keys[n]).
     q [T, H, D], head_weights [T, H] fp32, keys [N, D]. Given q_positions [T], -inf where the key lies in
-    the query's future (key n at key_positions[n], default n); on CUDA inside the kernel."""
+    the query's future (key n at key_positions[n], default n); on CUDA inside the kernel. key_rows [N]
+    (int64): key n is keys[key_rows[n]] instead (a paged cache's slots; the kernel reads them in place)."""
     if _triton_for(q):
         from glm53.ops import triton_indexer
 
-        return triton_indexer.index_scores(q, head_weights, keys, scale, q_positions, key_positions)
+        return triton_indexer.index_scores(q, head_weights, keys, scale, q_positions, key_positions, key_rows)
+    if key_rows is not None:
+        keys = keys.index_select(0, key_rows)
     return torch_ops.index_scores(q, head_weights, keys, scale, q_positions, key_positions)
 
 

@@ -34,10 +34,10 @@ def index_config(heads: int, d: int, dtype: torch.dtype) -> tuple[int, int, int,
 
 
 @triton.jit(do_not_specialize=["T", "N"])
-def _index_scores_kernel(q_ptr, hw_ptr, k_ptr, qpos_ptr, kpos_ptr, out_ptr, T, N, H, D, scale,
+def _index_scores_kernel(q_ptr, hw_ptr, k_ptr, krow_ptr, qpos_ptr, kpos_ptr, out_ptr, T, N, H, D, scale,
                          stride_qt, stride_qh, stride_hwt, stride_hwh, stride_kn, stride_ot,
                          BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
-                         CAUSAL: tl.constexpr, KEY_POSITIONS: tl.constexpr):
+                         CAUSAL: tl.constexpr, KEY_POSITIONS: tl.constexpr, KEY_ROWS: tl.constexpr):
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -61,7 +61,11 @@ def _index_scores_kernel(q_ptr, hw_ptr, k_ptr, qpos_ptr, kpos_ptr, out_ptr, T, N
     if all_future:  # every key after every query (the prefill's upper triangle): nothing to score
         tl.store(out, tl.full((BLOCK_T, BLOCK_N), float("-inf"), tl.float32), mask=out_mask)
     else:
-        keys = tl.load(k_ptr + offs_n.to(tl.int64)[:, None] * stride_kn + offs_d[None, :],
+        if KEY_ROWS:  # a paged cache: key n lives in row key_rows[n] of the store
+            rows = tl.load(krow_ptr + offs_n, mask=n_mask, other=0)
+        else:
+            rows = offs_n.to(tl.int64)
+        keys = tl.load(k_ptr + rows[:, None] * stride_kn + offs_d[None, :],
                        mask=n_mask[:, None] & d_mask[None, :], other=0.0)
         keys_t = tl.trans(keys)  # [BLOCK_D, BLOCK_N]
         q_rows = q_ptr + offs_t.to(tl.int64)[:, None] * stride_qt + offs_d[None, :]
@@ -84,14 +88,16 @@ def _index_scores_kernel(q_ptr, hw_ptr, k_ptr, qpos_ptr, kpos_ptr, out_ptr, T, N
 
 
 def index_scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor, scale: float,
-                 q_positions: torch.Tensor | None = None, key_positions: torch.Tensor | None = None) -> torch.Tensor:
+                 q_positions: torch.Tensor | None = None, key_positions: torch.Tensor | None = None,
+                 key_rows: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 [T, N]: q [T, H, D], head_weights [T, H], keys [N, D]. Given q_positions [T] (int), -inf
-    where a key lies in the query's future: key n at key_positions[n] (ascending or not; default n)."""
+    where a key lies in the query's future: key n at key_positions[n] (ascending or not; default n).
+    key_rows [N] (int): key n is row key_rows[n] of keys (any number of rows), read in place."""
     if q.dim() != 3 or keys.dim() != 2 or keys.shape[1] != q.shape[2] or head_weights.shape != q.shape[:2]:
         raise ValueError(f"index_scores: q {tuple(q.shape)} [T, H, D], head_weights {tuple(head_weights.shape)} "
                          f"[T, H], keys {tuple(keys.shape)} [N, D] do not fit")
     t, heads, d = q.shape
-    n = keys.shape[0]
+    n = keys.shape[0] if key_rows is None else key_rows.shape[0]
     torch_ops.check_positions(t, n, q_positions, key_positions)
     if t == 0 or n == 0:
         return torch.zeros(t, n, dtype=torch.float32, device=q.device)
@@ -104,13 +110,15 @@ def index_scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor
     hw = head_weights.to(torch.float32)
     qpos = q.new_empty(0, dtype=torch.int64) if q_positions is None else q_positions.to(torch.int64).contiguous()
     kpos = qpos if key_positions is None else key_positions.to(torch.int64).contiguous()
+    krows = qpos if key_rows is None else key_rows.to(torch.int64).contiguous()
     out = torch.empty(t, n, dtype=torch.float32, device=q.device)  # every element is written
     block_t, block_n, warps, stages = index_config(heads, d, q.dtype)
     block_d = max(16, triton.next_power_of_2(d))
     grid = (triton.cdiv(t, block_t), triton.cdiv(n, block_n))
-    _index_scores_kernel[grid](q, hw, keys, qpos, kpos, out, t, n, heads, d, float(scale),
+    _index_scores_kernel[grid](q, hw, keys, krows, qpos, kpos, out, t, n, heads, d, float(scale),
                                q.stride(0), q.stride(1), hw.stride(0), hw.stride(1), keys.stride(0), out.stride(0),
                                BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_D=block_d, IEEE=q.dtype == torch.float32,
                                CAUSAL=q_positions is not None, KEY_POSITIONS=key_positions is not None,
+                               KEY_ROWS=key_rows is not None,
                                num_warps=warps, num_stages=stages, **OPTIONS)
     return out
