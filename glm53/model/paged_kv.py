@@ -52,8 +52,11 @@ class PageStore:
             "index_keys": torch.zeros(n_idx, slots, self.index_dim, dtype=dtype, device=dev),
             "index_scale": torch.ones(n_idx, slots, dtype=torch.float32, device=dev) if fp8 else None}
         order = sorted(self.indexed_layers)
-        self.layer_of = {"latent": list(range(self.n_layers)), "latent_scale": list(range(self.n_layers)),
-                         "index_keys": order, "index_scale": order}  # kind -> cache layer of each stack row
+        layers_of = {"latent": range(self.n_layers), "latent_scale": range(self.n_layers),
+                     "index_keys": order, "index_scale": order}  # kind -> the cache layer of each stack row
+        # kind -> cache layer -> its slots [slots, ...] (views, made once: every read and write asks)
+        self._views = {kind: dict(zip(layers_of[kind], t.unbind(0))) if t is not None else {}
+                       for kind, t in self.stacks.items()}
         self.refs = np.zeros(pages, dtype=np.int64)
         self.refs[NULL_PAGE] = 1 << 40  # never free
         self._free = list(range(pages - 1, 0, -1))  # a stack: the lowest pages first
@@ -93,10 +96,7 @@ class PageStore:
     # ---- layer views ----------------------------------------------------------------------------
     def layer(self, kind: str, layer: int) -> torch.Tensor | None:
         """The store's slots of one cache layer for a kind ([slots, ...]), None where the kind is absent."""
-        t = self.stacks[kind]
-        if t is None:
-            return None
-        return t[self.layer_of[kind].index(layer)]
+        return self._views[kind].get(layer)
 
 
 class PagedKVState:
