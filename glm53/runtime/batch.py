@@ -34,12 +34,13 @@ __all__ = ["BatchEngine", "QueueFull", "TooLarge"]
 
 def default_pool_bytes(device: torch.device) -> int:
     """The KV pool's bytes when TF_GLM53_KV_POOL_BYTES is unset: 90% of the GPU's free memory (a paged
-    pool takes it at once; what stays free holds a step's activations and the captured graphs), 1 GiB
-    on the CPU (both capped by what max_seqs sequences of the model's longest context take)."""
+    pool takes it at once; what stays free holds a step's activations and the captured graphs), 256 MiB
+    on the CPU, where lanes serve small checkpoints (both capped by what max_seqs sequences of the
+    model's longest context take). serve.sh sets the variable from its memory plan."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * 0.9)
-    return 1 << 30
+    return 256 << 20
 
 
 class BatchEngine:
