@@ -40,6 +40,27 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x32 / scale[:, None]).to(torch.float8_e4m3fn), scale
 
 
+def export_names(n_layers: int, indexed_layers: frozenset[int], fp8: bool) -> list[str]:
+    """The names a cache's rows are exported under (the prefix cache's tensors), in order."""
+    indexed = sorted(indexed_layers)
+    names = [f"latent.{i}" for i in range(n_layers)]
+    if fp8:
+        names += [f"latent_scale.{i}" for i in range(n_layers)]
+    names += [f"index.{i}" for i in indexed]
+    if fp8:
+        names += [f"index_scale.{i}" for i in indexed]
+    return names
+
+
+_KIND_OF_NAME = {"latent": "latent", "latent_scale": "latent_scale", "index": "index_keys", "index_scale": "index_scale"}
+
+
+def name_place(name: str) -> tuple[str, int]:
+    """An exported tensor's name -> (the kind it is stored as, its cache layer)."""
+    kind, layer = name.rsplit(".", 1)
+    return _KIND_OF_NAME[kind], int(layer)
+
+
 @dataclass
 class KVState:
     """Rows for positions [0, length) of one sequence, on one rank."""
@@ -265,12 +286,7 @@ class KVState:
     @cached_property
     def _places(self) -> dict[str, tuple[str, int]]:
         """export_names' tensors: name -> (attribute, layer); the names are fixed for a state."""
-        attrs = {"latent": "latent", "latent_scale": "latent_scale", "index": "index_keys", "index_scale": "index_scale"}
-        places = {}
-        for name in self.export_names():
-            kind, layer = name.rsplit(".", 1)
-            places[name] = (attrs[kind], int(layer))
-        return places
+        return {name: name_place(name) for name in self.export_names()}
 
     @cached_property
     def _stack_kinds(self) -> dict[tuple[str, ...], str]:
@@ -285,13 +301,7 @@ class KVState:
         return kinds
 
     def export_names(self) -> list[str]:
-        names = [f"latent.{i}" for i in range(self.n_layers)]
-        if self.fp8:
-            names += [f"latent_scale.{i}" for i in range(self.n_layers)]
-        names += [f"index.{i}" for i in self.index_keys]
-        if self.fp8:
-            names += [f"index_scale.{i}" for i in self.index_keys]
-        return names
+        return export_names(self.n_layers, self.indexed_layers, self.fp8)
 
     def bytes_per_position(self) -> int:
         """Bytes the sequence's cache takes per position of its context (what a KV pool grants):

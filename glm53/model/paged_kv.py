@@ -25,7 +25,7 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from glm53.model.kv_state import KV_DTYPES, KVState, quantize_rows
+from glm53.model.kv_state import KV_DTYPES, KVState, export_names, name_place, quantize_rows
 from glm53.model.token_log import TokenLog
 
 SCALE_OF = {"latent": "latent_scale", "index_keys": "index_scale"}  # fp8 only
@@ -144,11 +144,7 @@ class PagedKVState:
         return self.store.position_bytes
 
     def export_names(self) -> list[str]:
-        return KVState.export_names(self)  # type: ignore[arg-type]  # reads n_layers, fp8, index_keys
-
-    @property
-    def index_keys(self) -> dict[int, None]:  # the indexed layers, as KVState.export_names reads them
-        return dict.fromkeys(sorted(self.indexed_layers))
+        return export_names(self.n_layers, self.indexed_layers, self.fp8)
 
     # ---- pages ---------------------------------------------------------------------------------------
     def pages_for(self, positions: int) -> int:
@@ -210,12 +206,10 @@ class PagedKVState:
             self._table_device = torch.tensor(self.table or [NULL_PAGE], dtype=torch.long).to(self.device)
         return self._table_device
 
-    def fill_table(self, buffer: torch.Tensor) -> None:
-        """The table into a graph's buffer (padded with the null page past this sequence's pages)."""
-        pages = self.table[: buffer.shape[0]]
-        host = torch.full((buffer.shape[0],), NULL_PAGE, dtype=torch.long)
-        host[: len(pages)] = torch.tensor(pages, dtype=torch.long)
-        buffer.copy_(host.pin_memory() if buffer.is_cuda else host, non_blocking=True)
+    def padded_table(self, entries: int) -> list[int]:
+        """The first `entries` of the page table, padded with the null page (a graph's table buffer)."""
+        pages = self.table[:entries]
+        return pages + [NULL_PAGE] * (entries - len(pages))
 
     @contextmanager
     def bound_table(self, buffer: torch.Tensor) -> Iterator[None]:
@@ -301,7 +295,7 @@ class PagedKVState:
         slots = self._slots(start, stop)
         out: dict[str, torch.Tensor] = {}
         for name in self.export_names():
-            kind, layer = _place(name)
+            kind, layer = name_place(name)
             out[name] = _take_rows(self.store.layer(kind, layer), slots)
         return out
 
@@ -316,7 +310,7 @@ class PagedKVState:
             raise ValueError(f"restored rows do not match this cache: missing {sorted(missing)[:4]}, extra {sorted(extra)[:4]}")
         checked = []
         for name in names:  # every tensor checked first: nothing half-written
-            kind, layer = _place(name)
+            kind, layer = name_place(name)
             target, t = self.store.layer(kind, layer), rows[name]
             if t.shape[0] < n or t.dtype != target.dtype or t.shape[1:] != target.shape[1:]:
                 raise ValueError(f"restored {name}: {tuple(t.shape)} {t.dtype}, expected at least [{n}, ...] {target.dtype}")
@@ -328,12 +322,6 @@ class PagedKVState:
         self.tokens.extend(tokens)
         if self.frontier == start:
             self.frontier = start + n
-
-
-def _place(name: str) -> tuple[str, int]:
-    kind, layer = name.rsplit(".", 1)
-    return {"latent": "latent", "latent_scale": "latent_scale", "index": "index_keys",
-            "index_scale": "index_scale"}[kind], int(layer)
 
 
 def _take_rows(t: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

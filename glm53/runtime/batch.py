@@ -180,8 +180,8 @@ class BatchEngine:
         if engine.prefix_cache is None and not engine.reuse_live:
             return 0
         source, n = self._longest_running_prefix(seq)
-        if source is not None and hasattr(state, "share_prefix"):
-            seq.stats["shared_tokens"] = state.share_prefix(source, n)
+        if source is not None:
+            seq.stats["shared_tokens"] = self.pool.share_prefix(state, source, n)
         reused = state.length
         if engine.prefix_cache is not None:
             with _CacheDelta(engine.prefix_cache, seq):
@@ -213,7 +213,7 @@ class BatchEngine:
     def _window_of(self, seq: Sequence) -> list[int] | None:
         if seq.draft_run is not None:
             window = seq.draft_run.window
-            return window[0] if window is not None else None
+            return window.tokens if window is not None else None
         return [seq.reply[-1]]
 
     def _make_room(self, seq: Sequence, positions: int) -> bool:

@@ -72,18 +72,45 @@ def store_addresses(state: PagedKVState) -> tuple[int, ...]:
 
 @dataclass
 class _Captured:
-    ids: torch.Tensor  # every window's tokens, in order
-    positions: torch.Tensor
+    inputs: torch.Tensor  # [ids | positions | page tables]: what a replay reads, filled by one copy
     sizes: tuple[int, ...]  # each window's tokens
     bounds: tuple[int, ...]  # each window's key bound
+    table_pages: tuple[int | None, ...]  # a paged window's page-table entries (None: a contiguous cache)
     nan_flag: torch.Tensor
-    tables: tuple[torch.Tensor | None, ...] = ()  # a paged window's page table buffer (None: contiguous)
     graph: Any = None  # torch.cuda.CUDAGraph once captured
     out: list[ForwardOutput] | None = None  # the graph's output buffers, a window each
+
+    @property
+    def ids(self) -> torch.Tensor:
+        return self.inputs[: sum(self.sizes)]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        n = sum(self.sizes)
+        return self.inputs[n: 2 * n]
+
+    def tables(self) -> list[torch.Tensor | None]:
+        """Each window's page-table buffer (views of `inputs`), None for a contiguous cache."""
+        at, out = 2 * sum(self.sizes), []
+        for pages in self.table_pages:
+            out.append(None if pages is None else self.inputs[at: at + pages])
+            at += pages or 0
+        return out
 
     def spans(self) -> list[Span]:
         return [Span(p, None, bound, self.nan_flag)
                 for p, bound in zip(self.positions.split(list(self.sizes)), self.bounds)]
+
+
+def _placement(state: KVState | PagedKVState, stop: int, step: int) -> tuple[int, tuple, int | None]:
+    """(the key bound of a window ending at `stop`, where the rows it reads live, the page-table entries
+    a graph reads: None for a contiguous cache, whose addresses key it). A paged state's store is the
+    lane's, so its key holds no sequence's address and its bound no capacity (the table is padded)."""
+    if isinstance(state, PagedKVState):
+        bound = key_bound(stop, 1 << 62, step)
+        pages = state.pages_for(bound)
+        return bound, ("pages", pages, store_addresses(state)), pages
+    return key_bound(stop, state.capacity, step), cache_addresses(state), None
 
 
 @dataclass
@@ -149,7 +176,8 @@ class WindowGraphs:
         """Several sequences' windows in one graph (a batched decode step; one window: a sequence's
         step): a ForwardOutput a window (rows written, each state's tokens extended), or None when
         they are not eligible (the caller runs the eager forward). The key is every window's (T, L,
-        cache addresses) in order: a batch whose sequences keep their caches replays one graph."""
+        where its rows live) in order: a batch whose sequences keep their contiguous caches, or any paged
+        sequences of the same lengths and bounds, replays one graph."""
         reason = self.why_not_batch(windows)
         if reason is not None:
             self.stats.eager += 1
@@ -162,12 +190,7 @@ class WindowGraphs:
                                  "windows must continue it")
             n = len(tokens)
             state.reserve(start + n)  # before keying: growing moves a contiguous cache
-            if isinstance(state, PagedKVState):  # the store stays put; the table is filled each replay
-                bound = key_bound(start + n, 1 << 62, self.bound_step)
-                parts.append((n, bound, state.kv_dtype, ("pages", state.pages_for(bound), store_addresses(state))))
-            else:
-                bound = key_bound(start + n, state.capacity, self.bound_step)
-                parts.append((n, bound, state.kv_dtype, cache_addresses(state)))
+            parts.append((n, *_placement(state, start + n, self.bound_step), state.kv_dtype))
         key = (tuple(taps), tuple(parts))
         states = [state for state, _, _ in windows]
         entry = self._graphs.get(key)
@@ -191,32 +214,29 @@ class WindowGraphs:
 
     # ---- internals --------------------------------------------------------------------------------
     def _new_entry(self, parts: list[tuple]) -> _Captured:
-        dev, total = self.model.device, sum(n for n, *_ in parts)
-        tables = tuple(torch.zeros(where[1], dtype=torch.long, device=dev) if where[0] == "pages" else None
-                       for *_, where in parts)
-        return _Captured(ids=torch.zeros(total, dtype=torch.long, device=dev),
-                         positions=torch.zeros(total, dtype=torch.long, device=dev),
-                         sizes=tuple(n for n, *_ in parts), bounds=tuple(bound for _, bound, *_ in parts),
-                         nan_flag=torch.zeros((), dtype=torch.bool, device=dev), tables=tables)
+        dev = self.model.device
+        sizes, bounds, pages = zip(*((n, bound, table) for n, bound, _, table, _ in parts))
+        length = 2 * sum(sizes) + sum(p or 0 for p in pages)
+        return _Captured(inputs=torch.zeros(length, dtype=torch.long, device=dev), sizes=sizes, bounds=bounds,
+                         table_pages=pages, nan_flag=torch.zeros((), dtype=torch.bool, device=dev))
 
     @staticmethod
     def _fill(entry: _Captured, windows: list[Window]) -> None:
-        for (state, _, _), table in zip(windows, entry.tables):
-            if table is not None:
-                state.fill_table(table)
-        ids = [t for _, tokens, _ in windows for t in tokens]
-        positions = [p for _, tokens, start in windows for p in range(start, start + len(tokens))]
-        host = torch.tensor(ids + positions, dtype=torch.long)
-        if entry.ids.is_cuda:
-            host = host.pin_memory()  # an asynchronous copy, ordered before the replay on the stream
-        n = len(ids)
-        entry.ids.copy_(host[:n], non_blocking=True)
-        entry.positions.copy_(host[n:], non_blocking=True)
+        """The windows' tokens, positions and page tables into the entry's inputs: one copy a replay."""
+        host = [t for _, tokens, _ in windows for t in tokens]
+        host += [p for _, tokens, start in windows for p in range(start, start + len(tokens))]
+        for (state, _, _), pages in zip(windows, entry.table_pages):
+            if pages is not None:
+                host += state.padded_table(pages)
+        values = torch.tensor(host, dtype=torch.long)
+        if entry.inputs.is_cuda:
+            values = values.pin_memory()  # an asynchronous copy, ordered before the replay on the stream
+        entry.inputs.copy_(values, non_blocking=True)
 
     def _run(self, states: list[KVState], entry: _Captured, taps: tuple[int, ...]) -> list[ForwardOutput]:
         entry.nan_flag.zero_()
         with ExitStack() as tables:  # paged states read and write through the entry's table buffers
-            for state, table in zip(states, entry.tables):
+            for state, table in zip(states, entry.tables()):
                 if table is not None:
                     tables.enter_context(state.bound_table(table))
             return self.model.forward_windows(states, entry.ids, entry.spans(), taps)

@@ -24,14 +24,13 @@ class _Cancelled(Exception):
 
 class DraftedRun:
     """drafted_decode_steps for one sequence. `resume()` runs the loop until it asks for its next window
-    (`window`: tokens and start) or ends (`done`); the scheduler answers a window with
+    (`window`) or ends (`done`); the scheduler answers a window with
     `resume((ForwardOutput, logits))`. `abort()` stops the loop where it waits (preemption, cancellation)."""
 
     def __init__(self, seq: Any, engine: Any, prefilled: Any, eos: frozenset[int]) -> None:
         self.seq, self.engine = seq, engine
-        self.window: tuple[list[int], int] | None = None
+        self.window: Window | None = None  # the forward the loop waits for (tokens, start, taps)
         self.done = False
-        self._asked: Window | None = None
         self._base = len(seq.reply)  # tokens kept from before a preemption
         self._eos = eos
         self._steps: Steps[DecodeResult] = drafted_decode_steps(
@@ -41,14 +40,13 @@ class DraftedRun:
 
     def resume(self, answer: tuple[ForwardOutput, torch.Tensor] | None = None) -> None:
         """Run the loop until its next window or its end; `answer`: the last window's (output, logits)."""
-        self.window = None
+        window, self.window = self.window, None
         try:
             with torch.inference_mode():
                 if answer is None:
                     asked = next(self._steps)
                 else:
                     out, logits = answer
-                    window = self._asked
                     assert window is not None, "resume() answered a window nobody asked for"
                     asked = self._steps.send(WindowOutput(start=window.start, logits=logits, hidden=out.hidden,
                                                           taps={k: out.taps[k] for k in window.taps}))
@@ -63,8 +61,7 @@ class DraftedRun:
         except BaseException:  # the scheduler re-raises it: the engine's state is unknown
             self.done = True
             raise
-        self._asked = asked
-        self.window = (asked.tokens, asked.start)
+        self.window = asked
 
     def abort(self) -> None:
         """Stop the loop where it waits (its rows are about to be released); tokens handed out stay."""

@@ -45,6 +45,10 @@ class KVPool:
 
     shared_blocks = 0  # contiguous caches share nothing
 
+    def share_prefix(self, state: KVState, source: KVState, n: int) -> int:
+        """Rows a fresh state takes from a running one in place: none here (the caller copies them)."""
+        return 0
+
     def allocate(self, positions: int) -> KVState | None:
         """A fresh state with room for `positions`, or None when the budget cannot take it."""
         grant = self.blocks(max(positions, 1))
@@ -123,6 +127,11 @@ class PagedPool:
             return False
         state.reserve(positions)
         return True
+
+    def share_prefix(self, state: PagedKVState, source: PagedKVState, n: int) -> int:
+        """The whole pages of `source`'s first n canonical rows into the fresh `state`, in place (their
+        counts raised); the positions taken."""
+        return state.share_prefix(source, n)
 
     def release(self, state: PagedKVState | None) -> None:
         if state is not None:
