@@ -647,6 +647,10 @@ def batch_requests(n: int, vocab: int, seed: int) -> list[dict]:
         sampling["draft"] = rng.random() < 0.35
         out.append({"prompt": prompt, "max_tokens": rng.randint(3, 12), "sampling": sampling,
                     "cancel_after": 2 if rng.random() < 0.17 else None, "arrival": 0 if i < 4 else rng.randint(0, n)})
+    for i, arrival in ((0, 0), (1, 0)):  # two that share an opening while both run: its pages shared in place
+        tail = [rng.randrange(vocab) for _ in range(3)]
+        out[i].update(prompt=openings[0] + tail, max_tokens=16, cancel_after=None, arrival=arrival,
+                      sampling=dict(out[i]["sampling"], ignore_eos=True))
     return out
 
 
@@ -664,7 +668,8 @@ def batch_ranks(spec_rank: int, world: int, port: int, out: Path) -> None:
         eng.follow()
         batch = eng._batch.batch
         torch.save({"rank": eng.rank, "steps": batch.steps, "preempted": batch.scheduler.preempted_total,
-                    "pool_capacity": batch.pool.capacity, "drafter": eng.engine.drafter.kind}, out / f"rank{eng.rank}.pt")
+                    "pool_capacity": batch.pool.capacity, "drafter": eng.engine.drafter.kind,
+                    "pages": (batch.pool.store.free_pages, batch.pool.store.usable_pages)}, out / f"rank{eng.rank}.pt")
         return
     requests = batch_requests(int(os.environ["GLM53_TEST_REQUESTS"]), eng.engine.vocab_size, seed=world)
 
@@ -693,12 +698,13 @@ def batch_ranks(spec_rank: int, world: int, port: int, out: Path) -> None:
         most = max(most, batch.stats()["running"])
         step += 1
     batched = [(seqs[i].reply, seqs[i].finish_reason, seqs[i].stats.get("cached_tokens", 0),
-                seqs[i].stats.get("preemptions", 0)) for i in range(len(requests))]
+                seqs[i].stats.get("preemptions", 0), seqs[i].stats.get("shared_tokens", 0)) for i in range(len(requests))]
     stats = batch.stats()
     eng.close()
     torch.save({"rank": 0, "requests": requests, "alone": alone, "batched": batched, "steps": batch.batch.steps,
                 "preempted": stats["preempted_total"], "most_running": most, "pool_capacity": batch.pool.capacity,
-                "drafter": eng.engine.drafter.kind}, out / "rank0.pt")
+                "drafter": eng.engine.drafter.kind, "pages": (batch.pool.store.free_pages, batch.pool.store.usable_pages)},
+               out / "rank0.pt")
 
 
 SCENARIOS = {"suite": suite, "spin": spin, "stuck": stuck, "model": model, "nccl": nccl, "spin_cuda": spin_cuda,

@@ -14,7 +14,6 @@ import torch
 from drafter.glm53_target import DraftPlan
 from glm53.runtime.engine import Glm53Engine
 from glm53.runtime import BatchEngine, QueueFull, TooLarge
-from glm53.runtime.kv_pool import KVPool
 from glm53.runtime.sequence import Status
 from glm53.settings import Settings
 from kv_cache.engine_adapter import attach_prefix_cache
@@ -112,19 +111,6 @@ def test_forward_batch_takes_a_states_pieces_only_adjacent(engine) -> None:
 
 
 # ---- pool, queue, admission ---------------------------------------------------------------------
-def test_pool_grants_blocks_exactly_and_refuses_past_its_budget(engine) -> None:
-    pool = KVPool(lambda: engine.model.new_state(engine.kv_dtype), positions_bytes(engine, 100), block=32)
-    assert pool.capacity == 96
-    a = pool.allocate(33)
-    assert a is not None and a.capacity == 64 and pool.used == 64
-    assert pool.allocate(40) is None  # 64 more positions do not fit the 32 left
-    b = pool.allocate(5)
-    assert b is not None and pool.free == 0
-    assert not pool.ensure(b, 33)
-    pool.release(a)
-    assert pool.ensure(b, 33) and b.capacity == 64 and pool.used == 64
-
-
 def test_wait_queue_is_bounded_and_too_large_is_refused(engine) -> None:
     batch = BatchEngine(engine, max_seqs=1, max_waiting=2, pool_bytes=positions_bytes(engine, 256))
     batch.submit([1, 2, 3], 4)

@@ -121,7 +121,7 @@ def test_the_ranks_kv_pool_is_the_kv_the_plan_holds_room_for(tiny_model: Path) -
     from glm53.dist.dcp import Ownership
     from glm53.dist.dcp_state import DcpKVState
     from glm53.layout.kv import kv_bytes_per_rank
-    from glm53.runtime.kv_pool import KVPool
+    from glm53.runtime.kv_pool import PagedPool
     from launcher.config import local_lane
     from launcher.preflight import Preflight
     from launcher.serve import KV_POOL_ENV, kv_pool_env, memory_plan, sequence_kv_share
@@ -138,10 +138,9 @@ def test_the_ranks_kv_pool_is_the_kv_the_plan_holds_room_for(tiny_model: Path) -
     assert kv_pool_env({KV_POOL_ENV: "8G"}, plan, share) == {KV_POOL_ENV: "8G"}
     indexed = frozenset(i for i in range(cfg.num_hidden_layers) if cfg.indexer_is_full(i))
     for r in range(ranks):
-        def state(r=r):
-            return DcpKVState(n_layers=cfg.num_hidden_layers, latent_dim=cfg.latent_dim, index_dim=cfg.index_head_dim,
-                              indexed_layers=indexed, kv_dtype="bf16", own=Ownership(r, ranks))
-        pool = KVPool(state, int(env[KV_POOL_ENV]), block=256)
+        probe = DcpKVState(n_layers=cfg.num_hidden_layers, latent_dim=cfg.latent_dim, index_dim=cfg.index_head_dim,
+                           indexed_layers=indexed, kv_dtype="bf16", own=Ownership(r, ranks))
+        pool = PagedPool(probe, int(env[KV_POOL_ENV]), page=256)
         assert context - 256 < pool.capacity <= context, (r, pool.capacity)
 
 

@@ -6,9 +6,11 @@ One spawned job per R (tests/dist_workers.py `batch_ranks`): RankEngine as glm53
 (a prefix cache on every rank; MTP drafts at R = 2, copy drafts at R = 4, for the requests that ask).
 Rank 0 serves each request alone first (one at a time, the followers replaying it), then all of them
 through `batch_engine()` in a random arrival schedule: shared openings, greedy and seeded sampling,
-drafted and serial, clients leaving after 2 tokens, and a pool of 64 positions, so sequences are
-preempted and recomputed. Every batched reply and finish reason equals the alone one; every rank ran
-the same number of steps; reuse, preemption and batches of several sequences happened.
+drafted and serial, clients leaving after 2 tokens, two requests sharing an opening while both run
+(its pages shared in place on every rank: the paged split cache), and a pool of 64 positions, so
+sequences are preempted and recomputed. Every batched reply and finish reason equals the alone one;
+every rank ran the same number of steps and got every page back; reuse, page sharing, preemption
+and batches of several sequences happened.
 """
 from __future__ import annotations
 
@@ -48,8 +50,10 @@ def test_batched_replies_over_ranks_equal_each_request_alone(tmp_path: Path, tin
     cancelled = sum(reason == "cancelled" for _, reason in lead["alone"])
     drafted = sum(bool(r["sampling"]["draft"]) for r in lead["requests"])
     reused = sum(got[2] > 0 for got in lead["batched"])
+    shared = sum(got[4] > 0 for got in lead["batched"])  # prompt pages taken in place from a running sequence
     print(f"R={R}: {len(lead['requests'])} requests, {lead['steps']} steps, at most {lead['most_running']} running, "
-          f"{lead['preempted']} preemptions, {cancelled} cancelled, {drafted} drafted, {reused} reusing")
-    assert cancelled >= 2 and drafted >= 4 and reused >= 2
+          f"{lead['preempted']} preemptions, {cancelled} cancelled, {drafted} drafted, {reused} reusing, {shared} sharing pages")
+    assert cancelled >= 2 and drafted >= 4 and reused >= 2 and shared >= 1
+    assert all(x["pages"][0] == x["pages"][1] for x in res), "pages not returned: " + repr([x["pages"] for x in res])
     assert lead["preempted"] >= 1, "the pool never ran short: preemption was not exercised"
     assert lead["most_running"] >= 3, "never more than two sequences in one step"

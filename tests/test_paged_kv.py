@@ -1,6 +1,8 @@
 """The paged KV store (glm53/model/paged_kv.py) and its pool (glm53.runtime.kv_pool.PagedPool):
-a PagedKVState holds, reads and exports the bits a contiguous KVState does, whatever pages it gets;
-shared pages are copied before a write lands in them; the pool counts pages, shared ones once."""
+a PagedKVState holds, reads and exports the bits a contiguous KVState does, whatever pages it gets
+(a split cache's, PagedDcpKVState, the bits of DcpKVState on every rank); shared pages are copied
+before a write lands in them; the pool counts pages, shared ones once; the ranks of a split cache
+take, share and free the same pages."""
 from __future__ import annotations
 
 import random
@@ -8,6 +10,8 @@ import random
 import pytest
 import torch
 
+from glm53.dist.dcp import Ownership
+from glm53.dist.dcp_state import DcpKVState, PagedDcpKVState
 from glm53.model.indexer import Selection
 from glm53.model.kv_state import KVState
 from glm53.model.paged_kv import NULL_PAGE, OutOfPages, PagedKVState, PageStore
@@ -24,6 +28,11 @@ def probe(kv_dtype: str) -> KVState:
                    kv_dtype=kv_dtype)
 
 
+def split_probe(kv_dtype: str, rank: int, ranks: int) -> DcpKVState:
+    return DcpKVState(n_layers=LAYERS, latent_dim=LATENT, index_dim=INDEX, indexed_layers=frozenset({0, 2}),
+                      kv_dtype=kv_dtype, own=Ownership(rank, ranks))
+
+
 def fill(state, rng: torch.Generator, start: int, n: int) -> None:  # noqa: ANN001
     """n rows at [start, start + n) in every layer, as a forward writes them."""
     state.reserve(start + n)
@@ -32,6 +41,12 @@ def fill(state, rng: torch.Generator, start: int, n: int) -> None:  # noqa: ANN0
         if layer in (0, 2):
             state.write_index(layer, start, torch.randn(n, INDEX, generator=rng))
     state.tokens.extend(range(start, start + n))
+
+
+def selected(state, layer: int, stop: int, dtype: torch.dtype, indices: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+    """The rows the attention reads for a selection, through the state's attention view."""
+    read, rows_of = state.attention_view(layer, stop, dtype)
+    return read()[rows_of(indices) if rows_of is not None else indices]
 
 
 def same_rows(a, b, stop: int) -> bool:  # noqa: ANN001
@@ -56,8 +71,7 @@ def test_paged_state_holds_the_bits_of_a_contiguous_one(kv_dtype: str) -> None:
         assert torch.equal(paged.read_latent(layer, 23, torch.float32), flat.read_latent(layer, 23, torch.float32))
     assert torch.equal(paged.read_index(2, 23, torch.float32), flat.read_index(2, 23, torch.float32))
     indices = torch.tensor([[0, 5, 22, 0], [7, 9, 11, 0]])
-    read, translated = paged.attention_view(1, 23, torch.float32, indices)
-    assert torch.equal(read()[translated], flat.read_latent(1, 23, torch.float32)[indices])
+    assert torch.equal(selected(paged, 1, 23, torch.float32, indices), flat.read_latent(1, 23, torch.float32)[indices])
     copy = PagedKVState(store)
     copy.import_rows(0, paged.export_rows(0, 23), list(range(23)))
     assert same_rows(copy, flat, 23) and copy.frontier == 23
@@ -108,7 +122,8 @@ def test_selection_translation_clamps_padding() -> None:
     s = PagedKVState(store)
     fill(s, torch.Generator().manual_seed(3), 0, 6)
     sel = Selection(torch.tensor([[5, 0, 0], [2, 1, 40]]), torch.tensor([[True, False, False], [True, True, False]]))
-    read, translated = s.attention_view(0, 6, torch.bfloat16, sel.indices)
+    read, rows_of = s.attention_view(0, 6, torch.bfloat16)
+    translated = rows_of(sel.indices)
     assert int(translated.max()) < store.stacks["latent"].shape[1] and int(translated.min()) >= 0
     assert torch.equal(read()[translated[0, 0]], s.read_latent(0, 6, torch.bfloat16)[5])
 
@@ -133,3 +148,87 @@ def test_preempted_and_cancelled_sequences_return_their_pages(tiny_engine) -> No
     batch.run()
     assert batch.scheduler.preempted_total >= 1
     assert store.free_pages == store.usable_pages and batch.pool.used == 0
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_paged_split_cache_holds_each_ranks_bits(kv_dtype: str, ranks: int) -> None:
+    """On every rank of a cache split by position, a PagedDcpKVState written in pieces (pages taken
+    out of order) reads, exports and re-imports the bits of DcpKVState: the same owned positions,
+    the same rows; the attention's view reads the selected local rows through the store."""
+    for rank in range(ranks):
+        store = PageStore(split_probe(kv_dtype, rank, ranks), pages=40, page=2)
+        paged, other = PagedDcpKVState(store, Ownership(rank, ranks)), PagedDcpKVState(store, Ownership(rank, ranks))
+        flat = split_probe(kv_dtype, rank, ranks)
+        for start, n in ((0, 3), (3, 6), (9, 1), (10, 13)):
+            for state in (paged, flat):
+                fill(state, torch.Generator().manual_seed(start), start, n)
+            fill(other, torch.Generator().manual_seed(99), other.length, 5)
+        assert paged.table != list(range(1, len(paged.table) + 1))
+        assert torch.equal(paged.owned_positions(23), flat.owned_positions(23))
+        assert paged.slots(5, 23) == flat.slots(5, 23)
+        assert same_rows(paged, flat, 23)
+        mine = flat.own.count(23)
+        for layer in range(LAYERS):
+            assert torch.equal(paged.read_latent(layer, 23, torch.float32), flat.read_latent(layer, 23, torch.float32))
+        assert torch.equal(paged.read_index(2, 23, torch.float32), flat.read_index(2, 23, torch.float32))
+        keys, rows = paged.index_view(2, 23, torch.bfloat16)
+        assert torch.equal(keys[rows] if rows is not None else keys, flat.read_index(2, 23, torch.bfloat16))
+        indices = torch.tensor([[0, mine - 1, 1], [2, 0, 0]])
+        assert torch.equal(selected(paged, 1, 23, torch.bfloat16, indices), flat.read_latent(1, 23, torch.bfloat16)[indices])
+        copy = PagedDcpKVState(store, Ownership(rank, ranks))
+        copy.import_rows(0, paged.export_rows(0, 23), list(range(23)))
+        assert same_rows(copy, flat, 23)
+
+
+def test_the_ranks_of_a_split_cache_take_share_and_free_the_same_pages() -> None:
+    """Four ranks run the same operations on their own stores (prefill, a second sequence sharing
+    the first's prompt, decode, a cut back into the shared pages, release): after each one every
+    rank holds the same page tables and the same free count, whatever positions it owns; a shared
+    prefix is whole pages of every rank (page x R positions)."""
+    ranks, page = 4, 2
+    stores = [PageStore(split_probe("bf16", r, ranks), pages=30, page=page) for r in range(ranks)]
+    a = [PagedDcpKVState(stores[r], Ownership(r, ranks)) for r in range(ranks)]
+    b = [PagedDcpKVState(stores[r], Ownership(r, ranks)) for r in range(ranks)]
+
+    def alike() -> None:
+        for r in range(1, ranks):
+            assert a[r].table == a[0].table and b[r].table == b[0].table
+            assert stores[r].free_pages == stores[0].free_pages and (stores[r].refs == stores[0].refs).all()
+
+    for r in range(ranks):
+        fill(a[r], torch.Generator().manual_seed(1), 0, 21)
+        a[r].frontier = 21
+    alike()
+    taken = [b[r].share_prefix(a[r], 21) for r in range(ranks)]
+    assert taken == [16] * ranks and all(stores[r].refs[a[r].table[0]] == 2 for r in range(ranks))
+    alike()
+    assert len({b[r].pages_wanted(22) for r in range(ranks)}) == 1
+    for r in range(ranks):
+        fill(b[r], torch.Generator().manual_seed(2), 16, 6)
+        fill(a[r], torch.Generator().manual_seed(3), 21, 4)
+    alike()
+    for r in range(ranks):
+        b[r].truncate(9)  # into the second shared page: it is made private before the write
+        fill(b[r], torch.Generator().manual_seed(4), 9, 1)
+        assert b[r].table[0] == a[r].table[0] and b[r].table[1] != a[r].table[1]
+    alike()
+    for r in range(ranks):
+        a[r].release()
+        b[r].release()
+    alike()
+    assert stores[0].free_pages == stores[0].usable_pages
+
+
+def test_a_split_caches_pool_counts_positions_of_every_rank() -> None:
+    """PagedPool over a split cache: a page of block // R slots holds `block` positions; the bytes a
+    position takes on a rank are 1/R of a slot's; a capacity set lower (the smallest rank's) is what
+    the store hands out."""
+    flat = probe("bf16")
+    pool = PagedPool(split_probe("bf16", 1, 4), budget_bytes=flat.position_bytes() * 40, page=8)
+    assert pool.block == 8 and pool.store.page == 2 and pool.capacity == 160
+    assert pool.position_bytes == -(-flat.position_bytes() // 4)
+    pool.capacity = 100
+    assert pool.capacity == 96 and pool.store.free_pages == 12
+    s = pool.allocate(20)
+    assert isinstance(s, PagedDcpKVState) and pool.ensure(s, 20) and pool.used == 24 and len(s.table) == 3

@@ -235,6 +235,7 @@ def tp_dcp_attention_spans(comm: Comm, spans: list[AttentionSpan], w_uk_t: torch
             selection = selection.resolve(gathered_words[:, t0:t0 + n])
         elif isinstance(selection, PendingSelection):  # a 'shared' layer after the 'full' one
             selection = selection.resolved
+        selection = span.selected_rows(selection)  # a paged cache: its store's slots
         out, lse = ops.latent_attention(q_all[t0:t0 + n], span.read_rows(), selection.indices, selection.valid, scale,
                                         r, valid_prefix=True)  # one span's rows read at a time
         outs.append(out)

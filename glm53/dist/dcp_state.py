@@ -1,4 +1,5 @@
-"""The KV state of one sequence on one rank under DCP: only the positions this rank owns."""
+"""The KV state of one sequence on one rank under DCP: only the positions this rank owns, in a
+cache of its own (DcpKVState) or in pages of the rank's KV pool (PagedDcpKVState)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,6 +8,7 @@ import torch
 
 from glm53.dist import dcp
 from glm53.model.kv_state import KVState
+from glm53.model.paged_kv import PagedKVState, PageStore
 
 
 @dataclass
@@ -53,3 +55,56 @@ class DcpKVState(KVState):
         slots, mine = self.own.rows_to_write(start, rows)
         if slots.numel():
             self._write(store, scale, int(slots[0]), mine)  # owned slots of a range are consecutive
+
+    @property
+    def positions_per_slot(self) -> int:
+        return self.own.ranks
+
+    def paged(self, store: PageStore) -> "PagedDcpKVState":
+        """An empty state of this rank's positions in pages of `store` (a KV pool's)."""
+        return PagedDcpKVState(store, self.own)
+
+
+class PagedDcpKVState(PagedKVState):
+    """PagedKVState holding only this rank's positions (p % R == rank at local slot p // R, as
+    DcpKVState), its local slots in pages: slot s at table[s // page] * page + s % page.
+
+    What every rank must decide alike is counted in whole positions of all ranks: a context of n
+    positions takes pages for ceil(n / R) slots on every rank (rank 0 holds that many; the others
+    one fewer at most), a shared prefix is whole pages of every rank (page * R positions), and the
+    pages made private before a write start where the lowest rank's next write lands. So the ranks'
+    stores take, share and free the same pages step by step and their pools admit alike."""
+
+    def __init__(self, store: PageStore, own: dcp.Ownership) -> None:
+        super().__init__(store)
+        self.own = own
+
+    @property
+    def positions_per_page(self) -> int:
+        return self.store.page * self.own.ranks
+
+    def _local_count(self, n: int) -> int:
+        return self.own.count(n)
+
+    def _local_room(self, n: int) -> int:
+        return -(-n // self.own.ranks)
+
+    def _first_write_slot(self) -> int:
+        return self.length // self.own.ranks
+
+    def _rows_to_write(self, start: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.own.rows_to_write(start, rows)
+
+    def owned_positions(self, stop: int) -> torch.Tensor | None:
+        if self.own.ranks == 1:
+            return None
+        return self.own.owned_positions(0, stop, device=self.device)
+
+    def bytes_per_position(self) -> int:
+        return -(-self.store.position_bytes // self.own.ranks)
+
+    def write_latent_at(self, layer: int, positions: torch.Tensor, rows: torch.Tensor) -> None:
+        raise NotImplementedError("a split cache writes from a host start (windows over several ranks are not "
+                                  "captured as graphs)")
+
+    write_index_at = write_latent_at

@@ -14,6 +14,10 @@ copies), fp8 rows are gathered, then dequantized as KVState dequantizes them. Sl
 never handed out: it stays zeros and pads page tables past a sequence's pages (a captured graph
 reads up to its key bound, glm53.runtime.cuda_graphs).
 
+A cache split by position (DCP: glm53.dist.dcp_state.PagedDcpKVState) pages its local slots the
+same way: its hooks (`_local_count`, `_local_room`, `_first_write_slot`, `_rows_to_write`) say which
+slots hold which positions; everything here works on local slots (on one rank a slot is its position).
+
 Decision record: docs/decisions/kv-pool.md.
 """
 from __future__ import annotations
@@ -39,7 +43,7 @@ class OutOfPages(MemoryError):
 class PageStore:
     def __init__(self, probe: KVState, pages: int, page: int) -> None:
         if pages < 2 or page < 1:
-            raise ValueError(f"a page store needs at least 2 pages of at least 1 position (got {pages} x {page})")
+            raise ValueError(f"a page store needs at least 2 pages of at least 1 slot (got {pages} x {page})")
         self.page, self.pages = page, pages
         self.n_layers, self.latent_dim, self.index_dim = probe.n_layers, probe.latent_dim, probe.index_dim
         self.indexed_layers, self.kv_dtype, self.device = probe.indexed_layers, probe.kv_dtype, probe.device
@@ -60,6 +64,7 @@ class PageStore:
         self.refs = np.zeros(pages, dtype=np.int64)
         self.refs[NULL_PAGE] = 1 << 40  # never free
         self._free = list(range(pages - 1, 0, -1))  # a stack: the lowest pages first
+        self._usable = pages - 1
         self.position_bytes = probe.position_bytes()
 
     # ---- pages --------------------------------------------------------------------------------
@@ -69,7 +74,17 @@ class PageStore:
 
     @property
     def usable_pages(self) -> int:
-        return self.pages - 1
+        return self._usable
+
+    def limit(self, pages: int) -> None:
+        """Hand out at most `pages` pages, before any is taken (several ranks' pools hold the smallest
+        rank's count, so they take and refuse alike)."""
+        if pages >= self._usable:
+            return
+        if len(self._free) != self._usable:
+            raise RuntimeError("a page store is limited before any page is taken")
+        self._usable = max(1, pages)
+        self._free = list(range(self._usable, 0, -1))
 
     def take(self, n: int) -> list[int]:
         if n > len(self._free):
@@ -146,9 +161,33 @@ class PagedKVState:
     def export_names(self) -> list[str]:
         return export_names(self.n_layers, self.indexed_layers, self.fp8)
 
+    # ---- positions and local slots (a cache split by position overrides these) ----------------------
+    @property
+    def positions_per_page(self) -> int:
+        """Positions a page's slots hold (one rank: the page's size)."""
+        return self.store.page
+
+    def _local_count(self, n: int) -> int:
+        """Local slots that hold positions [0, n) here (one rank: n)."""
+        return n
+
+    def _local_room(self, n: int) -> int:
+        """Slots reserved for a context of n positions: the same on every rank of a split cache, so
+        their stores take and free pages alike and their pools decide alike."""
+        return n
+
+    def _first_write_slot(self) -> int:
+        """The lowest slot a write past the length can land in, on any rank of a split cache."""
+        return self.length
+
+    def _rows_to_write(self, start: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(local slots, the rows kept here) of rows for positions [start, start + len(rows))."""
+        return torch.arange(start, start + rows.shape[0], device=self.device), rows
+
     # ---- pages ---------------------------------------------------------------------------------------
     def pages_for(self, positions: int) -> int:
-        return -(-positions // self.store.page)
+        """Pages that a context of `positions` positions takes."""
+        return -(-self._local_room(positions) // self.store.page)
 
     def reserve(self, n: int, exact: bool = False) -> None:
         """Room for n positions (pages from the store), and the pages that positions [length, n)
@@ -157,7 +196,7 @@ class PagedKVState:
         if missing > 0:
             self.table += self.store.take(missing)
             self._table_device = None
-        first, last = self.length // self.store.page, self.pages_for(n)
+        first, last = self._first_write_slot() // self.store.page, self.pages_for(n)
         for i in range(first, min(last, len(self.table))):
             page = self.table[i]
             if self.store.refs[page] > 1:  # shared: copy on write
@@ -169,7 +208,7 @@ class PagedKVState:
 
     def pages_wanted(self, n: int) -> int:
         """Free pages reserve(n) takes: the missing ones and the shared ones it makes private."""
-        first, last = self.length // self.store.page, min(self.pages_for(n), len(self.table))
+        first, last = self._first_write_slot() // self.store.page, min(self.pages_for(n), len(self.table))
         shared = sum(1 for i in range(first, last) if self.store.refs[self.table[i]] > 1)
         return max(0, self.pages_for(n) - len(self.table)) + shared
 
@@ -184,15 +223,15 @@ class PagedKVState:
     def share_prefix(self, source: "PagedKVState", n: int) -> int:
         """Continue this empty state with the first positions of `source`'s rows that fill whole
         pages, at most n: those pages shared (counts raised), not copied. Returns the positions
-        taken (a multiple of the page size)."""
+        taken (a multiple of positions_per_page: on every rank of a split cache the same)."""
         if self.length or self.table:
             raise ValueError("share_prefix starts an empty state")
-        full = min(n, source.frontier, source.length) // self.store.page
+        full = min(n, source.frontier, source.length) // self.positions_per_page
         pages = source.table[:full]
         self.store.share(pages)
         self.table = list(pages)
         self._table_device = None
-        taken = full * self.store.page
+        taken = full * self.positions_per_page
         self.tokens.extend(source.tokens[:taken])
         self.frontier = taken
         return taken
@@ -220,20 +259,23 @@ class PagedKVState:
         finally:
             self._bound_table = None
 
-    def slots_of(self, positions: torch.Tensor) -> torch.Tensor:
-        """Store slots of positions (a device tensor of any shape)."""
+    def slots_of(self, local: torch.Tensor) -> torch.Tensor:
+        """Store slots of local slots (a device tensor of any shape; one rank: of positions)."""
         page = self.store.page
-        return self.table_device[positions // page] * page + positions % page
+        return self.table_device[local // page] * page + local % page
 
     def _slots(self, start: int, stop: int) -> torch.Tensor:
-        return self.slots_of(torch.arange(start, stop, device=self.device))
+        """Store slots of the local slots that hold positions [start, stop)."""
+        return self.slots_of(torch.arange(self._local_count(start), self._local_count(stop), device=self.device))
 
     # ---- writes ------------------------------------------------------------------------------------
     def write_latent(self, layer: int, start: int, rows: torch.Tensor) -> None:
-        self._put("latent", layer, self._slots(start, start + rows.shape[0]), rows)
+        local, mine = self._rows_to_write(start, rows)
+        self._put("latent", layer, self.slots_of(local), mine)
 
     def write_index(self, layer: int, start: int, rows: torch.Tensor) -> None:
-        self._put("index_keys", layer, self._slots(start, start + rows.shape[0]), rows)
+        local, mine = self._rows_to_write(start, rows)
+        self._put("index_keys", layer, self.slots_of(local), mine)
 
     def write_latent_at(self, layer: int, positions: torch.Tensor, rows: torch.Tensor) -> None:
         self._put("latent", layer, self.slots_of(positions), rows)
@@ -242,6 +284,8 @@ class PagedKVState:
         self._put("index_keys", layer, self.slots_of(positions), rows)
 
     def _put(self, kind: str, layer: int, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        if not slots.numel():
+            return
         store, scale = self.store.layer(kind, layer), self.store.layer(SCALE_OF[kind], layer)
         if scale is None:
             store.index_copy_(0, slots, rows.to(store.dtype))
@@ -266,30 +310,34 @@ class PagedKVState:
         return (rows.to(torch.float32) * scale.index_select(0, slots)[:, None]).to(dtype)
 
     def index_view(self, layer: int, stop: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(the store's index keys, the slots of positions [0, stop)): the indexer reads them in place;
-        fp8 keys gathered and dequantized (rows None), as KVState reads them."""
+        """(the store's index keys, the slots of positions [0, stop) held here): the indexer reads them
+        in place; fp8 keys gathered and dequantized (rows None), as KVState reads them."""
         store = self.store.layer("index_keys", layer)
         if self.fp8 or store.dtype != dtype:
             return self.read_index(layer, stop, dtype), None
         return store, self._slots(0, stop)
 
-    def attention_view(self, layer: int, stop: int, dtype: torch.dtype, indices: torch.Tensor
-                       ) -> tuple[Callable[[], torch.Tensor], torch.Tensor]:
-        """(rows when the span attends, indices into them) for the attention over selected positions
-        `indices` ([T, k] into [0, stop); invalid slots may hold anything): the store's slots
-        themselves where they are in the compute dtype, nothing copied; else (fp8) the rows gathered
-        and dequantized when read, as KVState reads them."""
+    def attention_view(self, layer: int, stop: int, dtype: torch.dtype
+                       ) -> tuple[Callable[[], torch.Tensor], Callable[[torch.Tensor], torch.Tensor] | None]:
+        """(rows when the span attends, what turns a selection's indices into rows of them) for the
+        attention over positions [0, stop): the store's slots themselves where they are in the compute
+        dtype, nothing copied (indices into the rows held here, [T, k], translated to slots; invalid
+        entries may hold anything and are clamped into the store); else (fp8) the rows gathered and
+        dequantized when read, as KVState reads them, the indices unchanged (None)."""
         store = self.store.layer("latent", layer)
         if self.fp8 or store.dtype != dtype:
-            return partial(self.read_latent, layer, stop, dtype), indices
-        return (lambda: store), self.slots_of(indices.clamp(0, max(stop - 1, 0)))
+            return partial(self.read_latent, layer, stop, dtype), None
+        last = max(self._local_count(stop) - 1, 0)
+        return (lambda: store), lambda indices: self.slots_of(indices.clamp(0, last))
 
     # ---- the prefix cache's view ------------------------------------------------------------------------
     def slots(self, start: int, stop: int) -> tuple[int, int]:
-        return start, stop
+        """The local slots [a, b) that hold positions [start, stop) (KVState.slots)."""
+        return self._local_count(start), self._local_count(stop)
 
     def export_rows(self, start: int, stop: int) -> dict[str, torch.Tensor]:
-        """Rows of positions [start, stop) per layer as KVState.export_rows names them (gathered: copies)."""
+        """Rows of positions [start, stop) held here (their local slots) per layer, as KVState.export_rows
+        names them (gathered: copies)."""
         if not 0 <= start <= stop <= self.length:
             raise ValueError(f"rows [{start}, {stop}) outside written [0, {self.length})")
         slots = self._slots(start, stop)
@@ -300,10 +348,12 @@ class PagedKVState:
         return out
 
     def import_rows(self, start: int, rows: dict[str, torch.Tensor], tokens: list[int]) -> None:
-        """KVState.import_rows into pages: rows for positions [start, start + len(tokens)), start at the length."""
+        """KVState.import_rows into pages: rows for positions [start, start + len(tokens)) (their local
+        slots, leading), start at the length."""
         if start != self.length:
             raise ValueError(f"import at {start} but the state holds {self.length} rows; rows must continue it")
         n = len(tokens)
+        a, b = self.slots(start, start + n)
         names = self.export_names()
         if rows.keys() != set(names):
             missing, extra = set(names) - rows.keys(), rows.keys() - set(names)
@@ -312,9 +362,10 @@ class PagedKVState:
         for name in names:  # every tensor checked first: nothing half-written
             kind, layer = name_place(name)
             target, t = self.store.layer(kind, layer), rows[name]
-            if t.shape[0] < n or t.dtype != target.dtype or t.shape[1:] != target.shape[1:]:
-                raise ValueError(f"restored {name}: {tuple(t.shape)} {t.dtype}, expected at least [{n}, ...] {target.dtype}")
-            checked.append((target, t[:n]))
+            if t.shape[0] < b - a or t.dtype != target.dtype or t.shape[1:] != target.shape[1:]:
+                raise ValueError(f"restored {name}: {tuple(t.shape)} {t.dtype}, expected at least [{b - a}, ...] "
+                                 f"{target.dtype}")
+            checked.append((target, t[: b - a]))
         self.reserve(start + n)
         slots = self._slots(start, start + n)
         for target, t in checked:

@@ -36,13 +36,22 @@ class AttentionSpan:
     q_rot [T, h, rope], the cache rows this rank holds [n, r + rope] at key_positions (None: every
     position) and the selection over them (merge_topk's result: a plan may return its own form, as
     DCP's pending selection). `read_rows` gives the rows when the span
-    attends, so a batch holds one span's read at a time (an fp8 cache dequantizes on read)."""
+    attends, so a batch holds one span's read at a time (an fp8 cache dequantizes on read).
+    `rows_of` turns the selection's indices (into the rows held, in position order) into rows of what
+    read_rows gives, where that is a paged store (None: they are the same)."""
 
     q_nope: torch.Tensor
     q_rot: torch.Tensor
     read_rows: Callable[[], torch.Tensor]
     key_positions: torch.Tensor | None
     selection: "Selection"
+    rows_of: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def selected_rows(self, selection: "Selection") -> "Selection":
+        """A resolved selection of this span as rows of read_rows()."""
+        if self.rows_of is None:
+            return selection
+        return indexer.Selection(self.rows_of(selection.indices), selection.valid)
 
 
 @dataclass(frozen=True)
@@ -100,7 +109,7 @@ class RankPlan:
         selection from merge_topk. World 1: each span apart, the absorbed attention of
         glm53.model.mla.attend, each query over its own selected rows, so the cost per query is
         bounded by index_topk."""
-        outs = [attend(w, s.q_nope, s.q_rot, s.read_rows(), s.selection)[0] for s in spans]
+        outs = [attend(w, s.q_nope, s.q_rot, s.read_rows(), s.selected_rows(s.selection))[0] for s in spans]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     # ---- the cache ------------------------------------------------------------------------

@@ -307,12 +307,10 @@ class Glm53Model:
                 selections[i] = plan.merge_topk(scores, key_positions, cfg.index_topk, span.nan_flag)
             elif selections[i] is None:
                 raise ValueError(f"layer {layer.index} shares the indexer selection but no earlier full layer ran")
-            selection = selections[i]
-            view = getattr(state, "attention_view", None)
-            if view is not None:  # a paged cache: the store's rows, the selection translated to its slots
-                read_cached, indices = view(layer.index, stop, self.dtype, selection.indices)
-                selection = Selection(indices, selection.valid)
-            parts.append(AttentionSpan(q_nope[rows], q_rot[rows], read_cached, key_positions, selection))
+            view, rows_of = getattr(state, "attention_view", None), None
+            if view is not None:  # a paged cache: the store's rows, selections translated to its slots
+                read_cached, rows_of = view(layer.index, stop, self.dtype)
+            parts.append(AttentionSpan(q_nope[rows], q_rot[rows], read_cached, key_positions, selections[i], rows_of))
         # every span's attention at once: under DCP their exchanges are shared (two a layer, not two a span)
         out = plan.attend_spans(a, parts, cfg.num_attention_heads)
         x = x + plan.sum_partials(output_projection(a, out))

@@ -22,8 +22,7 @@ import torch
 from drafter.target import WindowOutput
 from glm53.runtime.drafted import DraftedRun
 from glm53.runtime.errors import SamplingError
-from glm53.model.kv_state import KVState
-from glm53.runtime.kv_pool import KVPool, PagedPool
+from glm53.runtime.kv_pool import PagedPool
 from glm53.runtime.options import with_options
 from glm53.runtime.runner import ModelRunner
 from glm53.runtime.scheduler import QueueFull, Scheduler, TooLarge, Work
@@ -57,11 +56,8 @@ class BatchEngine:
         budget = s.kv_pool_bytes if s.kv_pool_bytes is not None else default_pool_bytes(engine.device)
         probe = engine.model.new_state(engine.kv_dtype)
         block = pool_block or engine.cache_block
-        if type(probe) is KVState and engine.plan.world == 1:  # pages; a split cache keeps the byte budget
-            self.pool: KVPool | PagedPool = PagedPool(probe, budget, page=block,
-                                                      max_positions=s.max_seqs * engine.cfg.max_position_embeddings)
-        else:
-            self.pool = KVPool(lambda: engine.model.new_state(engine.kv_dtype), budget, block=block)
+        self.pool = PagedPool(probe, budget, page=block,
+                              max_positions=s.max_seqs * engine.cfg.max_position_embeddings)
         self.scheduler = Scheduler(self.pool, max_seqs=s.max_seqs, max_waiting=s.max_waiting,
                                    step_tokens=s.step_tokens or engine.chunk, chunk=engine.chunk, wave=engine.wave)
         self.runner = ModelRunner(engine)
@@ -172,10 +168,9 @@ class BatchEngine:
 
     def _reuse(self, seq: Sequence) -> int:
         """Rows of the prompt reused into the sequence's fresh state: the whole pages of the running
-        sequence whose canonical rows share the longest prefix, shared in place (a paged pool); then
-        what the prefix cache holds past them, restored; then the rest of that running sequence's
-        shared prefix, copied (its partial last page, or everything under a byte-budget pool, whose
-        contiguous caches cannot share). None without a prefix cache and without `reuse_live`."""
+        sequence whose canonical rows share the longest prefix, shared in place; then what the prefix
+        cache holds past them, restored; then the rest of that running sequence's shared prefix,
+        copied (its partial last page). None without a prefix cache and without `reuse_live`."""
         engine, state, prompt = self.engine, seq.state, seq.prompt
         if engine.prefix_cache is None and not engine.reuse_live:
             return 0

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from glm53.runtime.kv_pool import KVPool
+from glm53.runtime.kv_pool import PagedPool
 from glm53.runtime.sequence import Sequence, Status
 
 
@@ -39,7 +39,7 @@ class Work:
 
 
 class Scheduler:
-    def __init__(self, pool: KVPool, *, max_seqs: int = 8, max_waiting: int = 64, step_tokens: int = 256,
+    def __init__(self, pool: PagedPool, *, max_seqs: int = 8, max_waiting: int = 64, step_tokens: int = 256,
                  chunk: int = 256, wave: int | None = None) -> None:
         self.pool, self.max_seqs, self.max_waiting = pool, max_seqs, max_waiting
         self.step_tokens, self.chunk = step_tokens, chunk
