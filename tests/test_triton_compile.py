@@ -321,6 +321,22 @@ def test_exl3_kernels_compile_and_fit(capability: int, limit: int, form: str, ke
         f"{form}: the decoder's PTX path {'missing' if not in_ptx else 'unexpected'}")
 
 
+@pytest.mark.parametrize("form", ["decode", "prefill", "prefetch-ptx"])
+def test_exl3_linear_compiles_for_an_fp32_model(form: str) -> None:
+    """An fp32 model's EXL3 product (ACT fp32: rotated inputs fp32, the decoded fp16 weights widened
+    before an ieee dot) compiles in each main-loop form: the reference dtype the GPU tests run."""
+    import triton.language as tl
+
+    from glm53.ops import triton_exl3 as tx
+
+    f = {"decode": tx.DECODE, "prefill": tx.PREFILL,
+         "prefetch-ptx": tx.Form(16, 4, 1, False, 32, parallel=True, ptx=True, prefetch=True)}[form]
+    signature = dict(_exl3_signature("linear"), xr_ptr="*fp32", out_ptr="*fp32")
+    constexprs = {"ACT": tl.float32, "CB": 1, "LANES": f.decoder, "BM": f.bm, "BN": 128, "SUBK": f.subk,
+                  "PARALLEL": f.parallel, "STAGED": False}
+    _compile(tx._linear_kernel, signature, constexprs, f.warps, 90, f.stages)
+
+
 @pytest.mark.parametrize("capability", [90, 121])
 def test_exl3_rotation_and_stage_compile(capability: int) -> None:
     import triton.language as tl

@@ -306,9 +306,12 @@ def _chunk(acc, xrow, row_ok, c, words_ptr, block, lay0, lay1, lay2, lay3, lay4,
 
 @triton.jit
 def _dot(acc, xr, w, ACT: tl.constexpr):
+    # one return after the branches: the compiler builds a statement after a constexpr branch's return too
     if ACT == tl.float32:
-        return tl.dot(xr, w.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(xr, w, acc)
+        acc = tl.dot(xr, w.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(xr, w, acc)
+    return acc
 
 
 @triton.jit
