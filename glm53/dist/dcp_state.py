@@ -95,6 +95,12 @@ class PagedDcpKVState(PagedKVState):
     def _rows_to_write(self, start: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.own.rows_to_write(start, rows)
 
+    def _window_rows(self, start: int | None, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if start is None:
+            raise NotImplementedError("a split cache's window starts at a host position (not captured as a graph)")
+        mine = self.own.owned_positions(start, start + positions.shape[0], device=positions.device)
+        return torch.div(mine, self.own.ranks, rounding_mode="floor"), mine - start
+
     def owned_positions(self, stop: int) -> torch.Tensor | None:
         if self.own.ranks == 1:
             return None

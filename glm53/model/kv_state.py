@@ -197,9 +197,11 @@ class KVState:
     def read_index(self, layer: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
         return self._read(self.index_keys[layer], self.index_scale[layer], stop, dtype)
 
-    def index_view(self, layer: int, stop: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def index_view(self, layer: int, stop: int, dtype: torch.dtype, slots: object = None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(keys, rows): the indexer's keys of positions [0, stop) as rows `rows` of `keys` (None: keys
-        [stop, index_dim] in position order, this class; a paged cache gives its store and slots)."""
+        [stop, index_dim] in position order, this class; a paged cache gives its store and slots, from
+        its window's precomputed `slots` when given)."""
         return self.read_index(layer, stop, dtype), None
 
     @staticmethod

@@ -23,6 +23,7 @@ Decision record: docs/decisions/kv-pool.md.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Iterator
 
@@ -112,6 +113,80 @@ class PageStore:
     def layer(self, kind: str, layer: int) -> torch.Tensor | None:
         """The store's slots of one cache layer for a kind ([slots, ...]), None where the kind is absent."""
         return self._views[kind].get(layer)
+
+    def put(self, kind: str, layer: int, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """rows (compute dtype) into slots of one layer of a kind ('latent', 'index_keys'), as KVState
+        stores them (fp8: quantized, one scale a row)."""
+        if not slots.numel():
+            return
+        store, scale = self.layer(kind, layer), self.layer(SCALE_OF[kind], layer)
+        if scale is None:
+            store.index_copy_(0, slots, rows.to(store.dtype))
+        else:
+            q, s = quantize_rows(rows)
+            _put_rows(store, slots, q)
+            scale.index_copy_(0, slots, s)
+
+    def reads_in_place(self, dtype: torch.dtype) -> bool:
+        """Whether readers in `dtype` read the store's slots themselves (else rows are gathered and
+        dequantized, as KVState reads them: fp8, or another dtype)."""
+        return self.kv_dtype != "fp8" and KV_DTYPES[self.kv_dtype] == dtype
+
+
+@dataclass
+class SpanSlots:
+    """A window's places in a paged store, the same for every layer of its forward (so computed once
+    a forward, not once a layer): the slots its kept rows are written to, which of its rows those are
+    (None: all; a split cache keeps its own positions), and the slots of the positions [0, key bound)
+    held here, in position order (what the indexer scores and a selection's indices point into)."""
+
+    write: torch.Tensor
+    kept: torch.Tensor | None
+    keys: torch.Tensor
+
+    def rows_of(self, indices: torch.Tensor) -> torch.Tensor:
+        return rows_at(self.keys, indices)
+
+
+def rows_at(keys: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """Store slots of a selection's indices into the positions whose slots are `keys` (padding and
+    stale entries clamped into range: they are invalid, read but never weighed)."""
+    if not keys.numel():
+        return torch.zeros_like(indices)
+    return keys[indices.clamp(0, keys.shape[0] - 1)]
+
+
+@dataclass
+class BatchSlots:
+    """Every window of a batched step over one store (one window a sequence): each one's SpanSlots,
+    and their writes side by side, so a layer's rows of all the sequences go in with one copy a kind."""
+
+    store: PageStore
+    spans: list[SpanSlots]
+    write: torch.Tensor
+    kept: torch.Tensor | None  # rows of the step kept here (None: all, in order)
+
+    @classmethod
+    def of(cls, states: list, starts: list[int | None], positions: list[torch.Tensor], bounds: list[int]
+           ) -> "BatchSlots | None":
+        """None unless every state is paged in one store and each is a different sequence."""
+        if not states or not all(isinstance(s, PagedKVState) for s in states):
+            return None
+        store = states[0].store
+        if any(s.store is not store for s in states) or len({id(s) for s in states}) != len(states):
+            return None
+        spans = [s.span_slots(a, p, b) for s, a, p, b in zip(states, starts, positions, bounds)]
+        write = spans[0].write if len(spans) == 1 else torch.cat([x.write for x in spans])
+        kept = None
+        if any(x.kept is not None for x in spans):
+            offsets = np.cumsum([0] + [p.shape[0] for p in positions[:-1]]).tolist()
+            kept = torch.cat([(x.kept if x.kept is not None else torch.arange(p.shape[0], device=p.device)) + o
+                              for x, p, o in zip(spans, positions, offsets)])
+        return cls(store, spans, write, kept)
+
+    def put(self, kind: str, layer: int, rows: torch.Tensor) -> None:
+        """A layer's rows of every window (in window order) into their slots."""
+        self.store.put(kind, layer, self.write, rows if self.kept is None else rows[self.kept])
 
 
 class PagedKVState:
@@ -284,15 +359,17 @@ class PagedKVState:
         self._put("index_keys", layer, self.slots_of(positions), rows)
 
     def _put(self, kind: str, layer: int, slots: torch.Tensor, rows: torch.Tensor) -> None:
-        if not slots.numel():
-            return
-        store, scale = self.store.layer(kind, layer), self.store.layer(SCALE_OF[kind], layer)
-        if scale is None:
-            store.index_copy_(0, slots, rows.to(store.dtype))
-        else:
-            q, s = quantize_rows(rows)
-            _put_rows(store, slots, q)
-            scale.index_copy_(0, slots, s)
+        self.store.put(kind, layer, slots, rows)
+
+    def span_slots(self, start: int | None, positions: torch.Tensor, key_bound: int) -> SpanSlots:
+        """A window's places for every layer of its forward: rows at `positions` (device; from the host
+        `start` when not None), reads of positions [0, key_bound)."""
+        local, kept = self._window_rows(start, positions)
+        return SpanSlots(self.slots_of(local), kept, self._slots(0, key_bound))
+
+    def _window_rows(self, start: int | None, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(local slots of a window's rows kept here, which rows those are: None, all)."""
+        return positions, None
 
     # ---- reads -------------------------------------------------------------------------------------
     def read_latent(self, layer: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
@@ -309,26 +386,26 @@ class PagedKVState:
             return rows.to(dtype)
         return (rows.to(torch.float32) * scale.index_select(0, slots)[:, None]).to(dtype)
 
-    def index_view(self, layer: int, stop: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(the store's index keys, the slots of positions [0, stop) held here): the indexer reads them
-        in place; fp8 keys gathered and dequantized (rows None), as KVState reads them."""
-        store = self.store.layer("index_keys", layer)
-        if self.fp8 or store.dtype != dtype:
+    def index_view(self, layer: int, stop: int, dtype: torch.dtype, slots: SpanSlots | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the store's index keys, the slots of positions [0, stop) held here: `slots.keys` when the
+        window's places are given): the indexer reads them in place; fp8 keys gathered and dequantized
+        (rows None), as KVState reads them."""
+        if not self.store.reads_in_place(dtype):
             return self.read_index(layer, stop, dtype), None
-        return store, self._slots(0, stop)
+        return self.store.layer("index_keys", layer), slots.keys if slots is not None else self._slots(0, stop)
 
-    def attention_view(self, layer: int, stop: int, dtype: torch.dtype
+    def attention_view(self, layer: int, stop: int, dtype: torch.dtype, slots: SpanSlots | None = None
                        ) -> tuple[Callable[[], torch.Tensor], Callable[[torch.Tensor], torch.Tensor] | None]:
         """(rows when the span attends, what turns a selection's indices into rows of them) for the
         attention over positions [0, stop): the store's slots themselves where they are in the compute
-        dtype, nothing copied (indices into the rows held here, [T, k], translated to slots; invalid
-        entries may hold anything and are clamped into the store); else (fp8) the rows gathered and
-        dequantized when read, as KVState reads them, the indices unchanged (None)."""
-        store = self.store.layer("latent", layer)
-        if self.fp8 or store.dtype != dtype:
+        dtype, nothing copied (indices into the rows held here, [T, k], translated to slots through
+        `slots` or the table); else (fp8) the rows gathered and dequantized when read, as KVState reads
+        them, the indices unchanged (None)."""
+        if not self.store.reads_in_place(dtype):
             return partial(self.read_latent, layer, stop, dtype), None
-        last = max(self._local_count(stop) - 1, 0)
-        return (lambda: store), lambda indices: self.slots_of(indices.clamp(0, last))
+        store = self.store.layer("latent", layer)
+        return (lambda: store), partial(rows_at, slots.keys if slots is not None else self._slots(0, stop))
 
     # ---- the prefix cache's view ------------------------------------------------------------------------
     def slots(self, start: int, stop: int) -> tuple[int, int]:

@@ -23,7 +23,8 @@ import torch
 
 from glm53.model import indexer
 from glm53.model.kv_state import KVState
-from glm53.model.mla import attend
+from glm53 import ops
+from glm53.model.mla import absorbed_queries, attend
 
 if TYPE_CHECKING:
     from glm53.model.indexer import Selection
@@ -52,6 +53,14 @@ class AttentionSpan:
         if self.rows_of is None:
             return selection
         return indexer.Selection(self.rows_of(selection.indices), selection.valid)
+
+
+def _one_store(spans: list[AttentionSpan]) -> torch.Tensor | None:
+    """The paged store every span reads in place (its rows through rows_of), or None."""
+    if any(s.rows_of is None for s in spans):
+        return None
+    stores = [s.read_rows() for s in spans]  # the store's layer itself: nothing read
+    return stores[0] if all(t is stores[0] for t in stores) else None
 
 
 @dataclass(frozen=True)
@@ -106,11 +115,30 @@ class RankPlan:
         or several sequences -> [sum T, h, v] for those heads (before o_proj), the spans' rows in order.
 
         Each span's queries attend over the rows this rank holds at its key_positions, with its
-        selection from merge_topk. World 1: each span apart, the absorbed attention of
-        glm53.model.mla.attend, each query over its own selected rows, so the cost per query is
-        bounded by index_topk."""
-        outs = [attend(w, s.q_nope, s.q_rot, s.read_rows(), s.selected_rows(s.selection))[0] for s in spans]
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+        selection from merge_topk. World 1: the absorbed attention of glm53.model.mla.attend, each
+        query over its own selected rows (so the cost per query is bounded by index_topk): the
+        queries' products (W_uk^T, W_uv) over every span's rows at once, the attention in one call
+        where every span reads one paged store (their selections as its slots), else a call a span.
+        Each op is row-invariant: a row's bits are the ones it gets alone."""
+        if len(spans) == 1:
+            s = spans[0]
+            return attend(w, s.q_nope, s.q_rot, s.read_rows(), s.selected_rows(s.selection))[0]
+        q = absorbed_queries(w, torch.cat([s.q_nope for s in spans]), torch.cat([s.q_rot for s in spans]))
+        selections = [s.selected_rows(s.selection) for s in spans]
+        store = _one_store(spans)
+        if store is not None:
+            latent, _ = ops.latent_attention(q, store, torch.cat([x.indices for x in selections]),
+                                             torch.cat([x.valid for x in selections]), w.scale, w.kv_rank,
+                                             valid_prefix=True)
+        else:
+            outs, t0 = [], 0
+            for s, x in zip(spans, selections):  # one span's rows read at a time (fp8 gathers them)
+                n = s.q_nope.shape[0]
+                outs.append(ops.latent_attention(q[t0:t0 + n], s.read_rows(), x.indices, x.valid, w.scale, w.kv_rank,
+                                                 valid_prefix=True)[0])
+                t0 += n
+            latent = torch.cat(outs)
+        return ops.head_linear(latent, w.w_uv)
 
     # ---- the cache ------------------------------------------------------------------------
     def new_state(self, model, kv_dtype: str = "bf16"):  # noqa: ANN001, ANN201 - (Glm53Model) -> KVState

@@ -21,6 +21,7 @@ from glm53.model.indexer import IndexerWeights, Selection, index_scores, indexer
 from glm53.model.mla import AttentionWeights, latent_rows, output_projection, project_queries
 from glm53.model.moe import MLPWeights, MoEWeights
 from glm53.model.norm import rms_norm
+from glm53.model.paged_kv import BatchSlots
 from glm53.model.parallel import AttentionSpan, RankPlan
 from glm53.model.rope import inverse_frequencies, rope_angles
 
@@ -246,10 +247,13 @@ class Glm53Model:
         x = xs[0] if len(xs) == 1 else torch.cat(xs)
         positions = spans[0].positions if len(spans) == 1 else torch.cat([span.positions for span in spans])
         cos, sin = rope_angles(self.inv_freq, positions, self.dtype)
+        # a paged cache's places of every window, once for all the layers (None: each state's own calls)
+        places = BatchSlots.of(states, [s.start for s in spans], [s.positions for s in spans],
+                               [s.key_bound for s in spans])
         selections: list[Selection | None] = [None] * len(spans)
         taken: list[dict[int, torch.Tensor]] = [{} for _ in spans]
         for layer in layers:
-            x, h = self._attention_rows(states, layer, x, spans, sizes, cos, sin, selections)
+            x, h = self._attention_rows(states, layer, x, spans, sizes, cos, sin, selections, places)
             x = x + self.plan.sum_partials(layer.ffn(h))
             if layer.index in taps:
                 for i, part in enumerate(x.split(sizes)):
@@ -275,13 +279,15 @@ class Glm53Model:
 
     def _attention_rows(self, states: list[KVState], layer: LayerWeights, x: torch.Tensor, spans: list[Span],
                         sizes: list[int], cos: torch.Tensor, sin: torch.Tensor,
-                        selections: list[Selection | None]) -> tuple[torch.Tensor, torch.Tensor]:
+                        selections: list[Selection | None], places: BatchSlots | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """A layer up to its feed-forward block over the rows of several spans (sizes: each span's
         rows, in order): the projections over all the rows at once, then per span its cache rows
         written, its keys read back and its selection (updated in `selections`: the next 'shared'
         layers reuse it), then every span's attention (plan.attend_spans: under DCP in shared
-        exchanges), then the output projection over all the rows. Returns
-        x after the attention's residual and the normed input of the feed-forward block."""
+        exchanges), then the output projection over all the rows. `places`: the spans' slots in one
+        paged store (their rows written with one copy a kind, their reads through precomputed slots).
+        Returns x after the attention's residual and the normed input of the feed-forward block."""
         cfg, a, plan = self.cfg, layer.attn, self.plan
         h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
         q_resid, q_nope, q_rot = project_queries(a, h, cos, sin)
@@ -289,19 +295,26 @@ class Glm53Model:
         if layer.indexer is not None:
             index_keys = indexer_keys(layer.indexer, h, cos, sin)
             q_idx = indexer_queries(layer.indexer, q_resid, cos, sin)
+        if places is not None:  # every sequence's rows in one copy a kind
+            places.put("latent", layer.index, latents)
+            if layer.indexer is not None:
+                places.put("index_keys", layer.index, index_keys)
         parts, a0 = [], 0
         for i, (state, span, n) in enumerate(zip(states, spans, sizes)):
             rows = slice(a0, a0 + n)
             a0 += n
             stop = span.key_bound
+            slots = places.spans[i] if places is not None else None
             # the rows this rank holds (all of [0, stop) unless the cache is split by position)
             key_positions = state.owned_positions(stop)
-            _write(state.write_latent, state.write_latent_at, layer.index, span, latents[rows])
+            if places is None:
+                _write(state.write_latent, state.write_latent_at, layer.index, span, latents[rows])
             # read back when the span attends: attend to what is stored
             read_cached = partial(state.read_latent, layer.index, stop, self.dtype)
             if layer.indexer is not None:
-                _write(state.write_index, state.write_index_at, layer.index, span, index_keys[rows])
-                keys, key_rows = state.index_view(layer.index, stop, self.dtype)
+                if places is None:
+                    _write(state.write_index, state.write_index_at, layer.index, span, index_keys[rows])
+                keys, key_rows = state.index_view(layer.index, stop, self.dtype, slots)
                 scores = index_scores(layer.indexer, q_idx[rows], h[rows], keys, span.positions, key_positions,
                                       key_rows)
                 selections[i] = plan.merge_topk(scores, key_positions, cfg.index_topk, span.nan_flag)
@@ -309,7 +322,7 @@ class Glm53Model:
                 raise ValueError(f"layer {layer.index} shares the indexer selection but no earlier full layer ran")
             view, rows_of = getattr(state, "attention_view", None), None
             if view is not None:  # a paged cache: the store's rows, selections translated to its slots
-                read_cached, rows_of = view(layer.index, stop, self.dtype)
+                read_cached, rows_of = view(layer.index, stop, self.dtype, slots)
             parts.append(AttentionSpan(q_nope[rows], q_rot[rows], read_cached, key_positions, selections[i], rows_of))
         # every span's attention at once: under DCP their exchanges are shared (two a layer, not two a span)
         out = plan.attend_spans(a, parts, cfg.num_attention_heads)
