@@ -27,6 +27,9 @@ follows the budget), and its time to first token; the streams' replies equal the
 
 --profile: after the timed rounds, one more round per stream count with each step split into its
 forward, head and tokens' choice (the device synchronized between them), as ms a step.
+
+--kernels: after the timed rounds, one more round per stream count under torch.profiler: the device
+kernels a step runs (graph replays included) and the ones taking the most device time, per step.
 """
 from __future__ import annotations
 
@@ -145,6 +148,29 @@ class StepPhases:
         return {"steps": self.steps, **{f"{k}_ms_per_step": 1e3 * v / max(self.steps, 1) for k, v in self.seconds.items()}}
 
 
+def kernel_profile(batch, prompts: list[list[int]], tokens: int) -> dict:  # noqa: ANN001 (BatchEngine)
+    """One round under torch.profiler: device kernels a step (their count and the 12 with the most
+    device time, microseconds a step)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    steps0 = batch.steps
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        one_round(batch, prompts, tokens)
+        torch.cuda.synchronize()
+    steps = max(batch.steps - steps0, 1)
+    kernels: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0:
+            kernels.setdefault(e.name, []).append(e.device_time)
+    count = sum(len(v) for v in kernels.values())
+    top = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:12]
+    return {"steps": steps, "kernels_per_step": count / steps,
+            "device_us_per_step": sum(sum(v) for v in kernels.values()) / steps,
+            "top": [{"kernel": name[:120], "per_step": len(v) / steps, "us_per_step": sum(v) / steps}
+                    for name, v in top]}
+
+
 def engine_options(device: str) -> dict:
     cpu = device == "cpu"
     return {"device": device, "dtype": "fp32" if cpu else None, "kv_dtype": "fp32" if cpu else None,
@@ -194,6 +220,8 @@ def main() -> int:
     p.add_argument("--out", type=Path, help="default bench/results/batching_cpu_tiny[_R<ranks>].json")
     p.add_argument("--profile", action="store_true",
                    help="a last round per stream count with each step's phases timed (device synchronized)")
+    p.add_argument("--kernels", action="store_true",
+                   help="a last round per stream count under torch.profiler: device kernels a step (CUDA)")
     p.add_argument("--follower", type=int, default=0, help=argparse.SUPPRESS)  # rank r of --ranks (internal)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -226,6 +254,9 @@ def main() -> int:
     vocab = engine.vocab_size
     prompts = [[(7 + 31 * i + 17 * j) % vocab for j in range(args.prompt)] for i in range(max(counts))]
     one_round(batch, prompts[:2], 4)  # warm-up, discarded
+    long = [(3 + 11 * j) % vocab for j in range(args.long_prompt)]
+    if args.long_prompt:  # its pieces' shapes compile here, not inside the first timed gap
+        long_prompt_round(batch, prompts[:args.long_streams], args.tokens, long)
     rows, alone_replies, long_rows = [], {}, []
     for r in range(args.repeats):
         for n in counts:
@@ -239,7 +270,6 @@ def main() -> int:
             log(f"repeat {r} streams {n}: {row['aggregate_tok_s']:.1f} tok/s, "
                 f"{1e3 * row['per_stream_s_per_token']:.1f} ms/token a stream")
         if args.long_prompt:
-            long = [(3 + 11 * j) % vocab for j in range(args.long_prompt)]
             row = long_prompt_round(batch, prompts[:args.long_streams], args.tokens, long)
             if any(alone_replies[i] != reply for i, reply in enumerate(row.pop("replies"))):
                 raise SystemExit("a stream's reply beside the long prompt differs from its reply alone")
@@ -255,6 +285,14 @@ def main() -> int:
             phases[n] = profiler.report()
             del batch.runner.forward, batch.runner.logits, batch._advance  # the class's methods again
             log(f"profile streams {n}: " + ", ".join(f"{k} {v:.2f}" for k, v in phases[n].items()))
+    kernels = {}
+    if args.kernels and args.device.startswith("cuda"):
+        for n in counts:
+            kernels[n] = kernel_profile(batch, prompts[:n], args.tokens)
+            k = kernels[n]
+            log(f"kernels streams {n}: {k['kernels_per_step']:.0f} a step, {k['device_us_per_step']:.0f} us of device "
+                "time a step; most: " + "; ".join(f"{t['kernel'][:60]} x{t['per_step']:.0f} {t['us_per_step']:.0f} us"
+                                                  for t in k["top"][:6]))
     table = []
     for n in counts:
         agg = [x["aggregate_tok_s"] for x in rows if x["streams"] == n]
@@ -278,7 +316,7 @@ def main() -> int:
     graph_stats = dataclasses.asdict(graphs.stats) if graphs is not None else None
     write_json(out, {**result_header("bench_batching", settings, device=args.device), "table": table,
                      "rounds": rows, "long_prompt": long_summary, "long_rounds": long_rows, "graphs": graph_stats,
-                     "step_phases": phases})
+                     "step_phases": phases, "kernels": kernels})
     print(f"{'streams':>8} {'agg tok/s':>10} {'x one':>7} {'ms/token/stream':>16} {'x alone':>8}")
     for t in table:
         print(f"{t['streams']:>8} {t['aggregate_tok_s']['median']:>10.1f} {t['aggregate_vs_one']:>7.2f} "
