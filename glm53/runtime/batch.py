@@ -59,7 +59,7 @@ class BatchEngine:
         self.pool = PagedPool(probe, budget, page=block,
                               max_positions=s.max_seqs * engine.cfg.max_position_embeddings)
         self.scheduler = Scheduler(self.pool, max_seqs=s.max_seqs, max_waiting=s.max_waiting,
-                                   step_tokens=s.step_tokens or engine.chunk, chunk=engine.chunk, wave=engine.wave)
+                                   step_tokens=s.step_tokens, chunk=engine.chunk, wave=engine.wave)
         self.runner = ModelRunner(engine)
         # called with every step's work before its forward (several ranks: the ranks compare it)
         self.on_plan: Callable[[list[Work]], None] | None = None
