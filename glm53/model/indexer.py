@@ -77,13 +77,19 @@ def indexer_queries(w: IndexerWeights, q_resid: torch.Tensor, cos: torch.Tensor,
     return torch.cat([apply_rope(q[..., : w.rope_dim], cos, sin), q[..., w.rope_dim:]], dim=-1)
 
 
-def index_scores(w: IndexerWeights, q: torch.Tensor, x_norm: torch.Tensor, keys: torch.Tensor,
+def index_head_weights(w: IndexerWeights, x_norm: torch.Tensor) -> torch.Tensor:
+    """[T, n_heads] fp32: each query row's weight of every indexer head (row-invariant: a batch's
+    rows in one product)."""
+    return ops.linear_fp32(x_norm, w.weights_proj) * (w.n_heads ** -0.5)
+
+
+def index_scores(w: IndexerWeights, q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor,
                  q_positions: torch.Tensor, key_positions: torch.Tensor | None = None,
                  key_rows: torch.Tensor | None = None) -> torch.Tensor:
     """[Tq, Tk] fp32 scores of keys at key_positions (default [0, Tk); a DCP rank passes the
-    positions it owns) for queries at q_positions; -inf where the key lies in the query's future.
-    key_rows: key n is keys[key_rows[n]] (a paged cache's slots, read in place)."""
-    head_weights = ops.linear_fp32(x_norm, w.weights_proj) * (w.n_heads ** -0.5)
+    positions it owns) for queries at q_positions (their head weights from index_head_weights); -inf
+    where the key lies in the query's future. key_rows: key n is keys[key_rows[n]] (a paged cache's
+    slots, read in place)."""
     return ops.index_scores(q, head_weights, keys, w.head_dim ** -0.5, q_positions, key_positions, key_rows)
 
 

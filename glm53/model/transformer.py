@@ -17,7 +17,8 @@ import torch
 from glm53.config import Glm53Config
 from glm53.model.kv_state import KVState
 from glm53 import ops
-from glm53.model.indexer import IndexerWeights, Selection, index_scores, indexer_keys, indexer_queries
+from glm53.model.indexer import (IndexerWeights, Selection, index_head_weights, index_scores, indexer_keys,
+                                 indexer_queries)
 from glm53.model.mla import AttentionWeights, latent_rows, output_projection, project_queries
 from glm53.model.moe import MLPWeights, MoEWeights
 from glm53.model.norm import rms_norm
@@ -295,6 +296,7 @@ class Glm53Model:
         if layer.indexer is not None:
             index_keys = indexer_keys(layer.indexer, h, cos, sin)
             q_idx = indexer_queries(layer.indexer, q_resid, cos, sin)
+            head_weights = index_head_weights(layer.indexer, h)
         if places is not None:  # every sequence's rows in one copy a kind
             places.put("latent", layer.index, latents)
             if layer.indexer is not None:
@@ -315,7 +317,7 @@ class Glm53Model:
                 if places is None:
                     _write(state.write_index, state.write_index_at, layer.index, span, index_keys[rows])
                 keys, key_rows = state.index_view(layer.index, stop, self.dtype, slots)
-                scores = index_scores(layer.indexer, q_idx[rows], h[rows], keys, span.positions, key_positions,
+                scores = index_scores(layer.indexer, q_idx[rows], head_weights[rows], keys, span.positions, key_positions,
                                       key_rows)
                 selections[i] = plan.merge_topk(scores, key_positions, cfg.index_topk, span.nan_flag)
             elif selections[i] is None:
