@@ -225,7 +225,8 @@ def test_a_split_caches_pool_counts_positions_of_every_rank() -> None:
     position takes on a rank are 1/R of a slot's; a capacity set lower (the smallest rank's) is what
     the store hands out."""
     flat = probe("bf16")
-    pool = PagedPool(split_probe("bf16", 1, 4), budget_bytes=flat.position_bytes() * 40, page=8)
+    pool = PagedPool(split_probe("bf16", 1, 4), budget_bytes=flat.position_bytes() * 40, page=8,
+                     new_state=lambda store: PagedDcpKVState(store, Ownership(1, 4)))
     assert pool.block == 8 and pool.store.page == 2 and pool.capacity == 160
     assert pool.position_bytes == -(-flat.position_bytes() // 4)
     pool.capacity = 100

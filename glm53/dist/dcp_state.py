@@ -60,10 +60,6 @@ class DcpKVState(KVState):
     def positions_per_slot(self) -> int:
         return self.own.ranks
 
-    def paged(self, store: PageStore) -> "PagedDcpKVState":
-        """An empty state of this rank's positions in pages of `store` (a KV pool's)."""
-        return PagedDcpKVState(store, self.own)
-
 
 class PagedDcpKVState(PagedKVState):
     """PagedKVState holding only this rank's positions (p % R == rank at local slot p // R, as

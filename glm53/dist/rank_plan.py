@@ -35,9 +35,10 @@ import torch
 
 from glm53.dist import dcp, tp
 from glm53.dist.collectives import Comm
-from glm53.dist.dcp_state import DcpKVState
+from glm53.dist.dcp_state import DcpKVState, PagedDcpKVState
 from glm53.model.indexer import Selection, select_topk
 from glm53.model.kv_state import KVState
+from glm53.model.paged_kv import PagedKVState, PageStore
 from glm53.model.mla import AttentionWeights
 from glm53.model.parallel import AttentionSpan, RankPlan
 
@@ -120,6 +121,10 @@ class DistRankPlan(RankPlan):
         return DcpKVState(n_layers=len(model.w.layers), latent_dim=model.cfg.latent_dim,
                           index_dim=model.cfg.index_head_dim, indexed_layers=indexed, kv_dtype=kv_dtype,
                           device=model.device, own=self.ownership)
+
+    def new_paged_state(self, store: PageStore) -> PagedKVState:
+        """An empty sequence in pages of a KV pool's store on this rank (its own slots under DCP)."""
+        return PagedDcpKVState(store, self.ownership)
 
     # ---- helpers ---------------------------------------------------------------------------
     @property

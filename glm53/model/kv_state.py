@@ -21,16 +21,12 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from glm53.kv_format import row_bytes
 from glm53.model.token_log import TokenLog
-
-if TYPE_CHECKING:
-    from glm53.model.paged_kv import PagedKVState, PageStore
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 KV_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
@@ -313,11 +309,6 @@ class KVState:
     def positions_per_slot(self) -> int:
         """Positions whose rows one local slot stands for: 1, R where a cache is split by position over R ranks."""
         return 1
-
-    def paged(self, store: "PageStore") -> "PagedKVState":
-        """An empty state like this one in pages of `store` (a KV pool's; glm53/model/paged_kv.py)."""
-        from glm53.model.paged_kv import PagedKVState  # it builds on this module
-        return PagedKVState(store)
 
     def bytes_per_position(self) -> int:
         """Bytes the sequence's cache takes per position of its context (what a KV pool grants):

@@ -23,6 +23,7 @@ import torch
 
 from glm53.model import indexer
 from glm53.model.kv_state import KVState
+from glm53.model.paged_kv import PagedKVState, PageStore
 from glm53 import ops
 from glm53.model.mla import absorbed_queries, attend
 
@@ -147,6 +148,10 @@ class RankPlan:
         return KVState(n_layers=len(model.w.layers), latent_dim=model.cfg.latent_dim,
                        index_dim=model.cfg.index_head_dim, indexed_layers=indexed, kv_dtype=kv_dtype,
                        device=model.device)
+
+    def new_paged_state(self, store: PageStore) -> PagedKVState:
+        """An empty sequence in pages of a KV pool's store (glm53/model/paged_kv.py)."""
+        return PagedKVState(store)
 
     def _world_one(self, what: str) -> None:
         if self.world != 1:

@@ -22,7 +22,7 @@ from glm53.model.indexer import (IndexerWeights, Selection, index_head_weights, 
 from glm53.model.mla import AttentionWeights, latent_rows, output_projection, project_queries
 from glm53.model.moe import MLPWeights, MoEWeights
 from glm53.model.norm import rms_norm
-from glm53.model.paged_kv import BatchSlots
+from glm53.model.paged_kv import BatchSlots, PagedKVState, PageStore
 from glm53.model.parallel import AttentionSpan, RankPlan
 from glm53.model.rope import inverse_frequencies, rope_angles
 
@@ -99,6 +99,10 @@ class Glm53Model:
     def new_state(self, kv_dtype: str = "bf16") -> KVState:
         """A fresh cache for one sequence, as the rank plan lays it out."""
         return self.plan.new_state(self, kv_dtype)
+
+    def new_paged_state(self, store: PageStore) -> PagedKVState:
+        """An empty sequence in pages of a KV pool's store, as the rank plan lays it out."""
+        return self.plan.new_paged_state(store)
 
     def new_mtp_state(self, kv_dtype: str = "bf16") -> KVState:
         if self.w.mtp is None:

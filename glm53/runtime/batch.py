@@ -56,8 +56,8 @@ class BatchEngine:
         budget = s.kv_pool_bytes if s.kv_pool_bytes is not None else default_pool_bytes(engine.device)
         probe = engine.model.new_state(engine.kv_dtype)
         block = pool_block or engine.cache_block
-        self.pool = PagedPool(probe, budget, page=block,
-                              max_positions=s.max_seqs * engine.cfg.max_position_embeddings)
+        self.pool = PagedPool(probe, budget, page=block, max_positions=s.max_seqs * engine.cfg.max_position_embeddings,
+                              new_state=engine.model.new_paged_state)
         self.scheduler = Scheduler(self.pool, max_seqs=s.max_seqs, max_waiting=s.max_waiting,
                                    step_tokens=s.step_tokens, chunk=engine.chunk, wave=engine.wave)
         self.runner = ModelRunner(engine)

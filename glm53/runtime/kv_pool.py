@@ -7,6 +7,8 @@ Decision record: docs/decisions/kv-pool.md.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 from glm53.model.kv_state import KVState
 from glm53.model.paged_kv import PagedKVState, PageStore
 
@@ -21,15 +23,18 @@ class PagedPool:
     slots holds `block` positions of all ranks, so `block` and the capacity count positions on
     every layout, and each rank's store holds 1/R of the bytes a position takes."""
 
-    def __init__(self, probe: KVState, budget_bytes: int, page: int = 256, max_positions: int | None = None) -> None:
-        self.new_state = probe.paged
+    def __init__(self, probe: KVState, budget_bytes: int, page: int = 256, max_positions: int | None = None,
+                 new_state: Callable[[PageStore], PagedKVState] = PagedKVState) -> None:
+        """probe: a sequence's cache as the rank lays it out (what a slot holds, how many positions
+        one stands for); new_state: an empty sequence in the store (the rank plan's new_paged_state)."""
+        self.new_state = new_state
         ranks = probe.positions_per_slot  # R under DCP
         slots = max(1, page // ranks)  # local slots a page
         pages = max(1, budget_bytes // (probe.position_bytes() * slots))
         if max_positions is not None:
             pages = min(pages, -(-max_positions // (slots * ranks)))
         self.store = PageStore(probe, pages + 1, slots)  # + the null page
-        self.block = self.new_state(self.store).positions_per_page
+        self.block = slots * ranks  # positions a page
         self.position_bytes = max(1, probe.bytes_per_position())
 
     @property
