@@ -23,7 +23,7 @@ Decision record: docs/decisions/kv-pool.md.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Iterator
 
@@ -143,9 +143,14 @@ class SpanSlots:
     write: torch.Tensor
     kept: torch.Tensor | None
     keys: torch.Tensor
+    _last: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     def rows_of(self, indices: torch.Tensor) -> torch.Tensor:
-        return rows_at(self.keys, indices)
+        """rows_at over this window's keys; the 'shared' layers after a 'full' one pass its selection's
+        very tensor again, whose translation is kept (one translation a selection, not one a layer)."""
+        if self._last is None or self._last[0] is not indices:
+            self._last = (indices, rows_at(self.keys, indices))
+        return self._last[1]
 
 
 def rows_at(keys: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -405,7 +410,7 @@ class PagedKVState:
         if not self.store.reads_in_place(dtype):
             return partial(self.read_latent, layer, stop, dtype), None
         store = self.store.layer("latent", layer)
-        return (lambda: store), partial(rows_at, slots.keys if slots is not None else self._slots(0, stop))
+        return (lambda: store), slots.rows_of if slots is not None else partial(rows_at, self._slots(0, stop))
 
     # ---- the prefix cache's view ------------------------------------------------------------------------
     def slots(self, start: int, stop: int) -> tuple[int, int]:
