@@ -88,9 +88,6 @@ class PagedDcpKVState(PagedKVState):
     def _first_write_slot(self) -> int:
         return self.length // self.own.ranks
 
-    def _rows_to_write(self, start: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.own.rows_to_write(start, rows)
-
     def _window_rows(self, start: int | None, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if start is None:
             raise NotImplementedError("a split cache's window starts at a host position (not captured as a graph)")

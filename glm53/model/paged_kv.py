@@ -15,7 +15,7 @@ never handed out: it stays zeros and pads page tables past a sequence's pages (a
 reads up to its key bound, glm53.runtime.cuda_graphs).
 
 A cache split by position (DCP: glm53.dist.dcp_state.PagedDcpKVState) pages its local slots the
-same way: its hooks (`_local_count`, `_local_room`, `_first_write_slot`, `_rows_to_write`) say which
+same way: its hooks (`_local_count`, `_local_room`, `_first_write_slot`, `_window_rows`) say which
 slots hold which positions; everything here works on local slots (on one rank a slot is its position).
 
 Decision record: docs/decisions/kv-pool.md.
@@ -260,10 +260,6 @@ class PagedKVState:
         """The lowest slot a write past the length can land in, on any rank of a split cache."""
         return self.length
 
-    def _rows_to_write(self, start: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(local slots, the rows kept here) of rows for positions [start, start + len(rows))."""
-        return torch.arange(start, start + rows.shape[0], device=self.device), rows
-
     # ---- pages ---------------------------------------------------------------------------------------
     def pages_for(self, positions: int) -> int:
         """Pages that a context of `positions` positions takes."""
@@ -350,12 +346,15 @@ class PagedKVState:
 
     # ---- writes ------------------------------------------------------------------------------------
     def write_latent(self, layer: int, start: int, rows: torch.Tensor) -> None:
-        local, mine = self._rows_to_write(start, rows)
-        self._put("latent", layer, self.slots_of(local), mine)
+        self._put_from(start, "latent", layer, rows)
 
     def write_index(self, layer: int, start: int, rows: torch.Tensor) -> None:
-        local, mine = self._rows_to_write(start, rows)
-        self._put("index_keys", layer, self.slots_of(local), mine)
+        self._put_from(start, "index_keys", layer, rows)
+
+    def _put_from(self, start: int, kind: str, layer: int, rows: torch.Tensor) -> None:
+        """Rows of positions [start, start + len(rows)): the ones held here into their slots."""
+        local, kept = self._window_rows(start, torch.arange(start, start + rows.shape[0], device=self.device))
+        self._put(kind, layer, self.slots_of(local), rows if kept is None else rows[kept])
 
     def write_latent_at(self, layer: int, positions: torch.Tensor, rows: torch.Tensor) -> None:
         self._put("latent", layer, self.slots_of(positions), rows)
