@@ -234,6 +234,8 @@ def main() -> int:
     if args.follower:
         rank_engine(args.model, args.follower, args.ranks, args.port, args.device).follow()
         return 0
+    if args.kernels and not args.device.startswith("cuda"):
+        p.error("--kernels profiles device kernels: give --device cuda (on the CPU, --profile splits each step)")
     counts = [int(n) for n in args.streams.split(",")]
     if args.long_prompt and args.long_streams > max(counts):
         p.error(f"--long-streams {args.long_streams}: each stream's reply is checked against its reply in a "
@@ -286,7 +288,7 @@ def main() -> int:
             del batch.runner.forward, batch.runner.logits, batch._advance  # the class's methods again
             log(f"profile streams {n}: " + ", ".join(f"{k} {v:.2f}" for k, v in phases[n].items()))
     kernels = {}
-    if args.kernels and args.device.startswith("cuda"):
+    if args.kernels:
         for n in counts:
             kernels[n] = kernel_profile(batch, prompts[:n], args.tokens)
             k = kernels[n]

@@ -229,7 +229,7 @@ def test_a_split_caches_pool_counts_positions_of_every_rank() -> None:
                      new_state=lambda store: PagedDcpKVState(store, Ownership(1, 4)))
     assert pool.block == 8 and pool.store.page == 2 and pool.capacity == 160
     assert pool.position_bytes == -(-flat.position_bytes() // 4)
-    pool.capacity = 100
+    pool.limit(100)
     assert pool.capacity == 96 and pool.store.free_pages == 12
     s = pool.allocate(20)
     assert isinstance(s, PagedDcpKVState) and pool.ensure(s, 20) and pool.used == 24 and len(s.table) == 3

@@ -47,7 +47,7 @@ class RankBatch:
             rank_engine.requests.publish((BATCH_START, shared))
         capacities = self.comm.all_gather(torch.tensor([self.batch.pool.capacity], dtype=torch.int64),
                                           name="batch_pool_capacity")
-        self.batch.pool.capacity = int(capacities.min())
+        self.batch.pool.limit(int(capacities.min()))
         self.batch.on_plan = self._compare_plans
         self._events: list[tuple] = []  # rank 0: accepted submits and cancels since the last step
         self._leaving: list[Sequence] = []  # rank 0: sequences whose client left during a step

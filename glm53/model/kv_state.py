@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, partial
+from typing import Callable
 
 import numpy as np
 import torch
@@ -199,6 +200,13 @@ class KVState:
         [stop, index_dim] in position order, this class; a paged cache gives its store and slots, from
         its window's precomputed `slots` when given)."""
         return self.read_index(layer, stop, dtype), None
+
+    def attention_view(self, layer: int, stop: int, dtype: torch.dtype, slots: object = None
+                       ) -> tuple[Callable[[], torch.Tensor], None]:
+        """(rows when the span attends, None: a selection's indices are rows of them): the rows of
+        positions [0, stop) held here, read (an fp8 cache dequantized) when the span attends; a paged
+        cache gives its store and what turns indices into its slots."""
+        return partial(self.read_latent, layer, stop, dtype), None
 
     @staticmethod
     def _read(store: torch.Tensor, scale: torch.Tensor | None, stop: int, dtype: torch.dtype) -> torch.Tensor:

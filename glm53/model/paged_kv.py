@@ -354,16 +354,13 @@ class PagedKVState:
     def _put_from(self, start: int, kind: str, layer: int, rows: torch.Tensor) -> None:
         """Rows of positions [start, start + len(rows)): the ones held here into their slots."""
         local, kept = self._window_rows(start, torch.arange(start, start + rows.shape[0], device=self.device))
-        self._put(kind, layer, self.slots_of(local), rows if kept is None else rows[kept])
+        self.store.put(kind, layer, self.slots_of(local), rows if kept is None else rows[kept])
 
     def write_latent_at(self, layer: int, positions: torch.Tensor, rows: torch.Tensor) -> None:
-        self._put("latent", layer, self.slots_of(positions), rows)
+        self.store.put("latent", layer, self.slots_of(positions), rows)
 
     def write_index_at(self, layer: int, positions: torch.Tensor, rows: torch.Tensor) -> None:
-        self._put("index_keys", layer, self.slots_of(positions), rows)
-
-    def _put(self, kind: str, layer: int, slots: torch.Tensor, rows: torch.Tensor) -> None:
-        self.store.put(kind, layer, slots, rows)
+        self.store.put("index_keys", layer, self.slots_of(positions), rows)
 
     def span_slots(self, start: int | None, positions: torch.Tensor, key_bound: int) -> SpanSlots:
         """A window's places for every layer of its forward: rows at `positions` (device; from the host

@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from glm53 import ops
 from glm53.model import indexer
 from glm53.model.kv_state import KVState
-from glm53.model.paged_kv import PagedKVState, PageStore
-from glm53 import ops
 from glm53.model.mla import absorbed_queries, attend
+from glm53.model.paged_kv import PagedKVState, PageStore
 
 if TYPE_CHECKING:
     from glm53.model.indexer import Selection

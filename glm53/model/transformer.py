@@ -10,7 +10,6 @@ chunking (memory) and which rows count as canonical prefill (the prefix cache's 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch
 
@@ -315,8 +314,6 @@ class Glm53Model:
             key_positions = state.owned_positions(stop)
             if places is None:
                 _write(state.write_latent, state.write_latent_at, layer.index, span, latents[rows])
-            # read back when the span attends: attend to what is stored
-            read_cached = partial(state.read_latent, layer.index, stop, self.dtype)
             if layer.indexer is not None:
                 if places is None:
                     _write(state.write_index, state.write_index_at, layer.index, span, index_keys[rows])
@@ -326,9 +323,9 @@ class Glm53Model:
                 selections[i] = plan.merge_topk(scores, key_positions, cfg.index_topk, span.nan_flag)
             elif selections[i] is None:
                 raise ValueError(f"layer {layer.index} shares the indexer selection but no earlier full layer ran")
-            view, rows_of = getattr(state, "attention_view", None), None
-            if view is not None:  # a paged cache: the store's rows, selections translated to its slots
-                read_cached, rows_of = view(layer.index, stop, self.dtype, slots)
+            # read back when the span attends: attend to what is stored (a paged cache: its store, the
+            # selection translated to its slots)
+            read_cached, rows_of = state.attention_view(layer.index, stop, self.dtype, slots)
             parts.append(AttentionSpan(q_nope[rows], q_rot[rows], read_cached, key_positions, selections[i], rows_of))
         # every span's attention at once: under DCP their exchanges are shared (two a layer, not two a span)
         out = plan.attend_spans(a, parts, cfg.num_attention_heads)

@@ -42,8 +42,7 @@ class PagedPool:
         """Positions the store's usable pages hold."""
         return self.store.usable_pages * self.block
 
-    @capacity.setter
-    def capacity(self, positions: int) -> None:
+    def limit(self, positions: int) -> None:
         """Hold at most `positions` (several ranks: the smallest rank's capacity), the rest of the
         store's pages never handed out."""
         self.store.limit(positions // self.block)
