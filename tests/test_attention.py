@@ -190,3 +190,27 @@ def test_select_topk_without_ties_takes_the_plain_topk_and_the_same_set(monkeypa
     sel = select_topk(scores, 32)
     assert packed_rows == [1]
     assert sel.indices[5][sel.valid[5]].tolist() == brute_force_topk(scores, 32)[5]
+
+
+@pytest.mark.parametrize("rows_each", [1, 5])
+def test_select_topk_over_rows_padded_with_minus_inf_equals_each_row_alone(rows_each: int) -> None:
+    """A batched step selects several windows' rows in one call, each row padded with -inf to the
+    longest window's keys: each row's indices and validity are the ones its window's own rows give
+    (fewer keys than k, about k, many; ties, -0.0, +inf; 4 windows of 1 row and of 5: both torch forms)."""
+    k = 40
+    g = torch.Generator().manual_seed(rows_each)
+    lengths = [7, 40, 41, 300]
+    windows = []
+    for n in lengths:
+        scores = torch.randint(-3, 4, (rows_each, n), generator=g).float()
+        scores[:, ::3] = -0.0
+        scores[0, n // 2] = float("inf")
+        scores[-1, : n // 4] = float("-inf")
+        windows.append(scores)
+    padded = torch.full((rows_each * len(lengths), max(lengths)), float("-inf"))
+    for i, w in enumerate(windows):
+        padded[i * rows_each:(i + 1) * rows_each, : w.shape[1]] = w
+    together = select_topk(padded, k)
+    for i, w in enumerate(windows):
+        alone, rows = select_topk(w, k), slice(i * rows_each, (i + 1) * rows_each)
+        assert torch.equal(together.indices[rows], alone.indices) and torch.equal(together.valid[rows], alone.valid), i

@@ -233,3 +233,39 @@ def test_a_split_caches_pool_counts_positions_of_every_rank() -> None:
     assert pool.capacity == 96 and pool.store.free_pages == 12
     s = pool.allocate(20)
     assert isinstance(s, PagedDcpKVState) and pool.ensure(s, 20) and pool.used == 24 and len(s.table) == 3
+
+
+def test_a_batched_steps_indexer_selects_for_each_window_what_it_selects_alone(tiny_engine, monkeypatch
+                                                                                ) -> None:  # noqa: F811
+    """Windows of equal length in one step are scored in one call over a table of their keys (shorter
+    contexts padded) and selected together: every window's rows keep the bits of its sequence run alone,
+    for decode rows and verification-sized windows, consecutive or not, beside a prefill piece."""
+    from glm53 import ops
+
+    model = tiny_engine.model
+    contexts = [45, 70, 33, 90, 52, 61]  # above index_topk (32): the top-k chooses
+    windows = [1, 5, 1, 3, 3, 1]  # groups {0, 2, 5} (apart) and {3, 4}; window 1 a piece of its own
+    rng = random.Random(11)
+    prompts = [[rng.randrange(tiny_engine.vocab_size) for _ in range(n)] for n in contexts]
+    steps = [[rng.randrange(tiny_engine.vocab_size) for _ in range(n)] for n in windows]
+    store = PageStore(model.new_state(tiny_engine.kv_dtype), pages=120, page=4)
+    tables: list[tuple[int, ...]] = []
+    scores_spans = ops.index_scores_spans
+
+    def spy(q, head_weights, keys, scale, q_positions, key_table):  # noqa: ANN001, ANN202
+        tables.append(tuple(key_table.shape))
+        return scores_spans(q, head_weights, keys, scale, q_positions, key_table)
+
+    monkeypatch.setattr(ops, "index_scores_spans", spy)
+    with torch.inference_mode():
+        states = [model.plan.new_paged_state(store) for _ in prompts]
+        for s, p in zip(states, prompts):
+            model.forward_batch([(s, p)])
+        assert not tables, "a sequence alone selects on its own"
+        got = model.forward_batch(list(zip(states, steps)))
+        want = [model.forward(model.new_state(tiny_engine.kv_dtype), p + w, 0).hidden[len(p):]
+                for p, w in zip(prompts, steps)]
+    full_layers = sum(1 for layer in model.w.layers if layer.indexer is not None)
+    assert sorted(set(tables)) == [(2, 90 + 3), (3, 61 + 1)] and len(tables) == 2 * full_layers, tables
+    for i, (w, g) in enumerate(zip(want, got)):
+        assert torch.equal(w, g.hidden), f"window {i}: rows differ from its sequence alone"

@@ -32,7 +32,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 INTERP_TOL = dict(atol=1e-4, rtol=1e-4)
 CHECKS = ["linear", "linear_row_tiles_check", "grouped_expert_linear", "linear_leading_dims", "head_linear_strided",
-          "rms_norm", "layer_norm", "index_scores", "index_scores_causal",
+          "rms_norm", "layer_norm", "index_scores", "index_scores_causal", "index_scores_spans",
           "latent_attention", "latent_attention_edge_cases", "latent_attention_split", "latent_attention_prefix",
           "select_topk", "select_bracket", "exl3_decoder", "exl3_linear", "exl3_mlp", "exl3_cuda_finish"]
 WORKER_TIMEOUT_S = 300
@@ -252,6 +252,25 @@ def _worker(names: list[str]) -> dict[str, list]:
             assert "key_positions given without q_positions" in str(exc)
         else:
             raise AssertionError("key_positions without q_positions accepted")
+
+    def check_index_scores_spans() -> None:
+        # several windows in one launch, each over its own keys (a table of store rows, the shorter
+        # contexts padded): every row the bits of its window alone over its own keys, -inf past them
+        h, d = 3, 24
+        store = randn(300, d)
+        for per, contexts in ((1, (70, 33, 45)), (5, (40, 61)), (33, (90, 70))):  # 33: two row tiles a window
+            b, longest = len(contexts), max(contexts)
+            q, hw = randn(b * per, h, d), randn(b * per, h)
+            table = torch.zeros(b, longest, dtype=torch.long)
+            qpos = torch.cat([torch.arange(n - per, n) for n in contexts])
+            for i, n in enumerate(contexts):
+                table[i, :n] = torch.randperm(300, generator=g)[:n]
+            got = triton_indexer.index_scores_spans(q, hw, store, 0.3, qpos, table)
+            for i, n in enumerate(contexts):
+                rows = slice(i * per, (i + 1) * per)
+                alone = triton_indexer.index_scores(q[rows], hw[rows], store, 0.3, qpos[rows], None, table[i, :n])
+                same(got[rows, :n], alone, f"index_scores_spans window {i} of {b} ({per} rows, {n} keys)")
+                assert (got[rows, n:] == float("-inf")).all(), f"window {i}: keys past its own not -inf"
 
     def selection(t: int, n_rows: int, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
         idx = torch.randint(0, n_rows, (t, slots), generator=g)
@@ -566,7 +585,7 @@ def _worker(names: list[str]) -> dict[str, list]:
               "linear_leading_dims": check_linear_leading_dims,
               "head_linear_strided": check_head_linear_strided, "rms_norm": check_rms_norm,
               "layer_norm": check_layer_norm, "index_scores": check_index_scores,
-              "index_scores_causal": check_index_scores_causal,
+              "index_scores_causal": check_index_scores_causal, "index_scores_spans": check_index_scores_spans,
               "latent_attention": check_latent_attention,
               "latent_attention_edge_cases": check_latent_attention_edge_cases,
               "latent_attention_split": check_latent_attention_split,

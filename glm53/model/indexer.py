@@ -93,6 +93,22 @@ def index_scores(w: IndexerWeights, q: torch.Tensor, head_weights: torch.Tensor,
     return ops.index_scores(q, head_weights, keys, w.head_dim ** -0.5, q_positions, key_positions, key_rows)
 
 
+def index_scores_spans(w: IndexerWeights, q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor,
+                       q_positions: torch.Tensor, key_table: torch.Tensor) -> torch.Tensor:
+    """index_scores of several sequences' windows of T rows each in one call -> [B * T, N]: window b's
+    key n is keys[key_table[b, n]] at position n (a paged store's slots; a shorter window's table
+    padded past its key bound, whose keys then lie in all its queries' future and score -inf). A row's
+    scores over its own keys are the ones index_scores gives its window alone (key-invariant)."""
+    return ops.index_scores_spans(q, head_weights, keys, w.head_dim ** -0.5, q_positions, key_table)
+
+
+def shared_selection_ok(rows: int, n_keys: int, device: torch.device) -> bool:
+    """Whether one select_topk call may take several windows' rows (rows in all, n_keys a row) at no
+    cost in host syncs: a CUDA call syncs only in the torch form (rows over triton_topk.MAX_KEYS keys)
+    for more than SMALL_WINDOW_ROWS rows, which a captured graph cannot hold."""
+    return device.type != "cuda" or rows <= SMALL_WINDOW_ROWS or ops.triton_topk_keys(n_keys, device)
+
+
 def orderable_keys(scores: torch.Tensor) -> torch.Tensor:
     """fp32 scores -> int64 with the same order, -0.0 equal to +0.0 (one of the two packed halves
     of a top-k key; glm53.dist.dcp packs the same way for the merge across ranks)."""

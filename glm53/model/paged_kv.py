@@ -152,6 +152,10 @@ class SpanSlots:
             self._last = (indices, rows_at(self.keys, indices))
         return self._last[1]
 
+    def remember(self, indices: torch.Tensor, rows: torch.Tensor) -> None:
+        """rows_of(indices) is `rows` (translated with other windows' selections in one gather)."""
+        self._last = (indices, rows)
+
 
 def rows_at(keys: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """Store slots of a selection's indices into the positions whose slots are `keys` (padding and
@@ -170,6 +174,8 @@ class BatchSlots:
     spans: list[SpanSlots]
     write: torch.Tensor
     kept: torch.Tensor | None  # rows of the step kept here (None: all, in order)
+    positions: list[torch.Tensor]  # each window's positions
+    _groups: list["WindowGroup"] | None = field(default=None, repr=False)
 
     @classmethod
     def of(cls, states: list, starts: list[int | None], positions: list[torch.Tensor], bounds: list[int]
@@ -187,11 +193,51 @@ class BatchSlots:
             offsets = np.cumsum([0] + [p.shape[0] for p in positions[:-1]]).tolist()
             kept = torch.cat([(x.kept if x.kept is not None else torch.arange(p.shape[0], device=p.device)) + o
                               for x, p, o in zip(spans, positions, offsets)])
-        return cls(store, spans, write, kept)
+        return cls(store, spans, write, kept, positions)
 
     def put(self, kind: str, layer: int, rows: torch.Tensor) -> None:
         """A layer's rows of every window (in window order) into their slots."""
         self.store.put(kind, layer, self.write, rows if self.kept is None else rows[self.kept])
+
+    def groups(self) -> list["WindowGroup"]:
+        """The step's windows of equal length, two or more to a group (decode steps, verification
+        windows), which the indexer scores and selects together; made once a forward."""
+        if self._groups is None:
+            by_length: dict[int, list[int]] = {}
+            for i, p in enumerate(self.positions):
+                by_length.setdefault(p.shape[0], []).append(i)
+            self._groups = [WindowGroup.of(self, tuple(g)) for g in by_length.values() if len(g) > 1]
+        return self._groups
+
+
+@dataclass
+class WindowGroup:
+    """Windows of one length of a batched step, read together by the indexer: which they are (in
+    step order), their key slots a row each (a shorter row padded with slot 0, the null page, at
+    positions past all its window's queries, which score them -inf) and their queries' positions."""
+
+    members: tuple[int, ...]
+    key_table: torch.Tensor  # [len(members), longest key bound]
+    positions: torch.Tensor  # [len(members) * length]
+    spans: list[SpanSlots]
+
+    @classmethod
+    def of(cls, batch: BatchSlots, members: tuple[int, ...]) -> "WindowGroup":
+        keys = [batch.spans[i].keys for i in members]
+        if all(k.shape == keys[0].shape for k in keys):
+            table = torch.stack(keys)
+        else:
+            table = torch.nn.utils.rnn.pad_sequence(keys, batch_first=True, padding_value=0)
+        return cls(members, table, torch.cat([batch.positions[i] for i in members]),
+                   [batch.spans[i] for i in members])
+
+    def translate(self, indices: torch.Tensor, parts: list[torch.Tensor]) -> None:
+        """The group's selection (indices into each window's keys, its windows' rows in order) as store
+        slots in one gather; each window's SpanSlots remembers its part (parts: the views of indices
+        its selection holds), so its attention reads them without a translation of its own."""
+        rows = self.key_table.gather(1, indices.reshape(len(self.members), -1)).reshape(indices.shape)
+        for span, part, part_rows in zip(self.spans, parts, rows.split(parts[0].shape[0])):
+            span.remember(part, part_rows)
 
 
 class PagedKVState:

@@ -16,8 +16,8 @@ import torch
 from glm53.config import Glm53Config
 from glm53.model.kv_state import KVState
 from glm53 import ops
-from glm53.model.indexer import (IndexerWeights, Selection, index_head_weights, index_scores, indexer_keys,
-                                 indexer_queries)
+from glm53.model.indexer import (IndexerWeights, Selection, index_head_weights, index_scores, index_scores_spans,
+                                 indexer_keys, indexer_queries, shared_selection_ok)
 from glm53.model.mla import AttentionWeights, latent_rows, output_projection, project_queries
 from glm53.model.moe import MLPWeights, MoEWeights
 from glm53.model.norm import rms_norm
@@ -304,6 +304,10 @@ class Glm53Model:
             places.put("latent", layer.index, latents)
             if layer.indexer is not None:
                 places.put("index_keys", layer.index, index_keys)
+        together: set[int] = set()
+        if layer.indexer is not None and places is not None:
+            together = self._select_together(layer, states, spans, sizes, q_idx, head_weights, places,
+                                             selections)
         parts, a0 = [], 0
         for i, (state, span, n) in enumerate(zip(states, spans, sizes)):
             rows = slice(a0, a0 + n)
@@ -314,7 +318,7 @@ class Glm53Model:
             key_positions = state.owned_positions(stop)
             if places is None:
                 _write(state.write_latent, state.write_latent_at, layer.index, span, latents[rows])
-            if layer.indexer is not None:
+            if layer.indexer is not None and i not in together:
                 if places is None:
                     _write(state.write_index, state.write_index_at, layer.index, span, index_keys[rows])
                 keys, key_rows = state.index_view(layer.index, stop, self.dtype, slots)
@@ -331,6 +335,45 @@ class Glm53Model:
         out = plan.attend_spans(a, parts, cfg.num_attention_heads)
         x = x + plan.sum_partials(output_projection(a, out))
         return x, rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
+
+    def _select_together(self, layer: LayerWeights, states: list[KVState], spans: list[Span], sizes: list[int],
+                         q_idx: torch.Tensor, head_weights: torch.Tensor, places: BatchSlots,
+                         selections: list[Selection | None]) -> set[int]:
+        """The selections of a batched step's windows of equal length, a group at a time: one score
+        launch over every window's keys (a table of their slots), one top-k over the group's rows, one
+        translation to slots; a few launches a layer where each window took a dozen. Each window's
+        selection is the one it gets alone: the scores are key-invariant and its padding scores -inf,
+        which the top-k's rule never ranks above a key of its own. Only where each window reads every
+        position's key in place (not a cache split by position, not fp8). Returns the windows done."""
+        if not places.store.reads_in_place(self.dtype) or any(
+                state.owned_positions(span.key_bound) is not None for state, span in zip(states, spans)):
+            return set()
+        keys, done = places.store.layer("index_keys", layer.index), set()
+        for group in places.groups():
+            length = sizes[group.members[0]]
+            if not shared_selection_ok(len(group.members) * length, group.key_table.shape[1], self.device):
+                continue
+            scores = index_scores_spans(layer.indexer, _rows_of(group.members, sizes, q_idx),
+                                        _rows_of(group.members, sizes, head_weights), keys, group.positions,
+                                        group.key_table)
+            chosen = self.plan.merge_topk(scores, None, self.cfg.index_topk, spans[group.members[0]].nan_flag)
+            parts = [Selection(i, v) for i, v in zip(chosen.indices.split(length), chosen.valid.split(length))]
+            group.translate(chosen.indices, [part.indices for part in parts])
+            for i, part in zip(group.members, parts):
+                selections[i] = part
+            done.update(group.members)
+        return done
+
+
+def _rows_of(members: tuple[int, ...], sizes: list[int], x: torch.Tensor) -> torch.Tensor:
+    """The rows of windows `members` of x (a batch's rows, windows of `sizes` in order), in member order."""
+    starts = [0]
+    for n in sizes:
+        starts.append(starts[-1] + n)
+    first, last = members[0], members[-1]
+    if list(members) == list(range(first, last + 1)):  # consecutive windows: a view
+        return x[starts[first]:starts[last + 1]]
+    return torch.cat([x[starts[i]:starts[i + 1]] for i in members])
 
 
 def _write(at_start, at_positions, layer: int, span: Span, rows: torch.Tensor) -> None:  # noqa: ANN001

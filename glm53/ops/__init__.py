@@ -19,6 +19,7 @@ So every op of the forward with a reduction goes through here:
     sigmoid / silu            elementwise, but torch's CPU kernels give a value other bits in a
                               vector lane than in the scalar tail (which lane depends on the size)
     index_scores(...)         the DSA indexer's score of every key for every query
+    index_scores_spans(...)   the same for several sequences' queries, each over its own keys
     latent_attention(...)     absorbed MLA of each query over its own selected latent rows
 
 The indexer's top-k selection is not a reduction but has a kernel too: a prefill piece's on CUDA
@@ -74,11 +75,16 @@ def _triton_for(t: torch.Tensor) -> bool:
 def triton_topk_for(scores: torch.Tensor) -> bool:
     """Whether the indexer's selection over these scores [T, N] runs as the Triton kernel
     (glm53/ops/triton_topk.py): on CUDA, for rows of up to its MAX_KEYS keys."""
-    if not _triton_for(scores):
+    return triton_topk_keys(scores.shape[-1], scores.device)
+
+
+def triton_topk_keys(n_keys: int, device: torch.device) -> bool:
+    """triton_topk_for over rows of n_keys keys on `device` (decided before the scores exist)."""
+    if device.type != "cuda" or kernel_choice() == "torch":
         return False
     from glm53.ops import triton_topk
 
-    return scores.shape[-1] <= triton_topk.MAX_KEYS
+    return n_keys <= triton_topk.MAX_KEYS
 
 
 def row_invariant(device: torch.device | str) -> bool:
@@ -231,6 +237,29 @@ def index_scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor
     if key_rows is not None:
         keys = keys.index_select(0, key_rows)
     return torch_ops.index_scores(q, head_weights, keys, scale, q_positions, key_positions)
+
+
+def index_scores_spans(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor, scale: float,
+                       q_positions: torch.Tensor, key_table: torch.Tensor) -> torch.Tensor:
+    """index_scores of B sequences at once -> fp32 [B * T, N]: q [B * T, H, D] and head_weights
+    [B * T, H] hold T rows a sequence, in sequence order, at q_positions [B * T]; sequence b's key n
+    is keys[key_table[b, n]] and lies at position n (-inf past each query). Each row's scores are the
+    ones index_scores gives its sequence alone over the same keys (on CUDA one launch; on the CPU a
+    product a sequence)."""
+    if _triton_for(q):
+        from glm53.ops import triton_indexer
+
+        return triton_indexer.index_scores_spans(q, head_weights, keys, scale, q_positions, key_table)
+    b, n = key_table.shape
+    if b == 0 or q.shape[0] % b:
+        raise ValueError(f"index_scores_spans: {q.shape[0]} query rows do not split into {b} sequences")
+    rows = q.shape[0] // b
+    out = torch.empty(q.shape[0], n, dtype=torch.float32, device=q.device)
+    for i in range(b):
+        part = slice(i * rows, (i + 1) * rows)
+        out[part] = torch_ops.index_scores(q[part], head_weights[part], keys.index_select(0, key_table[i]), scale,
+                                           q_positions[part])
+    return out
 
 
 def latent_attention(q: torch.Tensor, rows: torch.Tensor, indices: torch.Tensor, valid: torch.Tensor,

@@ -33,17 +33,25 @@ def index_config(heads: int, d: int, dtype: torch.dtype) -> tuple[int, int, int,
     return 64, 128, 4, 3  # H200, T=2048 H=32 D=128 N=16384: 0.53 ms (128x128x8 warps: 0.58, 64x64: 0.63)
 
 
-@triton.jit(do_not_specialize=["T", "N"])
+@triton.jit(do_not_specialize=["T", "N", "TILES", "stride_kr"])
 def _index_scores_kernel(q_ptr, hw_ptr, k_ptr, krow_ptr, qpos_ptr, kpos_ptr, out_ptr, T, N, H, D, scale,
-                         stride_qt, stride_qh, stride_hwt, stride_hwh, stride_kn, stride_ot,
+                         stride_qt, stride_qh, stride_hwt, stride_hwh, stride_kn, stride_ot, TILES, stride_kr,
                          BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
-                         CAUSAL: tl.constexpr, KEY_POSITIONS: tl.constexpr, KEY_ROWS: tl.constexpr):
+                         CAUSAL: tl.constexpr, KEY_POSITIONS: tl.constexpr, KEY_ROWS: tl.constexpr,
+                         SPANS: tl.constexpr):
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
-    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    if SPANS:  # program row pid_t: tile pid_t % TILES of span pid_t // TILES (T rows a span, its own key row)
+        span = pid_t // TILES
+        first = span * T
+        offs_t = first + (pid_t % TILES) * BLOCK_T + tl.arange(0, BLOCK_T)
+        t_mask = offs_t < first + T
+        krow_ptr += span.to(tl.int64) * stride_kr
+    else:
+        offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+        t_mask = offs_t < T
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    t_mask = offs_t < T
     n_mask = offs_n < N
     d_mask = offs_d < D
     out = out_ptr + offs_t.to(tl.int64)[:, None] * stride_ot + offs_n[None, :]
@@ -101,24 +109,67 @@ def index_scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor
     torch_ops.check_positions(t, n, q_positions, key_positions)
     if t == 0 or n == 0:
         return torch.zeros(t, n, dtype=torch.float32, device=q.device)
+    q, keys = _operands(q, keys)
+    qpos = q.new_empty(0, dtype=torch.int64) if q_positions is None else q_positions.to(torch.int64).contiguous()
+    kpos = qpos if key_positions is None else key_positions.to(torch.int64).contiguous()
+    krows = qpos if key_rows is None else key_rows.to(torch.int64).contiguous()
+    return _launch(q, head_weights, keys, scale, qpos, kpos, krows, n, spans=0,
+                   causal=q_positions is not None, key_positions=key_positions is not None,
+                   key_rows=key_rows is not None)
+
+
+def index_scores_spans(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor, scale: float,
+                       q_positions: torch.Tensor, key_table: torch.Tensor) -> torch.Tensor:
+    """Several sequences' scores in one launch: q [B * T, H, D] (T rows a sequence, in sequence
+    order), key_table [B, N] (int): sequence b's key n is row key_table[b, n] of keys; key n lies at
+    position n (-inf past each query's position). fp32 [B * T, N]. A row's scores are index_scores'
+    for its own sequence alone (the same tile configuration and dot per head; only which keys a tile
+    reads changes); keys past a sequence's own count score -inf when their positions are past its
+    queries (the caller's padding)."""
+    b = key_table.shape[0]
+    if q.dim() != 3 or keys.dim() != 2 or keys.shape[1] != q.shape[2] or head_weights.shape != q.shape[:2] \
+            or key_table.dim() != 2 or (b and q.shape[0] % b) or q_positions.shape != q.shape[:1]:
+        raise ValueError(f"index_scores_spans: q {tuple(q.shape)} [B * T, H, D], head_weights "
+                         f"{tuple(head_weights.shape)} [B * T, H], keys {tuple(keys.shape)} [S, D], key_table "
+                         f"{tuple(key_table.shape)} [B, N], q_positions {tuple(q_positions.shape)} [B * T] do not fit")
+    n = key_table.shape[1]
+    if q.shape[0] == 0 or n == 0:
+        return torch.zeros(q.shape[0], n, dtype=torch.float32, device=q.device)
+    q, keys = _operands(q, keys)
+    qpos = q_positions.to(torch.int64).contiguous()
+    table = key_table.to(torch.int64).contiguous()
+    return _launch(q, head_weights, keys, scale, qpos, qpos, table, n, spans=b, causal=True, key_positions=False,
+                   key_rows=True)
+
+
+def _operands(q: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and keys as the kernel reads them: both bf16/fp16 (tensor-core dots), else both fp32 (ieee
+    dots, exact); the last dim contiguous."""
     if q.dtype != keys.dtype or q.dtype not in (torch.bfloat16, torch.float16):
-        q, keys = q.to(torch.float32), keys.to(torch.float32)  # mixed or fp32: exact fp32 (ieee) dots
+        q, keys = q.to(torch.float32), keys.to(torch.float32)
     if q.stride(2) != 1:
         q = q.contiguous()
     if keys.stride(1) != 1:
         keys = keys.contiguous()
+    return q, keys
+
+
+def _launch(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor, scale: float, qpos: torch.Tensor,
+            kpos: torch.Tensor, krows: torch.Tensor, n: int, spans: int, causal: bool, key_positions: bool,
+            key_rows: bool) -> torch.Tensor:
+    """One launch of the kernel over [T, n] (spans = 0) or spans sequences of T / spans rows each."""
+    t, heads, d = q.shape
     hw = head_weights.to(torch.float32)
-    qpos = q.new_empty(0, dtype=torch.int64) if q_positions is None else q_positions.to(torch.int64).contiguous()
-    kpos = qpos if key_positions is None else key_positions.to(torch.int64).contiguous()
-    krows = qpos if key_rows is None else key_rows.to(torch.int64).contiguous()
     out = torch.empty(t, n, dtype=torch.float32, device=q.device)  # every element is written
     block_t, block_n, warps, stages = index_config(heads, d, q.dtype)
     block_d = max(16, triton.next_power_of_2(d))
-    grid = (triton.cdiv(t, block_t), triton.cdiv(n, block_n))
-    _index_scores_kernel[grid](q, hw, keys, krows, qpos, kpos, out, t, n, heads, d, float(scale),
+    rows = t // spans if spans else t
+    tiles = triton.cdiv(rows, block_t)
+    grid = (spans * tiles if spans else tiles, triton.cdiv(n, block_n))
+    _index_scores_kernel[grid](q, hw, keys, krows, qpos, kpos, out, rows, n, heads, d, float(scale),
                                q.stride(0), q.stride(1), hw.stride(0), hw.stride(1), keys.stride(0), out.stride(0),
+                               tiles, krows.stride(0) if spans else 0,
                                BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_D=block_d, IEEE=q.dtype == torch.float32,
-                               CAUSAL=q_positions is not None, KEY_POSITIONS=key_positions is not None,
-                               KEY_ROWS=key_rows is not None,
+                               CAUSAL=causal, KEY_POSITIONS=key_positions, KEY_ROWS=key_rows, SPANS=spans > 0,
                                num_warps=warps, num_stages=stages, **OPTIONS)
     return out

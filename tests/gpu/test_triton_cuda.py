@@ -273,6 +273,36 @@ def test_index_scores_causal_in_the_kernel_equals_the_mask_after_it(k, dtype):
     assert got[100:, 100].isnan().all() and (got[:100, 100] == float("-inf")).all()
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
+def test_index_scores_of_many_windows_in_one_launch_equal_each_alone(k, dtype):
+    """A batched step's indexer (32 x 128): 16 decode rows and 4 windows of 4 rows over their own keys
+    in a store (contexts of 1..19k, the shorter tables padded): each row's scores the bits of its window
+    alone over its own keys, -inf past them, and the top-k over the padded rows each row's alone."""
+    from glm53.model.indexer import select_topk
+
+    g = _gen(91)
+    heads, d, slots = 32, 128, 40000
+    store = _randn(g, slots, d, dtype=dtype)
+    for per, contexts in ((1, [1, 5, 300, 2047, 2048, 4097, 19000, 777] * 2), (4, [4, 3000, 19000, 12345])):
+        b = len(contexts)
+        q = _randn(g, b * per, heads, d, dtype=dtype)
+        hw = _randn(g, b * per, heads, std=heads ** -0.5)
+        qpos = torch.cat([torch.arange(n - per, n, device="cuda") for n in contexts])
+        table = torch.zeros(b, max(contexts), dtype=torch.long, device="cuda")
+        for i, n in enumerate(contexts):
+            table[i, :n] = torch.randperm(slots, generator=g, device="cuda")[:n]
+        got = k.indexer.index_scores_spans(q, hw, store, d ** -0.5, qpos, table)
+        chosen = select_topk(got, 2048)
+        for i, n in enumerate(contexts):
+            rows = slice(i * per, (i + 1) * per)
+            alone = k.indexer.index_scores(q[rows], hw[rows], store, d ** -0.5, qpos[rows], None, table[i, :n])
+            assert torch.equal(got[rows, :n], alone), f"window {i} ({per} rows, {n} keys)"
+            assert (got[rows, n:] == float("-inf")).all(), f"window {i}: keys past its own not -inf"
+            mine = select_topk(alone, 2048)
+            assert torch.equal(chosen.indices[rows], mine.indices) and torch.equal(chosen.valid[rows], mine.valid), \
+                f"window {i}: the selection over padded rows differs from its own"
+
+
 # ---------------------------------------------------------------------------------------- attention
 
 def _selection(g: torch.Generator, t: int, n_rows: int, slots: int,
