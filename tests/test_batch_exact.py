@@ -138,6 +138,27 @@ def test_long_prompt_does_not_freeze_decoding_streams(engine) -> None:
     assert long.reply == alone(engine, long.prompt, 2, {"draft": False})
 
 
+def test_greedy_choices_of_a_step_come_from_one_argmax_and_equal_alone(engine, monkeypatch) -> None:
+    """Greedy sequences with nothing processing their logits take their tokens from one argmax over
+    the step's rows (the first maximum, as sample's); a penalised or sampled one still samples its
+    own row. Every reply equals its request alone."""
+    import glm53.runtime.logits_policy as logits_policy
+
+    sampled: list[bool] = []
+    real = logits_policy.sample
+    monkeypatch.setattr(logits_policy, "sample", lambda row, params, pos: sampled.append(params.greedy) or
+                        real(row, params, pos))
+    batch = BatchEngine(engine, max_seqs=4, pool_bytes=positions_bytes(engine, 1024))
+    plain = {"draft": False, "ignore_eos": True}
+    asks = [plain, plain, {**plain, "presence_penalty": 0.5}, {**plain, "temperature": 0.8, "seed": 3}]
+    seqs = [batch.submit([9 + i, 4, 4, 7], 12, ask) for i, ask in enumerate(asks)]
+    batch.run()
+    assert sampled.count(False) == 12 and sampled.count(True) == 12, "only the penalised and sampled rows sample"
+    monkeypatch.setattr(logits_policy, "sample", real)
+    for seq, ask in zip(seqs, asks):
+        assert seq.reply == alone(engine, seq.prompt, 12, ask)
+
+
 def test_cancel_releases_rows_at_once(engine) -> None:
     batch = BatchEngine(engine, max_seqs=2, pool_bytes=positions_bytes(engine, 512))
     a = batch.submit(list(range(1, 50)), 12)

@@ -134,11 +134,13 @@ class BatchEngine:
         taps = tuple(getattr(self.engine.drafter, "taps", ()) or ()) if any(w.seq.drafted for w in work) else ()
         outs = self.runner.forward(work, taps)
         wanted = [self._rows_read(w, o) for w, o in zip(work, outs)]
-        logits = iter(self.runner.logits([r for r in wanted if r is not None]))
+        read = iter(self.runner.logits([r for r in wanted if r is not None]))
+        logits = [next(read) if rows is not None else None for rows in wanted]
+        firsts = self._first_maxima(work, logits)
         self.steps += 1
         self.batch_sizes[len({id(w.seq) for w in work})] += 1
-        for w, out, rows in zip(work, outs, wanted):
-            self._advance(w, out, next(logits) if rows is not None else None)
+        for w, out, row_logits, first in zip(work, outs, logits, firsts):
+            self._advance(w, out, row_logits, first)
         return True
 
     def run(self) -> None:
@@ -233,12 +235,27 @@ class BatchEngine:
             return out.hidden if w.seq.draft_run is not None else out.hidden[-1:]
         return out.hidden[-1:] if w.end == w.seq.context_length else None
 
-    def _advance(self, w: Work, out: Any, logits: torch.Tensor | None) -> None:
+    @staticmethod
+    def _first_maxima(work: list[Work], logits: list[torch.Tensor | None]) -> list[int | None]:
+        """The first maximum of each row a sequence chooses from serially where its policy takes it as
+        it comes (LogitsPolicy.takes_argmax), found for all of them with one argmax and one read to the
+        host, not one a sequence; None elsewhere."""
+        picks = [i for i, (w, rows) in enumerate(zip(work, logits)) if rows is not None and w.seq.policy is not None
+                 and w.seq.policy.takes_argmax
+                 and (not w.seq.drafted if w.prefill else w.seq.draft_run is None)]
+        firsts: list[int | None] = [None] * len(work)
+        if len(picks) > 1:
+            found = torch.stack([logits[i][-1] for i in picks]).argmax(dim=1).tolist()
+            for i, token in zip(picks, found):
+                firsts[i] = token
+        return firsts
+
+    def _advance(self, w: Work, out: Any, logits: torch.Tensor | None, first_max: int | None) -> None:
         """Hand the step's rows to their sequence. A failure of the request's own sampling (its grammar,
         glm53.runtime.errors.SamplingError) ends that sequence alone, with the error; anything else
         leaves the engine's state unknown and propagates."""
         try:
-            self._take_rows(w, out, logits)
+            self._take_rows(w, out, logits, first_max)
         except SamplingError as exc:
             seq = w.seq
             if seq.draft_run is not None:
@@ -246,7 +263,7 @@ class BatchEngine:
             seq.error = exc
             self._finish(seq, "error")
 
-    def _take_rows(self, w: Work, out: Any, logits: torch.Tensor | None) -> None:
+    def _take_rows(self, w: Work, out: Any, logits: torch.Tensor | None, first_max: int | None) -> None:
         seq = w.seq
         if w.prefill:
             if seq.drafted:
@@ -264,7 +281,7 @@ class BatchEngine:
             return
         if self.engine.trace is not None:  # generate's serial loop records the same (tests read it)
             self.engine.trace.append((seq.context_length, logits[-1].clone()))
-        if seq.take(seq.choose(logits[-1], seq.context_length), self.eos):
+        if seq.take(seq.choose(logits[-1], seq.context_length, first_max), self.eos):
             self._finish(seq, seq.finish_reason)
 
     def _start_drafting(self, seq: Sequence, last_logits: torch.Tensor) -> None:

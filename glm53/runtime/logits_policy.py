@@ -136,10 +136,20 @@ class LogitsPolicy:
             self._cache[device] = fixed
         return self._cache[device]
 
-    def choose(self, row: torch.Tensor, position: int) -> int:
-        """The token at absolute `position` from its logits row (drafter.verify.Sampler)."""
+    @property
+    def takes_argmax(self) -> bool:
+        """Whether a choice is the row's first maximum as it comes (greedy, nothing processed): a batch
+        may then find it for several rows at once (choose's first_max)."""
+        return self.params.greedy and not self.params.processes_logits
+
+    def choose(self, row: torch.Tensor, position: int, first_max: int | None = None) -> int:
+        """The token at absolute `position` from its logits row (drafter.verify.Sampler). first_max:
+        the row's first maximum where the caller found it with other rows' (used when takes_argmax)."""
         self.rewind(position)
-        token = sample(self.process(row), self.params, position)
+        if first_max is not None and self.takes_argmax:
+            token = first_max
+        else:
+            token = sample(self.process(row), self.params, position)
         if self.params.logprobs is not None:
             logprob, top = token_logprobs(row, token, self.params.logprobs)
             self.records[position] = TokenLogprob(position, token, logprob, top)

@@ -79,13 +79,14 @@ class Sequence:
         return self.status is Status.FINISHED
 
     # ---- the one place a token is chosen ---------------------------------------------------------
-    def choose(self, logits_row: torch.Tensor, position: int) -> int:
+    def choose(self, logits_row: torch.Tensor, position: int, first_max: int | None = None) -> int:
         """The token at absolute `position` from its logits row, through the request's LogitsPolicy
         (penalties, logit_bias, grammar, logprobs records; sampling keyed by (seed, position)). The
         policy's state is keyed by absolute position and rolls back to `position` first, so the choice
-        does not depend on the batch, the step, a rejected draft or a preemption."""
+        does not depend on the batch, the step, a rejected draft or a preemption. first_max: the row's
+        first maximum, found with the step's other rows (LogitsPolicy.choose)."""
         assert self.policy is not None
-        return self.policy.choose(logits_row, position)
+        return self.policy.choose(logits_row, position, first_max)
 
     def commit(self, tokens: list[int]) -> None:
         """Append decided tokens to the reply and publish their logprobs records (stats["logprobs"],
