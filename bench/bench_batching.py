@@ -97,14 +97,17 @@ def long_prompt_round(batch, prompts: list[list[int]], tokens: int, long_prompt:
     while min(len(t) for t in times) < warm:
         batch.step()
     first_token: list[float] = []
+    steps = StepLog(batch)
     arrival = time.perf_counter()
     batch.submit(long_prompt, 2, {"draft": False, "ignore_eos": True},
                  on_tokens=lambda new: first_token.append(time.perf_counter()) or True)
     while not first_token:
-        if not batch.step():
+        if not steps.step():
             raise SystemExit("the long prompt finished no prefill: is the pool large enough for it?")
     ttft = first_token[0] - arrival
-    batch.run()
+    while steps.step():
+        pass
+    batch.on_plan = None
     if min(len(t) for t in times) < tokens:
         raise SystemExit(f"streams ended before decoding {tokens} tokens")
     before = [b - a for t in times for a, b in zip(t, t[1:]) if b <= arrival]
@@ -112,9 +115,41 @@ def long_prompt_round(batch, prompts: list[list[int]], tokens: int, long_prompt:
     if not during:
         raise SystemExit("no stream token fell inside the long prompt's prefill: raise --tokens")
     normal, worst = statistics.median(before), max(during)
+    gap = next((a, b) for t in times for a, b in zip(t, t[1:]) if b - a == worst and b > arrival)
     return {"streams": len(prompts), "long_prompt": len(long_prompt), "normal_gap_s": normal,
             "worst_gap_s": worst, "worst_vs_normal": worst / normal, "long_ttft_s": ttft,
-            "replies": [s.reply for s in seqs]}
+            "worst_gap_slowest_step": steps.slowest_within(*gap), "replies": [s.reply for s in seqs]}
+
+
+class StepLog:
+    """Each step's wall time and what it ran (windows, rows, graphs run for the first time: an eager
+    run and a capture), so a gap's cause shows in the results."""
+
+    def __init__(self, batch) -> None:  # noqa: ANN001
+        self.batch, self.steps, self._plan = batch, [], (0, 0)
+        self.graphs = getattr(batch.engine, "graphs", None)
+        batch.on_plan = self._on_plan
+
+    def _on_plan(self, work) -> None:  # noqa: ANN001
+        self._plan = (len(work), sum(len(w.tokens) for w in work))
+
+    def step(self) -> bool:
+        first_runs = self.graphs.stats.first_runs if self.graphs is not None else 0
+        t0 = time.perf_counter()
+        ran = self.batch.step()
+        t1 = time.perf_counter()
+        if ran:
+            self.steps.append({"start": t0, "end": t1, "windows": self._plan[0], "rows": self._plan[1],
+                               "new_graphs": (self.graphs.stats.first_runs if self.graphs is not None else 0)
+                               - first_runs})
+        return ran
+
+    def slowest_within(self, a: float, b: float) -> dict:
+        """The slowest step that ended inside (a, b]: its ms, windows, rows and new graphs."""
+        inside = [s for s in self.steps if a < s["end"] <= b]
+        slowest = max(inside, key=lambda s: s["end"] - s["start"])
+        return {"ms": 1e3 * (slowest["end"] - slowest["start"]), "windows": slowest["windows"],
+                "rows": slowest["rows"], "new_graphs": slowest["new_graphs"], "steps_in_gap": len(inside)}
 
 
 class StepPhases:
@@ -276,9 +311,12 @@ def main() -> int:
             if any(alone_replies[i] != reply for i, reply in enumerate(row.pop("replies"))):
                 raise SystemExit("a stream's reply beside the long prompt differs from its reply alone")
             long_rows.append({"repeat": r, **row})
+            slow = row["worst_gap_slowest_step"]
             log(f"repeat {r} long prompt {args.long_prompt}: streams' worst gap {1e3 * row['worst_gap_s']:.1f} ms "
                 f"against {1e3 * row['normal_gap_s']:.1f} ms ({row['worst_vs_normal']:.2f}x), "
-                f"its first token after {row['long_ttft_s']:.2f} s")
+                f"its first token after {row['long_ttft_s']:.2f} s; the gap's slowest step {slow['ms']:.1f} ms "
+                f"({slow['windows']} windows, {slow['rows']} rows, {slow['new_graphs']} new graphs, "
+                f"{slow['steps_in_gap']} steps in the gap)")
     phases = {}
     if args.profile:  # after the timed rounds: the synchronization slows the steps it splits
         for n in counts:
