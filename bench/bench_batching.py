@@ -107,7 +107,7 @@ def long_prompt_round(batch, prompts: list[list[int]], tokens: int, long_prompt:
     ttft = first_token[0] - arrival
     while steps.step():
         pass
-    batch.on_plan = None
+    steps.close()
     if min(len(t) for t in times) < tokens:
         raise SystemExit(f"streams ended before decoding {tokens} tokens")
     before = [b - a for t in times for a, b in zip(t, t[1:]) if b <= arrival]
@@ -123,12 +123,27 @@ def long_prompt_round(batch, prompts: list[list[int]], tokens: int, long_prompt:
 
 class StepLog:
     """Each step's wall time and what it ran (windows, rows, graphs run for the first time: an eager
-    run and a capture), so a gap's cause shows in the results."""
+    run and a capture), and how long the forward's call took to return (its launches: on a GPU the
+    host's share of the step, the kernels running behind it), so a gap's cause shows in the results."""
 
     def __init__(self, batch) -> None:  # noqa: ANN001
-        self.batch, self.steps, self._plan = batch, [], (0, 0)
+        self.batch, self.steps, self._plan, self._launch = batch, [], (0, 0), 0.0
         self.graphs = getattr(batch.engine, "graphs", None)
         batch.on_plan = self._on_plan
+        forward = batch.runner.forward
+
+        def timed_forward(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            t0 = time.perf_counter()
+            out = forward(*args, **kwargs)
+            self._launch = time.perf_counter() - t0
+            return out
+
+        batch.runner.forward = timed_forward
+
+    def close(self) -> None:
+        """The batch's own forward and planning again."""
+        del self.batch.runner.forward
+        self.batch.on_plan = None
 
     def _on_plan(self, work) -> None:  # noqa: ANN001
         self._plan = (len(work), sum(len(w.tokens) for w in work))
@@ -140,6 +155,7 @@ class StepLog:
         t1 = time.perf_counter()
         if ran:
             self.steps.append({"start": t0, "end": t1, "windows": self._plan[0], "rows": self._plan[1],
+                               "forward_call_ms": 1e3 * self._launch,
                                "new_graphs": (self.graphs.stats.first_runs if self.graphs is not None else 0)
                                - first_runs})
         return ran
@@ -148,8 +164,9 @@ class StepLog:
         """The slowest step that ended inside (a, b]: its ms, windows, rows and new graphs."""
         inside = [s for s in self.steps if a < s["end"] <= b]
         slowest = max(inside, key=lambda s: s["end"] - s["start"])
-        return {"ms": 1e3 * (slowest["end"] - slowest["start"]), "windows": slowest["windows"],
-                "rows": slowest["rows"], "new_graphs": slowest["new_graphs"], "steps_in_gap": len(inside)}
+        return {"ms": 1e3 * (slowest["end"] - slowest["start"]), "forward_call_ms": slowest["forward_call_ms"],
+                "windows": slowest["windows"], "rows": slowest["rows"], "new_graphs": slowest["new_graphs"],
+                "steps_in_gap": len(inside)}
 
 
 class StepPhases:
@@ -315,8 +332,9 @@ def main() -> int:
             log(f"repeat {r} long prompt {args.long_prompt}: streams' worst gap {1e3 * row['worst_gap_s']:.1f} ms "
                 f"against {1e3 * row['normal_gap_s']:.1f} ms ({row['worst_vs_normal']:.2f}x), "
                 f"its first token after {row['long_ttft_s']:.2f} s; the gap's slowest step {slow['ms']:.1f} ms "
-                f"({slow['windows']} windows, {slow['rows']} rows, {slow['new_graphs']} new graphs, "
-                f"{slow['steps_in_gap']} steps in the gap)")
+                f"(the forward's call {slow['forward_call_ms']:.1f} ms) "
+                f"{slow['windows']} windows, {slow['rows']} rows, {slow['new_graphs']} new graphs, "
+                f"{slow['steps_in_gap']} steps in the gap")
     phases = {}
     if args.profile:  # after the timed rounds: the synchronization slows the steps it splits
         for n in counts:
