@@ -41,7 +41,9 @@ import statistics
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
+from typing import Callable
 
 from bench.lib.log import log
 from bench.lib.meta import KIT_ROOT, RESULTS, result_header
@@ -118,7 +120,9 @@ def long_prompt_round(batch, prompts: list[list[int]], tokens: int, long_prompt:
     gap = next((a, b) for t in times for a, b in zip(t, t[1:]) if b - a == worst and b > arrival)
     return {"streams": len(prompts), "long_prompt": len(long_prompt), "normal_gap_s": normal,
             "worst_gap_s": worst, "worst_vs_normal": worst / normal, "long_ttft_s": ttft,
-            "worst_gap_slowest_step": steps.slowest_within(*gap), "replies": [s.reply for s in seqs]}
+            "worst_gap_slowest_step": steps.slowest_within(*gap),
+            "steps_with_rows_of_a_prompt": sum(1 for s in steps.steps if s["rows"] > s["windows"]),
+            "steps": len(steps.steps), "replies": [s.reply for s in seqs]}
 
 
 class StepLog:
@@ -200,7 +204,7 @@ class StepPhases:
         return {"steps": self.steps, **{f"{k}_ms_per_step": 1e3 * v / max(self.steps, 1) for k, v in self.seconds.items()}}
 
 
-def kernel_profile(batch, prompts: list[list[int]], tokens: int) -> dict:  # noqa: ANN001 (BatchEngine)
+def kernel_profile(batch, run_round: Callable[[], object]) -> dict:  # noqa: ANN001 (BatchEngine)
     """One round under torch.profiler: device kernels a step (their count and the 12 with the most
     device time, microseconds a step)."""
     import torch
@@ -208,7 +212,7 @@ def kernel_profile(batch, prompts: list[list[int]], tokens: int) -> dict:  # noq
 
     steps0 = batch.steps
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        one_round(batch, prompts, tokens)
+        run_round()
         torch.cuda.synchronize()
     steps = max(batch.steps - steps0, 1)
     kernels: dict[str, list[float]] = {}
@@ -345,12 +349,14 @@ def main() -> int:
             log(f"profile streams {n}: " + ", ".join(f"{k} {v:.2f}" for k, v in phases[n].items()))
     kernels = {}
     if args.kernels:
-        for n in counts:
-            kernels[n] = kernel_profile(batch, prompts[:n], args.tokens)
-            k = kernels[n]
-            log(f"kernels streams {n}: {k['kernels_per_step']:.0f} a step, {k['device_us_per_step']:.0f} us of device "
-                "time a step; most: " + "; ".join(f"{t['kernel'][:60]} x{t['per_step']:.0f} {t['us_per_step']:.0f} us"
-                                                  for t in k["top"][:6]))
+        rounds = {n: partial(one_round, batch, prompts[:n], args.tokens) for n in counts}
+        if args.long_prompt:  # its steps: the pieces' and, once it is prefilled, 5 streams' (most of the time: pieces)
+            rounds["long"] = partial(long_prompt_round, batch, prompts[:args.long_streams], args.tokens, long)
+        for n, run_round in rounds.items():
+            kernels[n] = k = kernel_profile(batch, run_round)
+            log(f"kernels {'streams ' if n != 'long' else ''}{n}: {k['kernels_per_step']:.0f} a step, "
+                f"{k['device_us_per_step']:.0f} us of device time a step; most: "
+                + "; ".join(f"{t['kernel'][:60]} x{t['per_step']:.0f} {t['us_per_step']:.0f} us" for t in k["top"][:6]))
     table = []
     for n in counts:
         agg = [x["aggregate_tok_s"] for x in rows if x["streams"] == n]
