@@ -121,8 +121,7 @@ def long_prompt_round(batch, prompts: list[list[int]], tokens: int, long_prompt:
     return {"streams": len(prompts), "long_prompt": len(long_prompt), "normal_gap_s": normal,
             "worst_gap_s": worst, "worst_vs_normal": worst / normal, "long_ttft_s": ttft,
             "worst_gap_slowest_step": steps.slowest_within(*gap),
-            "steps_with_rows_of_a_prompt": sum(1 for s in steps.steps if s["rows"] > s["windows"]),
-            "steps": len(steps.steps), "replies": [s.reply for s in seqs]}
+            "prompt_steps": steps.prompt_steps(), "steps": len(steps.steps), "replies": [s.reply for s in seqs]}
 
 
 class StepLog:
@@ -164,9 +163,20 @@ class StepLog:
                                - first_runs})
         return ran
 
+    def prompt_steps(self) -> dict:
+        """The steps carrying a prompt's rows: how many, their ms (median, 90th percentile, most) and
+        which of them was the slowest (0: the first)."""
+        ms = [1e3 * (s["end"] - s["start"]) for s in self.steps if s["rows"] > s["windows"]]
+        if not ms:
+            return {"count": 0}
+        ordered = sorted(ms)
+        return {"count": len(ms), "median_ms": statistics.median(ms), "p90_ms": ordered[int(0.9 * (len(ms) - 1))],
+                "max_ms": ordered[-1], "slowest_index": ms.index(ordered[-1])}
+
     def slowest_within(self, a: float, b: float) -> dict:
-        """The slowest step that ended inside (a, b]: its ms, windows, rows and new graphs."""
-        inside = [s for s in self.steps if a < s["end"] <= b]
+        """The slowest step that ran during (a, b) (a token is handed out inside its step): its ms, the
+        forward's call, windows, rows and new graphs."""
+        inside = [s for s in self.steps if s["start"] < b and s["end"] > a]
         slowest = max(inside, key=lambda s: s["end"] - s["start"])
         return {"ms": 1e3 * (slowest["end"] - slowest["start"]), "forward_call_ms": slowest["forward_call_ms"],
                 "windows": slowest["windows"], "rows": slowest["rows"], "new_graphs": slowest["new_graphs"],
@@ -338,7 +348,7 @@ def main() -> int:
                 f"its first token after {row['long_ttft_s']:.2f} s; the gap's slowest step {slow['ms']:.1f} ms "
                 f"(the forward's call {slow['forward_call_ms']:.1f} ms) "
                 f"{slow['windows']} windows, {slow['rows']} rows, {slow['new_graphs']} new graphs, "
-                f"{slow['steps_in_gap']} steps in the gap")
+                f"{slow['steps_in_gap']} steps in the gap; steps with its rows: {row['prompt_steps']}")
     phases = {}
     if args.profile:  # after the timed rounds: the synchronization slows the steps it splits
         for n in counts:

@@ -77,9 +77,9 @@ def scripted(monkeypatch: pytest.MonkeyPatch, engine: Any, plan: Callable[[str],
         script.prompts.append(list(prompt))
         return submit(batch, prompt, *args, **kwargs)
 
-    def chosen(seq: Any, row: Any, position: int) -> int:
+    def chosen(seq: Any, row: Any, position: int, first_max: int | None = None) -> int:
         script.state = seq.state
-        try:
+        try:  # without the step's first maxima: the script, standing in for sample, decides every token
             return choose(seq, row, position)
         finally:
             script.state = None
