@@ -93,13 +93,14 @@ INDEX_SIGNATURE = {"q_ptr": "*bf16", "hw_ptr": "*fp32", "k_ptr": "*bf16", "krow_
                    "kpos_ptr": "*i64",
                    "out_ptr": "*fp32", "scale": "fp32",
                    **{name: "i32" for name in ("T", "N", "H", "D", "stride_qt", "stride_qh", "stride_hwt",
-                                               "stride_hwh", "stride_kn", "stride_ot")}}
+                                               "stride_hwh", "stride_kn", "stride_ot", "TILES", "stride_kr")}}
 
 
-@pytest.mark.parametrize("causal,key_positions,key_rows", [(False, False, False), (True, False, False),
-                                                            (True, True, False), (True, False, True)])
+@pytest.mark.parametrize("causal,key_positions,key_rows,spans", [
+    (False, False, False, False), (True, False, False, False), (True, True, False, False), (True, False, True, False),
+    (True, False, True, True)])  # the last: several windows' rows, each over its own row of a key table
 def test_index_scores_kernel_compiles_for_sm90_in_each_mask_form(causal: bool, key_positions: bool,
-                                                                 key_rows: bool) -> None:
+                                                                 key_rows: bool, spans: bool) -> None:
     import torch
 
     from glm53.ops import triton_indexer
@@ -108,7 +109,7 @@ def test_index_scores_kernel_compiles_for_sm90_in_each_mask_form(causal: bool, k
     signature = INDEX_SIGNATURE
     compiled = _compile(triton_indexer._index_scores_kernel, signature,
                         {"BLOCK_T": block_t, "BLOCK_N": block_n, "BLOCK_D": 128, "IEEE": False, "CAUSAL": causal,
-                         "KEY_POSITIONS": key_positions, "KEY_ROWS": key_rows}, warps)
+                         "KEY_POSITIONS": key_positions, "KEY_ROWS": key_rows, "SPANS": spans}, warps)
     assert "wgmma" in compiled.asm["ptx"]  # the scores stay on the tensor cores in every form
 
 
@@ -239,7 +240,7 @@ def test_index_scores_and_selection_fit_gb10() -> None:
     signature = INDEX_SIGNATURE
     compiled = _compile(triton_indexer._index_scores_kernel, signature,
                         {"BLOCK_T": block_t, "BLOCK_N": block_n, "BLOCK_D": 128, "IEEE": False, "CAUSAL": True,
-                         "KEY_POSITIONS": True, "KEY_ROWS": True}, warps, 121, stages)
+                         "KEY_POSITIONS": True, "KEY_ROWS": True, "SPANS": False}, warps, 121, stages)
     assert compiled.metadata.shared <= GB10_SHARED
     signature = {"s_ptr": "*fp32", "idx_ptr": "*i64", "valid_ptr": "*i8", "nan_ptr": "*i32", "cand_ptr": "*fp32",
                  "kept_ptr": "*i32", "bracketed_ptr": "*i8",
