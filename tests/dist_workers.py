@@ -662,12 +662,23 @@ def batch_ranks(spec_rank: int, world: int, port: int, out: Path) -> None:
     from glm53.dist.rank_engine import RankEngine
     from glm53.serving.compose import ServeFeatures
 
+    import glm53.ops
+
     eng = RankEngine(os.environ["GLM53_TEST_MODEL"], tp=world, rank=spec_rank, master="127.0.0.1",
                      master_port=port, rendezvous_timeout_s=60, features=ServeFeatures(), **BATCH_OPTIONS)
+    grouped = [0]  # the indexer's calls over a group of windows (several sequences' rows in one call)
+    scores_spans = glm53.ops.index_scores_spans
+
+    def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        grouped[0] += 1
+        return scores_spans(*args, **kwargs)
+
+    glm53.ops.index_scores_spans = counted
     if eng.rank != 0:
         eng.follow()
         batch = eng._batch.batch
         torch.save({"rank": eng.rank, "steps": batch.steps, "preempted": batch.scheduler.preempted_total,
+                    "grouped": grouped[0],
                     "pool_capacity": batch.pool.capacity, "drafter": eng.engine.drafter.kind,
                     "pages": (batch.pool.store.free_pages, batch.pool.store.usable_pages)}, out / f"rank{eng.rank}.pt")
         return
@@ -702,6 +713,7 @@ def batch_ranks(spec_rank: int, world: int, port: int, out: Path) -> None:
     stats = batch.stats()
     eng.close()
     torch.save({"rank": 0, "requests": requests, "alone": alone, "batched": batched, "steps": batch.batch.steps,
+                "grouped": grouped[0],
                 "preempted": stats["preempted_total"], "most_running": most, "pool_capacity": batch.pool.capacity,
                 "drafter": eng.engine.drafter.kind, "pages": (batch.pool.store.free_pages, batch.pool.store.usable_pages)},
                out / "rank0.pt")

@@ -10,7 +10,7 @@ drafted and serial, clients leaving after 2 tokens, two requests sharing an open
 (its pages shared in place on every rank: the paged split cache), and a pool of 64 positions, so
 sequences are preempted and recomputed. Every batched reply and finish reason equals the alone one;
 every rank ran the same number of steps and got every page back; reuse, page sharing, preemption
-and batches of several sequences happened.
+batches of several sequences happened, and their indexer ran a group of windows at a time on every rank.
 """
 from __future__ import annotations
 
@@ -57,3 +57,5 @@ def test_batched_replies_over_ranks_equal_each_request_alone(tmp_path: Path, tin
     assert all(x["pages"][0] == x["pages"][1] for x in res), "pages not returned: " + repr([x["pages"] for x in res])
     assert lead["preempted"] >= 1, "the pool never ran short: preemption was not exercised"
     assert lead["most_running"] >= 3, "never more than two sequences in one step"
+    # windows of one length scored and selected together on every rank alike (the split cache's group path)
+    assert lead["grouped"] > 0 and [x["grouped"] for x in res] == [lead["grouped"]] * R

@@ -252,9 +252,9 @@ def test_a_batched_steps_indexer_selects_for_each_window_what_it_selects_alone(t
     tables: list[tuple[int, ...]] = []
     scores_spans = ops.index_scores_spans
 
-    def spy(q, head_weights, keys, scale, q_positions, key_table):  # noqa: ANN001, ANN202
+    def spy(q, head_weights, keys, scale, q_positions, key_table, key_positions=None):  # noqa: ANN001, ANN202
         tables.append(tuple(key_table.shape))
-        return scores_spans(q, head_weights, keys, scale, q_positions, key_table)
+        return scores_spans(q, head_weights, keys, scale, q_positions, key_table, key_positions)
 
     monkeypatch.setattr(ops, "index_scores_spans", spy)
     with torch.inference_mode():

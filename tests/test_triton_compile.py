@@ -98,7 +98,7 @@ INDEX_SIGNATURE = {"q_ptr": "*bf16", "hw_ptr": "*fp32", "k_ptr": "*bf16", "krow_
 
 @pytest.mark.parametrize("causal,key_positions,key_rows,spans", [
     (False, False, False, False), (True, False, False, False), (True, True, False, False), (True, False, True, False),
-    (True, False, True, True)])  # the last: several windows' rows, each over its own row of a key table
+    (True, False, True, True), (True, True, True, True)])  # SPANS: several windows, each its own row of keys
 def test_index_scores_kernel_compiles_for_sm90_in_each_mask_form(causal: bool, key_positions: bool,
                                                                  key_rows: bool, spans: bool) -> None:
     import torch

@@ -271,6 +271,15 @@ def _worker(names: list[str]) -> dict[str, list]:
                 alone = triton_indexer.index_scores(q[rows], hw[rows], store, 0.3, qpos[rows], None, table[i, :n])
                 same(got[rows, :n], alone, f"index_scores_spans window {i} of {b} ({per} rows, {n} keys)")
                 assert (got[rows, n:] == float("-inf")).all(), f"window {i}: keys past its own not -inf"
+            # a DCP rank's keys (rank 1 of 3: position 3n + 1), its windows' queries at their own positions
+            kpos = torch.arange(longest) * 3 + 1
+            qpos3 = torch.cat([torch.arange(3 * n - per, 3 * n) for n in contexts])
+            got = triton_indexer.index_scores_spans(q, hw, store, 0.3, qpos3, table, kpos)
+            for i, n in enumerate(contexts):
+                rows = slice(i * per, (i + 1) * per)
+                alone = triton_indexer.index_scores(q[rows], hw[rows], store, 0.3, qpos3[rows], kpos[:n], table[i, :n])
+                same(got[rows, :n], alone, f"index_scores_spans window {i} at a DCP rank's positions")
+                assert (got[rows, n:] == float("-inf")).all(), f"window {i}: a DCP rank's keys past its own not -inf"
 
     def selection(t: int, n_rows: int, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
         idx = torch.randint(0, n_rows, (t, slots), generator=g)

@@ -173,6 +173,12 @@ class PendingSelection:
         counts = torch.stack([torch.isposinf(scores).sum(dim=1), nans.to(torch.int64)], dim=1)
         return cls(local, torch.cat([keys, counts], dim=1), own, k, nan_flag)
 
+    def split_rows(self, length: int) -> list["PendingSelection"]:
+        """Per window of `length` rows (a group's candidates, its windows' rows in order): each window's
+        own, as PendingSelection.of gives it alone (a row's words are its own)."""
+        return [PendingSelection(local, words, self.own, self.k, self.nan_flag)
+                for local, words in zip(self.local.split_rows(length), self.words.split(length))]
+
     def resolve(self, gathered_words: torch.Tensor) -> "Selection":
         """gathered_words [R, T, k + 2]: every rank's words, in rank order (the same on every rank)."""
         k = self.k

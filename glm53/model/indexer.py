@@ -58,6 +58,10 @@ class Selection:
         indices[:, :order.shape[1]] = order
         return cls(torch.where(valid, indices, torch.zeros_like(indices)), valid)
 
+    def split_rows(self, length: int) -> list["Selection"]:
+        """Per window of `length` rows (a group's selection, its windows' rows in order), views."""
+        return [Selection(i, v) for i, v in zip(self.indices.split(length), self.valid.split(length))]
+
     def mask(self, n_rows: int) -> torch.Tensor:
         """The same selection as a bool mask [T, n_rows] (tests, and the reference formulation)."""
         out = torch.zeros(self.indices.shape[0], n_rows, dtype=torch.bool, device=self.indices.device)
@@ -94,12 +98,14 @@ def index_scores(w: IndexerWeights, q: torch.Tensor, head_weights: torch.Tensor,
 
 
 def index_scores_spans(w: IndexerWeights, q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor,
-                       q_positions: torch.Tensor, key_table: torch.Tensor) -> torch.Tensor:
+                       q_positions: torch.Tensor, key_table: torch.Tensor,
+                       key_positions: torch.Tensor | None = None) -> torch.Tensor:
     """index_scores of several sequences' windows of T rows each in one call -> [B * T, N]: window b's
-    key n is keys[key_table[b, n]] at position n (a paged store's slots; a shorter window's table
-    padded past its key bound, whose keys then lie in all its queries' future and score -inf). A row's
-    scores over its own keys are the ones index_scores gives its window alone (key-invariant)."""
-    return ops.index_scores_spans(q, head_weights, keys, w.head_dim ** -0.5, q_positions, key_table)
+    key n is keys[key_table[b, n]] at position key_positions[n] (default n; a DCP rank's owned
+    positions, the same for every window), a paged store's slots; a shorter window's table padded
+    past its key bound, whose keys then lie in all its queries' future and score -inf. A row's scores
+    over its own keys are the ones index_scores gives its window alone (key-invariant)."""
+    return ops.index_scores_spans(q, head_weights, keys, w.head_dim ** -0.5, q_positions, key_table, key_positions)
 
 
 def shared_selection_ok(rows: int, n_keys: int, device: torch.device) -> bool:

@@ -217,18 +217,20 @@ class WindowGroup:
     positions past all its window's queries, which score them -inf) and their queries' positions."""
 
     members: tuple[int, ...]
-    key_table: torch.Tensor  # [len(members), longest key bound]
+    key_table: torch.Tensor  # [len(members), the most keys a window has]
+    longest: int  # which member has that many (its keys' positions are the table's)
     positions: torch.Tensor  # [len(members) * length]
     spans: list[SpanSlots]
 
     @classmethod
     def of(cls, batch: BatchSlots, members: tuple[int, ...]) -> "WindowGroup":
         keys = [batch.spans[i].keys for i in members]
-        if all(k.shape == keys[0].shape for k in keys):
+        counts = [k.shape[0] for k in keys]
+        if len(set(counts)) == 1:
             table = torch.stack(keys)
         else:
             table = torch.nn.utils.rnn.pad_sequence(keys, batch_first=True, padding_value=0)
-        return cls(members, table, torch.cat([batch.positions[i] for i in members]),
+        return cls(members, table, counts.index(max(counts)), torch.cat([batch.positions[i] for i in members]),
                    [batch.spans[i] for i in members])
 
     def translate(self, indices: torch.Tensor, parts: list[torch.Tensor]) -> None:

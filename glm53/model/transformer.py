@@ -343,22 +343,28 @@ class Glm53Model:
         launch over every window's keys (a table of their slots), one top-k over the group's rows, one
         translation to slots; a few launches a layer where each window took a dozen. Each window's
         selection is the one it gets alone: the scores are key-invariant and its padding scores -inf,
-        which the top-k's rule never ranks above a key of its own. Only where each window reads every
-        position's key in place (not a cache split by position, not fp8). Returns the windows done."""
-        if not places.store.reads_in_place(self.dtype) or any(
-                state.owned_positions(span.key_bound) is not None for state, span in zip(states, spans)):
+        which the top-k's rule never ranks above a key of its own. Under DCP the group's candidates go
+        to the exchange as each window's (plan.merge_topk: a row's candidates are its own), and each
+        window's translation waits for its resolved selection. Only where the keys are read in place
+        (not fp8). Returns the windows done."""
+        if not places.store.reads_in_place(self.dtype):
             return set()
         keys, done = places.store.layer("index_keys", layer.index), set()
         for group in places.groups():
             length = sizes[group.members[0]]
             if not shared_selection_ok(len(group.members) * length, group.key_table.shape[1], self.device):
                 continue
+            # the positions of the longest window's keys: every window's on this rank, as far as it has keys
+            longest = group.members[group.longest]
+            key_positions = states[longest].owned_positions(spans[longest].key_bound)
             scores = index_scores_spans(layer.indexer, _rows_of(group.members, sizes, q_idx),
                                         _rows_of(group.members, sizes, head_weights), keys, group.positions,
-                                        group.key_table)
-            chosen = self.plan.merge_topk(scores, None, self.cfg.index_topk, spans[group.members[0]].nan_flag)
-            parts = [Selection(i, v) for i, v in zip(chosen.indices.split(length), chosen.valid.split(length))]
-            group.translate(chosen.indices, [part.indices for part in parts])
+                                        group.key_table, key_positions)
+            chosen = self.plan.merge_topk(scores, key_positions, self.cfg.index_topk,
+                                          spans[group.members[0]].nan_flag)
+            parts = chosen.split_rows(length)
+            if isinstance(chosen, Selection):
+                group.translate(chosen.indices, [part.indices for part in parts])
             for i, part in zip(group.members, parts):
                 selections[i] = part
             done.update(group.members)

@@ -240,16 +240,17 @@ def index_scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor
 
 
 def index_scores_spans(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor, scale: float,
-                       q_positions: torch.Tensor, key_table: torch.Tensor) -> torch.Tensor:
+                       q_positions: torch.Tensor, key_table: torch.Tensor,
+                       key_positions: torch.Tensor | None = None) -> torch.Tensor:
     """index_scores of B sequences at once -> fp32 [B * T, N]: q [B * T, H, D] and head_weights
     [B * T, H] hold T rows a sequence, in sequence order, at q_positions [B * T]; sequence b's key n
-    is keys[key_table[b, n]] and lies at position n (-inf past each query). Each row's scores are the
-    ones index_scores gives its sequence alone over the same keys (on CUDA one launch; on the CPU a
-    product a sequence)."""
+    is keys[key_table[b, n]] and lies at position key_positions[n] (one row for every sequence;
+    default n), -inf past each query. Each row's scores are the ones index_scores gives its sequence
+    alone over the same keys (on CUDA one launch; on the CPU a product a sequence)."""
     if _triton_for(q):
         from glm53.ops import triton_indexer
 
-        return triton_indexer.index_scores_spans(q, head_weights, keys, scale, q_positions, key_table)
+        return triton_indexer.index_scores_spans(q, head_weights, keys, scale, q_positions, key_table, key_positions)
     b, n = key_table.shape
     if b == 0 or q.shape[0] % b:
         raise ValueError(f"index_scores_spans: {q.shape[0]} query rows do not split into {b} sequences")
@@ -258,7 +259,7 @@ def index_scores_spans(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.
     for i in range(b):
         part = slice(i * rows, (i + 1) * rows)
         out[part] = torch_ops.index_scores(q[part], head_weights[part], keys.index_select(0, key_table[i]), scale,
-                                           q_positions[part])
+                                           q_positions[part], key_positions)
     return out
 
 

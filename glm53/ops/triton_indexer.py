@@ -119,27 +119,32 @@ def index_scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor
 
 
 def index_scores_spans(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor, scale: float,
-                       q_positions: torch.Tensor, key_table: torch.Tensor) -> torch.Tensor:
+                       q_positions: torch.Tensor, key_table: torch.Tensor,
+                       key_positions: torch.Tensor | None = None) -> torch.Tensor:
     """Several sequences' scores in one launch: q [B * T, H, D] (T rows a sequence, in sequence
     order), key_table [B, N] (int): sequence b's key n is row key_table[b, n] of keys; key n lies at
-    position n (-inf past each query's position). fp32 [B * T, N]. A row's scores are index_scores'
-    for its own sequence alone (the same tile configuration and dot per head; only which keys a tile
-    reads changes); keys past a sequence's own count score -inf when their positions are past its
-    queries (the caller's padding)."""
+    position key_positions[n] (the same for every sequence: a DCP rank's owned positions; default n),
+    -inf past each query's position. fp32 [B * T, N]. A row's scores are index_scores' for its own
+    sequence alone (the same tile configuration and dot per head; only which keys a tile reads
+    changes); keys past a sequence's own count score -inf when their positions are past its queries
+    (the caller's padding)."""
     b = key_table.shape[0]
     if q.dim() != 3 or keys.dim() != 2 or keys.shape[1] != q.shape[2] or head_weights.shape != q.shape[:2] \
-            or key_table.dim() != 2 or (b and q.shape[0] % b) or q_positions.shape != q.shape[:1]:
+            or key_table.dim() != 2 or (b and q.shape[0] % b) or q_positions.shape != q.shape[:1] \
+            or (key_positions is not None and key_positions.shape != key_table.shape[1:]):
         raise ValueError(f"index_scores_spans: q {tuple(q.shape)} [B * T, H, D], head_weights "
                          f"{tuple(head_weights.shape)} [B * T, H], keys {tuple(keys.shape)} [S, D], key_table "
-                         f"{tuple(key_table.shape)} [B, N], q_positions {tuple(q_positions.shape)} [B * T] do not fit")
+                         f"{tuple(key_table.shape)} [B, N], q_positions {tuple(q_positions.shape)} [B * T], "
+                         f"key_positions {None if key_positions is None else tuple(key_positions.shape)} [N] do not fit")
     n = key_table.shape[1]
     if q.shape[0] == 0 or n == 0:
         return torch.zeros(q.shape[0], n, dtype=torch.float32, device=q.device)
     q, keys = _operands(q, keys)
     qpos = q_positions.to(torch.int64).contiguous()
     table = key_table.to(torch.int64).contiguous()
-    return _launch(q, head_weights, keys, scale, qpos, qpos, table, n, spans=b, causal=True, key_positions=False,
-                   key_rows=True)
+    kpos = qpos if key_positions is None else key_positions.to(torch.int64).contiguous()
+    return _launch(q, head_weights, keys, scale, qpos, kpos, table, n, spans=b, causal=True,
+                   key_positions=key_positions is not None, key_rows=True)
 
 
 def _operands(q: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

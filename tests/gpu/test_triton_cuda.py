@@ -277,7 +277,8 @@ def test_index_scores_causal_in_the_kernel_equals_the_mask_after_it(k, dtype):
 def test_index_scores_of_many_windows_in_one_launch_equal_each_alone(k, dtype):
     """A batched step's indexer (32 x 128): 16 decode rows and 4 windows of 4 rows over their own keys
     in a store (contexts of 1..19k, the shorter tables padded): each row's scores the bits of its window
-    alone over its own keys, -inf past them, and the top-k over the padded rows each row's alone."""
+    alone over its own keys, -inf past them, and the top-k over the padded rows each row's alone; the
+    same over a DCP rank's key positions."""
     from glm53.model.indexer import select_topk
 
     g = _gen(91)
@@ -301,6 +302,14 @@ def test_index_scores_of_many_windows_in_one_launch_equal_each_alone(k, dtype):
             mine = select_topk(alone, 2048)
             assert torch.equal(chosen.indices[rows], mine.indices) and torch.equal(chosen.valid[rows], mine.valid), \
                 f"window {i}: the selection over padded rows differs from its own"
+        # a DCP rank's keys (rank 2 of 4: position 4n + 2), the windows' queries at their own positions
+        kpos = torch.arange(max(contexts), device="cuda") * 4 + 2
+        qpos4 = torch.cat([torch.arange(4 * n - per, 4 * n, device="cuda") for n in contexts])
+        got = k.indexer.index_scores_spans(q, hw, store, d ** -0.5, qpos4, table, kpos)
+        for i, n in enumerate(contexts):
+            rows = slice(i * per, (i + 1) * per)
+            alone = k.indexer.index_scores(q[rows], hw[rows], store, d ** -0.5, qpos4[rows], kpos[:n], table[i, :n])
+            assert torch.equal(got[rows, :n], alone) and (got[rows, n:] == float("-inf")).all(), f"DCP window {i}"
 
 
 # ---------------------------------------------------------------------------------------- attention
