@@ -357,8 +357,8 @@ class Glm53Model:
             # the positions of the longest window's keys: every window's on this rank, as far as it has keys
             longest = group.members[group.longest]
             key_positions = states[longest].owned_positions(spans[longest].key_bound)
-            scores = index_scores_spans(layer.indexer, _rows_of(group.members, sizes, q_idx),
-                                        _rows_of(group.members, sizes, head_weights), keys, group.positions,
+            scores = index_scores_spans(layer.indexer, _group_rows(group.members, sizes, q_idx),
+                                        _group_rows(group.members, sizes, head_weights), keys, group.positions,
                                         group.key_table, key_positions)
             chosen = self.plan.merge_topk(scores, key_positions, self.cfg.index_topk,
                                           spans[group.members[0]].nan_flag)
@@ -371,7 +371,7 @@ class Glm53Model:
         return done
 
 
-def _rows_of(members: tuple[int, ...], sizes: list[int], x: torch.Tensor) -> torch.Tensor:
+def _group_rows(members: tuple[int, ...], sizes: list[int], x: torch.Tensor) -> torch.Tensor:
     """The rows of windows `members` of x (a batch's rows, windows of `sizes` in order), in member order."""
     starts = [0]
     for n in sizes:

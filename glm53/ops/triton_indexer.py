@@ -10,6 +10,11 @@ key count N, nor where t or n sit in their tiles changes the instructions that p
 are do_not_specialize). bf16/fp16 products are exact in fp32, so the tensor-core dot with fp32
 accumulation gives the fp32 reference's value up to summation order; fp32 inputs use ieee dots.
 
+Several sequences' windows of T rows each in one launch (`index_scores_spans`, a batched step's
+indexer): a program's query tile lies in one window (the grid's first axis counts each window's
+tiles), and its key tile is read through that window's row of a key table; the tile and the dots are
+the ones above, so a row gets the bits of its window alone.
+
 Given the positions of the queries and keys, the causal mask is applied in the kernel (-inf where a
 key lies in its query's future), and a tile whose keys all lie in the future of all its queries is
 written as -inf without its dots: the other scores are the same bits, and the prefill's diagonal
