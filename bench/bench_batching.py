@@ -21,15 +21,19 @@ there are enough): a step's collectives then serve every stream in it.
 --long-prompt L: a prompt of L tokens arrives while --long-streams streams decode (each has decoded
 a few tokens first). Its prefill runs in pieces under the step's token budget (--step-tokens) beside
 the streams' decode rows. Per repeat: the streams' normal gap between tokens (the median before it
-arrived), their worst gap from its arrival until its first token, the ratio (goal: <= 3 on a GPU,
-where a step costs about its weight reads; on the CPU a step costs about its rows, so the ratio
-follows the budget), and its time to first token; the streams' replies equal their replies alone.
+arrived), their worst gap from its arrival until its first token, the ratio (goal: <= 3 on a GPU;
+on the CPU a step costs about its rows, so the ratio follows the budget), and its time to first
+token; the streams' replies equal their replies alone. Each step is logged (`StepLog`): the worst
+gap's slowest step (its ms, how long the forward's call took to return, windows, rows, graphs run for
+the first time) and the steps carrying the prompt's rows (count, median, 90th percentile, most) say
+what the gap is made of.
 
 --profile: after the timed rounds, one more round per stream count with each step split into its
 forward, head and tokens' choice (the device synchronized between them), as ms a step.
 
---kernels: after the timed rounds, one more round per stream count under torch.profiler: the device
-kernels a step runs (graph replays included) and the ones taking the most device time, per step.
+--kernels: after the timed rounds, one more round per stream count (and with --long-prompt, one long
+round) under torch.profiler: the device kernels a step runs (graph replays included) and the ones
+taking the most device time, per step.
 """
 from __future__ import annotations
 
@@ -181,6 +185,13 @@ class StepLog:
         return {"ms": 1e3 * (slowest["end"] - slowest["start"]), "forward_call_ms": slowest["forward_call_ms"],
                 "windows": slowest["windows"], "rows": slowest["rows"], "new_graphs": slowest["new_graphs"],
                 "steps_in_gap": len(inside)}
+
+
+def prompt_steps_text(p: dict) -> str:
+    if not p["count"]:
+        return "no step carried its rows"
+    return (f"{p['count']} steps carried its rows: median {p['median_ms']:.1f} ms, 90th percentile "
+            f"{p['p90_ms']:.1f}, most {p['max_ms']:.1f} (step {p['slowest_index']} of them)")
 
 
 class StepPhases:
@@ -346,9 +357,9 @@ def main() -> int:
             log(f"repeat {r} long prompt {args.long_prompt}: streams' worst gap {1e3 * row['worst_gap_s']:.1f} ms "
                 f"against {1e3 * row['normal_gap_s']:.1f} ms ({row['worst_vs_normal']:.2f}x), "
                 f"its first token after {row['long_ttft_s']:.2f} s; the gap's slowest step {slow['ms']:.1f} ms "
-                f"(the forward's call {slow['forward_call_ms']:.1f} ms) "
+                f"(the forward's call {slow['forward_call_ms']:.1f} ms), "
                 f"{slow['windows']} windows, {slow['rows']} rows, {slow['new_graphs']} new graphs, "
-                f"{slow['steps_in_gap']} steps in the gap; steps with its rows: {row['prompt_steps']}")
+                f"{slow['steps_in_gap']} steps in the gap; " + prompt_steps_text(row["prompt_steps"]))
     phases = {}
     if args.profile:  # after the timed rounds: the synchronization slows the steps it splits
         for n in counts:

@@ -303,8 +303,8 @@ class Settings:
     step_tokens: int = knob(
         "STEP_TOKENS", _positive(), 256,
         "batched runtime: rows a step while sequences decode (their windows first, then prefill pieces): a long "
-        "prompt's piece beside the streams costs them a step this long (docs/decisions/step-budget.md); with "
-        "none decoding, prefill takes a wave")
+        "prompt's piece rides in an eager step beside the streams, which costs them about the same up to 256 "
+        "rows and more past it (docs/decisions/step-budget.md); with none decoding, prefill takes a wave")
     kv_pool_bytes: int | None = knob("KV_POOL_BYTES", Bytes("a positive byte count like 8G or 1048576", low=1), None,
                                      "batched runtime: the KV pool's budget (serve.sh sets it to the memory plan's KV of the tightest rank)",
                                      "90% of free GPU memory; 256M on a CPU")
