@@ -307,7 +307,8 @@ class Settings:
         "rows and more past it (docs/decisions/step-budget.md); with none decoding, prefill takes a wave")
     kv_pool_bytes: int | None = knob("KV_POOL_BYTES", Bytes("a positive byte count like 8G or 1048576", low=1), None,
                                      "batched runtime: the KV pool's budget (serve.sh sets it to the memory plan's KV of the tightest rank)",
-                                     "90% of free GPU memory; 256M on a CPU")
+                                     "90% of free GPU memory (unified memory: less the host tier and the "
+                                     "memory floor first); 256M on a CPU")
     # ---- serving (glm53/serving/front/, launcher/) ----------------------------------------------------------
     log_level: str = knob("LOG_LEVEL", _choice(LOG_LEVELS, str.upper), "INFO",
                           "log level of the ranks' stderr (the per-request line, kv_cache hits, misses and "

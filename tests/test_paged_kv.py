@@ -269,3 +269,18 @@ def test_a_batched_steps_indexer_selects_for_each_window_what_it_selects_alone(t
     assert sorted(set(tables)) == [(2, 90 + 3), (3, 61 + 1)] and len(tables) == 2 * full_layers, tables
     for i, (w, g) in enumerate(zip(want, got)):
         assert torch.equal(w, g.hidden), f"window {i}: rows differ from its sequence alone"
+
+
+def test_the_default_pool_leaves_a_unified_memory_node_its_host_tier_and_floor() -> None:
+    """Unset TF_GLM53_KV_POOL_BYTES: 90% of a discrete GPU's free memory; on unified memory (a DGX Spark)
+    the prefix cache's host tier and the memory guard's floor first; none left: a clear error naming
+    the knobs."""
+    from glm53.runtime.batch import pool_bytes_of_free
+    from glm53.settings import Settings
+
+    gib, s = 1 << 30, Settings(host_cache_bytes=8 << 30, mem_floor_mb=4096)
+    assert pool_bytes_of_free(100 * gib, False, s) == int(100 * gib * 0.9)
+    assert pool_bytes_of_free(100 * gib, True, s) == int(88 * gib * 0.9)
+    assert pool_bytes_of_free(100 * gib, True, Settings(prefix_cache=False, mem_floor_mb=4096)) == int(96 * gib * 0.9)
+    with pytest.raises(ValueError, match="TF_GLM53_KV_POOL_BYTES.*TF_GLM53_HOST_CACHE_BYTES|HOST_CACHE_BYTES"):
+        pool_bytes_of_free(10 * gib, True, s)

@@ -31,15 +31,29 @@ from glm53.runtime.sequence import OnTokens, Sequence, Status
 __all__ = ["BatchEngine", "QueueFull", "TooLarge"]
 
 
-def default_pool_bytes(device: torch.device) -> int:
-    """The KV pool's bytes when TF_GLM53_KV_POOL_BYTES is unset: 90% of the GPU's free memory (a paged
-    pool takes it at once; what stays free holds a step's activations and the captured graphs), 256 MiB
-    on the CPU, where lanes serve small checkpoints (both capped by what max_seqs sequences of the
-    model's longest context take). serve.sh sets the variable from its memory plan."""
+def default_pool_bytes(device: torch.device, settings: Any) -> int:
+    """The KV pool's bytes when TF_GLM53_KV_POOL_BYTES is unset: on a GPU, pool_bytes_of_free over its
+    free memory; 256 MiB on the CPU, where lanes serve small checkpoints (both capped by what max_seqs
+    sequences of the model's longest context take). serve.sh sets the variable from its memory plan."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return int(free * 0.9)
+        return pool_bytes_of_free(free, torch.cuda.get_device_properties(device).is_integrated, settings)
     return 256 << 20
+
+
+def pool_bytes_of_free(free: int, unified: bool, settings: Any) -> int:
+    """90% of `free` (a paged pool takes it at once; what stays free holds a step's activations and the
+    captured graphs). On unified memory (a DGX Spark: the GPU allocates from the node's memory) the
+    prefix cache's host tier and the memory guard's floor come out of the same memory later, so they
+    are set aside first: a pool of 90% would leave the node nothing and the guard would stop the lane."""
+    mib = 1 << 20
+    kept = (settings.host_cache_bytes if settings.prefix_cache else 0) + settings.mem_floor_mb * mib if unified else 0
+    if free - kept <= 0:
+        raise ValueError(f"the KV pool has no room: {free // mib} MiB free on the unified-memory GPU, of which the "
+                         f"prefix cache's host tier (TF_GLM53_HOST_CACHE_BYTES) and the memory guard's floor "
+                         f"(TF_GLM53_MEM_FLOOR_MB) take {kept // mib} MiB; set TF_GLM53_KV_POOL_BYTES (serve.sh sets "
+                         f"it from its memory plan) or lower those two")
+    return int((free - kept) * 0.9)
 
 
 class BatchEngine:
@@ -53,7 +67,7 @@ class BatchEngine:
         self.eos = frozenset(engine.eos)
         s = with_options(engine.settings, max_seqs=max_seqs, max_waiting=max_waiting, step_tokens=step_tokens,
                          kv_pool_bytes=pool_bytes)
-        budget = s.kv_pool_bytes if s.kv_pool_bytes is not None else default_pool_bytes(engine.device)
+        budget = s.kv_pool_bytes if s.kv_pool_bytes is not None else default_pool_bytes(engine.device, s)
         probe = engine.model.new_state(engine.kv_dtype)
         block = pool_block or engine.cache_block
         self.pool = PagedPool(probe, budget, page=block, max_positions=s.max_seqs * engine.cfg.max_position_embeddings,
