@@ -217,10 +217,12 @@ class WindowGroup:
     positions past all its window's queries, which score them -inf) and their queries' positions."""
 
     members: tuple[int, ...]
+    length: int  # rows a window
     key_table: torch.Tensor  # [len(members), the most keys a window has]
     longest: int  # which member has that many (its keys' positions are the table's)
     positions: torch.Tensor  # [len(members) * length]
     spans: list[SpanSlots]
+    row_ranges: list[tuple[int, int]]  # the members' rows among the step's rows, merged where adjacent
 
     @classmethod
     def of(cls, batch: BatchSlots, members: tuple[int, ...]) -> "WindowGroup":
@@ -230,8 +232,22 @@ class WindowGroup:
             table = torch.stack(keys)
         else:
             table = torch.nn.utils.rnn.pad_sequence(keys, batch_first=True, padding_value=0)
-        return cls(members, table, counts.index(max(counts)), torch.cat([batch.positions[i] for i in members]),
-                   [batch.spans[i] for i in members])
+        starts = np.cumsum([0] + [p.shape[0] for p in batch.positions]).tolist()
+        ranges: list[tuple[int, int]] = []
+        for i in members:
+            if ranges and ranges[-1][1] == starts[i]:
+                ranges[-1] = (ranges[-1][0], starts[i + 1])
+            else:
+                ranges.append((starts[i], starts[i + 1]))
+        return cls(members, batch.positions[members[0]].shape[0], table, counts.index(max(counts)),
+                   torch.cat([batch.positions[i] for i in members]), [batch.spans[i] for i in members], ranges)
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The members' rows of x (the step's rows, its windows in order), in member order (a view
+        where they are adjacent)."""
+        if len(self.row_ranges) == 1:
+            return x[self.row_ranges[0][0]:self.row_ranges[0][1]]
+        return torch.cat([x[a:b] for a, b in self.row_ranges])
 
     def translate(self, indices: torch.Tensor, parts: list[torch.Tensor]) -> None:
         """The group's selection (indices into each window's keys, its windows' rows in order) as store

@@ -306,8 +306,7 @@ class Glm53Model:
                 places.put("index_keys", layer.index, index_keys)
         together: set[int] = set()
         if layer.indexer is not None and places is not None:
-            together = self._select_together(layer, states, spans, sizes, q_idx, head_weights, places,
-                                             selections)
+            together = self._select_together(layer, states, spans, q_idx, head_weights, places, selections)
         parts, a0 = [], 0
         for i, (state, span, n) in enumerate(zip(states, spans, sizes)):
             rows = slice(a0, a0 + n)
@@ -336,9 +335,9 @@ class Glm53Model:
         x = x + plan.sum_partials(output_projection(a, out))
         return x, rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
 
-    def _select_together(self, layer: LayerWeights, states: list[KVState], spans: list[Span], sizes: list[int],
-                         q_idx: torch.Tensor, head_weights: torch.Tensor, places: BatchSlots,
-                         selections: list[Selection | None]) -> set[int]:
+    def _select_together(self, layer: LayerWeights, states: list[KVState], spans: list[Span], q_idx: torch.Tensor,
+                         head_weights: torch.Tensor, places: BatchSlots, selections: list[Selection | None]
+                         ) -> set[int]:
         """The selections of a batched step's windows of equal length, a group at a time: one score
         launch over every window's keys (a table of their slots), one top-k over the group's rows, one
         translation to slots; a few launches a layer where each window took a dozen. Each window's
@@ -351,35 +350,22 @@ class Glm53Model:
             return set()
         keys, done = places.store.layer("index_keys", layer.index), set()
         for group in places.groups():
-            length = sizes[group.members[0]]
-            if not shared_selection_ok(len(group.members) * length, group.key_table.shape[1], self.device):
+            if not shared_selection_ok(len(group.members) * group.length, group.key_table.shape[1], self.device):
                 continue
             # the positions of the longest window's keys: every window's on this rank, as far as it has keys
             longest = group.members[group.longest]
             key_positions = states[longest].owned_positions(spans[longest].key_bound)
-            scores = index_scores_spans(layer.indexer, _group_rows(group.members, sizes, q_idx),
-                                        _group_rows(group.members, sizes, head_weights), keys, group.positions,
-                                        group.key_table, key_positions)
+            scores = index_scores_spans(layer.indexer, group.rows(q_idx), group.rows(head_weights), keys,
+                                        group.positions, group.key_table, key_positions)
             chosen = self.plan.merge_topk(scores, key_positions, self.cfg.index_topk,
                                           spans[group.members[0]].nan_flag)
-            parts = chosen.split_rows(length)
+            parts = chosen.split_rows(group.length)
             if isinstance(chosen, Selection):
                 group.translate(chosen.indices, [part.indices for part in parts])
             for i, part in zip(group.members, parts):
                 selections[i] = part
             done.update(group.members)
         return done
-
-
-def _group_rows(members: tuple[int, ...], sizes: list[int], x: torch.Tensor) -> torch.Tensor:
-    """The rows of windows `members` of x (a batch's rows, windows of `sizes` in order), in member order."""
-    starts = [0]
-    for n in sizes:
-        starts.append(starts[-1] + n)
-    first, last = members[0], members[-1]
-    if list(members) == list(range(first, last + 1)):  # consecutive windows: a view
-        return x[starts[first]:starts[last + 1]]
-    return torch.cat([x[starts[i]:starts[i + 1]] for i in members])
 
 
 def _write(at_start, at_positions, layer: int, span: Span, rows: torch.Tensor) -> None:  # noqa: ANN001

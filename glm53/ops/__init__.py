@@ -253,7 +253,8 @@ def index_scores_spans(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.
         return triton_indexer.index_scores_spans(q, head_weights, keys, scale, q_positions, key_table, key_positions)
     b, n = key_table.shape
     if b == 0 or q.shape[0] % b:
-        raise ValueError(f"index_scores_spans: {q.shape[0]} query rows do not split into {b} sequences")
+        raise ValueError(f"index_scores_spans: {q.shape[0]} query rows do not split into {b} sequences: pass T "
+                         f"rows a sequence, in the order of key_table's rows")
     rows = q.shape[0] // b
     out = torch.empty(q.shape[0], n, dtype=torch.float32, device=q.device)
     for i in range(b):

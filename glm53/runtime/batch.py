@@ -47,13 +47,21 @@ def pool_bytes_of_free(free: int, unified: bool, settings: Any) -> int:
     prefix cache's host tier and the memory guard's floor come out of the same memory later, so they
     are set aside first: a pool of 90% would leave the node nothing and the guard would stop the lane."""
     mib = 1 << 20
-    kept = (settings.host_cache_bytes if settings.prefix_cache else 0) + settings.mem_floor_mb * mib if unified else 0
+    kept = 0
+    if unified:
+        kept = (settings.host_cache_bytes if settings.prefix_cache else 0) + settings.mem_floor_mb * mib
     if free - kept <= 0:
         raise ValueError(f"the KV pool has no room: {free // mib} MiB free on the unified-memory GPU, of which the "
                          f"prefix cache's host tier (TF_GLM53_HOST_CACHE_BYTES) and the memory guard's floor "
                          f"(TF_GLM53_MEM_FLOOR_MB) take {kept // mib} MiB; set TF_GLM53_KV_POOL_BYTES (serve.sh sets "
                          f"it from its memory plan) or lower those two")
     return int((free - kept) * 0.9)
+
+
+def _chooses_serially(w: Work) -> bool:
+    """Whether a step's logits for w end in its sequence's choose (BatchEngine._take_rows' last branch):
+    a prefill that completes an undrafted context, or a decode window without a draft run."""
+    return w.seq.policy is not None and (not w.seq.drafted if w.prefill else w.seq.draft_run is None)
 
 
 class BatchEngine:
@@ -254,9 +262,8 @@ class BatchEngine:
         """The first maximum of each row a sequence chooses from serially where its policy takes it as
         it comes (LogitsPolicy.takes_argmax), found for all of them with one argmax and one read to the
         host, not one a sequence; None elsewhere."""
-        picks = [i for i, (w, rows) in enumerate(zip(work, logits)) if rows is not None and w.seq.policy is not None
-                 and w.seq.policy.takes_argmax
-                 and (not w.seq.drafted if w.prefill else w.seq.draft_run is None)]
+        picks = [i for i, (w, rows) in enumerate(zip(work, logits))
+                 if rows is not None and _chooses_serially(w) and w.seq.policy.takes_argmax]
         firsts: list[int | None] = [None] * len(work)
         if len(picks) > 1:
             found = torch.stack([logits[i][-1] for i in picks]).argmax(dim=1).tolist()
