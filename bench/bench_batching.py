@@ -128,16 +128,23 @@ def long_prompt_round(batch, prompts: list[list[int]], tokens: int, long_prompt:
             "prompt_steps": steps.prompt_steps(), "steps": len(steps.steps), "replies": [s.reply for s in seqs]}
 
 
+def engine_of(batch):  # noqa: ANN001, ANN201
+    """The BatchEngine that steps (a RankBatch, several ranks' lead, holds one)."""
+    return getattr(batch, "batch", batch)
+
+
 class StepLog:
     """Each step's wall time and what it ran (windows, rows, graphs run for the first time: an eager
     run and a capture), and how long the forward's call took to return (its launches: on a GPU the
     host's share of the step, the kernels running behind it), so a gap's cause shows in the results."""
 
-    def __init__(self, batch) -> None:  # noqa: ANN001
+    def __init__(self, batch) -> None:  # noqa: ANN001 (BatchEngine or RankBatch)
         self.batch, self.steps, self._plan, self._launch = batch, [], (0, 0), 0.0
-        self.graphs = getattr(batch.engine, "graphs", None)
-        batch.on_plan = self._on_plan
-        forward = batch.runner.forward
+        self.engine = engine_of(batch)
+        self.graphs = getattr(self.engine.engine, "graphs", None)
+        self._on_plan_before = self.engine.on_plan  # several ranks: their comparison of the plans, kept
+        self.engine.on_plan = self._on_plan
+        forward = self.engine.runner.forward
 
         def timed_forward(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
             t0 = time.perf_counter()
@@ -145,15 +152,17 @@ class StepLog:
             self._launch = time.perf_counter() - t0
             return out
 
-        batch.runner.forward = timed_forward
+        self.engine.runner.forward = timed_forward
 
     def close(self) -> None:
         """The batch's own forward and planning again."""
-        del self.batch.runner.forward
-        self.batch.on_plan = None
+        del self.engine.runner.forward
+        self.engine.on_plan = self._on_plan_before
 
     def _on_plan(self, work) -> None:  # noqa: ANN001
         self._plan = (len(work), sum(len(w.tokens) for w in work))
+        if self._on_plan_before is not None:
+            self._on_plan_before(work)
 
     def step(self) -> bool:
         first_runs = self.graphs.stats.first_runs if self.graphs is not None else 0
@@ -217,9 +226,10 @@ class StepPhases:
                 return out
             return run
 
-        batch.runner.forward = timed("forward", batch.runner.forward)
-        batch.runner.logits = timed("head", batch.runner.logits)
-        batch._advance = timed("choose", batch._advance)
+        engine = engine_of(batch)
+        engine.runner.forward = timed("forward", engine.runner.forward)
+        engine.runner.logits = timed("head", engine.runner.logits)
+        engine._advance = timed("choose", engine._advance)
 
     def report(self) -> dict:
         return {"steps": self.steps, **{f"{k}_ms_per_step": 1e3 * v / max(self.steps, 1) for k, v in self.seconds.items()}}
@@ -366,7 +376,8 @@ def main() -> int:
             profiler = StepPhases(batch, args.device)
             one_round(batch, prompts[:n], args.tokens)
             phases[n] = profiler.report()
-            del batch.runner.forward, batch.runner.logits, batch._advance  # the class's methods again
+            stepping = engine_of(batch)
+            del stepping.runner.forward, stepping.runner.logits, stepping._advance  # the class's methods again
             log(f"profile streams {n}: " + ", ".join(f"{k} {v:.2f}" for k, v in phases[n].items()))
     kernels = {}
     if args.kernels:
