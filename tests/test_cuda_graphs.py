@@ -16,11 +16,12 @@ import pytest
 import torch
 
 from glm53.runtime import cuda_graphs
-from glm53.runtime.cuda_graphs import WindowGraphs, cache_addresses, key_bound
+from glm53.runtime.cuda_graphs import WindowGraphs, cache_addresses, key_bound, piece_bound, piece_rows
 from glm53.runtime.engine import Glm53Engine
 from glm53.runtime.batch import BatchEngine
 from glm53.runtime.errors import EngineError
 from glm53.model.indexer import SMALL_WINDOW_ROWS, select_topk
+from glm53.model.paged_kv import PageStore
 from glm53.model.transformer import Span
 from tests.fixtures_tiny import tiny_dirs, tiny_engine  # noqa: F401
 
@@ -30,6 +31,54 @@ def test_key_bound_rounds_up_to_the_step_within_capacity() -> None:
     assert key_bound(4096, 10_000, 4096) == 4096
     assert key_bound(4097, 10_000, 4096) == 8192
     assert key_bound(9000, 9001, 4096) == 9001  # never past the capacity
+
+
+def test_piece_graphs_take_powers_of_two_and_doubling_bounds() -> None:
+    assert [piece_rows(n) for n in (17, 32, 33, 252, 256, 257, 1000)] == [32, 32, 64, 256, 256, 512, 1024]
+    assert [piece_bound(stop, 1 << 62, 4096) for stop in (1, 4096, 4097, 19_000)] == [4096, 4096, 8192, 32768]
+    assert piece_bound(19_000, 20_000, 4096) == 20_000  # never past a contiguous cache's capacity
+    # a 200k prompt's 252-row pieces meet 7 bounds (4096 to 262144): 7 graphs, not one a BOUND_STEP
+    assert len({piece_bound(stop, 1 << 62, 4096) for stop in range(252, 200_000, 252)}) == 7
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("compute,kv", [("fp32", "fp32"), ("fp32", "fp8"), ("bf16", "bf16")])
+def test_padded_piece_equals_the_eager_piece_bitwise(tiny_dirs, compute: str, kv: str, paged: bool) -> None:  # noqa: F811
+    """A 23-token prefill piece after a 70-token prefill, as a piece graph runs it: 32 rows, the 9 past
+    its end repeating its last token at its last position, keys scored to a bound past it. Its own rows
+    get the eager piece's hidden states and taps, the padding rows the last row's, and every cache row
+    is the eager one's (the padding rewrote the last row's slot with that row's bits), in a contiguous
+    cache and in pages."""
+    engine = Glm53Engine(tiny_dirs.model, device="cpu", dtype=compute, kv_dtype=kv, prefill_chunk=1 << 20)
+    model, rng = engine.model, random.Random(17)
+    prompt = [rng.randrange(3, engine.vocab_size) for _ in range(70)]
+    piece = [rng.randrange(3, engine.vocab_size) for _ in range(23)]
+    store = PageStore(model.new_state(kv), pages=12, page=32) if paged else None
+
+    def fresh():  # noqa: ANN202
+        return model.new_paged_state(store) if paged else model.new_state(kv)
+
+    with torch.inference_mode():
+        state, eager = fresh(), fresh()
+        for s in (state, eager):
+            model.forward(s, prompt, 0)
+        start, n = state.length, len(piece)
+        want = model.forward(eager, piece, start, taps=(1,))
+        state.reserve(start + n + 40)
+        rows = cuda_graphs._Rows(state, piece, start, piece_rows(n), piece_bound(start + n, state.capacity, 64))
+        assert rows.rows == 32 and rows.bound == 128 and rows.positions()[-10:] == [start + n - 1] * 10
+        flag = torch.zeros((), dtype=torch.bool)
+        span = Span(torch.tensor(rows.positions()), None, rows.bound, flag)
+        table = torch.tensor(state.padded_table(state.pages_for(rows.bound))) if paged else None
+        with state.bound_table(table) if paged else torch.inference_mode():
+            got = model.forward_windows([state], torch.tensor(rows.ids()), [span], taps=(1,))[0]
+        state.tokens.extend(piece)
+        assert not flag.item()
+        assert torch.equal(got.hidden[:n], want.hidden) and torch.equal(got.taps[1][:n], want.taps[1])
+        assert torch.equal(got.hidden[n:], want.hidden[-1:].expand(32 - n, -1))
+        mine, theirs = state.export_rows(0, state.length), eager.export_rows(0, eager.length)
+        for name in theirs:
+            assert torch.equal(mine[name].view(torch.uint8), theirs[name].view(torch.uint8)), name
 
 
 @pytest.mark.parametrize("compute,kv", [("fp32", "fp32"), ("fp32", "fp8"), ("bf16", "bf16")])
@@ -94,8 +143,8 @@ class EagerReplays(WindowGraphs):
         def replay(self) -> None:
             self.rerun()
 
-    def why_not(self, state, n):  # noqa: ANN001, ANN201
-        return None if 1 <= n <= cuda_graphs.MAX_WINDOW else "too long"
+    def _why_not_rows(self, state, rows, keys=0):  # noqa: ANN001, ANN201
+        return None  # every window is eligible here (no CUDA device to ask)
 
     def _capture(self, entry, states, taps, key) -> None:  # noqa: ANN001
         def rerun() -> None:
@@ -213,3 +262,56 @@ def test_batched_decode_steps_replay_one_graph_and_equal_each_request_alone(tiny
             assert stats.eager >= 1, stats  # the first step's prefill pieces
             assert 1 <= captured <= 3 and stats.replays >= 15, stats  # keys: bounds 64 and 128, one a window count
     assert stats.captures == captured, stats
+
+
+def test_prefill_pieces_beside_decode_windows_replay_piece_graphs_and_equal_alone(tiny_dirs) -> None:  # noqa: F811
+    """Three greedy streams decoding while a 300-token prompt arrives, under a 40-row step budget
+    (capture replaced by re-running the window form): each step holds the streams' decode windows
+    (one graph) and a 37-row piece of the prompt (a graph of its own, 64 rows, padded), keyed by its
+    doubling bound; every reply, the long one's too, is the one its request gets alone; a second
+    long prompt replays the piece graphs the first captured."""
+    engine = Glm53Engine(tiny_dirs.model, device="cpu", dtype="fp32", kv_dtype="fp32", prefill_chunk=64)
+    engine.graphs = EagerReplays(engine.model, max_graphs=16, bound_step=64)
+    got, want, piece_keys = streams_beside_long_prompts(engine, engine, step_tokens=40, long_prompt=300)
+    assert got == want
+    # the first prompt's: one a bound it met, one size (its last 4 rows ride with the decode windows);
+    # and the streams' first step's 20-token prompt beside their two short ones
+    assert piece_keys == {(64, 64), (64, 128), (64, 256), (64, 512), (32, 64)}
+    stats = engine.graphs.stats
+    assert stats.pieces >= 2 * (300 // 37) - 1, stats  # both prompts' pieces replayed graphs of their own
+    assert _piece_keys(engine.graphs) == piece_keys  # the second prompt captured none
+    assert not any("piece" in reason for reason in stats.reasons), stats.reasons
+
+
+def streams_beside_long_prompts(engine, alone_engine, step_tokens: int, long_prompt: int  # noqa: ANN001
+                                ) -> tuple[list[list[int]], list[list[int]], set[tuple[int, int]]]:
+    """Three greedy streams (prompts of 10, 20 and 15 tokens, 60 tokens each) through engine's
+    batched runtime; once they decode, two prompts of `long_prompt` tokens arrive one after the
+    other (4 tokens each). Returns (every reply batched, every reply alone from alone_engine, the
+    piece graphs kept after the first long prompt)."""
+    rng = random.Random(21)
+    greedy = {"temperature": 0.0, "ignore_eos": True}
+    streams = [[rng.randrange(3, engine.vocab_size) for _ in range(n)] for n in (10, 20, 15)]
+    longs = [[rng.randrange(3, engine.vocab_size) for _ in range(long_prompt)] for _ in range(2)]
+    graphs, alone_engine.graphs = alone_engine.graphs, None
+    alone = [alone_engine.generate(p, 60, dict(greedy)) for p in streams]
+    alone += [alone_engine.generate(p, 4, dict(greedy)) for p in longs]
+    alone_engine.state, alone_engine.graphs = None, graphs
+    batch = BatchEngine(engine, max_seqs=4, pool_block=32, step_tokens=step_tokens)
+    seqs = [batch.submit(p, 60, dict(greedy)) for p in streams]
+    while any(s.status.name != "DECODE" for s in seqs):
+        batch.step()
+    replies, piece_keys = [], set()
+    for prompt in longs:
+        long = batch.submit(prompt, 4, dict(greedy))
+        while not long.finished:
+            batch.step()
+        replies.append(long.reply)
+        piece_keys = piece_keys or _piece_keys(engine.graphs)
+    batch.run()
+    return [s.reply for s in seqs] + replies, alone, piece_keys
+
+
+def _piece_keys(graphs: WindowGraphs) -> set[tuple[int, int]]:
+    """(rows, key bound) of the piece graphs kept: keys of one window of more than MAX_WINDOW rows."""
+    return {parts[0][:2] for _, parts in graphs._graphs if len(parts) == 1 and parts[0][0] > cuda_graphs.MAX_WINDOW}

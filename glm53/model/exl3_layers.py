@@ -17,6 +17,7 @@ import torch
 
 from glm53 import ops
 from glm53.exl3.bank import Exl3Bank, MlpMatrices
+from glm53.model.indexer import SMALL_WINDOW_ROWS
 
 
 @dataclass
@@ -47,7 +48,11 @@ class Exl3Experts:
 
     mats: MlpMatrices
     bank: Exl3Bank | None = field(default=None, repr=False)
-    window_safe = True  # a short window's launches read nothing back to the host (graph-capturable)
+
+    def capturable(self, rows: int) -> bool:
+        """A short window's launches read nothing back to the host (graph-capturable); the sorted form
+        of more rows is not checked under capture."""
+        return rows <= SMALL_WINDOW_ROWS  # glm53.ops.triton_exl3.DECODE_ROWS: the parallel form's
 
     @property
     def n_experts(self) -> int:

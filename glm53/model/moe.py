@@ -88,7 +88,6 @@ class DecodedExperts:
     ops.expert_linear and sums a token's slots in ascending expert order, as the grouped form's
     index_add_ does, with no sync, so it can be graph-captured."""
 
-    window_safe = True  # short windows take the slot form
     SLOT_ROWS = SMALL_WINDOW_ROWS  # at least the windows glm53.runtime.cuda_graphs captures (no sync there)
 
     def __init__(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
@@ -100,6 +99,11 @@ class DecodedExperts:
         if x.shape[0] <= self.SLOT_ROWS:
             return self.by_slot(x, ids, weights)
         return self.grouped(x, ids, weights)
+
+    def capturable(self, rows: int) -> bool:
+        """Whether `rows` tokens run without a host sync: the slot form, or `runs` (CUDA, where the device
+        gives the grouped products linear's bits: asked here, outside any capture, once a shape)."""
+        return rows <= self.SLOT_ROWS or ops.grouped_experts_for(self.down, self.gate_up, self.down)
 
     def by_slot(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         t, k = ids.shape
@@ -140,13 +144,20 @@ class DecodedExperts:
         summed in ascending expert order, as `by_expert`'s index_add_ adds them."""
         t, k = ids.shape
         order, tokens, slot_weights = _slots_by_expert(ids, weights)
-        counts = torch.bincount(ids.reshape(-1), minlength=self.n_experts)
+        counts = expert_counts(ids, self.n_experts)
         gate, up = ops.grouped_expert_linear(x[tokens], self.gate_up, counts).chunk(2, dim=-1)
         y = ops.grouped_expert_linear(ops.silu(gate) * up, self.down, counts)
         parts = (y * slot_weights[:, None]).to(x.dtype)
         rank = ids.argsort(dim=1, stable=True).argsort(dim=1)  # a slot's place among its token's experts
         place = tokens * k + rank.reshape(-1)[order]
         return _sum_in_expert_order(torch.empty_like(parts).index_copy_(0, place, parts).view(t, k, -1), x)
+
+
+def expert_counts(ids: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Token slots an expert ([n_experts] int64, on ids' device) without a host read: torch.bincount
+    reads the ids' maximum back to size its output, which a CUDA graph cannot hold."""
+    flat = ids.reshape(-1)
+    return torch.zeros(n_experts, dtype=torch.int64, device=ids.device).index_add_(0, flat, torch.ones_like(flat))
 
 
 def _slots_by_expert(ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -171,10 +182,9 @@ class MoEWeights:
     experts: ExpertBank
     shared: MLPWeights | None
 
-    @property
-    def window_safe(self) -> bool:
-        """Whether a short window runs without a host sync (glm53.runtime.cuda_graphs can capture it)."""
-        return bool(getattr(self.experts, "window_safe", False))
+    def capturable(self, rows: int) -> bool:
+        """Whether `rows` tokens run without a host sync (glm53.runtime.cuda_graphs can capture them)."""
+        return bool(getattr(self.experts, "capturable", lambda _: False)(rows))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = route(self.router, x)

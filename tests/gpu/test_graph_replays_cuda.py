@@ -8,6 +8,8 @@
   logits), over bound steps and cache growth, in bf16, bf16 with an fp8 cache, and fp32;
 - the batched runtime's steps replay graphs over several sequences and give each request its
   reply alone;
+- prefill pieces beside decode steps replay graphs of their own (padded to a power of two) and every
+  request still gets its reply alone;
 - a one-word extension reused from the prefix cache replays a graph and equals a cold run.
 
     pytest -m gpu tests/gpu/test_graph_replays_cuda.py
@@ -150,6 +152,25 @@ def test_batched_steps_replay_graphs_and_equal_each_request_alone(tiny_dirs, com
         assert seq.stats["logprobs"] == records, i
     stats = graphed.graphs.stats
     assert stats.replays >= 40 and stats.captures >= 2, stats
+
+
+@pytest.mark.parametrize("compute,kv", [("bf16", "bf16"), ("fp32", "fp32")])
+def test_prefill_pieces_beside_decode_steps_replay_graphs_and_equal_alone(tiny_dirs, compute: str, kv: str) -> None:  # noqa: F811
+    """Three streams decoding while two 700-token prompts arrive, 64 rows a step: the prompts' 61-row
+    pieces replay piece graphs (64 rows, the routed experts in their grouped form, the top-k in its
+    kernel) captured for real; every reply equals its request's alone from an eager engine, and the
+    second prompt replays the first one's piece graphs."""
+    from tests.test_cuda_graphs import _piece_keys, streams_beside_long_prompts
+
+    eager = _engine(tiny_dirs, compute, kv, "0")
+    graphed = _engine(tiny_dirs, compute, kv, "1")
+    graphed.graphs.bound_step = 64
+    got, want, piece_keys = streams_beside_long_prompts(graphed, eager, step_tokens=64, long_prompt=700)
+    assert got == want
+    stats = graphed.graphs.stats
+    assert stats.pieces >= 2 * (700 // 61) - 2, stats
+    assert {rows for rows, _ in piece_keys} <= {32, 64} and _piece_keys(graphed.graphs) == piece_keys, stats
+    assert not any("capture failed" in reason or "piece" in reason for reason in stats.reasons), stats.reasons
 
 
 def test_one_word_extension_replays_a_graph_and_equals_cold(tiny_dirs) -> None:  # noqa: F811
