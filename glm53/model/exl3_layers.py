@@ -17,7 +17,6 @@ import torch
 
 from glm53 import ops
 from glm53.exl3.bank import Exl3Bank, MlpMatrices
-from glm53.model.indexer import SMALL_WINDOW_ROWS
 
 
 @dataclass
@@ -50,9 +49,9 @@ class Exl3Experts:
     bank: Exl3Bank | None = field(default=None, repr=False)
 
     def capturable(self, rows: int) -> bool:
-        """A short window's launches read nothing back to the host (graph-capturable); the sorted form
-        of more rows is not checked under capture."""
-        return rows <= SMALL_WINDOW_ROWS  # glm53.ops.triton_exl3.DECODE_ROWS: the parallel form's
+        """Either form (parallel for a short window, sorted by expert past it) reads nothing back to the
+        host: graph-capturable at any row count."""
+        return True
 
     @property
     def n_experts(self) -> int:

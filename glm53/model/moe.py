@@ -144,20 +144,13 @@ class DecodedExperts:
         summed in ascending expert order, as `by_expert`'s index_add_ adds them."""
         t, k = ids.shape
         order, tokens, slot_weights = _slots_by_expert(ids, weights)
-        counts = expert_counts(ids, self.n_experts)
+        counts = ops.expert_counts(ids, self.n_experts)
         gate, up = ops.grouped_expert_linear(x[tokens], self.gate_up, counts).chunk(2, dim=-1)
         y = ops.grouped_expert_linear(ops.silu(gate) * up, self.down, counts)
         parts = (y * slot_weights[:, None]).to(x.dtype)
         rank = ids.argsort(dim=1, stable=True).argsort(dim=1)  # a slot's place among its token's experts
         place = tokens * k + rank.reshape(-1)[order]
         return _sum_in_expert_order(torch.empty_like(parts).index_copy_(0, place, parts).view(t, k, -1), x)
-
-
-def expert_counts(ids: torch.Tensor, n_experts: int) -> torch.Tensor:
-    """Token slots an expert ([n_experts] int64, on ids' device) without a host read: torch.bincount
-    reads the ids' maximum back to size its output, which a CUDA graph cannot hold."""
-    flat = ids.reshape(-1)
-    return torch.zeros(n_experts, dtype=torch.int64, device=ids.device).index_add_(0, flat, torch.ones_like(flat))
 
 
 def _slots_by_expert(ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

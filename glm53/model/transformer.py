@@ -187,10 +187,7 @@ class Glm53Model:
 
     def graph_safe(self, rows: int = SMALL_WINDOW_ROWS) -> bool:
         """Whether forward_windows over `rows` rows runs without host syncs (so a CUDA graph can hold
-        it): every feed-forward block's `capturable(rows)` (a dense MLP always). Packed EXL3 weights
-        only for short windows: their prefill forms are not checked under capture."""
-        if rows > SMALL_WINDOW_ROWS and self.w.exl3_bytes:
-            return False
+        it): every feed-forward block's `capturable(rows)` (a dense MLP always)."""
         return all(getattr(layer.ffn, "capturable", lambda _: True)(rows) for layer in self.w.layers)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -140,6 +140,14 @@ def grouped_experts_for(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     return all(triton_linear.grouped_agrees(w) for w in weights)
 
 
+def expert_counts(ids: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Slots of each expert among ids (any shape, values in [0, n_experts)) as [n_experts] int64 on ids'
+    device, without a host read: torch.bincount reads the ids' maximum back to size its output, which a
+    CUDA graph cannot hold (glm53.runtime.cuda_graphs captures prefill pieces' MoE)."""
+    flat = ids.reshape(-1)
+    return torch.zeros(n_experts, dtype=torch.int64, device=ids.device).index_add_(0, flat, torch.ones_like(flat))
+
+
 def grouped_expert_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """x [S, K] with its rows grouped by expert in ascending order, counts [E] device ints (never
     read on the host), w [E, N, K] -> [S, N]: each expert's rows times its matrix, in one launch,

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from glm53.exl3.bank import Exl3Bank, MlpMatrices
-from glm53.ops import cuda_exl3
+from glm53.ops import cuda_exl3, expert_counts
 from glm53.ops.triton_launch import OPTIONS
 
 HAD = 128
@@ -1134,7 +1134,7 @@ def mlp(x: torch.Tensor, bank: Exl3Bank, mats: MlpMatrices, ids: torch.Tensor, w
     order = torch.argsort(all_ids.reshape(-1), stable=True)
     token = (order // kp).to(torch.int32)
     expert = all_ids.reshape(-1)[order].to(torch.int32)
-    counts = torch.bincount(all_ids.reshape(-1), minlength=mats.n_experts + int(has_shared))
+    counts = expert_counts(all_ids, mats.n_experts + int(has_shared))  # no host read: graph-capturable
     from glm53.ops.triton_linear import _tile_table
 
     slot_w = wts

@@ -38,8 +38,8 @@ arrives.
 Only where it is exact and sync-free: a CUDA device, row-invariant kernels (not
 TF_GLM53_KERNELS=torch), one rank with a plain KVState (collectives and DCP's top-k exchange are
 not captured), and every feed-forward block capturable at the window's rows (`Glm53Model.graph_safe`: a dense MLP
-always, DecodedExperts in its slot form and, for pieces, its grouped form; packed EXL3 weights for
-short windows only).
+always, DecodedExperts in its slot form and, for pieces, its grouped form where the device gives it
+linear's bits, packed EXL3 experts in either form).
 """
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from tests.fixtures_tiny import tiny_dirs  # noqa: E402,F401
+from tests.fixtures_tiny import tiny_dirs, tiny_exl3_all_dirs  # noqa: E402,F401
 
 pytestmark = pytest.mark.gpu
 
@@ -154,16 +154,20 @@ def test_batched_steps_replay_graphs_and_equal_each_request_alone(tiny_dirs, com
     assert stats.replays >= 40 and stats.captures >= 2, stats
 
 
-@pytest.mark.parametrize("compute,kv", [("bf16", "bf16"), ("fp32", "fp32")])
-def test_prefill_pieces_beside_decode_steps_replay_graphs_and_equal_alone(tiny_dirs, compute: str, kv: str) -> None:  # noqa: F811
+@pytest.mark.parametrize("compute,kv,weights", [("bf16", "bf16", "tiny"), ("fp32", "fp32", "tiny"),
+                                                ("bf16", "bf16", "exl3_all")])
+def test_prefill_pieces_beside_decode_steps_replay_graphs_and_equal_alone(tiny_dirs, tiny_exl3_all_dirs, compute: str,  # noqa: F811
+                                                                          kv: str, weights: str) -> None:
     """Three streams decoding while two 700-token prompts arrive, 64 rows a step: the prompts' 61-row
-    pieces replay piece graphs (64 rows, the routed experts in their grouped form, the top-k in its
-    kernel) captured for real; every reply equals its request's alone from an eager engine, and the
-    second prompt replays the first one's piece graphs."""
+    pieces replay piece graphs (64 rows: the packed EXL3 experts in their sorted form, and with every
+    linear packed (exl3_all) the attention's too; the top-k in its kernel) captured for real; every
+    reply equals its request's alone from an eager engine, and the second prompt replays the first
+    one's piece graphs."""
     from tests.test_cuda_graphs import _piece_keys, streams_beside_long_prompts
 
-    eager = _engine(tiny_dirs, compute, kv, "0")
-    graphed = _engine(tiny_dirs, compute, kv, "1")
+    dirs = tiny_dirs if weights == "tiny" else tiny_exl3_all_dirs
+    eager = _engine(dirs, compute, kv, "0")
+    graphed = _engine(dirs, compute, kv, "1")
     graphed.graphs.bound_step = 64
     got, want, piece_keys = streams_beside_long_prompts(graphed, eager, step_tokens=64, long_prompt=700)
     assert got == want
