@@ -20,7 +20,8 @@ there are enough): a step's collectives then serve every stream in it.
 
 --long-prompt L: a prompt of L tokens arrives while --long-streams streams decode (each has decoded
 a few tokens first). Its prefill runs in pieces under the step's token budget (--step-tokens) beside
-the streams' decode rows (on a GPU each piece replays a graph of its own: glm53.runtime.cuda_graphs).
+the streams' decode rows (on a GPU each piece replays a graph of its own: glm53.runtime.cuda_graphs);
+the streams decode until it has its first token, so every piece rides beside them.
 A first long round, before the timed ones, compiles the pieces' kernels and captures their graphs;
 its numbers are kept apart (`first_long_round`): a lane's first long prompt meets them. Per repeat: the streams' normal gap between tokens (the median before it
 arrived), their worst gap from its arrival until its first token, the ratio (goal: <= 3 on a GPU;
@@ -91,7 +92,9 @@ def one_round(batch, prompts: list[list[int]], tokens: int) -> dict:
 
 def long_prompt_round(batch, prompts: list[list[int]], tokens: int, long_prompt: list[int], warm: int = 3) -> dict:
     """Streams decoding, then a long prompt submitted once each has `warm` tokens: the streams' gaps
-    between tokens before and while it is prefilled, and its time to first token."""
+    between tokens before and while it is prefilled, and its time to first token. The streams decode
+    until the prompt has its first token and they have `tokens` each (then they are cancelled), so
+    every piece of the prompt rides beside them; their replies' first `tokens` tokens are returned."""
     times: list[list[float]] = [[] for _ in prompts]
 
     def stamp(i: int):
@@ -100,7 +103,8 @@ def long_prompt_round(batch, prompts: list[list[int]], tokens: int, long_prompt:
             return True
         return on_tokens
 
-    seqs = [batch.submit(p, tokens, {"draft": False, "ignore_eos": True}, on_tokens=stamp(i))
+    outlast = tokens + len(long_prompt)  # a piece a step at least: more than the prompt can take
+    seqs = [batch.submit(p, outlast, {"draft": False, "ignore_eos": True}, on_tokens=stamp(i))
             for i, p in enumerate(prompts)]
     while min(len(t) for t in times) < warm:
         batch.step()
@@ -113,11 +117,13 @@ def long_prompt_round(batch, prompts: list[list[int]], tokens: int, long_prompt:
         if not steps.step():
             raise SystemExit("the long prompt finished no prefill: is the pool large enough for it?")
     ttft = first_token[0] - arrival
+    while min(len(t) for t in times) < tokens:
+        steps.step()
+    for seq in seqs:
+        batch.cancel(seq)
     while steps.step():
         pass
     steps.close()
-    if min(len(t) for t in times) < tokens:
-        raise SystemExit(f"streams ended before decoding {tokens} tokens")
     before = [b - a for t in times for a, b in zip(t, t[1:]) if b <= arrival]
     during = [b - a for t in times for a, b in zip(t, t[1:]) if b > arrival and a < arrival + ttft]
     if not during:
@@ -127,7 +133,8 @@ def long_prompt_round(batch, prompts: list[list[int]], tokens: int, long_prompt:
     return {"streams": len(prompts), "long_prompt": len(long_prompt), "normal_gap_s": normal,
             "worst_gap_s": worst, "worst_vs_normal": worst / normal, "long_ttft_s": ttft,
             "worst_gap_slowest_step": steps.slowest_within(*gap),
-            "prompt_steps": steps.prompt_steps(), "steps": len(steps.steps), "replies": [s.reply for s in seqs]}
+            "prompt_steps": steps.prompt_steps(), "steps": len(steps.steps),
+            "replies": [s.reply[:tokens] for s in seqs]}
 
 
 def engine_of(batch):  # noqa: ANN001, ANN201

@@ -300,11 +300,12 @@ class Settings:
     max_waiting: int = knob("MAX_WAITING", _positive(), 64,
                             "batched runtime: requests queued behind the running sequences; past it the front "
                             "answers 429 with Retry-After")
-    step_tokens: int = knob(
-        "STEP_TOKENS", _positive(), 256,
-        "batched runtime: rows a step while sequences decode (their windows first, then prefill pieces): a long "
-        "prompt's piece rides in an eager step beside the streams, which costs them about the same up to 256 "
-        "rows and more past it (docs/decisions/step-budget.md); with none decoding, prefill takes a wave")
+    step_tokens: int | None = knob(
+        "STEP_TOKENS", _positive(), None,
+        "batched runtime: rows a step while sequences decode (their windows first, then prefill pieces): the "
+        "streams wait for a long prompt's piece beside them, fewer rows lengthen its time to first token "
+        "(docs/decisions/step-budget.md); with none decoding, prefill takes a wave",
+        "128 where the pieces replay CUDA graphs (one rank on a GPU), else 256")
     kv_pool_bytes: int | None = knob("KV_POOL_BYTES", Bytes("a positive byte count like 8G or 1048576", low=1), None,
                                      "batched runtime: the KV pool's budget (serve.sh sets it to the memory plan's KV of the tightest rank)",
                                      "90% of free GPU memory (unified memory: less the host tier and the "

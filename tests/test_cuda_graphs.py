@@ -315,3 +315,13 @@ def streams_beside_long_prompts(engine, alone_engine, step_tokens: int, long_pro
 def _piece_keys(graphs: WindowGraphs) -> set[tuple[int, int]]:
     """(rows, key bound) of the piece graphs kept: keys of one window of more than MAX_WINDOW rows."""
     return {parts[0][:2] for _, parts in graphs._graphs if len(parts) == 1 and parts[0][0] > cuda_graphs.MAX_WINDOW}
+
+
+def test_step_budget_defaults_to_fewer_rows_where_pieces_replay_graphs(tiny_dirs) -> None:  # noqa: F811
+    """TF_GLM53_STEP_TOKENS unset: 256 rows a step where steps run eager (a piece step costs its host
+    work up to there), 128 where pieces replay graphs (a piece step costs its rows); set, it wins."""
+    engine = Glm53Engine(tiny_dirs.model, device="cpu", dtype="fp32", kv_dtype="fp32")
+    assert BatchEngine(engine, pool_bytes=1 << 20).scheduler.step_tokens == 256
+    engine.graphs = EagerReplays(engine.model)
+    assert BatchEngine(engine, pool_bytes=1 << 20).scheduler.step_tokens == 128
+    assert BatchEngine(engine, pool_bytes=1 << 20, step_tokens=300).scheduler.step_tokens == 300

@@ -34,7 +34,7 @@ ENTRY_POINTS = {
 def test_defaults_parse_from_an_empty_environment() -> None:
     s = Settings.from_env({})
     assert s == Settings()
-    assert (s.max_seqs, s.max_waiting, s.kv_pool_bytes, s.step_tokens) == (8, 64, None, 256)
+    assert (s.max_seqs, s.max_waiting, s.kv_pool_bytes, s.step_tokens) == (8, 64, None, None)
     assert (s.host_cache_bytes, s.disk_cache, s.disk_cache_bytes) == (8 << 30, None, 64 << 30)
     assert (s.prefix_cache, s.dcp, s.draft_relaxed_top2, s.draft_source, s.draft_max_depth) == (True, True, False,
                                                                                                 "auto", 13)

@@ -30,6 +30,11 @@ from glm53.runtime.sequence import OnTokens, Sequence, Status
 
 __all__ = ["BatchEngine", "QueueFull", "TooLarge"]
 
+# rows a step while sequences decode, unless set (docs/decisions/step-budget.md): a piece step that replays
+# graphs costs about its rows (128: the streams' gap at most 3x their step), an eager one its host work
+# whatever its rows up to 256
+STEP_TOKENS_GRAPHED, STEP_TOKENS_EAGER = 128, 256
+
 
 def default_pool_bytes(device: torch.device, settings: Any) -> int:
     """The KV pool's bytes when TF_GLM53_KV_POOL_BYTES is unset: on a GPU, pool_bytes_of_free over its
@@ -80,8 +85,10 @@ class BatchEngine:
         block = pool_block or engine.cache_block
         self.pool = PagedPool(probe, budget, page=block, max_positions=s.max_seqs * engine.cfg.max_position_embeddings,
                               new_state=engine.model.new_paged_state)
+        graphed = getattr(engine, "graphs", None) is not None
+        step_tokens = s.step_tokens or (STEP_TOKENS_GRAPHED if graphed else STEP_TOKENS_EAGER)
         self.scheduler = Scheduler(self.pool, max_seqs=s.max_seqs, max_waiting=s.max_waiting,
-                                   step_tokens=s.step_tokens, chunk=engine.chunk, wave=engine.wave)
+                                   step_tokens=step_tokens, chunk=engine.chunk, wave=engine.wave)
         self.runner = ModelRunner(engine)
         # called with every step's work before its forward (several ranks: the ranks compare it)
         self.on_plan: Callable[[list[Work]], None] | None = None
