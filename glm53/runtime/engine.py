@@ -205,8 +205,8 @@ class Glm53Engine:
         return self.model.forward(state, tokens, start, taps)
 
     def forward_batch(self, items: list[tuple[KVState, list[int]]], taps: tuple[int, ...] = ()) -> list[ForwardOutput]:
-        """Several sequences' windows in one forward (Glm53Model.forward_batch): one captured graph
-        where every window is short and each sequence has one, else eager."""
+        """Several sequences' windows in one forward (Glm53Model.forward_batch): captured graphs where each
+        sequence has one window and every window is short or a prefill piece beside short ones, else eager."""
         if self.graphs is not None:
             outs = self.graphs.forward_batch([(state, tokens, state.length) for state, tokens in items], taps)
             if outs is not None:

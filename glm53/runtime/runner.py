@@ -1,6 +1,6 @@
 """One forward over a step's work: every sequence's rows through the projections and experts at
-once, each sequence's attention over its own KV (Glm53Model.forward_batch; a captured CUDA graph
-for steps of short windows, glm53/runtime/cuda_graphs.py), and the head over
+once, each sequence's attention over its own KV (Glm53Model.forward_batch; captured CUDA graphs
+for a step's short windows and the prefill pieces beside them, glm53/runtime/cuda_graphs.py), and the head over
 the rows whose logits are read, in one product. Row invariance makes each row's bits those of the
 sequence run alone."""
 from __future__ import annotations
@@ -22,7 +22,7 @@ class ModelRunner:
         if len(work) == 1:  # a batch of one: the engine's forward (a captured graph where one applies)
             w = work[0]
             outs = [self.engine.forward(w.seq.state, w.tokens, w.start, taps)]
-        else:  # a captured graph where every window is short (decode steps), else eager
+        else:  # captured graphs for the short windows and the pieces beside them, else eager
             outs = self.engine.forward_batch([(w.seq.state, w.tokens) for w in work], taps)
         for w in work:
             state = w.seq.state
