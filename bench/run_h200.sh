@@ -13,7 +13,7 @@
 # background, in its own session, while the kit's tests run; ~9 minutes); exl3-profile: each decode
 # form's kernel times (torch.profiler) and Nsight Compute's view of the CUDA split sums (~4 minutes); batching: 1, 4 and 16 decode
 # streams through the batched runtime and a 19k prompt arriving beside 4 of them (bench_batching,
-# GLM-5.3's layer dimensions, 4 layers, then a round each with its steps split by --profile and one under torch.profiler, --kernels; then the long prompt at 128 rows a step; ~8 minutes); api: glm53-bench's four suites through the kit's
+# GLM-5.3's layer dimensions, 4 layers, 128 rows a step (the default where pieces replay graphs), then a round each with its steps split by --profile and one under torch.profiler, --kernels; then the long prompt at 256 rows a step; ~8 minutes); api: glm53-bench's four suites through the kit's
 # lane on the GPU (serve.sh --local, a 4-layer checkpoint at GLM-5.3's layer dimensions with the tiny
 # tokenizer, and a second lane with its prefix cache off for the agent suite's cache-off column), JSON,
 # tables and plots as $out/api_bench_<device>.* (carry .whl: tests/gpu/prepare_front_wheels.sh; the mode
@@ -109,11 +109,11 @@ if [ "$what" = exl3-profile ]; then  # where the CUDA split sums' time goes: ker
 fi
 if [ "$what" = batching ]; then
     python3 -m bench.bench_batching --device cuda --model "$ckpt/real_dims" --streams 1,4,16 --tokens 64 \
-        --repeats 3 --long-prompt 19000 --step-tokens 256 --profile --kernels --out "$out/batching_h200.json" 2>&1 | tee "$out/batching_h200.log"
+        --repeats 3 --long-prompt 19000 --step-tokens 128 --profile --kernels --out "$out/batching_h200.json" 2>&1 | tee "$out/batching_h200.log"
     status=$(( status | ${PIPESTATUS[0]} ))
-    # the long prompt's pieces at half the default budget (docs/decisions/step-budget.md: the 3x goal)
+    # the long prompt's pieces at twice the default budget (docs/decisions/step-budget.md: the 3x goal)
     python3 -m bench.bench_batching --device cuda --model "$ckpt/real_dims" --streams 4 --tokens 64 --repeats 3 \
-        --long-prompt 19000 --step-tokens 128 --out "$out/batching_h200_step128.json" 2>&1 | tee "$out/batching_h200_step128.log"
+        --long-prompt 19000 --step-tokens 256 --kernels --out "$out/batching_h200_step256.json" 2>&1 | tee "$out/batching_h200_step256.log"
     status=$(( status | ${PIPESTATUS[0]} ))
 fi
 if [ "$what" = api ]; then
