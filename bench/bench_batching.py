@@ -21,10 +21,11 @@ there are enough): a step's collectives then serve every stream in it.
 --long-prompt L: a prompt of L tokens arrives while --long-streams streams decode (each has decoded
 a few tokens first). Its prefill runs in pieces under the step's token budget (--step-tokens) beside
 the streams' decode rows (on a GPU each piece replays a graph of its own: glm53.runtime.cuda_graphs);
-the streams decode until it has its first token, so every piece rides beside them.
-A first long round, before the timed ones, compiles the pieces' kernels and captures their graphs;
-its numbers are kept apart (`first_long_round`): a lane's first long prompt meets them. Per repeat: the streams' normal gap between tokens (the median before it
-arrived), their worst gap from its arrival until its first token, the ratio (goal: <= 3 on a GPU;
+the streams decode until it has its first token, so every piece rides beside them. A first long
+round, before the timed ones, compiles the pieces' kernels and captures their graphs; its numbers are
+kept apart (`first_long_round`): a lane's first long prompt meets them. Per repeat: the streams'
+normal gap between tokens (the median before it arrived), their worst gap from its arrival until its
+first token, the ratio (goal: <= 3 on a GPU;
 on the CPU a step costs about its rows, so the ratio follows the budget), and its time to first
 token; the streams' replies equal their replies alone. Each step is logged (`StepLog`): the worst
 gap's slowest step (its ms, how long the forward's call took to return, windows, rows, graphs run for
@@ -103,7 +104,8 @@ def long_prompt_round(batch, prompts: list[list[int]], tokens: int, long_prompt:
             return True
         return on_tokens
 
-    outlast = tokens + len(long_prompt)  # a piece a step at least: more than the prompt can take
+    # a step takes at least one of the prompt's rows, so its prefill ends within len(long_prompt) steps
+    outlast = tokens + len(long_prompt)
     seqs = [batch.submit(p, outlast, {"draft": False, "ignore_eos": True}, on_tokens=stamp(i))
             for i, p in enumerate(prompts)]
     while min(len(t) for t in times) < warm:
@@ -127,7 +129,8 @@ def long_prompt_round(batch, prompts: list[list[int]], tokens: int, long_prompt:
     before = [b - a for t in times for a, b in zip(t, t[1:]) if b <= arrival]
     during = [b - a for t in times for a, b in zip(t, t[1:]) if b > arrival and a < arrival + ttft]
     if not during:
-        raise SystemExit("no stream token fell inside the long prompt's prefill: raise --tokens")
+        raise SystemExit("no stream token fell inside the long prompt's prefill: give a longer --long-prompt "
+                         "or a smaller --step-tokens")
     normal, worst = statistics.median(before), max(during)
     gap = next((a, b) for t in times for a, b in zip(t, t[1:]) if b - a == worst and b > arrival)
     return {"streams": len(prompts), "long_prompt": len(long_prompt), "normal_gap_s": normal,

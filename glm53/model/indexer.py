@@ -108,10 +108,10 @@ def index_scores_spans(w: IndexerWeights, q: torch.Tensor, head_weights: torch.T
     return ops.index_scores_spans(q, head_weights, keys, w.head_dim ** -0.5, q_positions, key_table, key_positions)
 
 
-def shared_selection_ok(rows: int, n_keys: int, device: torch.device) -> bool:
-    """Whether one select_topk call may take several windows' rows (rows in all, n_keys a row) at no
-    cost in host syncs: a CUDA call syncs only in the torch form (rows over triton_topk.MAX_KEYS keys)
-    for more than SMALL_WINDOW_ROWS rows, which a captured graph cannot hold."""
+def selects_without_sync(rows: int, n_keys: int, device: torch.device) -> bool:
+    """Whether select_topk over `rows` rows of n_keys keys reads nothing back to the host (a captured
+    graph can hold it; several windows' rows may share one call): on CUDA the torch form syncs for more
+    than SMALL_WINDOW_ROWS rows, and it takes rows over triton_topk.MAX_KEYS keys."""
     return device.type != "cuda" or rows <= SMALL_WINDOW_ROWS or ops.triton_topk_keys(n_keys, device)
 
 

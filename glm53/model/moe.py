@@ -103,7 +103,12 @@ class DecodedExperts:
     def capturable(self, rows: int) -> bool:
         """Whether `rows` tokens run without a host sync: the slot form, or `runs` (CUDA, where the device
         gives the grouped products linear's bits: asked here, outside any capture, once a shape)."""
-        return rows <= self.SLOT_ROWS or ops.grouped_experts_for(self.down, self.gate_up, self.down)
+        return rows <= self.SLOT_ROWS or self._runs_exact()
+
+    def _runs_exact(self) -> bool:
+        """Whether `runs` gives each row linear's bits here (CUDA, checked once a shape; the weights sit on
+        the activations' device, so they name it)."""
+        return ops.grouped_experts_for(self.gate_up, self.gate_up, self.down)
 
     def by_slot(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         t, k = ids.shape
@@ -116,7 +121,7 @@ class DecodedExperts:
 
     def grouped(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Many rows: `runs` where the device gives its grouped products linear's bits, else `by_expert`."""
-        if ops.grouped_experts_for(x, self.gate_up, self.down):
+        if self._runs_exact():
             return self.runs(x, ids, weights)
         return self.by_expert(x, ids, weights)
 

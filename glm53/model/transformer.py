@@ -17,7 +17,7 @@ from glm53.config import Glm53Config
 from glm53.model.kv_state import KVState
 from glm53 import ops
 from glm53.model.indexer import (IndexerWeights, Selection, index_head_weights, index_scores, index_scores_spans,
-                                 indexer_keys, indexer_queries, shared_selection_ok, SMALL_WINDOW_ROWS)
+                                 indexer_keys, indexer_queries, selects_without_sync, SMALL_WINDOW_ROWS)
 from glm53.model.mla import AttentionWeights, latent_rows, output_projection, project_queries
 from glm53.model.moe import MLPWeights, MoEWeights
 from glm53.model.norm import rms_norm
@@ -351,7 +351,7 @@ class Glm53Model:
             return set()
         keys, done = places.store.layer("index_keys", layer.index), set()
         for group in places.groups():
-            if not shared_selection_ok(len(group.members) * group.length, group.key_table.shape[1], self.device):
+            if not selects_without_sync(len(group.members) * group.length, group.key_table.shape[1], self.device):
                 continue
             # the positions of the longest window's keys: every window's on this rank, as far as it has keys
             longest = group.members[group.longest]

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from drafter.target import WindowOutput
+from glm53.runtime.cuda_graphs import piece_rows
 from glm53.runtime.drafted import DraftedRun
 from glm53.runtime.errors import SamplingError
 from glm53.runtime.kv_pool import PagedPool
@@ -85,7 +86,8 @@ class BatchEngine:
         block = pool_block or engine.cache_block
         self.pool = PagedPool(probe, budget, page=block, max_positions=s.max_seqs * engine.cfg.max_position_embeddings,
                               new_state=engine.model.new_paged_state)
-        graphed = getattr(engine, "graphs", None) is not None
+        graphs = getattr(engine, "graphs", None)
+        graphed = graphs is not None and graphs.rows_safe(piece_rows(STEP_TOKENS_GRAPHED))
         step_tokens = s.step_tokens or (STEP_TOKENS_GRAPHED if graphed else STEP_TOKENS_EAGER)
         self.scheduler = Scheduler(self.pool, max_seqs=s.max_seqs, max_waiting=s.max_waiting,
                                    step_tokens=step_tokens, chunk=engine.chunk, wave=engine.wave)

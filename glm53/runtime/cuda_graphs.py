@@ -53,7 +53,7 @@ import torch
 from glm53 import ops
 from glm53.model.kv_state import KVState
 from glm53.model.paged_kv import PagedKVState
-from glm53.model.indexer import SMALL_WINDOW_ROWS
+from glm53.model.indexer import SMALL_WINDOW_ROWS, selects_without_sync
 from glm53.model.transformer import ForwardOutput, Glm53Model, Span
 
 BOUND_STEP = 4096  # key bounds are multiples of this (or the capacity)
@@ -208,7 +208,7 @@ class WindowGraphs:
 
     def _why_not_rows(self, state: KVState, rows: int, keys: int = 0) -> str | None:
         """Whether `rows` rows over `state` can be captured; keys: the key bound of a window of more
-        than SMALL_WINDOW_ROWS rows (its top-k runs sync-free as the Triton kernel only)."""
+        than MAX_WINDOW rows (its top-k reads nothing back only as the Triton kernel)."""
         m = self.model
         if m.device.type != "cuda":
             return "not on cuda"
@@ -218,13 +218,18 @@ class WindowGraphs:
             return "several ranks (collectives between them are not captured)"
         if type(state) not in (KVState, PagedKVState):
             return f"{type(state).__name__} (split cache) is not captured"
-        if rows not in self._graph_safe:
-            self._graph_safe[rows] = m.graph_safe(rows)
-        if not self._graph_safe[rows]:
+        if not self.rows_safe(rows):
             return f"a feed-forward block syncs over {rows} rows"
-        if rows > MAX_WINDOW and not ops.triton_topk_keys(keys, m.device):
+        if not selects_without_sync(rows, keys, m.device):
             return f"a piece scoring {keys} keys (the top-k over more syncs)"
         return None
+
+    def rows_safe(self, rows: int) -> bool:
+        """Whether the model's feed-forward blocks run `rows` rows without a host read (asked once a row
+        count: the layers never change)."""
+        if rows not in self._graph_safe:
+            self._graph_safe[rows] = self.model.graph_safe(rows)
+        return self._graph_safe[rows]
 
     def why_not_batch(self, windows: list[Window]) -> str | None:
         """None when these windows (one a sequence) can replay one graph together, else the reason."""
