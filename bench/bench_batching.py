@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import os
 import socket
 import statistics
@@ -147,11 +148,14 @@ def engine_of(batch):  # noqa: ANN001, ANN201
 
 class StepLog:
     """Each step's wall time and what it ran (windows, rows, graphs run for the first time: an eager
-    run and a capture), and how long the forward's call took to return (its launches: on a GPU the
-    host's share of the step, the kernels running behind it), so a gap's cause shows in the results."""
+    run and a capture), how long the forward's call took to return (its launches: on a GPU the
+    host's share of the step, the kernels running behind it) and the garbage collector's pauses inside
+    it (their ms and oldest generation), so a gap's cause shows in the results."""
 
     def __init__(self, batch) -> None:  # noqa: ANN001 (BatchEngine or RankBatch)
         self.batch, self.steps, self._plan, self._launch = batch, [], (0, 0), 0.0
+        self._gc_ms, self._gc_generation, self._gc_start = 0.0, -1, 0.0
+        gc.callbacks.append(self._on_gc)
         self.engine = engine_of(batch)
         self.graphs = getattr(self.engine.engine, "graphs", None)
         self._on_plan_before = self.engine.on_plan  # several ranks: their comparison of the plans, kept
@@ -170,6 +174,14 @@ class StepLog:
         """The batch's own forward and planning again."""
         del self.engine.runner.forward
         self.engine.on_plan = self._on_plan_before
+        gc.callbacks.remove(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+            return
+        self._gc_ms += 1e3 * (time.perf_counter() - self._gc_start)
+        self._gc_generation = max(self._gc_generation, info["generation"])
 
     def _on_plan(self, work) -> None:  # noqa: ANN001
         self._plan = (len(work), sum(len(w.tokens) for w in work))
@@ -178,12 +190,14 @@ class StepLog:
 
     def step(self) -> bool:
         first_runs = self.graphs.stats.first_runs if self.graphs is not None else 0
+        self._gc_ms, self._gc_generation = 0.0, -1
         t0 = time.perf_counter()
         ran = self.batch.step()
         t1 = time.perf_counter()
         if ran:
             self.steps.append({"start": t0, "end": t1, "windows": self._plan[0], "rows": self._plan[1],
-                               "forward_call_ms": 1e3 * self._launch,
+                               "forward_call_ms": 1e3 * self._launch, "gc_ms": self._gc_ms,
+                               "gc_generation": self._gc_generation,
                                "new_graphs": (self.graphs.stats.first_runs if self.graphs is not None else 0)
                                - first_runs})
         return ran
@@ -191,28 +205,35 @@ class StepLog:
     def prompt_steps(self) -> dict:
         """The steps carrying a prompt's rows: how many, their ms (median, 90th percentile, most) and
         which of them was the slowest (0: the first)."""
-        ms = [1e3 * (s["end"] - s["start"]) for s in self.steps if s["rows"] > s["windows"]]
-        if not ms:
+        carrying = [s for s in self.steps if s["rows"] > s["windows"]]
+        if not carrying:
             return {"count": 0}
+        ms = [1e3 * (s["end"] - s["start"]) for s in carrying]
         ordered = sorted(ms)
+        collected = [s for s in carrying if s["gc_generation"] >= 0]
         return {"count": len(ms), "median_ms": statistics.median(ms), "p90_ms": ordered[int(0.9 * (len(ms) - 1))],
-                "max_ms": ordered[-1], "slowest_index": ms.index(ordered[-1])}
+                "max_ms": ordered[-1], "slowest_index": ms.index(ordered[-1]),
+                "collecting": {"steps": len(collected), "ms": sum(s["gc_ms"] for s in collected),
+                               "oldest_generation": max((s["gc_generation"] for s in collected), default=-1)}}
 
     def slowest_within(self, a: float, b: float) -> dict:
         """The slowest step that ran during (a, b) (a token is handed out inside its step): its ms, the
-        forward's call, windows, rows and new graphs."""
+        forward's call, windows, rows, new graphs and collector pauses (their ms; the oldest generation
+        collected, -1: none), and the steps inside the gap."""
         inside = [s for s in self.steps if s["start"] < b and s["end"] > a]
         slowest = max(inside, key=lambda s: s["end"] - s["start"])
         return {"ms": 1e3 * (slowest["end"] - slowest["start"]), "forward_call_ms": slowest["forward_call_ms"],
                 "windows": slowest["windows"], "rows": slowest["rows"], "new_graphs": slowest["new_graphs"],
-                "steps_in_gap": len(inside)}
+                "gc_ms": slowest["gc_ms"], "gc_generation": slowest["gc_generation"], "steps_in_gap": len(inside)}
 
 
 def prompt_steps_text(p: dict) -> str:
     if not p["count"]:
         return "no step carried its rows"
+    c = p["collecting"]
     return (f"{p['count']} steps carried its rows: median {p['median_ms']:.1f} ms, 90th percentile "
-            f"{p['p90_ms']:.1f}, most {p['max_ms']:.1f} (step {p['slowest_index']} of them)")
+            f"{p['p90_ms']:.1f}, most {p['max_ms']:.1f} (step {p['slowest_index']} of them); the collector ran in "
+            f"{c['steps']} of them, {c['ms']:.1f} ms in all (oldest generation {c['oldest_generation']})")
 
 
 class StepPhases:
@@ -276,7 +297,8 @@ def engine_options(device: str) -> dict:
             "prefill_chunk": 256 if cpu else None}
 
 
-def start_followers(model: Path, ranks: int, device: str, threads: int) -> tuple[int, list[subprocess.Popen]]:
+def start_followers(model: Path, ranks: int, device: str, threads: int,
+                    gc_freeze: bool) -> tuple[int, list[subprocess.Popen]]:
     """Ranks 1..R-1 as processes running RankEngine.follow(); each on its own CPU when there are enough."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -285,7 +307,8 @@ def start_followers(model: Path, ranks: int, device: str, threads: int) -> tuple
     procs = []
     for r in range(1, ranks):
         cmd = [sys.executable, "-m", "bench.bench_batching", "--follower", str(r), "--ranks", str(ranks),
-               "--port", str(port), "--model", str(model), "--device", device, "--threads", str(threads)]
+               "--port", str(port), "--model", str(model), "--device", device, "--threads", str(threads),
+               "--gc-freeze" if gc_freeze else "--no-gc-freeze"]
         cpu = {cpus[r % len(cpus)]}
         procs.append(subprocess.Popen(cmd, cwd=KIT_ROOT, preexec_fn=lambda cpu=cpu: os.sched_setaffinity(0, cpu)))
     if len(cpus) >= ranks:
@@ -321,6 +344,8 @@ def main() -> int:
                    help="a last round per stream count with each step's phases timed (device synchronized)")
     p.add_argument("--kernels", action="store_true",
                    help="a last round per stream count under torch.profiler: device kernels a step (CUDA)")
+    p.add_argument("--gc-freeze", action=argparse.BooleanOptionalAction, default=True,
+                   help="freeze the startup heap after the warm-up, as a lane does (glm53.runtime.heap)")
     p.add_argument("--follower", type=int, default=0, help=argparse.SUPPRESS)  # rank r of --ranks (internal)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -328,10 +353,14 @@ def main() -> int:
     import torch
 
     from glm53.runtime.engine import Glm53Engine
+    from glm53.runtime.heap import freeze_startup_heap
 
     torch.set_num_threads(args.threads)
     if args.follower:
-        rank_engine(args.model, args.follower, args.ranks, args.port, args.device).follow()
+        follower = rank_engine(args.model, args.follower, args.ranks, args.port, args.device)
+        if args.gc_freeze:
+            freeze_startup_heap()
+        follower.follow()
         return 0
     if args.kernels and not args.device.startswith("cuda"):
         p.error("--kernels profiles device kernels: give --device cuda (on the CPU, --profile splits each step)")
@@ -345,7 +374,7 @@ def main() -> int:
     budget = args.step_tokens or max(counts) * args.prompt
     seats = max(counts) + (1 if args.long_prompt else 0)
     if args.ranks > 1:
-        port, followers = start_followers(model, args.ranks, args.device, args.threads)
+        port, followers = start_followers(model, args.ranks, args.device, args.threads, args.gc_freeze)
         lead = rank_engine(model, 0, args.ranks, port, args.device)
         engine = lead.engine
         batch = lead.batch_engine(max_seqs=seats, step_tokens=budget)
@@ -355,6 +384,8 @@ def main() -> int:
     vocab = engine.vocab_size
     prompts = [[(7 + 31 * i + 17 * j) % vocab for j in range(args.prompt)] for i in range(max(counts))]
     one_round(batch, prompts[:2], 4)  # warm-up, discarded
+    if args.gc_freeze:  # the followers freeze theirs once loaded (start_followers)
+        freeze_startup_heap()
     long = [(3 + 11 * j) % vocab for j in range(args.long_prompt)]
     cold_long = None
     if args.long_prompt:  # its pieces' shapes compile and their graphs are captured here, not in a timed gap
@@ -386,7 +417,7 @@ def main() -> int:
                 f"its first token after {row['long_ttft_s']:.2f} s; the gap's slowest step {slow['ms']:.1f} ms "
                 f"(the forward's call {slow['forward_call_ms']:.1f} ms), "
                 f"{slow['windows']} windows, {slow['rows']} rows, {slow['new_graphs']} new graphs, "
-                f"{slow['steps_in_gap']} steps in the gap; " + prompt_steps_text(row["prompt_steps"]))
+                f"{slow['gc_ms']:.1f} ms collecting (generation {slow['gc_generation']}), {slow['steps_in_gap']} steps in the gap; " + prompt_steps_text(row["prompt_steps"]))
     phases = {}
     if args.profile:  # after the timed rounds: the synchronization slows the steps it splits
         for n in counts:
@@ -422,7 +453,7 @@ def main() -> int:
     settings = {"device": args.device, "streams": counts, "prompt": args.prompt, "tokens": args.tokens,
                 "repeats": args.repeats, "threads": args.threads, "model": str(model),
                 "layers": engine.cfg.num_hidden_layers, "ranks": args.ranks, "step_tokens": budget,
-                "long_prompt": args.long_prompt, "long_streams": args.long_streams}
+                "long_prompt": args.long_prompt, "long_streams": args.long_streams, "gc_freeze": args.gc_freeze}
     long_summary = {k: summary([x[k] for x in long_rows]) for k in ("normal_gap_s", "worst_gap_s", "worst_vs_normal",
                                                                      "long_ttft_s")} if long_rows else None
     graphs = getattr(engine, "graphs", None)  # the steps' CUDA graphs (None: every step eager)

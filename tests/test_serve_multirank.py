@@ -6,6 +6,7 @@ engine start costs 15-60 s on this shared machine. The real engine's lanes: test
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 from pathlib import Path
@@ -110,3 +111,16 @@ def test_stop_after_the_supervisor_was_killed_still_stops_every_rank(tiny_model:
         stopped = sh("serve.sh", "stop", "--port", str(port))
         assert stopped.returncode == 0 and "no supervisor was running" in stopped.stderr
         wait_for(lambda: not any(pid_alive(p) for p in ranks), 15, "the ranks to stop")  # ...until stop
+
+
+def test_every_rank_freezes_its_startup_heap_before_it_serves(tiny_model: Path) -> None:
+    """glm53.runtime.heap: a rank loaded and about to serve (rank 0) or follow (the others) moves its
+    startup heap out of the collector's walk, and says how many objects it froze."""
+    with standin_lane("--local", "--ranks", "2", "--model", str(tiny_model)) as (port, _):
+        logs = {r["rank"]: Path(r["log"]) for r in lane_state(port)["ranks"]}
+        assert sorted(logs) == [0, 1]
+        for rank, log in logs.items():
+            wait_for(lambda: "frozen out of the garbage collector's walk" in log.read_text(), 30,
+                     f"rank {rank} to freeze its heap")
+            frozen = re.search(rf"rank {rank}: (\d+) startup objects frozen", log.read_text())
+            assert frozen and int(frozen.group(1)) > 10_000, log.read_text()[-2000:]
