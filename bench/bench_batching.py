@@ -32,6 +32,10 @@ gap's slowest step (its ms, how long the forward's call took to return, windows,
 the first time) and the steps carrying the prompt's rows (count, median, 90th percentile, most) say
 what the gap is made of.
 
+--gc-freeze (the default): the startup heap is frozen after the warm-up round, as a lane's ranks
+freeze theirs once loaded (glm53.runtime.heap); --no-gc-freeze leaves it to the collector, to compare.
+The collector's pauses inside each step are logged (StepLog) either way.
+
 --profile: after the timed rounds, one more round per stream count with each step split into its
 forward, head and tokens' choice (the device synchronized between them), as ms a step.
 
