@@ -230,8 +230,8 @@ def main(argv: list[str] | None = None, engine_factory: Callable[[argparse.Names
                           prefill_chunk=getattr(engine, "chunk", None), max_waiting=settings.max_waiting)
     service = Service(engine, ChatText(args.model), front, sampling_factory)
     assert server is not None
+    freeze_heap(0)  # before requests reach the engine: the collection holds the interpreter a moment
     server.attach(service)
-    freeze_heap(0)
     progress.set("serving")
     print(f"rank 0: serving {front.served_model} on http://{args.host}:{args.port} "
           f"(context {context}, ranks {args.ranks}{', API keys required' if server.state.api_keys else ''})",
