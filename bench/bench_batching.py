@@ -207,8 +207,8 @@ class StepLog:
         return ran
 
     def prompt_steps(self) -> dict:
-        """The steps carrying a prompt's rows: how many, their ms (median, 90th percentile, most) and
-        which of them was the slowest (0: the first)."""
+        """The steps carrying a prompt's rows: how many, their ms (median, 90th percentile, most), which
+        of them was the slowest (0: the first), and the collector's pauses among them."""
         carrying = [s for s in self.steps if s["rows"] > s["windows"]]
         if not carrying:
             return {"count": 0}
