@@ -14,7 +14,7 @@ def parse_prometheus(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]],
     """{(sample name, sorted labels): value}. Fails on anything the format does not allow: a sample
     before its family's HELP and TYPE, a family declared twice or interleaved, an unknown type, a
     sample name that is not its family's, a duplicate series, a malformed line or value, histogram
-    buckets that are not cumulative or whose +Inf bucket differs from _count."""
+    buckets that are not cumulative or whose +Inf bucket differs from _count (each labelled series apart)."""
     assert text.endswith("\n"), "the exposition must end with a newline"
     samples: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
     helps: dict[str, str] = {}
@@ -59,12 +59,21 @@ def parse_prometheus(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]],
     for family, kind in types.items():
         if kind != "histogram":
             continue
-        buckets = sorted(((math.inf if dict(lab)["le"] == "+Inf" else float(dict(lab)["le"])), v)
-                         for (n, lab), v in samples.items() if n == family + "_bucket")
-        assert buckets and buckets[-1][0] == math.inf, f"{family}: no +Inf bucket"
-        assert all(a[1] <= b[1] for a, b in zip(buckets, buckets[1:])), f"{family}: buckets not cumulative"
-        assert buckets[-1][1] == samples[(family + "_count", ())], f"{family}: +Inf bucket != _count"
-        assert (family + "_sum", ()) in samples, f"{family}: no _sum"
+        # a series a label set (the `le` label aside): each cumulative, its +Inf bucket its _count
+        series: dict[tuple[tuple[str, str], ...], list[tuple[float, float]]] = {}
+        for (n, lab), v in samples.items():
+            if n == family + "_bucket":
+                le = dict(lab)["le"]
+                rest = tuple(kv for kv in lab if kv[0] != "le")
+                series.setdefault(rest, []).append((math.inf if le == "+Inf" else float(le), v))
+        assert series, f"{family}: no buckets"
+        for rest, points in series.items():
+            buckets = sorted(points)
+            where = f"{family}{dict(rest) or ''}"
+            assert buckets[-1][0] == math.inf, f"{where}: no +Inf bucket"
+            assert all(a[1] <= b[1] for a, b in zip(buckets, buckets[1:])), f"{where}: buckets not cumulative"
+            assert buckets[-1][1] == samples[(family + "_count", rest)], f"{where}: +Inf bucket != _count"
+            assert (family + "_sum", rest) in samples, f"{where}: no _sum"
     return samples
 
 

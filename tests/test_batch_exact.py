@@ -136,6 +136,11 @@ def test_long_prompt_does_not_freeze_decoding_streams(engine) -> None:
         assert [len(s.reply) for s in streams] == [n + 1 for n in before]
     batch.run()
     assert long.reply == alone(engine, long.prompt, 2, {"draft": False})
+    # /metrics' glm53_step_seconds: every step timed once, by what it carried; the pieces beside the
+    # streams are the mixed steps their gaps waited for
+    counts = {kind: snap["count"] for kind, snap in batch.stats()["step_seconds"].items()}
+    assert sum(counts.values()) == batch.steps
+    assert counts["prefill"] >= 1 and counts["decode"] >= 1 and counts["mixed"] >= 4
 
 
 def test_greedy_choices_of_a_step_come_from_one_argmax_and_equal_alone(engine, monkeypatch) -> None:

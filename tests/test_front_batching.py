@@ -67,7 +67,8 @@ def test_concurrent_jobs_stream_their_own_replies(engine) -> None:
         assert max(stats["batch_sizes"]) >= 2  # they ran together
         text = Metrics(worker.depth, worker.runtime_stats).render()
         for family in ("glm53_running_sequences 0.0", "glm53_waiting_sequences 0.0", "glm53_preempted_total",
-                       'glm53_batch_size_bucket{le="+Inf"}', "glm53_kv_pool_free_bytes"):
+                       'glm53_batch_size_bucket{le="+Inf"}', "glm53_kv_pool_free_bytes",
+                       'glm53_step_seconds_bucket{kind="decode",le="+Inf"}'):
             assert family in text
     finally:
         worker.stop()

@@ -176,12 +176,17 @@ def test_metrics_is_strict_prometheus_text(lane) -> None:
     assert {"glm53_prefix_cache_hits_total", "glm53_prefix_cache_misses_total", "glm53_prefix_cache_evictions_total",
             "glm53_prefix_cache_cached_tokens_total", "glm53_prefix_cache_host_bytes", "glm53_prefix_cache_disk_bytes",
             "glm53_draft_proposed_total", "glm53_draft_accepted_total", "glm53_draft_verify_steps_total",
-            "glm53_draft_accepted_length_bucket", "glm53_requests_total", "glm53_queue_depth"} <= names
+            "glm53_draft_accepted_length_bucket", "glm53_requests_total", "glm53_queue_depth",
+            "glm53_gc_pause_seconds_bucket", "glm53_step_seconds_bucket"} <= names
+    assert value(samples, "glm53_step_seconds_count", kind="prefill") >= 1  # the prompt's step, timed
+    assert value(samples, "glm53_step_seconds_count", kind="decode") >= 1
     assert "# TYPE glm53_prefix_cache_host_bytes gauge" in text
     assert "# TYPE glm53_draft_accepted_length histogram" in text
     # the parser itself refuses what Prometheus would
     for bad in ("glm53_x 1\n", "# HELP a b\n# TYPE a counter\nb 1\n", "# HELP a b\n# TYPE a counter\na{l=x} 1\n",
-                "# HELP a b\n# TYPE a counter\na 1\na 2\n", "# HELP a b\n# TYPE a counter\na one\n"):
+                "# HELP a b\n# TYPE a counter\na 1\na 2\n", "# HELP a b\n# TYPE a counter\na one\n",
+                # a labelled histogram series whose +Inf bucket is not its own _count
+                '# HELP h b\n# TYPE h histogram\nh_bucket{k="x",le="+Inf"} 2\nh_sum{k="x"} 1\nh_count{k="x"} 1\n'):
         with pytest.raises((AssertionError, ValueError)):
             parse_prometheus(bad)
 

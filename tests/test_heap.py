@@ -7,7 +7,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from glm53.runtime.heap import freeze_startup_heap
+from glm53.runtime.durations import Durations
+from glm53.runtime.heap import collector_pauses, freeze_startup_heap
+from glm53.serving.front.metrics import Metrics
 
 
 class Node:
@@ -40,3 +42,23 @@ def test_objects_alive_at_the_freeze_leave_the_walk_and_later_cycles_are_still_c
     del later
     gc.collect()
     assert freed() is None
+
+
+def test_durations_count_each_value_under_the_first_bound_that_holds_it() -> None:
+    d = Durations((0.001, 0.01))
+    for seconds in (0.0005, 0.001, 0.002, 0.01, 3.0):
+        d.observe(seconds)
+    snap = d.snapshot()
+    assert snap["buckets"] == [("0.001", 2), ("0.01", 4), ("+Inf", 5)]  # Prometheus' le: at most the bound
+    assert snap["count"] == 5 and snap["sum"] == pytest.approx(3.0135)
+
+
+def test_collections_are_counted_by_generation_and_shown_in_metrics() -> None:
+    pauses = collector_pauses()
+    before = pauses.snapshot()[2]["count"]
+    gc.collect()
+    after = pauses.snapshot()[2]
+    assert after["count"] == before + 1 and after["sum"] > 0
+    text = Metrics(lambda: 0, None, pauses.snapshot).render()
+    assert f'glm53_gc_pause_seconds_count{{generation="2"}} {float(before + 1)}' in text
+    assert 'glm53_gc_pause_seconds_bucket{generation="0",le="+Inf"}' in text

@@ -22,6 +22,7 @@ import torch
 from drafter.target import WindowOutput
 from glm53.runtime.cuda_graphs import piece_rows
 from glm53.runtime.drafted import DraftedRun
+from glm53.runtime.durations import Durations
 from glm53.runtime.errors import SamplingError
 from glm53.runtime.kv_pool import PagedPool
 from glm53.runtime.options import with_options
@@ -35,6 +36,16 @@ __all__ = ["BatchEngine", "QueueFull", "TooLarge"]
 # graphs costs about its rows (128: the streams' gap at most 3x their step), an eager one its host work
 # whatever its rows up to 256
 STEP_TOKENS_GRAPHED, STEP_TOKENS_EAGER = 128, 256
+
+
+STEP_KINDS = ("decode", "mixed", "prefill")
+
+
+def step_kind(work: list[Work]) -> str:
+    """decode: only decode or verification windows; prefill: only prompt rows; mixed: both (a
+    prompt's piece beside streams, the step their gap waits for)."""
+    prefill = sum(w.prefill for w in work)
+    return "decode" if not prefill else "prefill" if prefill == len(work) else "mixed"
 
 
 def default_pool_bytes(device: torch.device, settings: Any) -> int:
@@ -96,6 +107,8 @@ class BatchEngine:
         self.on_plan: Callable[[list[Work]], None] | None = None
         self.steps = 0
         self.batch_sizes: Counter[int] = Counter()  # sequences in a step -> steps
+        # a step's wall time is every running stream's gap between tokens; by what it carried (step_kind)
+        self.step_seconds = {kind: Durations() for kind in STEP_KINDS}
         self._arrivals = 0
 
     # ---- requests ------------------------------------------------------------------------------
@@ -149,13 +162,15 @@ class BatchEngine:
                 "pool_used_bytes": p.used * p.position_bytes, "pool_free_bytes": p.free * p.position_bytes,
                 "pool_block": p.block, "pool_used_blocks": p.used // p.block, "pool_free_blocks": p.free // p.block,
                 "pool_shared_blocks": p.shared_blocks,
-                "steps": self.steps, "batch_sizes": dict(self.batch_sizes)}
+                "steps": self.steps, "batch_sizes": dict(self.batch_sizes),
+                "step_seconds": {kind: d.snapshot() for kind, d in self.step_seconds.items()}}
 
     # ---- a step --------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> bool:
         """Admit what fits, run one forward over the scheduler's batch, hand out its tokens.
         False when there was nothing to run."""
+        t0 = time.perf_counter()
         self._admit()
         work = self.scheduler.plan(self._window_of, self._make_room)
         if self.on_plan is not None:
@@ -172,6 +187,7 @@ class BatchEngine:
         self.batch_sizes[len({id(w.seq) for w in work})] += 1
         for w, out, row_logits, first in zip(work, outs, logits, firsts):
             self._advance(w, out, row_logits, first)
+        self.step_seconds[step_kind(work)].observe(time.perf_counter() - t0)
         return True
 
     def run(self) -> None:

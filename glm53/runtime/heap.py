@@ -6,11 +6,16 @@ A collection of the oldest generation walks all of it, and stops the step loop w
 ms at a 4-layer checkpoint on the CPU, more at 78 layers): a stall in every stream's gap between
 tokens. Serving allocates little that lives, and what it drops refcounting frees, so after startup
 the heap is moved to the permanent generation (gc.freeze) and later collections walk only what
-serving allocated. The collector stays on: a cycle made while serving is still found.
+serving allocated. The collector stays on: a cycle made while serving is still found, and its
+pauses are counted for /metrics (`collector_pauses`).
 """
 from __future__ import annotations
 
 import gc
+import time
+from typing import Any
+
+from glm53.runtime.durations import Durations
 
 
 def freeze_startup_heap() -> int:
@@ -19,3 +24,33 @@ def freeze_startup_heap() -> int:
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
+
+
+class CollectorPauses:
+    """The collector's pauses in this process, by the oldest generation collected (gc.callbacks): the
+    stalls a frozen heap keeps short, shown in /metrics. One per process (`collector_pauses`)."""
+
+    def __init__(self) -> None:
+        self.pauses = {generation: Durations() for generation in range(3)}
+        self._start = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.pauses[info["generation"]].observe(time.perf_counter() - self._start)
+
+    def snapshot(self) -> dict[int, dict[str, Any]]:
+        return {generation: d.snapshot() for generation, d in self.pauses.items()}
+
+
+_pauses: CollectorPauses | None = None
+
+
+def collector_pauses() -> CollectorPauses:
+    """This process's pause counts, started on first use (the front's metrics start them)."""
+    global _pauses
+    if _pauses is None:
+        _pauses = CollectorPauses()
+    return _pauses

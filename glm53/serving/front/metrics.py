@@ -1,8 +1,8 @@
 """The front's Prometheus families, through prometheus_client: requests by route and status, token
 counters, the queue depth, and histograms of queue wait, time to first token, decode speed and
-request duration; with the batched runtime also running / waiting sequences, preemptions, the KV
-pool's bytes and the sequences-a-step histogram. One registry per front (several fronts share a
-test process)."""
+request duration; the garbage collector's pauses; with the batched runtime also running / waiting
+sequences, preemptions, the KV pool's bytes and the histograms of sequences a step and of a step's
+seconds. One registry per front (several fronts share a test process)."""
 from __future__ import annotations
 
 import math
@@ -18,6 +18,30 @@ DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 RATE_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 50.0, 75.0, 100.0, 150.0, 200.0, 300.0, 500.0, 1000.0)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def labelled_histogram(name: str, documentation: str, label: str,
+                       snapshots: dict[Any, dict[str, Any]]) -> HistogramMetricFamily:
+    """One histogram family, a series a label value, from glm53.runtime.durations snapshots."""
+    family = HistogramMetricFamily(name, documentation, labels=[label])
+    for value, snap in snapshots.items():
+        family.add_metric([str(value)], buckets=snap["buckets"], sum_value=snap["sum"])
+    return family
+
+
+class PauseCollector:
+    """The garbage collector's pauses in the serving process (glm53.runtime.heap.collector_pauses)."""
+
+    def __init__(self, pauses: Callable[[], dict[int, dict[str, Any]]]) -> None:
+        self.pauses = pauses
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        yield labelled_histogram("glm53_gc_pause_seconds", "Seconds the garbage collector held rank 0's process "
+                                 "(every stream waits), by the oldest generation collected.", "generation",
+                                 self.pauses())
 
 
 class RuntimeCollector:
@@ -54,15 +78,21 @@ class RuntimeCollector:
         buckets.append(("+Inf", sum(sizes.values())))
         yield HistogramMetricFamily("glm53_batch_size", "Sequences in one step of the batched runtime.",
                                     buckets=buckets, sum_value=sum(size * n for size, n in sizes.items()))
+        yield labelled_histogram("glm53_step_seconds", "Wall seconds of a batched runtime step, a running stream's "
+                                 "gap between tokens, by what it carried: decode (windows only), mixed (a prompt's "
+                                 "piece beside them), prefill (prompt rows only).", "kind", s["step_seconds"])
 
 
 class Metrics:
     def __init__(self, queue_depth: Callable[[], int],
-                 runtime: Callable[[], dict[str, Any] | None] | None = None) -> None:
+                 runtime: Callable[[], dict[str, Any] | None] | None = None,
+                 pauses: Callable[[], dict[int, dict[str, Any]]] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         if runtime is not None:
             r.register(RuntimeCollector(runtime))
+        if pauses is not None:
+            r.register(PauseCollector(pauses))
         self.requests = Counter("glm53_requests", "HTTP requests by route and status.", ["route", "status"], registry=r)
         self.prompt_tokens = Counter("glm53_prompt_tokens", "Prompt tokens of finished generations.", registry=r)
         self.completion_tokens = Counter("glm53_completion_tokens", "Tokens generated.", registry=r)

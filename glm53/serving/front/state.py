@@ -2,6 +2,7 @@
 lane drains, the requests in flight, the front's metrics."""
 from __future__ import annotations
 
+from glm53.runtime.heap import collector_pauses
 from glm53.serving.front.errors import ApiError
 from glm53.serving.front.metrics import Metrics
 from glm53.serving.front.service import Service
@@ -18,7 +19,8 @@ class FrontState:
         self.draining = False
         self.inflight = 0
         self.metrics = Metrics(lambda: self.service.worker.depth() if self.service else 0,
-                               lambda: self.service.worker.runtime_stats() if self.service else None)
+                               lambda: self.service.worker.runtime_stats() if self.service else None,
+                               collector_pauses().snapshot)
 
     def serving(self) -> Service:
         """The service, or the 503 that says why there is none to take new work."""
