@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import os
 import socket
 import statistics
@@ -59,6 +58,7 @@ from pathlib import Path
 from typing import Callable
 
 from bench.lib.log import log
+from glm53.runtime.heap import collector_pauses
 from bench.lib.meta import KIT_ROOT, RESULTS, result_header
 from glm53.measurement import summary, write_json
 
@@ -158,8 +158,7 @@ class StepLog:
 
     def __init__(self, batch) -> None:  # noqa: ANN001 (BatchEngine or RankBatch)
         self.batch, self.steps, self._plan, self._launch = batch, [], (0, 0), 0.0
-        self._gc_ms, self._gc_generation, self._gc_start = 0.0, -1, 0.0
-        gc.callbacks.append(self._on_gc)
+        self.pauses = collector_pauses().pauses  # generation -> Durations, counted by the process's callback
         self.engine = engine_of(batch)
         self.graphs = getattr(self.engine.engine, "graphs", None)
         self._on_plan_before = self.engine.on_plan  # several ranks: their comparison of the plans, kept
@@ -178,14 +177,9 @@ class StepLog:
         """The batch's own forward and planning again."""
         del self.engine.runner.forward
         self.engine.on_plan = self._on_plan_before
-        gc.callbacks.remove(self._on_gc)
 
-    def _on_gc(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._gc_start = time.perf_counter()
-            return
-        self._gc_ms += 1e3 * (time.perf_counter() - self._gc_start)
-        self._gc_generation = max(self._gc_generation, info["generation"])
+    def _collected(self) -> list[tuple[float, int]]:
+        return [(d.sum, d.count) for d in self.pauses.values()]
 
     def _on_plan(self, work) -> None:  # noqa: ANN001
         self._plan = (len(work), sum(len(w.tokens) for w in work))
@@ -194,14 +188,17 @@ class StepLog:
 
     def step(self) -> bool:
         first_runs = self.graphs.stats.first_runs if self.graphs is not None else 0
-        self._gc_ms, self._gc_generation = 0.0, -1
+        collected = self._collected()
         t0 = time.perf_counter()
         ran = self.batch.step()
         t1 = time.perf_counter()
         if ran:
+            after = self._collected()
+            gc_ms = 1e3 * sum(a[0] - b[0] for a, b in zip(after, collected))
+            gc_generation = max((g for g, (a, b) in enumerate(zip(after, collected)) if a[1] > b[1]), default=-1)
             self.steps.append({"start": t0, "end": t1, "windows": self._plan[0], "rows": self._plan[1],
-                               "forward_call_ms": 1e3 * self._launch, "gc_ms": self._gc_ms,
-                               "gc_generation": self._gc_generation,
+                               "forward_call_ms": 1e3 * self._launch, "gc_ms": gc_ms,
+                               "gc_generation": gc_generation,
                                "new_graphs": (self.graphs.stats.first_runs if self.graphs is not None else 0)
                                - first_runs})
         return ran

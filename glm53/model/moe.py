@@ -77,6 +77,10 @@ class ExpertBank(Protocol):
         """x [T, hidden], ids/weights [T, k] -> sum_j weights[t, j] * expert_{ids[t, j]}(x[t])."""
         ...
 
+    def capturable(self, rows: int) -> bool:
+        """Whether `rows` tokens run without a host read (glm53.runtime.cuda_graphs can capture them)."""
+        ...
+
 
 class DecodedExperts:
     """Experts as dense matrices in the compute dtype (EXL3 decoded once at load).
@@ -182,7 +186,7 @@ class MoEWeights:
 
     def capturable(self, rows: int) -> bool:
         """Whether `rows` tokens run without a host sync (glm53.runtime.cuda_graphs can capture them)."""
-        return bool(getattr(self.experts, "capturable", lambda _: False)(rows))
+        return self.experts.capturable(rows)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = route(self.router, x)

@@ -17,7 +17,7 @@ from glm53.config import Glm53Config
 from glm53.model.kv_state import KVState
 from glm53 import ops
 from glm53.model.indexer import (IndexerWeights, Selection, index_head_weights, index_scores, index_scores_spans,
-                                 indexer_keys, indexer_queries, selects_without_sync, SMALL_WINDOW_ROWS)
+                                 indexer_keys, indexer_queries, selects_without_sync)
 from glm53.model.mla import AttentionWeights, latent_rows, output_projection, project_queries
 from glm53.model.moe import MLPWeights, MoEWeights
 from glm53.model.norm import rms_norm
@@ -185,7 +185,7 @@ class Glm53Model:
         return [ForwardOutput(hidden=rms_norm(last, self.w.final_norm, self.cfg.rms_norm_eps), last_layer=last,
                               taps=taken) for last, taken in outs]
 
-    def graph_safe(self, rows: int = SMALL_WINDOW_ROWS) -> bool:
+    def graph_safe(self, rows: int) -> bool:
         """Whether forward_windows over `rows` rows runs without host syncs (so a CUDA graph can hold
         it): every feed-forward block's `capturable(rows)` (a dense MLP always)."""
         return all(getattr(layer.ffn, "capturable", lambda _: True)(rows) for layer in self.w.layers)

@@ -191,7 +191,7 @@ class WindowGraphs:
         self._graphs: OrderedDict[tuple, _Captured] = OrderedDict()
         self._pool: Any = None
         self._stream: Any = None  # the capture stream (torch.cuda.Stream), made with the pool
-        self._graph_safe = {MAX_WINDOW: model.graph_safe(MAX_WINDOW)}  # rows -> answer (the layers never change)
+        self._graph_safe: dict[int, bool] = {}  # rows -> model.graph_safe(rows) (the layers never change)
 
     # ---- eligibility --------------------------------------------------------------------------
     def why_not(self, state: KVState, n: int) -> str | None:

@@ -18,6 +18,10 @@ class Durations:
         self.counts = [0] * (len(bounds) + 1)
         self.sum = 0.0
 
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
     def observe(self, seconds: float) -> None:
         self.counts[bisect_left(self.bounds, seconds)] += 1
         self.sum += seconds
